@@ -1,0 +1,50 @@
+"""revckpt: train deeper and wider PyTorch models in the same memory, and know what it cost.
+
+Strategies that trade compute for activation memory (classic checkpoint segments here;
+reversible blocks, approximate recompute and a scheduler that mixes them come in
+``revckpt.layers``, ``revckpt.approx`` and ``revckpt.schedule``), with the measurement tools to
+prove what they save: :class:`MemoryMeter`, :func:`time_ratio`, :func:`gradient_error`.
+"""
+
+from . import measure, replay, testing
+from .checkpoint import POLICY_PRESETS, checkpoint, checkpoint_sequential, segment_bounds
+from .errors import (
+    CheckpointMismatchError,
+    GradientMismatchError,
+    InvalidArgumentError,
+    InvalidInputTypeError,
+    RevckptError,
+)
+from .measure import (
+    GradientError,
+    MemoryMeter,
+    MemoryStats,
+    TimeRatio,
+    gradient_error,
+    peak_memory,
+    time_ratio,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "POLICY_PRESETS",
+    "CheckpointMismatchError",
+    "GradientError",
+    "GradientMismatchError",
+    "InvalidArgumentError",
+    "InvalidInputTypeError",
+    "MemoryMeter",
+    "MemoryStats",
+    "RevckptError",
+    "TimeRatio",
+    "checkpoint",
+    "checkpoint_sequential",
+    "gradient_error",
+    "measure",
+    "peak_memory",
+    "replay",
+    "segment_bounds",
+    "testing",
+    "time_ratio",
+]

@@ -1,0 +1,37 @@
+"""Errors raised by revckpt.
+
+Every error the library raises derives from :class:`RevckptError`, and every message says what
+was wrong and what to do instead. Subclasses also derive from the matching built-in exception
+(``ValueError``, ``TypeError``, ``RuntimeError``, ``AssertionError``) so that code written against
+the built-ins keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointMismatchError",
+    "GradientMismatchError",
+    "InvalidArgumentError",
+    "InvalidInputTypeError",
+    "RevckptError",
+]
+
+
+class RevckptError(Exception):
+    """Base class of every error raised by revckpt."""
+
+
+class InvalidArgumentError(RevckptError, ValueError):
+    """An argument has a value revckpt cannot work with (a size, a count, an option name)."""
+
+
+class InvalidInputTypeError(RevckptError, TypeError):
+    """An argument has the wrong type (a block that is not callable, an input that is no tensor)."""
+
+
+class CheckpointMismatchError(RevckptError, RuntimeError):
+    """A recomputed forward produced different values than the first forward."""
+
+
+class GradientMismatchError(RevckptError, AssertionError):
+    """Gradients of a candidate differ from the reference by more than the tolerance."""

@@ -1,0 +1,20 @@
+"""Measurement: memory (peak and retained bytes), time ratios, gradient errors.
+
+Imports nothing of revckpt but the errors module, so every other part may use it.
+"""
+
+from .gradients import GradientError, TensorError, gradient_error, paired_gradients
+from .memory import MemoryMeter, MemoryStats, peak_memory
+from .timing import TimeRatio, time_ratio
+
+__all__ = [
+    "GradientError",
+    "MemoryMeter",
+    "MemoryStats",
+    "TensorError",
+    "TimeRatio",
+    "gradient_error",
+    "paired_gradients",
+    "peak_memory",
+    "time_ratio",
+]

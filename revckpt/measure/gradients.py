@@ -1,0 +1,278 @@
+"""Gradient error of a candidate against a reference, by default a float64 copy of the model.
+
+Both models run the same inputs under the same RNG seed (so dropout draws the same masks; on
+CPU the masks do not depend on the dtype) and are differentiated through the same scalar loss,
+by default a fixed random projection of the outputs, ``L = sum_i <w_i, y_i>`` with
+``w_i ~ N(0, 1)`` from a seeded generator (a random projection exercises every output element,
+where ``y.sum()`` would give every element the same cotangent). For every parameter (and every
+input that requires grad), with ``g`` the candidate's gradient and ``r`` the reference's, in
+float64:
+
+    rel_l2        = ||g - r||_2 / ||r||_2
+    one_minus_cos = 1 - <g, r> / (||g||_2 ||r||_2)
+    max_abs_rel   = max|g - r| / max|r|
+
+and the same over all tensors concatenated (``overall``). Zero reference gradients give 0 when
+the candidate's is zero too and ``inf`` otherwise. Buffers (BatchNorm statistics) of both models
+are restored afterwards and ``.grad`` is not touched.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..errors import InvalidArgumentError, InvalidInputTypeError
+
+__all__ = ["GradientError", "TensorError", "gradient_error", "paired_gradients"]
+
+Inputs = torch.Tensor | Sequence[Any]
+
+
+@dataclass(frozen=True)
+class TensorError:
+    """Error of one gradient tensor (or of all of them, concatenated)."""
+
+    rel_l2: float
+    one_minus_cos: float
+    max_abs_rel: float
+    diff_norm: float
+    ref_norm: float
+    numel: int
+
+    @classmethod
+    def between(cls, g: torch.Tensor, r: torch.Tensor) -> TensorError:
+        g, r = g.detach().double().flatten(), r.detach().double().flatten()
+        d = g - r
+        dn, rn, gn = d.norm().item(), r.norm().item(), g.norm().item()
+        rmax = r.abs().max().item() if r.numel() else 0.0
+        dmax = d.abs().max().item() if d.numel() else 0.0
+        return cls(
+            rel_l2=_ratio(dn, rn),
+            one_minus_cos=(0.0 if dn == 0 else 1.0 if gn == 0 or rn == 0
+                           else max(0.0, 1.0 - torch.dot(g, r).item() / (gn * rn))),
+            max_abs_rel=_ratio(dmax, rmax),
+            diff_norm=dn,
+            ref_norm=rn,
+            numel=r.numel(),
+        )
+
+
+def _ratio(num: float, den: float) -> float:
+    if num == 0:
+        return 0.0
+    return num / den if den > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class GradientError:
+    """Per-tensor and overall gradient errors; ``per_tensor`` maps names to :class:`TensorError`.
+
+    Parameter names are those of ``named_parameters()``; inputs are ``"input.0"``, ``"input.1"``,
+    ... (positional) and ``"input.<name>"`` (keyword).
+    """
+
+    per_tensor: dict[str, TensorError]
+    overall: TensorError
+    skipped: tuple[str, ...] = field(default=())
+
+    def worst(self, k: int = 5, *, by: str = "rel_l2") -> list[tuple[str, TensorError]]:
+        """The ``k`` tensors with the largest error (``by`` one of the TensorError fields)."""
+        return sorted(self.per_tensor.items(), key=lambda kv: -getattr(kv[1], by))[:k]
+
+    def table(self, k: int | None = None) -> str:
+        rows = self.worst(k or len(self.per_tensor))
+        width = max([len(n) for n, _ in rows] + [7])
+        lines = [f"{'tensor':<{width}}  {'rel_l2':>10}  {'1-cos':>10}  {'max_abs_rel':>11}"]
+        for name, e in [*rows, ("overall", self.overall)]:
+            lines.append(
+                f"{name:<{width}}  {e.rel_l2:>10.3e}  {e.one_minus_cos:>10.3e}  "
+                f"{e.max_abs_rel:>11.3e}"
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table(5)
+
+
+def _as_args(inputs: Inputs) -> tuple[Any, ...]:
+    if isinstance(inputs, torch.Tensor):
+        return (inputs,)
+    if isinstance(inputs, Sequence) and not isinstance(inputs, (str, bytes)):
+        return tuple(inputs)
+    raise InvalidInputTypeError(
+        f"inputs must be a tensor or a tuple of positional arguments, got {type(inputs).__name__}"
+    )
+
+
+def _prepare(obj: Any, dtype: torch.dtype | None) -> Any:
+    """Fresh leaf copies of floating tensors (cast to ``dtype`` if given), same requires_grad."""
+
+    def one(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        y = x.detach()
+        if dtype is not None and y.is_floating_point():
+            y = y.to(dtype)
+        y = y.clone()
+        return y.requires_grad_(x.requires_grad and y.is_floating_point())
+
+    return tree_map(one, obj)
+
+
+def _projection_loss(out: Any, seed: int) -> torch.Tensor:
+    tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not tensors:
+        raise InvalidArgumentError(
+            "the model returned no floating-point tensor to differentiate; pass loss_fn=... that "
+            "maps its output to a scalar"
+        )
+    gen = torch.Generator().manual_seed(seed)
+    total = None
+    for t in tensors:
+        w = torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.device, t.dtype)
+        term = (t * w).sum()
+        total = term if total is None else total + term.to(total.dtype)
+    assert total is not None
+    return total
+
+
+def _snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: b.detach().clone() for n, b in module.named_buffers()}
+
+
+def _restore(module: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for n, b in module.named_buffers():
+            if n in saved:
+                b.copy_(saved[n])
+
+
+def _grads(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    seed: int,
+) -> dict[str, torch.Tensor | None]:
+    names, tensors = [], []
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            names.append(n)
+            tensors.append(p)
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.requires_grad:
+            names.append(f"input.{i}")
+            tensors.append(a)
+    for k, a in kwargs.items():
+        if isinstance(a, torch.Tensor) and a.requires_grad:
+            names.append(f"input.{k}")
+            tensors.append(a)
+    saved = _snapshot(model)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            out = model(*args, **kwargs)
+            loss = loss_fn(out) if loss_fn is not None else _projection_loss(out, seed)
+            grads = torch.autograd.grad(loss, tensors, allow_unused=True) if tensors else ()
+    finally:
+        _restore(model, saved)
+    return dict(zip(names, grads, strict=True))
+
+
+def paired_gradients(
+    candidate: nn.Module,
+    reference: nn.Module | None,
+    inputs: Inputs,
+    *,
+    kwargs: Mapping[str, Any] | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    seed: int = 0,
+) -> tuple[list[tuple[str, torch.Tensor, torch.Tensor]], tuple[str, ...]]:
+    """Gradients of candidate and reference, paired by name; and the names neither produced.
+
+    ``reference=None`` uses a float64 deep copy of ``candidate`` fed float64 copies of the
+    floating-point inputs.
+    """
+    if not isinstance(candidate, nn.Module):
+        raise InvalidInputTypeError(
+            f"candidate must be an nn.Module, got {type(candidate).__name__}"
+        )
+    ref_dtype = None
+    if reference is None:
+        reference = copy.deepcopy(candidate).to(torch.float64)
+        ref_dtype = torch.float64
+    elif not isinstance(reference, nn.Module):
+        raise InvalidInputTypeError(
+            f"reference must be an nn.Module or None (a float64 copy of candidate), got "
+            f"{type(reference).__name__}"
+        )
+    args, kw = _as_args(inputs), dict(kwargs or {})
+    cand = _grads(candidate, _prepare(args, None), _prepare(kw, None), loss_fn, seed)
+    ref = _grads(reference, _prepare(args, ref_dtype), _prepare(kw, ref_dtype), loss_fn, seed)
+    if cand.keys() != ref.keys():
+        only_c, only_r = sorted(cand.keys() - ref.keys()), sorted(ref.keys() - cand.keys())
+        raise InvalidArgumentError(
+            "candidate and reference have different trainable tensors "
+            f"(only in candidate: {only_c[:5]}, only in reference: {only_r[:5]}); the reference "
+            "must be the same model (same parameter names), e.g. reference=None for a float64 copy"
+        )
+    pairs, skipped = [], []
+    for name, g in cand.items():
+        r = ref[name]
+        if g is None and r is None:
+            skipped.append(name)
+            continue
+        if g is not None and r is not None and g.shape != r.shape:
+            raise InvalidArgumentError(
+                f"gradient of {name!r} has shape {tuple(g.shape)} in the candidate but "
+                f"{tuple(r.shape)} in the reference; compare the same architecture"
+            )
+        g = torch.zeros_like(r) if g is None else g
+        r = torch.zeros_like(g) if r is None else r
+        pairs.append((name, g, r))
+    return pairs, tuple(skipped)
+
+
+def gradient_error(
+    candidate: nn.Module,
+    reference: nn.Module | None,
+    inputs: Inputs,
+    *,
+    kwargs: Mapping[str, Any] | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    seed: int = 0,
+) -> GradientError:
+    """Per-tensor and overall error of ``candidate``'s gradients against ``reference``'s.
+
+    Args:
+        candidate: the model under test (any strategy, any dtype).
+        reference: the model to compare with, same parameter names; ``None`` for a float64 deep
+            copy of ``candidate``.
+        inputs: a tensor or a tuple of positional inputs. Inputs with ``requires_grad=True`` get
+            their gradients compared too.
+        kwargs: keyword inputs for both models (masks, positions).
+        loss_fn: maps the model's output to a scalar; default a seeded random projection.
+        seed: seeds the RNG for both forwards and the projection.
+    """
+    pairs, skipped = paired_gradients(
+        candidate, reference, inputs, kwargs=kwargs, loss_fn=loss_fn, seed=seed
+    )
+    if not pairs:
+        raise InvalidArgumentError(
+            "nothing to compare: no parameter or input of the model received a gradient; give "
+            "an input requires_grad=True or check that the parameters require grad"
+        )
+    per = {name: TensorError.between(g, r) for name, g, r in pairs}
+    overall = TensorError.between(
+        torch.cat([g.detach().double().flatten().cpu() for _, g, _ in pairs]),
+        torch.cat([r.detach().double().flatten().cpu() for _, _, r in pairs]),
+    )
+    return GradientError(per_tensor=per, overall=overall, skipped=skipped)

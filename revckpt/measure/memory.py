@@ -1,0 +1,207 @@
+"""Measured tensor memory: peak and retained bytes of a block of code.
+
+On CUDA the figures come from the caching allocator's statistics
+(``torch.cuda.memory_allocated`` / ``max_memory_allocated``). On CPU, where PyTorch keeps no
+statistics, :class:`MemoryMeter` tracks every tensor storage created inside the block: a
+``TorchDispatchMode`` sees each operation's outputs, records each *new* storage once with its
+exact ``nbytes`` (views and in-place results share their input's storage and are not counted
+again), and a weak reference on the storage subtracts it the moment it is freed. So::
+
+    live(t)  = sum of nbytes of storages created inside the block and alive at time t
+    peak     = max_t live(t)          (checked after every operation)
+    end      = live(exit)
+
+Scope of the CPU figures: tensor storages only (not allocator slack or kernel workspace), and
+only storages created inside the block: a tensor created before entry and freed inside is not
+subtracted, so measure a forward and its backward inside one meter rather than the backward
+alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..errors import InvalidArgumentError
+
+__all__ = ["MemoryMeter", "MemoryStats", "peak_memory"]
+
+_LIFT_OPS = frozenset(
+    getattr(torch.ops.aten, name) for name in ("lift_fresh", "lift_fresh_copy", "lift")
+    if hasattr(torch.ops.aten, name)
+)
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Bytes above the level at entry: ``peak_bytes`` the highest reached, ``end_bytes`` at exit."""
+
+    peak_bytes: int
+    end_bytes: int
+    device: str
+
+    def __str__(self) -> str:
+        return f"peak {_mib(self.peak_bytes)}, retained {_mib(self.end_bytes)} on {self.device}"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.3f} MiB"
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None  # sparse, nested, or a subclass without storage
+
+
+class _StorageTracker(TorchDispatchMode):
+    """Counts live bytes of storages created by operations, on one device type."""
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.sizes: dict[int, int] = {}
+        self.refs: dict[int, weakref.ref[Any]] = {}
+        self.live = 0
+        self.peak = 0
+        self.lock = threading.Lock()
+
+    def _freed(self, key: int) -> None:
+        with self.lock:
+            self.live -= self.sizes.pop(key, 0)
+            self.refs.pop(key, None)
+
+    def _add(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        nbytes = storage.nbytes()
+        with self.lock:
+            if key in self.sizes:
+                grown = nbytes - self.sizes[key]  # resize_ or an out= argument that grew
+                if grown == 0:
+                    return
+                self.sizes[key] = nbytes
+                self.live += grown
+            else:
+                self.sizes[key] = nbytes
+                self.refs[key] = weakref.ref(storage, lambda _, k=key: self._freed(k))
+                self.live += nbytes
+            self.peak = max(self.peak, self.live)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in _LIFT_OPS:
+            inputs: set[int] = set()
+        else:
+            inputs = set()
+            for a in tree_flatten((args, kwargs))[0]:
+                st = _storage(a) if isinstance(a, torch.Tensor) else a
+                if isinstance(st, torch.UntypedStorage):
+                    inputs.add(st._cdata)
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
+                continue
+            st = _storage(t)
+            if st is None:
+                continue
+            if st._cdata in inputs and st._cdata not in self.sizes:
+                continue  # an alias of a storage that existed before the block
+            self._add(st)
+        return out
+
+
+class MemoryMeter:
+    """Measure the tensor memory a block of code allocates.
+
+    ::
+
+        with MemoryMeter() as m:
+            out = model(x)            # forward only
+        m.end_bytes                   # activations retained for backward (+ the output)
+        m.peak_bytes                  # highest live tensor memory inside the block
+
+    Both figures are relative to the level at entry. ``device`` selects what is measured:
+    ``"cpu"`` (exact storage tracking), ``"cuda"`` / ``"cuda:1"`` (allocator statistics;
+    resets the device's peak statistics), or ``None`` (CUDA if available, else CPU).
+    Meters on CPU may be nested; the inner one measures its own block.
+    """
+
+    def __init__(self, device: str | torch.device | None = None) -> None:
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as err:
+            raise InvalidArgumentError(
+                f"MemoryMeter(device={device!r}): not a device; use 'cpu', 'cuda' or 'cuda:N'"
+            ) from err
+        if self.device.type not in ("cpu", "cuda"):
+            raise InvalidArgumentError(
+                f"MemoryMeter measures 'cpu' or 'cuda' memory, got device {str(self.device)!r}"
+            )
+        self._tracker: _StorageTracker | None = None
+        self._base = 0
+        self._stats: MemoryStats | None = None
+
+    def __enter__(self) -> MemoryMeter:
+        self._stats = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            self._tracker = _StorageTracker("cpu")
+            self._tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - self._base
+            end = torch.cuda.memory_allocated(self.device) - self._base
+        else:
+            assert self._tracker is not None
+            self._tracker.__exit__(*exc)
+            peak, end = self._tracker.peak, self._tracker.live
+            self._tracker = None
+        self._stats = MemoryStats(peak_bytes=peak, end_bytes=end, device=str(self.device))
+
+    @property
+    def stats(self) -> MemoryStats:
+        if self._stats is None:
+            raise InvalidArgumentError(
+                "MemoryMeter figures exist after the `with` block has finished; read them there"
+            )
+        return self._stats
+
+    @property
+    def peak_bytes(self) -> int:
+        """Highest live tensor memory inside the block, above the level at entry."""
+        return self.stats.peak_bytes
+
+    @property
+    def end_bytes(self) -> int:
+        """Live tensor memory at exit above the level at entry (what the block left alive)."""
+        return self.stats.end_bytes
+
+
+def peak_memory(
+    fn: Callable[..., Any], *args: Any, device: str | torch.device | None = None, **kwargs: Any
+) -> MemoryStats:
+    """Run ``fn(*args, **kwargs)`` under a :class:`MemoryMeter`; return its :class:`MemoryStats`.
+
+    The result of ``fn`` is dropped before the figures are taken, so ``end_bytes`` is what ``fn``
+    left alive elsewhere (gradients in ``.grad``, caches). To keep the result, use the meter.
+    """
+    meter = MemoryMeter(device)
+    with meter:
+        fn(*args, **kwargs)
+    return meter.stats

@@ -1,0 +1,79 @@
+"""A small pre-norm transformer block (GPT-style), and chains of them.
+
+``h = x + Attn(LN1(x), mask)``, ``y = h + MLP(LN2(h))`` with
+``Attn = W_o · SDPA(W_q x, W_k x, W_v x)`` over ``heads`` heads and
+``MLP = W_2 · GELU(W_1 ·)`` of hidden size ``mlp_ratio · dim``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import InvalidArgumentError
+
+__all__ = ["TransformerBlock", "transformer_chain"]
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm transformer block on ``(batch, seq, dim)``; ``forward(x, attn_mask=None)``.
+
+    ``attn_mask`` is passed to ``scaled_dot_product_attention`` (boolean, True = attend, or
+    additive float); ``causal=True`` applies a causal mask when no mask is given.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        *,
+        mlp_ratio: int = 4,
+        dropout: float = 0.0,
+        causal: bool = True,
+    ) -> None:
+        super().__init__()
+        if dim % heads:
+            raise InvalidArgumentError(f"dim={dim} is not divisible by heads={heads}")
+        self.heads = heads
+        self.causal = causal
+        self.dropout = dropout
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, mlp_ratio * dim)
+        self.fc2 = nn.Linear(mlp_ratio * dim, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def attention(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=self.causal and attn_mask is None,
+        )
+        return self.drop(self.proj(out.transpose(1, 2).reshape(b, s, d)))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc2(F.gelu(self.fc1(x))))
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.ln1(x), attn_mask)
+        return x + self.mlp(self.ln2(x))
+
+
+def transformer_chain(
+    depth: int, dim: int, heads: int, *, mlp_ratio: int = 4, dropout: float = 0.0
+) -> nn.Sequential:
+    """``depth`` transformer blocks in an ``nn.Sequential`` (call blocks one by one to pass masks,
+    or use :func:`revckpt.checkpoint_sequential`, which passes keyword tensors to every block)."""
+    if depth < 1:
+        raise InvalidArgumentError(f"depth={depth}: a chain needs at least one block")
+    return nn.Sequential(
+        *(TransformerBlock(dim, heads, mlp_ratio=mlp_ratio, dropout=dropout) for _ in range(depth))
+    )

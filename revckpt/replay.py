@@ -1,0 +1,277 @@
+"""Forward-time state, captured once and replayed by every recompute.
+
+A recompute (a checkpoint segment, an approximate recompute, a reversible block rebuilding its
+input) runs a block's forward a second time, during backward. To give the same values and the
+same gradients as the first forward, and to leave the model as one forward would have left it,
+three kinds of state must match:
+
+* **RNG.** The recompute must draw the same dropout masks. :class:`ForwardState` captures the
+  generator state of the CPU and of every accelerator device the inputs and parameters live on,
+  and keeps it only if the forward actually drew random numbers (a block without dropout retains
+  no RNG state, where ``torch.utils.checkpoint`` keeps 5,056 bytes per call). Replay sets the
+  captured state, runs, and restores the generators, so the global RNG stream is the same as
+  without recompute.
+* **Autocast.** Backward usually runs outside the ``torch.autocast`` block of the forward. The
+  recompute re-enters the forward's autocast state (enabled, dtype, cache) for the CPU and for
+  the accelerator device types, and disables autocast that backward may run under but the
+  forward did not.
+* **Normalisation statistics.** BatchNorm (and InstanceNorm with ``track_running_stats``) update
+  ``running_mean``, ``running_var`` and ``num_batches_tracked`` in training mode. During replay
+  :func:`freeze_running_stats` hands such modules throwaway copies of those buffers, so the
+  recompute performs the same operations (and saves the same tensors) as the first forward while
+  the real statistics are updated exactly once per step.
+
+This module imports nothing of revckpt but the errors; every strategy uses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+from torch.utils._pytree import tree_flatten
+
+__all__ = [
+    "AutocastState",
+    "ForwardState",
+    "devices_of",
+    "freeze_running_stats",
+    "is_replaying",
+]
+
+_RUNNING_STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def devices_of(*objs: Any) -> list[torch.device]:
+    """The distinct devices of the tensors in ``objs`` (nested containers and modules included).
+
+    Modules contribute their parameters and buffers. The result is ordered by first appearance;
+    ``meta`` tensors are ignored.
+    """
+    seen: dict[torch.device, None] = {}
+    for obj in objs:
+        if isinstance(obj, nn.Module):
+            tensors: Iterable[Any] = [*obj.parameters(), *obj.buffers()]
+        else:
+            tensors = tree_flatten(obj)[0]
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                seen.setdefault(_normalise(t.device), None)
+    return list(seen)
+
+
+def _normalise(device: torch.device) -> torch.device:
+    if device.type == "cpu" or device.index is not None:
+        return torch.device(device.type) if device.type == "cpu" else device
+    module = torch.get_device_module(device.type)
+    return torch.device(device.type, module.current_device())
+
+
+def _get_rng(device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    module = torch.get_device_module(device.type)
+    if device.type == "mps":
+        return module.get_rng_state()
+    return module.get_rng_state(device.index)
+
+
+def _set_rng(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cpu":
+        torch.set_rng_state(state)
+        return
+    module = torch.get_device_module(device.type)
+    if device.type == "mps":
+        module.set_rng_state(state)
+    else:
+        module.set_rng_state(state, device.index)
+
+
+def _autocast_device_types(devices: Iterable[torch.device]) -> tuple[str, ...]:
+    types = {"cpu"} | {d.type for d in devices}
+    if torch.cuda.is_available():
+        types.add("cuda")
+    return tuple(sorted(t for t in types if torch.amp.is_autocast_available(t)))
+
+
+@dataclass(frozen=True)
+class AutocastState:
+    """The autocast settings of one device type at capture time."""
+
+    device_type: str
+    enabled: bool
+    dtype: torch.dtype
+    cache_enabled: bool
+
+    @classmethod
+    def capture(cls, device_type: str) -> AutocastState:
+        return cls(
+            device_type=device_type,
+            enabled=torch.is_autocast_enabled(device_type),
+            dtype=torch.get_autocast_dtype(device_type),
+            cache_enabled=torch.is_autocast_cache_enabled(),
+        )
+
+    def context(self) -> contextlib.AbstractContextManager[Any]:
+        """A context that re-establishes these settings (or disables autocast if it was off)."""
+        return torch.autocast(
+            self.device_type,
+            dtype=self.dtype,
+            enabled=self.enabled,
+            cache_enabled=self.cache_enabled,
+        )
+
+
+class ForwardState:
+    """RNG and autocast state of one forward pass, for replay during its recompute.
+
+    Use::
+
+        state = ForwardState.capture(inputs, module)   # right before the forward
+        out = module(*inputs)
+        state.forward_finished()                        # drops RNG state the forward did not use
+        ...
+        with state.replay():                            # during backward
+            out_again = module(*inputs)                 # same masks, same autocast, stats frozen
+
+    ``preserve_rng_state=False`` skips RNG capture entirely (then a recompute with dropout draws
+    new masks, as with ``torch.utils.checkpoint(preserve_rng_state=False)``).
+    """
+
+    __slots__ = ("_rng", "autocast", "devices")
+
+    def __init__(
+        self,
+        devices: list[torch.device],
+        rng: dict[torch.device, torch.Tensor],
+        autocast: tuple[AutocastState, ...],
+    ) -> None:
+        self.devices = devices
+        self._rng = rng
+        self.autocast = autocast
+
+    @classmethod
+    def capture(cls, *owners: Any, preserve_rng_state: bool = True) -> ForwardState:
+        """Capture the state for a forward whose tensors and modules are ``owners``.
+
+        The CPU generator is always captured (CPU code may draw random numbers whatever the
+        device of the data); accelerator generators for every device found in ``owners``.
+        """
+        devices = devices_of(*owners)
+        rng: dict[torch.device, torch.Tensor] = {}
+        if preserve_rng_state:
+            for device in [torch.device("cpu"), *devices]:
+                if device not in rng:
+                    rng[device] = _get_rng(device)
+        autocast = tuple(AutocastState.capture(t) for t in _autocast_device_types(devices))
+        return cls(devices, rng, autocast)
+
+    def forward_finished(self) -> None:
+        """Forget generator states that the forward did not advance: replay needs none of them."""
+        for device in list(self._rng):
+            if torch.equal(self._rng[device], _get_rng(device)):
+                del self._rng[device]
+
+    @property
+    def rng_devices(self) -> tuple[torch.device, ...]:
+        """The devices whose generator state is kept for replay."""
+        return tuple(self._rng)
+
+    @property
+    def retained_bytes(self) -> int:
+        """Bytes this state keeps alive (the RNG states; autocast state is a few flags)."""
+        return sum(s.numel() * s.element_size() for s in self._rng.values())
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        """Run the body as the captured forward ran: same RNG streams, same autocast, with
+        running statistics frozen. The caller's RNG state is restored afterwards."""
+        outer = {device: _get_rng(device) for device in self._rng}
+        try:
+            for device, state in self._rng.items():
+                _set_rng(device, state)
+            with contextlib.ExitStack() as stack:
+                for ac in self.autocast:
+                    stack.enter_context(ac.context())
+                stack.enter_context(freeze_running_stats())
+                _replaying.depth += 1
+                stack.callback(_replaying.__setattr__, "depth", _replaying.depth - 1)
+                yield
+        finally:
+            for device, state in outer.items():
+                _set_rng(device, state)
+
+
+class _ReplayDepth(threading.local):
+    depth: int = 0
+
+
+_replaying = _ReplayDepth()
+
+
+def is_replaying() -> bool:
+    """Whether the current thread is inside :meth:`ForwardState.replay`, i.e. recomputing.
+
+    Custom modules that update their own state in forward (an EMA, a counter) can check this to
+    update once per step, as :func:`freeze_running_stats` does for normalisation layers.
+    """
+    return _replaying.depth > 0
+
+
+@contextlib.contextmanager
+def freeze_running_stats() -> Iterator[None]:
+    """Within this context, normalisation modules in training mode do not change their statistics.
+
+    Every ``torch.nn`` BatchNorm / SyncBatchNorm / InstanceNorm module with
+    ``track_running_stats=True`` that is called in training mode on this thread gets throwaway
+    copies of ``running_mean``, ``running_var`` and ``num_batches_tracked`` for the duration of its
+    call; its output (which uses batch statistics in training mode) and the tensors it saves for
+    backward are unchanged. The real buffers are restored when the call returns or raises.
+
+    .. note:: Normalisation layers written from scratch (buffers updated by hand with
+       ``F.batch_norm``) are not recognised; derive them from ``torch.nn.modules.batchnorm._NormBase``
+       or keep such blocks out of recompute.
+    """
+    owner = threading.get_ident()
+    swapped: dict[nn.Module, dict[str, torch.Tensor | None]] = {}
+
+    def before(module: nn.Module, args: Any) -> None:
+        if (
+            threading.get_ident() != owner
+            or not isinstance(module, _NormBase)
+            or not (module.training and module.track_running_stats)
+            or module in swapped
+        ):
+            return
+        originals = {name: module._buffers.get(name) for name in _RUNNING_STAT_BUFFERS}
+        swapped[module] = originals
+        for name, buf in originals.items():
+            if buf is not None:
+                module._buffers[name] = buf.detach().clone()
+
+    def restore(module: nn.Module) -> None:
+        originals = swapped.pop(module, None)
+        if originals is not None:
+            for name, buf in originals.items():
+                module._buffers[name] = buf
+
+    def after(module: nn.Module, args: Any, output: Any) -> None:
+        if threading.get_ident() == owner:
+            restore(module)
+
+    pre = nn.modules.module.register_module_forward_pre_hook(before)
+    post = nn.modules.module.register_module_forward_hook(after, always_call=True)
+    try:
+        yield
+    finally:
+        pre.remove()
+        post.remove()
+        for module in list(swapped):
+            restore(module)
+
