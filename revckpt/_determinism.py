@@ -3,8 +3,9 @@
 During the first forward every operation's freshly allocated outputs are fingerprinted with two
 float64 reductions, ``sum(x)`` and ``sum(|x|)``; the recompute fingerprints its outputs again,
 in the same order, and the first difference raises :class:`CheckpointMismatchError` naming the
-operation. Outputs that alias an input (views, in-place updates such as a BatchNorm counter) are
-skipped: only values the block computes are compared. The check costs two reductions per output
+operation. Operations whose outputs all alias an input (views, ``detach``, in-place updates such as a
+BatchNorm counter) and allocations of uninitialised memory (``empty_like``) are skipped: only
+values the block computes are compared. The check costs two reductions per output
 and 16 bytes per output kept until backward, so it is opt-in (``determinism_check="values"``).
 """
 
@@ -19,6 +20,14 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 
 from .errors import CheckpointMismatchError
+
+
+# Operations whose outputs hold uninitialised memory: nothing to compare until written.
+_UNINITIALISED = frozenset(
+    getattr(torch.ops.aten, name)
+    for name in ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided")
+    if hasattr(torch.ops.aten, name)
+)
 
 
 def _storage_key(t: torch.Tensor) -> int | None:
@@ -60,13 +69,19 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func.overloadpacket in _UNINITIALISED:
+            return out
         fresh = _fresh_outputs(out, args, kwargs)
+        if not fresh:
+            return out  # views, detach, in-place updates: nothing newly computed to compare
+        # Fingerprints are bookkeeping: hidden from the modes below (a selective-checkpoint
+        # cache must not see them) and from autograd.
         with _disable_current_modes(), torch.no_grad():
             prints = [_fingerprint(t) for t in fresh]
-        if self.recording:
-            self.log.entries.append((func, prints))
-        else:
-            self._compare(func, prints)
+            if self.recording:
+                self.log.entries.append((func, prints))
+            else:
+                self._compare(func, prints)
         return out
 
     def _compare(self, func: Any, prints: list[torch.Tensor]) -> None:

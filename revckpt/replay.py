@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 __all__ = [
@@ -168,7 +169,9 @@ class ForwardState:
         if preserve_rng_state:
             for device in [torch.device("cpu"), *devices]:
                 if device not in rng:
-                    rng[device] = _get_rng(device)
+                    # The getters allocate outside the dispatcher; a clone makes the kept copy an
+                    # ordinary tensor that memory meters see.
+                    rng[device] = _get_rng(device).clone()
         autocast = tuple(AutocastState.capture(t) for t in _autocast_device_types(devices))
         return cls(devices, rng, autocast)
 
@@ -251,9 +254,12 @@ def freeze_running_stats() -> Iterator[None]:
             return
         originals = {name: module._buffers.get(name) for name in _RUNNING_STAT_BUFFERS}
         swapped[module] = originals
-        for name, buf in originals.items():
-            if buf is not None:
-                module._buffers[name] = buf.detach().clone()
+        # The copies are bookkeeping, not part of the block: hide them from dispatch modes
+        # (selective-checkpoint caches, value checks, memory meters) and from autograd.
+        with _disable_current_modes(), torch.no_grad():
+            for name, buf in originals.items():
+                if buf is not None:
+                    module._buffers[name] = buf.clone()
 
     def restore(module: nn.Module) -> None:
         originals = swapped.pop(module, None)

@@ -14,7 +14,8 @@ again), and a weak reference on the storage subtracts it the moment it is freed.
 Scope of the CPU figures: tensor storages only (not allocator slack or kernel workspace), and
 only storages created inside the block: a tensor created before entry and freed inside is not
 subtracted, so measure a forward and its backward inside one meter rather than the backward
-alone.
+alone. Tensors made from Python data or NumPy arrays inside the block (``torch.tensor``,
+``torch.from_numpy``) count as allocated there, even when they share the array's memory.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class _StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in _LIFT_OPS:
+        if func.overloadpacket in _LIFT_OPS:  # torch.tensor(data): a fresh storage, lifted
             inputs: set[int] = set()
         else:
             inputs = set()

@@ -1,0 +1,67 @@
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from revckpt import InvalidArgumentError, checkpoint_sequential, gradient_error
+from revckpt.models import mlp_chain
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, chain, segments):
+        super().__init__()
+        self.chain = chain
+        self.segments = segments
+
+    def forward(self, x):
+        return checkpoint_sequential(self.chain, self.segments, x)
+
+
+def test_exact_strategy_reports_zero_in_float64():
+    chain = mlp_chain(6, 8, 16, dropout=0.2, norm="batch").double()
+    x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    err = gradient_error(Checkpointed(chain, 3), None, x)
+    assert err.overall.rel_l2 == 0.0 and err.overall.one_minus_cos == 0.0
+    assert set(err.per_tensor) >= {"chain.0.fc1.weight", "input.0"}
+
+
+def test_float32_candidate_against_float64_reference_is_roundoff():
+    chain = mlp_chain(4, 16, 32, dropout=0.2)
+    x = torch.randn(8, 16)
+    err = gradient_error(Checkpointed(chain, 4), None, x)
+    assert 0 < err.overall.rel_l2 < 1e-5
+    assert err.overall.one_minus_cos < 1e-10
+
+
+def test_perturbed_model_reports_the_perturbation_size():
+    torch.manual_seed(0)
+    ref = nn.Linear(32, 32, bias=False).double()
+    cand = copy.deepcopy(ref)
+    with torch.no_grad():
+        cand.weight.mul_(1.01)  # output and input gradient scale by 1.01
+    x = torch.randn(16, 32, dtype=torch.float64, requires_grad=True)
+    err = gradient_error(cand, ref, x)
+    # dL/dW = w^T x does not depend on W: unchanged; dL/dx = w W scales by 1.01
+    assert err.per_tensor["weight"].rel_l2 == 0.0
+    assert err.per_tensor["input.0"].rel_l2 == pytest.approx(0.01, rel=1e-9)
+    assert err.per_tensor["input.0"].max_abs_rel == pytest.approx(0.01, rel=1e-9)
+    assert err.per_tensor["input.0"].one_minus_cos < 1e-14
+    assert err.worst(1)[0][0] == "input.0"
+    assert "input.0" in err.table()
+
+
+def test_buffers_restored_and_grad_untouched():
+    chain = mlp_chain(2, 4, 8, norm="batch")
+    before = {n: b.clone() for n, b in chain.named_buffers()}
+    gradient_error(chain, None, torch.randn(6, 4))
+    for n, b in chain.named_buffers():
+        assert torch.equal(before[n], b), n
+    assert all(p.grad is None for p in chain.parameters())
+
+
+def test_mismatched_reference_is_rejected():
+    with pytest.raises(InvalidArgumentError, match="different trainable tensors"):
+        gradient_error(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4)), torch.randn(2, 4))
+    with pytest.raises(InvalidArgumentError, match="loss_fn"):
+        gradient_error(nn.Flatten(), None, torch.randn(2, 4).long())

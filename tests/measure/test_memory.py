@@ -1,0 +1,117 @@
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+from revckpt import InvalidArgumentError, MemoryMeter, checkpoint_sequential, peak_memory
+from revckpt.models import mlp_chain
+
+
+def test_exact_bytes_of_known_tensors():
+    with MemoryMeter("cpu") as m:
+        a = torch.empty(1000, dtype=torch.float32)  # 4000 bytes
+        b = torch.zeros(10, 10, dtype=torch.float64)  # 800 bytes
+        c = torch.ones(7, dtype=torch.int8)  # 7 bytes
+        del b  # peak 4807, then 4007 live
+        d = torch.empty(3, dtype=torch.bfloat16)  # 6 bytes
+    assert m.peak_bytes == 4807
+    assert m.end_bytes == 4013
+    del a, c, d
+
+
+def test_aliases_counted_once():
+    with MemoryMeter("cpu") as m:
+        a = torch.randn(64, 64)
+        views = [a.t(), a[3:], a.view(-1), a.detach(), a.reshape(4096)]
+        a.mul_(2)  # in place: no new storage
+    assert m.end_bytes == m.peak_bytes == 64 * 64 * 4
+    del views, a
+
+
+def test_views_of_preexisting_tensors_are_free_and_frees_are_seen():
+    base = torch.randn(100)
+    with MemoryMeter("cpu") as m:
+        v = base[10:]
+        tmp = base * 2
+        del tmp
+        gc.collect()
+    assert m.peak_bytes == 400 and m.end_bytes == 0
+    del v
+
+
+def test_tensor_from_python_data_is_counted():
+    with MemoryMeter("cpu") as m:
+        t = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    assert m.end_bytes == 24
+    del t
+
+
+def test_nested_meters_measure_their_own_block():
+    with MemoryMeter("cpu") as outer:
+        a = torch.empty(100)
+        with MemoryMeter("cpu") as inner:
+            b = torch.empty(50)
+    assert inner.end_bytes == 200 and outer.end_bytes == 600
+    del a, b
+
+
+def test_function_form():
+    stats = peak_memory(lambda n: torch.empty(n).sum(), 256, device="cpu")
+    assert stats.peak_bytes == 256 * 4 + 4 and stats.end_bytes == 0
+
+
+B, W, H, DEPTH = 64, 128, 256, 32
+
+
+def test_mlp_chain_retained_bytes_match_hand_computed_sizes():
+    """32 residual blocks ``x + fc2(relu(fc1(x)))``.
+
+    Plain autograd keeps, per block, the ReLU output (B x H, saved by ReLU and by fc2: one
+    storage) and the block output (B x W, the next block's fc1 input, or the final output).
+    Per-block checkpoint keeps only the block outputs (each the next block's input).
+    """
+    model = mlp_chain(DEPTH, W, H)
+    x = torch.randn(B, W, requires_grad=True)
+    with MemoryMeter("cpu") as plain:
+        y = model(x)
+    del y
+    with MemoryMeter("cpu") as ckpt:
+        z = checkpoint_sequential(model, DEPTH, x)
+    del z
+    plain_expected = DEPTH * (B * H + B * W) * 4
+    ckpt_expected = DEPTH * B * W * 4
+    assert abs(plain.end_bytes - plain_expected) <= 0.01 * plain_expected
+    assert abs(ckpt.end_bytes - ckpt_expected) <= 0.01 * ckpt_expected
+    assert plain.peak_bytes >= plain.end_bytes
+
+
+def test_backward_peak_with_checkpoint_is_lower():
+    model = mlp_chain(16, W, H)
+    x = torch.randn(16 * B, W, requires_grad=True)  # activations outweigh parameter gradients
+
+    def step(run):
+        run(model, x).sum().backward()
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+
+    plain = peak_memory(step, lambda m, x: m(x), device="cpu")
+    ckpt = peak_memory(step, lambda m, x: checkpoint_sequential(m, 16, x), device="cpu")
+    assert ckpt.peak_bytes < plain.peak_bytes / 2
+
+
+def test_figures_only_after_exit_and_bad_device():
+    m = MemoryMeter("cpu")
+    with pytest.raises(InvalidArgumentError, match="after the `with` block"):
+        _ = m.peak_bytes
+    with pytest.raises(InvalidArgumentError, match="not a device"):
+        MemoryMeter("gpu0")
+    with pytest.raises(InvalidArgumentError, match="'cpu' or 'cuda'"):
+        MemoryMeter("meta")
+
+
+def test_module_parameters_created_inside_are_counted():
+    with MemoryMeter("cpu") as m:
+        lin = nn.Linear(10, 20)  # 200 weights + 20 bias, float32
+    assert m.end_bytes == 220 * 4
+    del lin

@@ -1,0 +1,374 @@
+import copy
+
+import pytest
+import torch
+import torch.utils.checkpoint as tcp
+from helpers import bitwise_equal, train_step, twin
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import revckpt
+from revckpt import (
+    CheckpointMismatchError,
+    InvalidArgumentError,
+    InvalidInputTypeError,
+    MemoryMeter,
+    RevckptError,
+    checkpoint,
+    checkpoint_sequential,
+    segment_bounds,
+)
+from revckpt.models import mlp_chain, transformer_chain
+from revckpt.testing import stack_specs
+
+
+def seq(segments, **opts):
+    return lambda m, x, **kw: checkpoint_sequential(m, segments, x, **opts, **kw)
+
+
+# --- exactness -------------------------------------------------------------------------------
+
+
+@given(spec=stack_specs(depth=(1, 8), dtypes=(torch.float64, torch.float32)),
+       segments=st.sampled_from(["per-block", "sqrt", 1, 2]))
+def test_gradients_bitwise_equal_plain(spec, segments):
+    model = spec.build()
+    x = spec.make_input()
+    segs = spec.depth if segments == "per-block" else min(segments, spec.depth) \
+        if isinstance(segments, int) else segments
+    ref = train_step(twin(model), x)
+    got = train_step(model, x, seq(segs))
+    assert torch.equal(ref[0], got[0])
+    assert bitwise_equal(ref[1], got[1])
+    assert torch.equal(ref[2], got[2])
+
+
+def test_dropout_masks_replayed_bitwise():
+    model = mlp_chain(6, 16, 32, dropout=0.5)
+    x = torch.randn(8, 16, requires_grad=True)
+    ref = train_step(twin(model), x)
+    got = train_step(model, x, seq(6))
+    assert bitwise_equal(ref[1], got[1]) and torch.equal(ref[2], got[2])
+
+
+def test_without_rng_preservation_dropout_masks_differ():
+    model = mlp_chain(4, 16, 32, dropout=0.5)
+    x = torch.randn(8, 16, requires_grad=True)
+    ref = train_step(twin(model), x)
+    got = train_step(model, x, seq(4, preserve_rng_state=False))
+    assert not bitwise_equal(ref[1], got[1])
+
+
+def test_global_rng_stream_unchanged_by_recompute():
+    model = mlp_chain(3, 8, 16, dropout=0.5)
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.manual_seed(5)
+    twin(model)(x).sum().backward()
+    plain_next = torch.rand(3)
+    torch.manual_seed(5)
+    checkpoint_sequential(model, 3, x).sum().backward()
+    assert torch.equal(torch.rand(3), plain_next)
+
+
+def _bn_model():
+    torch.manual_seed(0)
+    return mlp_chain(4, 8, 16, norm="batch", dropout=0.2)
+
+
+def test_batchnorm_running_stats_updated_once():
+    plain, ours = _bn_model(), _bn_model()
+    x = torch.randn(16, 8, requires_grad=True)
+    ref = train_step(plain, x)
+    got = train_step(ours, x, seq(4))
+    assert bitwise_equal(ref[1], got[1])
+    for (name, a), (_, b) in zip(plain.named_buffers(), ours.named_buffers(), strict=True):
+        assert torch.equal(a, b), name
+    assert int(ours[0].norm.num_batches_tracked) == 1
+
+
+def test_batchnorm_contrast_torch_checkpoint_updates_twice():
+    plain, theirs = _bn_model(), _bn_model()
+    x = torch.randn(16, 8, requires_grad=True)
+    train_step(plain, x)
+    train_step(theirs, x,
+               lambda m, x: nn.Sequential(*[_TorchCkpt(b) for b in m])(x))
+    assert int(theirs[0].norm.num_batches_tracked) == 2
+    assert not torch.equal(plain[0].norm.running_mean, theirs[0].norm.running_mean)
+
+
+class _TorchCkpt(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return tcp.checkpoint(self.block, x, use_reentrant=False)
+
+
+def test_batchnorm_momentum_none_and_instancenorm():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm1d(4, momentum=None)
+            self.inorm = nn.InstanceNorm1d(4, track_running_stats=True)
+
+        def forward(self, x):
+            return self.inorm(self.bn(x))
+
+    plain = nn.Sequential(Block(), Block())
+    ours = copy.deepcopy(plain)
+    x = torch.randn(6, 4, 5, requires_grad=True)
+    ref = train_step(plain, x)
+    got = train_step(ours, x, seq(2))
+    assert bitwise_equal(ref[1], got[1])
+    for a, b in zip(plain.buffers(), ours.buffers(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_bf16_autocast_matches_plain_under_autocast():
+    model = mlp_chain(4, 16, 32, norm="layer", dropout=0.1)
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def under_autocast(run):
+        def go(m, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return (run(m, x) if run else m(x)).float()
+        return go
+
+    ref = train_step(twin(model), x, under_autocast(None))
+    got = train_step(model, x, under_autocast(seq(4)))
+    assert bitwise_equal(ref[1], got[1]) and torch.equal(ref[2], got[2])
+
+
+def test_bf16_input_under_autocast():
+    model = mlp_chain(3, 16, 32)
+    x = torch.randn(8, 16).bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = checkpoint_sequential(model, 3, x)
+    y.float().sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.bfloat16
+
+
+def test_keyword_tensors_reach_every_block_and_get_gradients():
+    torch.manual_seed(0)
+    model = transformer_chain(3, 16, 2, dropout=0.1)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    bias = torch.randn(5, 5, requires_grad=True)
+
+    def plain(m, x, attn_mask):
+        for block in m:
+            x = block(x, attn_mask=attn_mask)
+        return x
+
+    def run(fn):
+        b = bias.detach().clone().requires_grad_()
+        out = train_step(fn[0], x, fn[1], attn_mask=b)
+        return out, b.grad
+
+    (ref, ref_bias) = run((twin(model), plain))
+    (got, got_bias) = run((model, seq(3)))
+    assert bitwise_equal(ref[1], got[1])
+    assert torch.equal(ref_bias, got_bias)
+
+
+def test_every_segment_is_checkpointed_including_the_last():
+    model = mlp_chain(4, 64, 256)
+    x = torch.randn(32, 64)
+    with MemoryMeter("cpu") as m:
+        y = checkpoint_sequential(model, 1, x)
+    # one segment: nothing kept but the output (the input existed before)
+    assert m.end_bytes == y.numel() * 4
+
+
+def test_rng_state_kept_only_when_used():
+    x = torch.randn(8, 16)
+    for dropout, extra in [(0.0, 0), (0.5, torch.get_rng_state().numel())]:
+        model = mlp_chain(2, 16, 32, dropout=dropout)
+        with MemoryMeter("cpu") as m:
+            y = checkpoint(model, x)
+        assert m.end_bytes == y.numel() * 4 + extra
+
+
+def test_no_grad_forward_saves_nothing():
+    model = mlp_chain(4, 16, 32)
+    x = torch.randn(8, 16, requires_grad=True)
+    with torch.no_grad(), MemoryMeter("cpu") as m:
+        y = checkpoint_sequential(model, 4, x)
+    assert m.end_bytes == y.numel() * 4
+
+
+def test_retain_graph_second_backward_and_autograd_grad():
+    model = mlp_chain(3, 8, 16, dropout=0.3)
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.manual_seed(1)
+    y = checkpoint_sequential(model, 3, x)
+    (g1,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
+    (g2,) = torch.autograd.grad(y.sum(), x)
+    assert torch.equal(g1, g2)
+    torch.manual_seed(1)
+    (g0,) = torch.autograd.grad(twin(model)(x).sum(), x)
+    assert torch.equal(g0, g1)
+
+
+def test_input_without_grad_and_gradient_accumulation():
+    model = mlp_chain(3, 8, 16)
+    ref = twin(model)
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        checkpoint_sequential(model, 3, x).sum().backward()
+        ref(x).sum().backward()
+    assert bitwise_equal([p.grad for p in model.parameters()], [p.grad for p in ref.parameters()])
+
+
+def test_checkpoint_function_form_with_bound_method_and_kwargs():
+    block = transformer_chain(1, 16, 2)[0]
+    x = torch.randn(2, 4, 16, requires_grad=True)
+    y = checkpoint(block.forward, x, attn_mask=None)
+    y.sum().backward()
+    assert x.grad is not None
+
+
+# --- determinism check -------------------------------------------------------------------------
+
+
+class _Drifting(nn.Module):
+    """A block whose forward depends on a counter it changes: recompute differs."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = 1.0
+
+    def forward(self, x):
+        self.scale += 1.0
+        return torch.relu(self.lin(x) * self.scale)
+
+
+def test_values_check_catches_changed_values_that_metadata_misses():
+    x = torch.randn(3, 4, requires_grad=True)
+    checkpoint(_Drifting(), x).sum().backward()  # metadata check: passes silently
+    y = checkpoint(_Drifting(), x, determinism_check="values")
+    with pytest.raises(CheckpointMismatchError, match=r"aten\.mul.*differ.*determinism_check='none'"):
+        y.sum().backward()
+
+
+def test_torch_checkpoint_misses_value_change():
+    x = torch.randn(3, 4, requires_grad=True)
+    tcp.checkpoint(_Drifting(), x, use_reentrant=False).sum().backward()  # no error: the contrast
+
+
+@pytest.mark.parametrize("policy", [None, "matmul"])
+def test_values_check_passes_on_deterministic_blocks(policy):
+    model = mlp_chain(4, 8, 16, dropout=0.3, norm="batch")
+    ref = twin(model)
+    x = torch.randn(6, 8, requires_grad=True)
+    got = train_step(model, x, seq(2, determinism_check="values", policy=policy))
+    assert bitwise_equal(train_step(ref, x)[1], got[1])
+
+
+# --- selective recompute -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["matmul", "attention", "matmul+attention"])
+def test_policy_presets_exact_and_between_plain_and_full(policy):
+    torch.manual_seed(0)
+    model = transformer_chain(2, 32, 4)
+    x = torch.randn(4, 16, 32, requires_grad=True)
+    ref = train_step(twin(model), x)
+    got = train_step(model, x, seq(2, policy=policy))
+    assert bitwise_equal(ref[1], got[1])
+
+    def retained(run):
+        with MemoryMeter("cpu") as m:
+            y = run(model, x)
+        del y
+        return m.end_bytes
+
+    plain = retained(lambda m, x: m(x))
+    full = retained(seq(2))
+    sel = retained(seq(2, policy=policy))
+    assert full < sel < plain
+
+
+def test_policy_function_keeping_everything_matches_plain_memory():
+    model = mlp_chain(3, 32, 64)
+    x = torch.randn(16, 32, requires_grad=True)
+    with MemoryMeter("cpu") as m_sel:
+        y = checkpoint_sequential(model, 3, x, policy=lambda op: op != torch.ops.aten.add.Tensor)
+    y.sum().backward()
+    with MemoryMeter("cpu") as m_full:
+        z = checkpoint_sequential(model, 3, x)
+    z.sum().backward()
+    assert m_sel.end_bytes > m_full.end_bytes
+
+
+def test_policy_errors():
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(InvalidArgumentError, match="unknown checkpoint policy 'fast'.*matmul"):
+        checkpoint(nn.Linear(4, 4), x, policy="fast")
+    with pytest.raises(InvalidInputTypeError, match="preset name"):
+        checkpoint(nn.Linear(4, 4), x, policy=3)
+
+
+# --- segments --------------------------------------------------------------------------------
+
+
+def test_segment_bounds():
+    assert segment_bounds(5, 2) == [(0, 3), (3, 5)]
+    assert segment_bounds(64, "sqrt") == [(i, i + 8) for i in range(0, 64, 8)]
+    assert segment_bounds(8, [3, 5]) == [(0, 3), (3, 5), (5, 8)]
+    assert segment_bounds(8, [0, 3, 8]) == [(0, 3), (3, 8)]
+    assert segment_bounds(3, 3) == [(0, 1), (1, 2), (2, 3)]
+
+
+@pytest.mark.parametrize(
+    "segments, match",
+    [
+        (0, r"segments=0 does not fit a chain of 4 blocks; pass an int between 1 and 4"),
+        (-1, r"between 1 and 4"),
+        (5, r"segments=5 does not fit a chain of 4 blocks"),
+        ("half", r"pass an int, 'sqrt' or a list"),
+        ([3, 2], r"strictly increasing"),
+        ([2, 2], r"strictly increasing"),
+        ([7], r"strictly increasing"),
+        (2.5, r"must be an int"),
+        ([1.5], r"must be ints"),
+    ],
+)
+def test_bad_segments(segments, match):
+    with pytest.raises(RevckptError, match=match):
+        checkpoint_sequential(mlp_chain(4, 4, 4), segments, torch.randn(2, 4))
+
+
+@pytest.mark.parametrize(
+    "blocks, match",
+    [
+        ([], r"empty chain; pass at least one block"),
+        (nn.Sequential(), r"empty chain"),
+        ([nn.Linear(4, 4), 3], r"block 1 of the chain is a int, not a callable"),
+        (nn.Linear(4, 4), r"got a single Linear; wrap it as nn.Sequential"),
+        ("abc", r"needs a chain of blocks"),
+        (5, r"needs a chain of blocks"),
+    ],
+)
+def test_bad_blocks(blocks, match):
+    with pytest.raises(RevckptError, match=match):
+        checkpoint_sequential(blocks, 1, torch.randn(2, 4))
+
+
+def test_bad_input_and_options():
+    chain = mlp_chain(2, 4, 4)
+    with pytest.raises(InvalidInputTypeError, match=r"input must be a torch.Tensor, got list"):
+        checkpoint_sequential(chain, 1, [1.0, 2.0])
+    with pytest.raises(InvalidArgumentError, match=r"determinism_check='exact'.*'values'"):
+        checkpoint_sequential(chain, 1, torch.randn(2, 4), determinism_check="exact")
+    with pytest.raises(InvalidInputTypeError, match=r"needs a callable block"):
+        checkpoint("not a function", torch.randn(2))
+    assert issubclass(InvalidArgumentError, ValueError)
+    assert issubclass(InvalidInputTypeError, TypeError)
+
+
+def test_public_names():
+    assert revckpt.checkpoint is checkpoint
+    assert set(revckpt.POLICY_PRESETS) == {"matmul", "attention", "matmul+attention"}
