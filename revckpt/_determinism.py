@@ -3,9 +3,9 @@
 During the first forward every operation's freshly allocated outputs are fingerprinted with two
 float64 reductions, ``sum(x)`` and ``sum(|x|)``; the recompute fingerprints its outputs again,
 in the same order, and the first difference raises :class:`CheckpointMismatchError` naming the
-operation. Operations whose outputs all alias an input (views, ``detach``, in-place updates such as a
-BatchNorm counter) and allocations of uninitialised memory (``empty_like``) are skipped: only
-values the block computes are compared. The check costs two reductions per output
+operation. Operations whose outputs all alias an input (views, ``detach``, in-place updates
+such as a BatchNorm counter) and allocations of uninitialised memory (``empty_like``) are
+skipped: only values the block computes are compared. The check costs two reductions per output
 and 16 bytes per output kept until backward, so it is opt-in (``determinism_check="values"``).
 """
 
@@ -20,7 +20,6 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 
 from .errors import CheckpointMismatchError
-
 
 # Operations whose outputs hold uninitialised memory: nothing to compare until written.
 _UNINITIALISED = frozenset(

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -321,14 +322,14 @@ def segment_bounds(length: int, segments: int | str | Sequence[int]) -> list[tup
     if cuts and cuts[-1] == length:
         cuts = cuts[:-1]
     points = [0, *cuts, length]
-    if any(b <= a for a, b in zip(points, points[1:], strict=False)) or (
-        cuts and not (0 < cuts[0] and cuts[-1] < length)
+    if any(b <= a for a, b in itertools.pairwise(points)) or (
+        cuts and not (cuts[0] > 0 and cuts[-1] < length)
     ):
         raise InvalidArgumentError(
             f"segment boundaries {list(segments)!r} must be strictly increasing block indices "
             f"between 1 and {length - 1} (where each new segment starts), e.g. [{length // 2}]"
         )
-    return list(zip(points, points[1:], strict=False))
+    return list(itertools.pairwise(points))
 
 
 class _Segment:

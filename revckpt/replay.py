@@ -27,6 +27,7 @@ This module imports nothing of revckpt but the errors; every strategy uses it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -49,22 +50,47 @@ __all__ = [
 _RUNNING_STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
 
+@functools.cache
+def _accelerator_type() -> str | None:
+    if not torch.accelerator.is_available():
+        return None
+    accelerator = torch.accelerator.current_accelerator()
+    return None if accelerator is None else accelerator.type
+
+
+def _accelerator_initialised() -> bool:
+    """Whether any accelerator runtime has been started (else every tensor lives on the CPU)."""
+    if torch.cuda.is_initialized():
+        return True
+    kind = _accelerator_type()
+    if kind is None or kind == "cuda":
+        return False
+    module = torch.get_device_module(kind)
+    return bool(getattr(module, "is_initialized", lambda: True)())
+
+
 def devices_of(*objs: Any) -> list[torch.device]:
     """The distinct devices of the tensors in ``objs`` (nested containers and modules included).
 
-    Modules contribute their parameters and buffers. The result is ordered by first appearance;
-    ``meta`` tensors are ignored.
+    Modules contribute their parameters and buffers (scanned only once an accelerator runtime
+    has started: before that, every tensor is on the CPU). The result is ordered by first
+    appearance; ``meta`` tensors are ignored.
     """
+    scan_modules = _accelerator_initialised()
     seen: dict[torch.device, None] = {}
     for obj in objs:
-        if isinstance(obj, nn.Module):
-            tensors: Iterable[Any] = [*obj.parameters(), *obj.buffers()]
+        if isinstance(obj, torch.Tensor):
+            tensors: Iterable[Any] = (obj,)
+        elif isinstance(obj, nn.Module):
+            if not scan_modules:
+                continue
+            tensors = [*obj.parameters(), *obj.buffers()]
         else:
             tensors = tree_flatten(obj)[0]
         for t in tensors:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                seen.setdefault(_normalise(t.device), None)
-    return list(seen)
+                seen.setdefault(t.device, None)
+    return list(dict.fromkeys(_normalise(d) for d in seen))
 
 
 def _normalise(device: torch.device) -> torch.device:
@@ -94,11 +120,16 @@ def _set_rng(device: torch.device, state: torch.Tensor) -> None:
         module.set_rng_state(state, device.index)
 
 
-def _autocast_device_types(devices: Iterable[torch.device]) -> tuple[str, ...]:
-    types = {"cpu"} | {d.type for d in devices}
+@functools.cache
+def _autocast_types(extra: frozenset[str]) -> tuple[str, ...]:
+    types = {"cpu", *extra}
     if torch.cuda.is_available():
         types.add("cuda")
     return tuple(sorted(t for t in types if torch.amp.is_autocast_available(t)))
+
+
+def _autocast_device_types(devices: Iterable[torch.device]) -> tuple[str, ...]:
+    return _autocast_types(frozenset(d.type for d in devices if d.type != "cpu"))
 
 
 @dataclass(frozen=True)
@@ -238,7 +269,8 @@ def freeze_running_stats() -> Iterator[None]:
     backward are unchanged. The real buffers are restored when the call returns or raises.
 
     .. note:: Normalisation layers written from scratch (buffers updated by hand with
-       ``F.batch_norm``) are not recognised; derive them from ``torch.nn.modules.batchnorm._NormBase``
+       ``F.batch_norm``) are not recognised; derive them from
+       ``torch.nn.modules.batchnorm._NormBase``, check :func:`is_replaying` in their forward,
        or keep such blocks out of recompute.
     """
     owner = threading.get_ident()
@@ -280,4 +312,3 @@ def freeze_running_stats() -> Iterator[None]:
         post.remove()
         for module in list(swapped):
             restore(module)
-

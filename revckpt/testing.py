@@ -160,5 +160,5 @@ def stack_specs(
 
 
 def block_stacks(**ranges: Any) -> SearchStrategy[tuple[nn.Sequential, torch.Tensor]]:
-    """Hypothesis strategy of ``(model, input)`` pairs built from :func:`stack_specs` ``(**ranges)``."""
+    """Hypothesis strategy of ``(model, input)`` pairs from :func:`stack_specs` ``(**ranges)``."""
     return stack_specs(**ranges).map(lambda s: (s.build(), s.make_input()))

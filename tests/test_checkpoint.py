@@ -30,13 +30,20 @@ def seq(segments, **opts):
 # --- exactness -------------------------------------------------------------------------------
 
 
-@given(spec=stack_specs(depth=(1, 8), dtypes=(torch.float64, torch.float32)),
-       segments=st.sampled_from(["per-block", "sqrt", 1, 2]))
+@given(
+    spec=stack_specs(depth=(1, 8), dtypes=(torch.float64, torch.float32)),
+    segments=st.sampled_from(["per-block", "sqrt", 1, 2]),
+)
 def test_gradients_bitwise_equal_plain(spec, segments):
     model = spec.build()
     x = spec.make_input()
-    segs = spec.depth if segments == "per-block" else min(segments, spec.depth) \
-        if isinstance(segments, int) else segments
+    segs = (
+        spec.depth
+        if segments == "per-block"
+        else min(segments, spec.depth)
+        if isinstance(segments, int)
+        else segments
+    )
     ref = train_step(twin(model), x)
     got = train_step(model, x, seq(segs))
     assert torch.equal(ref[0], got[0])
@@ -91,8 +98,7 @@ def test_batchnorm_contrast_torch_checkpoint_updates_twice():
     plain, theirs = _bn_model(), _bn_model()
     x = torch.randn(16, 8, requires_grad=True)
     train_step(plain, x)
-    train_step(theirs, x,
-               lambda m, x: nn.Sequential(*[_TorchCkpt(b) for b in m])(x))
+    train_step(theirs, x, lambda m, x: nn.Sequential(*[_TorchCkpt(b) for b in m])(x))
     assert int(theirs[0].norm.num_batches_tracked) == 2
     assert not torch.equal(plain[0].norm.running_mean, theirs[0].norm.running_mean)
 
@@ -134,6 +140,7 @@ def test_bf16_autocast_matches_plain_under_autocast():
         def go(m, x):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 return (run(m, x) if run else m(x)).float()
+
         return go
 
     ref = train_step(twin(model), x, under_autocast(None))
@@ -249,7 +256,9 @@ def test_values_check_catches_changed_values_that_metadata_misses():
     x = torch.randn(3, 4, requires_grad=True)
     checkpoint(_Drifting(), x).sum().backward()  # metadata check: passes silently
     y = checkpoint(_Drifting(), x, determinism_check="values")
-    with pytest.raises(CheckpointMismatchError, match=r"aten\.mul.*differ.*determinism_check='none'"):
+    with pytest.raises(
+        CheckpointMismatchError, match=r"aten\.mul.*differ.*determinism_check='none'"
+    ):
         y.sum().backward()
 
 
@@ -305,7 +314,7 @@ def test_policy_function_keeping_everything_matches_plain_memory():
 
 def test_policy_errors():
     x = torch.randn(2, 4, requires_grad=True)
-    with pytest.raises(InvalidArgumentError, match="unknown checkpoint policy 'fast'.*matmul"):
+    with pytest.raises(InvalidArgumentError, match=r"unknown checkpoint policy 'fast'.*matmul"):
         checkpoint(nn.Linear(4, 4), x, policy="fast")
     with pytest.raises(InvalidInputTypeError, match="preset name"):
         checkpoint(nn.Linear(4, 4), x, policy=3)

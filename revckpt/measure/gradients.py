@@ -56,8 +56,13 @@ class TensorError:
         dmax = d.abs().max().item() if d.numel() else 0.0
         return cls(
             rel_l2=_ratio(dn, rn),
-            one_minus_cos=(0.0 if dn == 0 else 1.0 if gn == 0 or rn == 0
-                           else max(0.0, 1.0 - torch.dot(g, r).item() / (gn * rn))),
+            one_minus_cos=(
+                0.0
+                if dn == 0
+                else 1.0
+                if gn == 0 or rn == 0
+                else max(0.0, 1.0 - torch.dot(g, r).item() / (gn * rn))
+            ),
             max_abs_rel=_ratio(dmax, rmax),
             diff_norm=dn,
             ref_norm=rn,
@@ -128,7 +133,9 @@ def _prepare(obj: Any, dtype: torch.dtype | None) -> Any:
 
 
 def _projection_loss(out: Any, seed: int) -> torch.Tensor:
-    tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    tensors = [
+        t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
     if not tensors:
         raise InvalidArgumentError(
             "the model returned no floating-point tensor to differentiate; pass loss_fn=... that "

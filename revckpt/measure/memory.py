@@ -35,7 +35,8 @@ from ..errors import InvalidArgumentError
 __all__ = ["MemoryMeter", "MemoryStats", "peak_memory"]
 
 _LIFT_OPS = frozenset(
-    getattr(torch.ops.aten, name) for name in ("lift_fresh", "lift_fresh_copy", "lift")
+    getattr(torch.ops.aten, name)
+    for name in ("lift_fresh", "lift_fresh_copy", "lift")
     if hasattr(torch.ops.aten, name)
 )
 

@@ -1,0 +1,44 @@
+import importlib
+import importlib.util
+import inspect
+
+import revckpt
+from revckpt import RevckptError
+
+
+def test_all_is_complete_and_importable():
+    for name in revckpt.__all__:
+        assert hasattr(revckpt, name), name
+
+
+def test_subpackages_live_under_revckpt():
+    for sub in ("layers", "approx", "measure", "models"):
+        mod = importlib.import_module(f"revckpt.{sub}")
+        assert mod.__name__ == f"revckpt.{sub}"
+    assert importlib.util.find_spec("layers") is None
+    assert importlib.util.find_spec("approx") is None
+
+
+def test_every_public_error_derives_from_revckpt_error():
+    errors = [
+        obj
+        for _, obj in inspect.getmembers(revckpt.errors, inspect.isclass)
+        if obj.__module__ == "revckpt.errors"
+    ]
+    assert len(errors) >= 5
+    assert all(issubclass(e, RevckptError) for e in errors)
+
+
+def test_replay_and_measure_import_nothing_else_of_revckpt():
+    import ast
+    import pathlib
+
+    root = pathlib.Path(revckpt.__file__).parent
+    for path in [root / "replay.py", *(root / "measure").glob("*.py")]:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                target = node.module or ""
+                assert target in ("errors", "memory", "timing", "gradients") or target.endswith(
+                    "errors"
+                ), f"{path.name} imports .{target}"

@@ -1,0 +1,70 @@
+import copy
+
+import pytest
+import torch
+from hypothesis import given
+from torch import nn
+
+from revckpt import GradientMismatchError, checkpoint_sequential
+from revckpt.testing import StackSpec, assert_gradients_close, block_stacks, stack_specs
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, chain):
+        super().__init__()
+        self.chain = chain
+
+    def forward(self, x):
+        return checkpoint_sequential(self.chain, len(self.chain), x)
+
+
+@given(spec=stack_specs(depth=(1, 6), dtypes=(torch.float64,)))
+def test_checkpointed_stacks_match_float64_reference(spec):
+    model = spec.build()
+    report = assert_gradients_close(Checkpointed(model), None, spec.make_input(), rtol=1e-12)
+    assert report.overall.rel_l2 <= 1e-12
+
+
+@given(pair=block_stacks(depth=(1, 3), dtypes=(torch.float32,), norms=(None, "layer")))
+def test_block_stacks_strategy_gives_models_and_inputs(pair):
+    model, x = pair
+    assert isinstance(model, nn.Sequential) and model.training
+    assert x.dtype == torch.float32 and x.requires_grad
+    assert model(x).shape == x.shape
+
+
+def test_failure_message_names_the_worst_parameters():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).double()
+    cand = copy.deepcopy(ref)
+    with torch.no_grad():
+        cand[2].weight.mul_(1.5)  # scales the gradients of layer 0 and of the input by 1.5
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(GradientMismatchError) as info:
+        assert_gradients_close(cand, ref, x, rtol=1e-6)
+    msg = str(info.value)
+    assert "gradients differ by more than atol + rtol*||ref||" in msg
+    assert "3 of 5 gradients" in msg
+    worst = [line.split(":")[0].strip() for line in msg.splitlines()[1:4]]
+    assert sorted(worst) == ["0.bias", "0.weight", "input.0"]
+    assert "rel_l2 5.000e-01" in msg
+    assert isinstance(info.value, AssertionError)
+
+
+def test_passes_within_tolerance_and_rejects_negative_tolerance():
+    model = nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+    assert_gradients_close(model, None, x, rtol=1e-5)
+    with pytest.raises(GradientMismatchError):
+        assert_gradients_close(model, None, x, rtol=1e-12)
+    with pytest.raises(ValueError, match="rtol and atol must be >= 0"):
+        assert_gradients_close(model, None, x, rtol=-1)
+
+
+def test_stack_spec_is_reproducible():
+    spec = StackSpec(
+        depth=2, width=4, hidden=8, batch=3, dtype=torch.float64, dropout=0.0, norm="batch", seed=11
+    )
+    a, b = spec.build(), spec.build()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    assert torch.equal(spec.make_input(), spec.make_input())
