@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         tf = dict(depth=2, dim=32, heads=2, seq=16, batch=2)
         repeats = args.repeats or 3
     else:
-        mlp = dict(depth=32, width=256, hidden=1024, batch=128)
+        mlp = dict(depth=32, width=128, hidden=512, batch=1024)
         tf = dict(depth=8, dim=256, heads=4, seq=256, batch=4)
         repeats = args.repeats or 9
     rows = bench_chain(
