@@ -1,4 +1,5 @@
 import copy
+import itertools
 
 import pytest
 import torch
@@ -381,3 +382,41 @@ def test_bad_input_and_options():
 def test_public_names():
     assert revckpt.checkpoint is checkpoint
     assert set(revckpt.POLICY_PRESETS) == {"matmul", "attention", "matmul+attention"}
+
+
+def test_nested_checkpoints_exact_and_statistics_once():
+    torch.manual_seed(0)
+    inner = mlp_chain(4, 8, 16, dropout=0.2, norm="batch").double()
+    ref = twin(inner)
+    x = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    got = train_step(inner, x, lambda m, x: checkpoint(lambda z: checkpoint_sequential(m, 2, z), x))
+    want = train_step(ref, x)
+    assert bitwise_equal(want[1], got[1]) and torch.equal(want[2], got[2])
+    for a, b in zip(ref.buffers(), inner.buffers(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_double_backward():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+
+    def second_order(run):
+        (g,) = torch.autograd.grad(run(x).pow(2).sum(), x, create_graph=True)
+        (gg,) = torch.autograd.grad(g.sum(), x)
+        return gg
+
+    assert torch.equal(
+        second_order(lambda x: checkpoint_sequential(model, 3, x)), second_order(model)
+    )
+
+
+@given(length=st.integers(1, 200), data=st.data())
+def test_segment_bounds_partition_the_chain(length, data):
+    segments = data.draw(st.one_of(st.integers(1, length), st.just("sqrt")))
+    bounds = segment_bounds(length, segments)
+    assert bounds[0][0] == 0 and bounds[-1][1] == length
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
+    sizes = [stop - start for start, stop in bounds]
+    assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+    if isinstance(segments, int):
+        assert len(bounds) == segments
