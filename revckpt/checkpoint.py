@@ -205,6 +205,8 @@ def _checkpoint(
     policy: Policy | None,
     label: str,
 ) -> Any:
+    if torch.compiler.is_compiling():
+        return _compiled_checkpoint(fn, args, kwargs, determinism_check, policy)
     contexts = _Contexts(
         (args, kwargs, *modules),
         preserve_rng_state=preserve_rng_state,
@@ -219,6 +221,40 @@ def _checkpoint(
         context_fn=contexts,
         determinism_check="none" if determinism_check == "none" else "default",
         preserve_rng_state=False,
+        **kwargs,
+    )
+
+
+def _compiled_checkpoint(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    determinism_check: str,
+    policy: Policy | None,
+) -> Any:
+    """Under ``torch.compile`` the recompute is planned by the compiler, not replayed in Python.
+
+    Dynamo traces torch's checkpoint as one region; AOT autograd's partitioner recomputes its
+    pure operations in the backward graph. Buffer updates (BatchNorm statistics) are not part of
+    what it recomputes, and random operations are saved or replayed by the compiler, so
+    :mod:`revckpt.replay` has nothing to do there; the selective policy is handed to the
+    compiler through torch's selective-checkpoint contexts.
+    """
+    if determinism_check == "values":
+        raise InvalidArgumentError(
+            "determinism_check='values' runs Python code on every operation and cannot run "
+            "inside torch.compile; use determinism_check='metadata' in compiled code, or check "
+            "values in an eager run"
+        )
+    options: dict[str, Any] = {}
+    if policy is not None:
+        options["context_fn"] = _policy_context_fn(policy)
+    return _torch_checkpoint(
+        fn,
+        *args,
+        use_reentrant=False,
+        determinism_check="none" if determinism_check == "none" else "default",
+        **options,
         **kwargs,
     )
 
