@@ -1,9 +1,9 @@
 """revckpt: train deeper and wider PyTorch models in the same memory, and know what it cost.
 
-Strategies that trade compute for activation memory (classic checkpoint segments here;
-reversible blocks, approximate recompute and a scheduler that mixes them come in
-``revckpt.layers``, ``revckpt.approx`` and ``revckpt.schedule``), with the measurement tools to
-prove what they save: :class:`MemoryMeter`, :func:`time_ratio`, :func:`gradient_error`.
+Strategies that trade compute for activation memory (classic checkpoint segments today;
+reversible blocks in ``revckpt.layers``, approximate recompute in ``revckpt.approx`` and a
+scheduler that mixes them are the next milestones), with the measurement tools to prove what
+they save: :class:`MemoryMeter`, :func:`time_ratio`, :func:`gradient_error`.
 """
 
 from . import measure, replay, testing

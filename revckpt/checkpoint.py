@@ -363,7 +363,8 @@ def segment_bounds(length: int, segments: int | str | Sequence[int]) -> list[tup
     ):
         raise InvalidArgumentError(
             f"segment boundaries {list(segments)!r} must be strictly increasing block indices "
-            f"between 1 and {length - 1} (where each new segment starts), e.g. [{length // 2}]"
+            f"between 1 and {length - 1} (where each new segment starts; a leading 0 and a "
+            f"trailing {length} are allowed), e.g. [{max(1, length // 2)}]"
         )
     return list(itertools.pairwise(points))
 

@@ -83,8 +83,34 @@ def assert_gradients_close(
         if len(failing) > 5:
             lines.append(f"  ... and {len(failing) - 5} more")
         lines.append(f"overall rel_l2 {report.overall.rel_l2:.3e}")
+        if reference is not None:
+            lines.extend(_weight_differences(candidate, reference))
         raise GradientMismatchError("\n".join(lines))
     return report
+
+
+def _weight_differences(candidate: nn.Module, reference: nn.Module) -> list[str]:
+    """A hint when the two models do not even hold the same weights (a common test mistake)."""
+    ref = dict(reference.named_parameters())
+    differing = []
+    for name, p in candidate.named_parameters():
+        r = ref.get(name)
+        if r is None or r.shape != p.shape:
+            continue
+        eps = (
+            max(torch.finfo(p.dtype).eps, torch.finfo(r.dtype).eps)
+            if (p.is_floating_point() and r.is_floating_point())
+            else 0.0
+        )
+        if not torch.allclose(p.detach().double(), r.detach().double(), rtol=eps, atol=0.0):
+            differing.append(name)
+    if not differing:
+        return []
+    return [
+        f"note: {len(differing)} parameters hold different values in candidate and reference "
+        f"(e.g. {differing[0]!r}); build both from the same weights (copy.deepcopy, "
+        "load_state_dict, or the same torch.manual_seed before each constructor)"
+    ]
 
 
 @dataclass(frozen=True)

@@ -68,3 +68,11 @@ def test_stack_spec_is_reproducible():
     a, b = spec.build(), spec.build()
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     assert torch.equal(spec.make_input(), spec.make_input())
+
+
+def test_failure_message_hints_at_different_weights():
+    x = torch.randn(3, 4, dtype=torch.float64)
+    a = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    b = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    with pytest.raises(GradientMismatchError, match=r"4 parameters hold different values"):
+        assert_gradients_close(a, b, x)

@@ -1,0 +1,27 @@
+"""The README's Python snippets run as written (in order, sharing one namespace)."""
+
+import pathlib
+import re
+
+import pytest
+
+from revckpt import CheckpointMismatchError
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def snippets():
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_readme_snippets_run():
+    blocks = snippets()
+    assert len(blocks) >= 5
+    namespace: dict = {}
+    for code in blocks:
+        if 'determinism_check="values"' in code:
+            with pytest.raises(CheckpointMismatchError, match=r"aten\.mul"):
+                exec(compile(code, "README.md", "exec"), namespace)
+        else:
+            exec(compile(code, "README.md", "exec"), namespace)
+    namespace["test_checkpointed_model_is_exact"]()
