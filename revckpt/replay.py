@@ -200,17 +200,20 @@ class ForwardState:
         if preserve_rng_state:
             for device in [torch.device("cpu"), *devices]:
                 if device not in rng:
-                    # The getters allocate outside the dispatcher; a clone makes the kept copy an
-                    # ordinary tensor that memory meters see.
-                    rng[device] = _get_rng(device).clone()
+                    rng[device] = _get_rng(device)
         autocast = tuple(AutocastState.capture(t) for t in _autocast_device_types(devices))
         return cls(devices, rng, autocast)
 
     def forward_finished(self) -> None:
         """Forget generator states that the forward did not advance: replay needs none of them."""
         for device in list(self._rng):
-            if torch.equal(self._rng[device], _get_rng(device)):
+            before = self._rng[device]
+            if torch.equal(before, _get_rng(device)):
                 del self._rng[device]
+            else:
+                # The getters allocate outside the dispatcher; a clone makes the state kept for
+                # replay an ordinary tensor that memory meters see.
+                self._rng[device] = before.clone()
 
     @property
     def rng_devices(self) -> tuple[torch.device, ...]:

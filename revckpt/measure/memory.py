@@ -172,7 +172,9 @@ class MemoryMeter:
         else:
             assert self._tracker is not None
             self._tracker.__exit__(*exc)
-            peak, end = self._tracker.peak, self._tracker.live
+            with self._tracker.lock:
+                peak, end = self._tracker.peak, self._tracker.live
+                self._tracker.refs.clear()  # dropping the weak references cancels their callbacks
             self._tracker = None
         self._stats = MemoryStats(peak_bytes=peak, end_bytes=end, device=str(self.device))
 
