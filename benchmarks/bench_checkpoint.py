@@ -57,7 +57,7 @@ def ours(segments: Any, **opts: Any) -> Run:
 def variants(depth: int, selective: str) -> dict[str, Run]:
     every = 4 if depth >= 8 else 2
     return {
-        "plain": lambda m, x: m(x),
+        "plain": lambda m, x: m(x),  # its time ratio (plain vs plain) shows the noise floor
         "torch per-block": torch_per_block,
         "torch sqrt (last segment stored)": torch_sqrt,
         "revckpt per-block": ours("per-block"),
@@ -113,6 +113,18 @@ def bench_chain(
             }
         )
         print(f"  measured {name} / {label}", file=sys.stderr)
+    head = time_ratio(
+        step(runs["revckpt per-block"]), step(runs["torch per-block"]), repeats=repeats, warmup=1
+    )
+    rows.append(
+        {
+            "chain": name,
+            "variant": "head-to-head: revckpt per-block / torch per-block",
+            "time_ratio": head.ratio,
+            "time_ratio_q25": head.q25,
+            "time_ratio_q75": head.q75,
+        }
+    )
     return rows
 
 
@@ -124,6 +136,12 @@ def table(rows: list[dict[str, Any]]) -> str:
     plain = {r["chain"]: r for r in rows if r["variant"] == "plain"}
     for r in rows:
         p = plain[r["chain"]]
+        if "retained_bytes" not in r:
+            lines.append(
+                f"| {r['chain']} | {r['variant']} | | | | | {r['time_ratio']:.3f} "
+                f"({r['time_ratio_q25']:.2f}-{r['time_ratio_q75']:.2f}) |"
+            )
+            continue
         lines.append(
             f"| {r['chain']} | {r['variant']} | {r['retained_bytes'] / 2**20:.2f} | "
             f"{r['retained_bytes'] / p['retained_bytes']:.3f} | {r['peak_bytes'] / 2**20:.2f} | "

@@ -292,6 +292,11 @@ def checkpoint(
        state during backward. BatchNorm: running statistics are updated by the first forward
        only (see :func:`revckpt.replay.freeze_running_stats`).
 
+    .. note:: Under ``torch.compile`` the region is handed to the compiler as torch's own
+       checkpoint (with the selective policy, if any): the compiler plans the recompute, keeps
+       BatchNorm statistics single-updated and handles random ops itself;
+       ``determinism_check="values"`` raises there (it needs eager execution).
+
     .. warning:: The names ``preserve_rng_state``, ``determinism_check`` and ``policy`` are taken
        by this function; ``fn`` cannot receive keyword arguments of those names through it.
     """

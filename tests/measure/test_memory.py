@@ -2,6 +2,8 @@ import gc
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 from revckpt import InvalidArgumentError, MemoryMeter, checkpoint_sequential, peak_memory
@@ -115,3 +117,40 @@ def test_module_parameters_created_inside_are_counted():
         lin = nn.Linear(10, 20)  # 200 weights + 20 bias, float32
     assert m.end_bytes == 220 * 4
     del lin
+
+
+_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int8, torch.int64]
+
+
+@given(
+    steps=st.lists(
+        st.one_of(
+            st.tuples(st.just("alloc"), st.integers(0, 5000), st.sampled_from(_DTYPES)),
+            st.tuples(st.just("drop"), st.integers(0, 50)),
+            st.tuples(st.just("view"), st.integers(0, 50)),
+        ),
+        max_size=40,
+    )
+)
+def test_random_allocation_sequences_are_byte_exact(steps):
+    """Oracle: the bytes of the distinct storages still referenced from Python."""
+    held: list[torch.Tensor] = []
+
+    def referenced() -> int:
+        return sum(
+            {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in held}.values()
+        )
+
+    peak = 0
+    with MemoryMeter("cpu") as m:
+        for step in steps:
+            if step[0] == "alloc":
+                held.append(torch.zeros(step[1], dtype=step[2]))
+                peak = max(peak, referenced())
+            elif held and step[0] == "drop":
+                del held[step[1] % len(held)]
+            elif held and step[0] == "view":
+                held.append(held[step[1] % len(held)][1:])
+        end = referenced()
+    assert m.end_bytes == end
+    assert m.peak_bytes == peak
