@@ -13,6 +13,7 @@ __all__ = [
     "GradientMismatchError",
     "InvalidArgumentError",
     "InvalidInputTypeError",
+    "ReconstructionError",
     "RevckptError",
 ]
 
@@ -31,6 +32,10 @@ class InvalidInputTypeError(RevckptError, TypeError):
 
 class CheckpointMismatchError(RevckptError, RuntimeError):
     """A recomputed forward produced different values than the first forward."""
+
+
+class ReconstructionError(RevckptError, RuntimeError):
+    """A reversible block's rebuilt input drifted past the ``check_inverse`` tolerance."""
 
 
 class GradientMismatchError(RevckptError, AssertionError):

@@ -1,7 +1,14 @@
-"""Reversible building blocks (couplings, ReversibleSequential, ready blocks, converter).
+"""Reversible building blocks: couplings, reversible blocks and stacks."""
 
-Not yet implemented: the reversible issue (#3) delivers this subpackage. Nothing here is
-exported yet, so importing a name from it fails loudly rather than returning a stub.
-"""
+from .coupling import AdditiveCoupling, AffineCoupling, Coupling, make_coupling
+from .sequential import ReconstructionWarning, ReversibleBlock, ReversibleSequential
 
-__all__: list[str] = []
+__all__ = [
+    "AdditiveCoupling",
+    "AffineCoupling",
+    "Coupling",
+    "ReconstructionWarning",
+    "ReversibleBlock",
+    "ReversibleSequential",
+    "make_coupling",
+]

@@ -1,0 +1,411 @@
+"""Reversible blocks and stacks: zero-storage backward by rebuilding inputs from outputs.
+
+A :class:`ReversibleBlock` maps two streams ``(x1, x2)`` to ``(y1, y2)`` with two couplings
+(see :mod:`revckpt.layers.coupling`); additive::
+
+    y1 = x1 + F(x2)          x2 = y2 - G(y1)
+    y2 = x2 + G(y1)          x1 = y1 - F(x2)
+
+A :class:`ReversibleSequential` runs a stack of them keeping **only its output** for backward.
+Each block is one autograd node; backward walks the stack from the top, and at each block
+
+1. evaluates ``h = G(y1)`` once with autograd, rebuilds ``x2 = separate(y2, h)``, and
+   differentiates ``combine(x2, h)`` for the gradients of ``y1``, ``x2`` and G's parameters;
+2. does the same with ``F(x2)`` for ``x1``, F's parameters and the rest of ``x2``'s gradient;
+3. hands the rebuilt ``(x1, x2)`` to the block below and drops its own ``(y1, y2)``.
+
+So each branch runs once in forward and once in backward (no third evaluation), the memory held
+between forward and backward is the output (plus RNG states of branches that draw random numbers
+and, with ``anchor_every``, the anchored inputs), and the backward peak is one block's
+activations whatever the depth. Parameter gradients are returned to autograd block by block, so
+hooks, ``torch.autograd.grad``, gradient accumulation and DDP's bucketed all-reduce see ordinary
+gradients. Every branch evaluation in backward replays the forward's RNG, autocast state and
+frozen BatchNorm statistics through :mod:`revckpt.replay`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from ..errors import InvalidArgumentError, InvalidInputTypeError, ReconstructionError
+from ..replay import ForwardState
+from .coupling import Coupling, make_coupling
+
+__all__ = ["ReconstructionWarning", "ReversibleBlock", "ReversibleSequential"]
+
+Streams = tuple[torch.Tensor, torch.Tensor]
+
+
+class ReconstructionWarning(UserWarning):
+    """A rebuilt block input drifted from the original by more than ``check_inverse``."""
+
+
+def _call(branch: Callable[..., Any], u: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+    return branch(u, **kwargs) if kwargs else branch(u)
+
+
+class ReversibleBlock(nn.Module):
+    """Two-stream reversible block ``(x1, x2) -> (y1, y2)``.
+
+    With both branches: ``y1 = c(x1, f(x2))``, ``y2 = c(x2, g(y1))``, where ``c`` is the
+    coupling's ``combine`` (``x + h`` for ``"additive"``). With ``g=None`` the block updates one
+    stream and swaps them: ``(y1, y2) = (x2, c(x1, f(x2)))``, so a stack of such blocks updates
+    the two streams alternately.
+
+    Calling the block runs plain autograd (everything stored); inside a
+    :class:`ReversibleSequential` it runs with the reversible backward. :meth:`inverse` rebuilds
+    the input from the output. Keyword arguments of ``forward`` reach ``f`` and ``g``.
+    """
+
+    def __init__(
+        self,
+        f: Callable[..., Any],
+        g: Callable[..., Any] | None = None,
+        *,
+        coupling: str | Coupling = "additive",
+    ) -> None:
+        super().__init__()
+        for name, branch in (("f", f), ("g", g)):
+            if branch is not None and not isinstance(branch, nn.Module):
+                raise InvalidInputTypeError(
+                    f"ReversibleBlock branch {name} must be an nn.Module (its parameters receive "
+                    f"gradients from the reversible backward), got {type(branch).__name__}; wrap "
+                    "a function as a module, e.g. class Branch(nn.Module) with a forward"
+                )
+        self.f = f
+        self.g = g
+        self.coupling = make_coupling(coupling)
+
+    def _branch(self, which: str, u: torch.Tensor, x: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+        h = _call(self.f if which == "f" else self.g, u, kwargs)
+        self.coupling.check(x, h, branch=which)
+        return h
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor, **kwargs: Any) -> Streams:
+        y1 = self.coupling.combine(x1, self._branch("f", x2, x1, kwargs))
+        if self.g is None:
+            return x2, y1
+        return y1, self.coupling.combine(x2, self._branch("g", y1, x2, kwargs))
+
+    def inverse(self, y1: torch.Tensor, y2: torch.Tensor, **kwargs: Any) -> Streams:
+        """The input ``(x1, x2)`` that produced ``(y1, y2)``."""
+        if self.g is None:
+            return self.coupling.separate(y2, self._branch("f", y1, y2, kwargs)), y1
+        x2 = self.coupling.separate(y2, self._branch("g", y1, y2, kwargs))
+        return self.coupling.separate(y1, self._branch("f", x2, y1, kwargs)), x2
+
+    def extra_repr(self) -> str:
+        return f"coupling={self.coupling!r}, branches={'f' if self.g is None else 'f, g'}"
+
+
+def _grad_params(module: Any) -> tuple[torch.Tensor, ...]:
+    return tuple(p for p in dict.fromkeys(module.parameters()) if p.requires_grad)
+
+
+@dataclass
+class _Chain:
+    """State shared by the nodes of one forward call of a ReversibleSequential.
+
+    The stack is a chain of *half steps*, each updating one stream from the other:
+    ``s[target] = combine(s[target], branch(s[other]))``. In backward, ``values`` holds the
+    current value of every stream, starting from the output; each half step rebuilds its
+    target's previous value and puts it back, so exactly one value per stream is alive.
+    """
+
+    kwargs: dict[str, Any]
+    grad_kwargs: tuple[str, ...]
+    check_inverse: float | None
+    on_drift: str
+    drift: list[float | None]
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def _sample_index(numel: int, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(numel)
+    return torch.randperm(numel, generator=gen)[: min(numel, 64)].to(device)
+
+
+def _sample(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().reshape(-1)[_sample_index(x.numel(), x.device)]
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    a64, b64 = a.detach().double().reshape(-1), b.detach().double().reshape(-1)
+    ref = b64.norm().item()
+    diff = (a64 - b64).norm().item()
+    return diff / ref if ref > 0 else (0.0 if diff == 0 else float("inf"))
+
+
+class _HalfStep(torch.autograd.Function):
+    """``y = combine(a, branch(u))`` as an autograd node that keeps nothing for backward
+    (except, at anchors, its exact inputs)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        chain: _Chain,
+        step: tuple[Any, ...],
+        a: torch.Tensor,
+        u: torch.Tensor,
+        *tensors: torch.Tensor,
+    ) -> torch.Tensor:
+        block, which, _, _, _, anchor = step
+        ctx.chain, ctx.step = chain, step
+        branch = block.f if which == "f" else block.g
+        ctx.state = ForwardState.capture(u, chain.kwargs, branch)
+        y = block.coupling.combine(a, block._branch(which, u, a, chain.kwargs))
+        ctx.state.forward_finished()
+        # anchor: 0 = none, 1 = keep a, 2 = keep a and u (the first half step of a block)
+        ctx.save_for_backward(*((a, u)[:anchor]))
+        ctx.sample = _sample(a) if chain.check_inverse is not None and not anchor else None
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+        chain: _Chain = ctx.chain
+        block, which, block_index, target, other, anchor = ctx.step
+        branch = block.f if which == "f" else block.g
+        exact = ctx.saved_tensors
+        if anchor == 2:
+            chain.values[other] = exact[1]
+        y, u = chain.values[target], chain.values[other]
+        kw = dict(chain.kwargs)
+        kw_leaves = []
+        for name in chain.grad_kwargs:
+            kw[name] = chain.kwargs[name].detach().requires_grad_(True)
+            kw_leaves.append(kw[name])
+        params = _grad_params(branch)
+        u_leaf = u.detach().requires_grad_(True)
+        with torch.enable_grad(), ctx.state.replay():
+            h = _call(branch, u_leaf, kw)
+            with torch.no_grad():
+                a = block.coupling.separate(y, _detached(h))
+            if anchor:
+                _record_drift(chain, block_index, a, exact[0])
+                a = exact[0]
+            elif ctx.sample is not None:
+                _record_drift(chain, block_index, _sample(a), ctx.sample)
+            a_leaf = a.detach().requires_grad_(True)
+            y_again = block.coupling.combine(a_leaf, h)
+        grads = torch.autograd.grad(
+            y_again, (a_leaf, u_leaf, *params, *kw_leaves), dy, allow_unused=True
+        )
+        del y, h, y_again
+        chain.values[target] = a.detach()
+        da = _zeros_if_none(grads[0], a)
+        du = _zeros_if_none(grads[1], u)
+        return (None, None, da, du, *grads[2:])
+
+
+def _detached(h: Any) -> Any:
+    if isinstance(h, torch.Tensor):
+        return h.detach()
+    return type(h)(_detached(v) for v in h)
+
+
+def _zeros_if_none(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if g is None else g
+
+
+def _record_drift(chain: _Chain, index: int, rebuilt: torch.Tensor, exact: torch.Tensor) -> None:
+    err = _relative(rebuilt, exact)
+    previous = chain.drift[index]
+    chain.drift[index] = err if previous is None else max(previous, err)
+    tol = chain.check_inverse
+    if tol is not None and err > tol:
+        message = (
+            f"reversible block {index}: rebuilt input differs from the original by {err:.3e} "
+            f"(relative) > check_inverse={tol:g}. Reconstruction drift grows with depth and with "
+            "low precision: set anchor_every=k to store every k-th block input exactly, keep the "
+            "streams in float32, or use an affine coupling with a smaller clamp"
+        )
+        if chain.on_drift == "raise":
+            raise ReconstructionError(message)
+        warnings.warn(message, ReconstructionWarning, stacklevel=2)
+
+
+class _Output(torch.autograd.Function):
+    """The stack's output: keeps it (the only tensor kept) and seeds the backward walk."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        chain: _Chain,
+        ids: tuple[int, int],
+        dim: int | None,
+        y1: torch.Tensor,
+        y2: torch.Tensor,
+    ) -> Any:
+        ctx.chain, ctx.ids, ctx.dim = chain, ids, dim
+        if dim is None:
+            y1, y2 = y1.view_as(y1), y2.view_as(y2)
+            ctx.save_for_backward(y1, y2)
+            return y1, y2
+        out = torch.cat([y1, y2], dim=dim)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        saved = ctx.saved_tensors
+        if ctx.dim is None:
+            y1, y2 = saved
+            d1, d2 = grads
+        else:
+            y1, y2 = saved[0].chunk(2, dim=ctx.dim)
+            d1, d2 = grads[0].chunk(2, dim=ctx.dim)
+        ctx.chain.values = {ctx.ids[0]: y1, ctx.ids[1]: y2}
+        return None, None, None, d1, d2
+
+
+class ReversibleSequential(nn.Module):
+    """A stack of :class:`ReversibleBlock` whose backward rebuilds activations from the output.
+
+    ``forward(x, **kwargs)`` takes one tensor, split into two equal halves along ``split_dim``
+    and returned concatenated, or a tuple ``(x1, x2)`` and returns a tuple. Keyword tensors
+    (masks, positions) reach every ``f`` and ``g``; they may require grad.
+
+    Args:
+        *blocks: :class:`ReversibleBlock` instances (or one iterable of them).
+        split_dim: the dimension split into the two streams for a single-tensor input.
+        check_inverse: a relative tolerance: backward measures how far each rebuilt block input
+            is from the original (64 sampled elements per stream, kept from the forward; the
+            full tensor at anchors) and warns (``on_drift="warn"``) or raises
+            :class:`~revckpt.ReconstructionError` (``on_drift="raise"``) past it. The last
+            measured drift per block is in :attr:`last_drift`.
+        anchor_every: keep the inputs of blocks ``0, k, 2k, ...`` exactly, so reconstruction
+            restarts from a stored anchor: drift is bounded by ``k`` blocks instead of the
+            whole depth, for ``ceil(L / k)`` stored block inputs.
+
+    Memory held between forward and backward: the output, plus 5,056 bytes (CPU) or 16 bytes
+    (per CUDA device) for each branch call that drew random numbers, plus the anchors and the
+    drift samples when enabled. ``no_grad`` and ``eval()`` forwards without inputs or
+    parameters requiring grad run the blocks plainly and keep nothing.
+    """
+
+    def __init__(
+        self,
+        *blocks: ReversibleBlock | Iterable[ReversibleBlock],
+        split_dim: int = -1,
+        check_inverse: float | None = None,
+        on_drift: Literal["warn", "raise"] = "warn",
+        anchor_every: int | None = None,
+    ) -> None:
+        super().__init__()
+        if len(blocks) == 1 and not isinstance(blocks[0], nn.Module):
+            blocks = tuple(blocks[0])  # type: ignore[arg-type]
+        for i, block in enumerate(blocks):
+            if not isinstance(block, ReversibleBlock):
+                raise InvalidInputTypeError(
+                    f"block {i} is a {type(block).__name__}, not a coupling block; wrap its "
+                    "residual branches as revckpt.layers.ReversibleBlock(f, g) (or convert a "
+                    "residual stack with revckpt.layers.convert_to_reversible)"
+                )
+        if not blocks:
+            raise InvalidArgumentError("ReversibleSequential needs at least one ReversibleBlock")
+        if check_inverse is not None and not check_inverse > 0:
+            raise InvalidArgumentError(
+                f"check_inverse={check_inverse!r}: pass a positive relative tolerance such as "
+                "1e-4, or None to skip the check"
+            )
+        if on_drift not in ("warn", "raise"):
+            raise InvalidArgumentError(f"on_drift={on_drift!r}: use 'warn' or 'raise'")
+        if anchor_every is not None and (
+            isinstance(anchor_every, bool) or not isinstance(anchor_every, int) or anchor_every < 1
+        ):
+            raise InvalidArgumentError(
+                f"anchor_every={anchor_every!r}: pass a positive int k to store every k-th block "
+                "input, or None for no anchors"
+            )
+        self.blocks = nn.ModuleList(blocks)
+        self.split_dim = split_dim
+        self.check_inverse = check_inverse
+        self.on_drift = on_drift
+        self.anchor_every = anchor_every
+        self.last_drift: list[float | None] = []
+
+    def _split(self, x: torch.Tensor) -> Streams:
+        size = x.shape[self.split_dim] if x.dim() else 0
+        if x.dim() == 0 or size % 2:
+            raise InvalidArgumentError(
+                f"cannot split an input of shape {tuple(x.shape)} into two equal streams along "
+                f"dim {self.split_dim} (size {size} is odd); pad that dimension to an even size, "
+                "choose another split_dim, or pass the two streams as a tuple (x1, x2)"
+            )
+        x1, x2 = x.chunk(2, dim=self.split_dim)
+        return x1, x2
+
+    def forward(self, x: torch.Tensor | Streams, **kwargs: Any) -> torch.Tensor | Streams:
+        tuple_mode = isinstance(x, (tuple, list))
+        if tuple_mode:
+            if len(x) != 2 or not all(isinstance(t, torch.Tensor) for t in x):
+                raise InvalidInputTypeError(
+                    "ReversibleSequential takes one tensor (split in two) or a tuple of two "
+                    f"tensors (x1, x2); got a {type(x).__name__} of {len(x)} items"
+                )
+            x1, x2 = x
+        elif isinstance(x, torch.Tensor):
+            x1, x2 = self._split(x)
+        else:
+            raise InvalidInputTypeError(
+                f"ReversibleSequential takes a tensor or a tuple (x1, x2), got {type(x).__name__}"
+            )
+        grad_kwargs = tuple(
+            k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad
+        )
+        needs_graph = torch.is_grad_enabled() and (
+            x1.requires_grad
+            or x2.requires_grad
+            or bool(grad_kwargs)
+            or any(p.requires_grad for p in self.parameters())
+        )
+        if not needs_graph:
+            for block in self.blocks:
+                x1, x2 = block(x1, x2, **kwargs)
+            return (x1, x2) if tuple_mode else torch.cat([x1, x2], dim=self.split_dim)
+        chain = _Chain(
+            kwargs=kwargs,
+            grad_kwargs=grad_kwargs,
+            check_inverse=self.check_inverse,
+            on_drift=self.on_drift,
+            drift=[None] * len(self.blocks),
+        )
+        self.last_drift = chain.drift
+        kw_tensors = [kwargs[k] for k in grad_kwargs]
+        streams = {0: x1, 1: x2}
+        ids = (0, 1)  # which stream is the block's first and second input
+        for i, block in enumerate(self.blocks):
+            anchored = self.anchor_every is not None and i % self.anchor_every == 0
+            first, second = ids
+            streams[first] = _HalfStep.apply(
+                chain,
+                (block, "f", i, first, second, 2 if anchored else 0),
+                streams[first],
+                streams[second],
+                *_grad_params(block.f),
+                *kw_tensors,
+            )
+            if block.g is None:
+                ids = (second, first)
+            else:
+                streams[second] = _HalfStep.apply(
+                    chain,
+                    (block, "g", i, second, first, 1 if anchored else 0),
+                    streams[second],
+                    streams[first],
+                    *_grad_params(block.g),
+                    *kw_tensors,
+                )
+        out = _Output.apply(
+            chain, ids, None if tuple_mode else self.split_dim, streams[ids[0]], streams[ids[1]]
+        )
+        return tuple(out) if tuple_mode else out
