@@ -36,7 +36,7 @@ from torch.autograd.function import once_differentiable
 
 from ..errors import InvalidArgumentError, InvalidInputTypeError, ReconstructionError
 from ..replay import ForwardState
-from .coupling import Coupling, make_coupling
+from .coupling import AdditiveCoupling, Coupling, make_coupling
 
 __all__ = ["ReconstructionWarning", "ReversibleBlock", "ReversibleSequential"]
 
@@ -193,16 +193,21 @@ class _HalfStep(torch.autograd.Function):
                 a = exact[0]
             elif ctx.sample is not None:
                 _record_drift(chain, block_index, _sample(a), ctx.sample)
-            a_leaf = a.detach().requires_grad_(True)
-            y_again = block.coupling.combine(a_leaf, h)
-        grads = torch.autograd.grad(
-            y_again, (a_leaf, u_leaf, *params, *kw_leaves), dy, allow_unused=True
-        )
+            if isinstance(block.coupling, AdditiveCoupling):
+                # y = a + h: dy/da = dy/dh = identity, so differentiate h alone.
+                a_leaf, y_again = None, h
+            else:
+                a_leaf = a.detach().requires_grad_(True)
+                y_again = block.coupling.combine(a_leaf, h)
+        sources = (u_leaf, *params, *kw_leaves) if a_leaf is None else (
+            u_leaf, *params, *kw_leaves, a_leaf)
+        grads = torch.autograd.grad(y_again, sources, dy, allow_unused=True)
         del y, h, y_again
         chain.values[target] = a.detach()
-        da = _zeros_if_none(grads[0], a)
-        du = _zeros_if_none(grads[1], u)
-        return (None, None, da, du, *grads[2:])
+        da = dy if a_leaf is None else _zeros_if_none(grads[-1], a)
+        du = _zeros_if_none(grads[0], u)
+        rest = grads[1 : 1 + len(params) + len(kw_leaves)]
+        return (None, None, da, du, *rest)
 
 
 def _detached(h: Any) -> Any:
