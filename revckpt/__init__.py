@@ -6,13 +6,14 @@ scheduler that mixes them are the next milestones), with the measurement tools t
 they save: :class:`MemoryMeter`, :func:`time_ratio`, :func:`gradient_error`.
 """
 
-from . import measure, replay, testing
+from . import layers, measure, replay, testing
 from .checkpoint import POLICY_PRESETS, checkpoint, checkpoint_sequential, segment_bounds
 from .errors import (
     CheckpointMismatchError,
     GradientMismatchError,
     InvalidArgumentError,
     InvalidInputTypeError,
+    ReconstructionError,
     RevckptError,
 )
 from .measure import (
@@ -36,11 +37,13 @@ __all__ = [
     "InvalidInputTypeError",
     "MemoryMeter",
     "MemoryStats",
+    "ReconstructionError",
     "RevckptError",
     "TimeRatio",
     "checkpoint",
     "checkpoint_sequential",
     "gradient_error",
+    "layers",
     "measure",
     "peak_memory",
     "replay",

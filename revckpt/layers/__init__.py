@@ -1,14 +1,32 @@
-"""Reversible building blocks: couplings, reversible blocks and stacks."""
+"""Reversible building blocks: couplings, reversible blocks and stacks, ready blocks."""
 
+from .blocks import (
+    AttentionBranch,
+    ConvBranch,
+    EnterStreams,
+    LeaveStreams,
+    MLPBranch,
+    reversible_mlp_block,
+    reversible_transformer_block,
+    revnet_conv_block,
+)
 from .coupling import AdditiveCoupling, AffineCoupling, Coupling, make_coupling
 from .sequential import ReconstructionWarning, ReversibleBlock, ReversibleSequential
 
 __all__ = [
     "AdditiveCoupling",
     "AffineCoupling",
+    "AttentionBranch",
+    "ConvBranch",
     "Coupling",
+    "EnterStreams",
+    "LeaveStreams",
+    "MLPBranch",
     "ReconstructionWarning",
     "ReversibleBlock",
     "ReversibleSequential",
     "make_coupling",
+    "reversible_mlp_block",
+    "reversible_transformer_block",
+    "revnet_conv_block",
 ]

@@ -105,6 +105,12 @@ class ReversibleBlock(nn.Module):
         return f"coupling={self.coupling!r}, branches={'f' if self.g is None else 'f, g'}"
 
 
+def _call_with(
+    branch: nn.Module, params: dict[str, torch.Tensor], u: torch.Tensor, kwargs: dict[str, Any]
+) -> Any:
+    return torch.func.functional_call(branch, params, (u,), kwargs, strict=False)
+
+
 def _grad_params(module: Any) -> tuple[torch.Tensor, ...]:
     return tuple(p for p in dict.fromkeys(module.parameters()) if p.requires_grad)
 
@@ -182,10 +188,18 @@ class _HalfStep(torch.autograd.Function):
         for name in chain.grad_kwargs:
             kw[name] = chain.kwargs[name].detach().requires_grad_(True)
             kw_leaves.append(kw[name])
-        params = _grad_params(branch)
+        # Differentiate through detached aliases of the parameters: autograd then reports their
+        # gradients to the outer backward once, where hooks and DDP see them, instead of
+        # firing parameter hooks inside this nested differentiation too.
+        aliases = {
+            name: p.detach().requires_grad_(True)
+            for name, p in branch.named_parameters()
+            if p.requires_grad
+        }
+        params = tuple(aliases.values())
         u_leaf = u.detach().requires_grad_(True)
         with torch.enable_grad(), ctx.state.replay():
-            h = _call(branch, u_leaf, kw)
+            h = _call_with(branch, aliases, u_leaf, kw)
             with torch.no_grad():
                 a = block.coupling.separate(y, _detached(h))
             if anchor:
@@ -199,8 +213,11 @@ class _HalfStep(torch.autograd.Function):
             else:
                 a_leaf = a.detach().requires_grad_(True)
                 y_again = block.coupling.combine(a_leaf, h)
-        sources = (u_leaf, *params, *kw_leaves) if a_leaf is None else (
-            u_leaf, *params, *kw_leaves, a_leaf)
+        sources = (
+            (u_leaf, *params, *kw_leaves)
+            if a_leaf is None
+            else (u_leaf, *params, *kw_leaves, a_leaf)
+        )
         grads = torch.autograd.grad(y_again, sources, dy, allow_unused=True)
         del y, h, y_again
         chain.values[target] = a.detach()

@@ -1,0 +1,179 @@
+"""Ready reversible blocks and helpers to enter and leave two streams.
+
+* :func:`reversible_transformer_block` — pre-norm transformer block as a coupling:
+  ``y1 = x1 + Attn(LN(x2))``, ``y2 = x2 + MLP(LN(y1))`` (attention through
+  ``F.scaled_dot_product_attention``; keyword ``attn_mask`` reaches the attention branch);
+* :func:`reversible_mlp_block` — ``y1 = x1 + MLP(x2)``, ``y2 = x2 + MLP(y1)``;
+* :func:`revnet_conv_block` — RevNet-style convolutional block on channels split in two:
+  ``F, G = BN -> ReLU -> conv3x3 -> BN -> ReLU -> conv3x3`` on ``C/2`` channels;
+* :class:`EnterStreams` (``"duplicate"``: ``(x, x)``; ``"split"``: halves along a dim) and
+  :class:`LeaveStreams` (``"average"``: ``(y1 + y2) / 2``; ``"concat"``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import InvalidArgumentError
+from .sequential import ReversibleBlock
+
+__all__ = [
+    "AttentionBranch",
+    "ConvBranch",
+    "EnterStreams",
+    "LeaveStreams",
+    "MLPBranch",
+    "reversible_mlp_block",
+    "reversible_transformer_block",
+    "revnet_conv_block",
+]
+
+
+class MLPBranch(nn.Module):
+    """``W2 · drop(act(W1 · norm(x)))``; ``norm`` is ``None``, ``"layer"`` or ``"batch"``."""
+
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        *,
+        norm: Literal["layer", "batch"] | None = None,
+        dropout: float = 0.0,
+        activation: type[nn.Module] = nn.GELU,
+    ) -> None:
+        super().__init__()
+        if norm not in (None, "layer", "batch"):
+            raise InvalidArgumentError(f"norm={norm!r}: use None, 'layer' or 'batch'")
+        self.norm = {None: nn.Identity, "layer": nn.LayerNorm, "batch": nn.BatchNorm1d}[norm](
+            *(() if norm is None else (dim,))
+        )
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = activation()
+        self.drop = nn.Dropout(dropout)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor, **_: object) -> torch.Tensor:
+        return self.fc2(self.drop(self.act(self.fc1(self.norm(x)))))
+
+
+class AttentionBranch(nn.Module):
+    """``W_o · SDPA(W_q, W_k, W_v · LN(x), mask)`` on ``(batch, seq, dim)``."""
+
+    def __init__(self, dim: int, heads: int, *, dropout: float = 0.0, causal: bool = False) -> None:
+        super().__init__()
+        if dim % heads:
+            raise InvalidArgumentError(f"dim={dim} is not divisible by heads={heads}")
+        self.heads, self.dropout, self.causal = heads, dropout, causal
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(
+        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, **_: object
+    ) -> torch.Tensor:
+        b, s, d = x.shape
+        qkv = self.qkv(self.norm(x)).view(b, s, 3, self.heads, d // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=self.causal and attn_mask is None,
+        )
+        return self.proj(out.transpose(1, 2).reshape(b, s, d))
+
+
+class ConvBranch(nn.Module):
+    """``conv3x3(relu(bn(conv3x3(relu(bn(x))))))`` on ``channels`` channels (RevNet)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.BatchNorm2d(channels),
+            nn.ReLU(),
+            nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(channels),
+            nn.ReLU(),
+            nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+        )
+
+    def forward(self, x: torch.Tensor, **_: object) -> torch.Tensor:
+        return self.body(x)
+
+
+def reversible_transformer_block(
+    dim: int, heads: int, *, mlp_ratio: int = 4, dropout: float = 0.0, causal: bool = False
+) -> ReversibleBlock:
+    """Reversible pre-norm transformer block; each stream has width ``dim``."""
+    return ReversibleBlock(
+        AttentionBranch(dim, heads, dropout=dropout, causal=causal),
+        MLPBranch(dim, mlp_ratio * dim, norm="layer", dropout=dropout),
+    )
+
+
+def reversible_mlp_block(
+    dim: int,
+    hidden: int,
+    *,
+    norm: Literal["layer", "batch"] | None = None,
+    dropout: float = 0.0,
+    coupling: str = "additive",
+) -> ReversibleBlock:
+    """Reversible MLP block; each stream has width ``dim``."""
+    return ReversibleBlock(
+        MLPBranch(dim, hidden, norm=norm, dropout=dropout),
+        MLPBranch(dim, hidden, norm=norm, dropout=dropout),
+        coupling=coupling,
+    )
+
+
+def revnet_conv_block(channels: int) -> ReversibleBlock:
+    """RevNet block for inputs of ``channels`` channels, split in two along dim 1
+    (use ``ReversibleSequential(..., split_dim=1)``). Keeps resolution and channels;
+    downsampling is not invertible and belongs between reversible stacks."""
+    if channels % 2:
+        raise InvalidArgumentError(
+            f"channels={channels} is odd; a RevNet block splits channels into two equal halves"
+        )
+    return ReversibleBlock(ConvBranch(channels // 2), ConvBranch(channels // 2))
+
+
+class EnterStreams(nn.Module):
+    """``x -> (x, x)`` (``"duplicate"``) or the halves of ``x`` along ``dim`` (``"split"``)."""
+
+    def __init__(self, mode: Literal["duplicate", "split"] = "duplicate", *, dim: int = -1):
+        super().__init__()
+        if mode not in ("duplicate", "split"):
+            raise InvalidArgumentError(f"mode={mode!r}: use 'duplicate' or 'split'")
+        self.mode, self.dim = mode, dim
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.mode == "duplicate":
+            return x, x
+        if x.shape[self.dim] % 2:
+            raise InvalidArgumentError(
+                f"cannot split shape {tuple(x.shape)} in two along dim {self.dim}: odd size; "
+                "use mode='duplicate' or pad"
+            )
+        a, b = x.chunk(2, dim=self.dim)
+        return a, b
+
+
+class LeaveStreams(nn.Module):
+    """``(y1, y2) -> (y1 + y2) / 2`` (``"average"``) or their concatenation (``"concat"``)."""
+
+    def __init__(self, mode: Literal["average", "concat"] = "average", *, dim: int = -1):
+        super().__init__()
+        if mode not in ("average", "concat"):
+            raise InvalidArgumentError(f"mode={mode!r}: use 'average' or 'concat'")
+        self.mode, self.dim = mode, dim
+
+    def forward(self, streams: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        y1, y2 = streams
+        return (y1 + y2) / 2 if self.mode == "average" else torch.cat([y1, y2], dim=self.dim)

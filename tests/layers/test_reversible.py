@@ -1,0 +1,345 @@
+import copy
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from revckpt import MemoryMeter, ReconstructionError, RevckptError
+from revckpt.layers import (
+    AffineCoupling,
+    Coupling,
+    ReconstructionWarning,
+    ReversibleBlock,
+    ReversibleSequential,
+    reversible_mlp_block,
+    reversible_transformer_block,
+    revnet_conv_block,
+)
+
+
+class MaskedMLP(nn.Module):
+    """A branch that takes a keyword mask: ``mlp(x) * mask``."""
+
+    def __init__(self, width, hidden, out, *, dropout, norm):
+        super().__init__()
+        layers = [nn.Linear(width, hidden)]
+        if norm == "batch":
+            layers.append(nn.BatchNorm1d(hidden))
+        elif norm == "layer":
+            layers.append(nn.LayerNorm(hidden))
+        layers.append(nn.Tanh())
+        if dropout:
+            layers.append(nn.Dropout(dropout))
+        layers.append(nn.Linear(hidden, out))
+        self.body = nn.Sequential(*layers)
+
+    def forward(self, x, mask=None):
+        y = self.body(x)
+        return y if mask is None else y * mask
+
+
+@st.composite
+def stacks(draw, depth=(1, 16), dtype=torch.float64):
+    coupling = draw(st.sampled_from(["additive", "affine"]))
+    width = draw(st.integers(1, 6))
+    hidden = draw(st.integers(1, 12))
+    dropout = draw(st.sampled_from([0.0, 0.3]))
+    norm = draw(st.sampled_from([None, "layer", "batch"]))
+    one_branch = draw(st.booleans())
+    out = 2 * width if coupling == "affine" else width
+    n = draw(st.integers(*depth))
+    seed = draw(st.integers(0, 2**20))
+    torch.manual_seed(seed)
+
+    def branch():
+        return MaskedMLP(width, hidden, out, dropout=dropout, norm=norm)
+
+    blocks = [
+        ReversibleBlock(branch(), None if one_branch else branch(), coupling=coupling)
+        for _ in range(n)
+    ]
+    rev = ReversibleSequential(*blocks, anchor_every=draw(st.sampled_from([None, 1, 3]))).to(dtype)
+    batch = draw(st.integers(2, 5))
+    x = torch.randn(batch, 2 * width, dtype=dtype)
+    mask = None
+    if draw(st.booleans()):
+        mask = torch.rand(batch, out, dtype=dtype).requires_grad_(draw(st.booleans()))
+    return rev, x, mask
+
+
+def plain_forward(rev, x, **kwargs):
+    """The same math with plain autograd: every block called directly."""
+    x1, x2 = x.chunk(2, dim=-1)
+    for block in rev.blocks:
+        x1, x2 = block(x1, x2, **kwargs)
+    return torch.cat([x1, x2], dim=-1)
+
+
+def step(model_fn, model, x, mask, seed=99):
+    x = x.detach().clone().requires_grad_()
+    kw = {}
+    if mask is not None:
+        kw["mask"] = mask.detach().clone().requires_grad_(mask.requires_grad)
+    torch.manual_seed(seed)
+    y = model_fn(model, x, **kw)
+    w = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype)
+    (y * w).sum().backward()
+    grads = [p.grad for p in model.parameters()] + [x.grad]
+    if mask is not None and mask.requires_grad:
+        grads.append(kw["mask"].grad)
+    return y.detach(), grads
+
+
+def assert_grads_match(got, want, rtol):
+    flat_got = torch.cat([g.flatten().double() for g in got])
+    flat_want = torch.cat([g.flatten().double() for g in want])
+    scale = flat_want.norm()
+    assert (flat_got - flat_want).norm() <= rtol * scale
+    for g, w in zip(got, want, strict=True):
+        # per tensor: relative, except for gradients that are zero up to round-off (a bias
+        # right before BatchNorm)
+        assert (g.double() - w.double()).norm() <= rtol * w.double().norm() + 1e-3 * rtol * scale
+
+
+@given(case=stacks())
+def test_float64_gradients_match_plain_autograd(case):
+    rev, x, mask = case
+    ref = copy.deepcopy(rev)
+    y_rev, g_rev = step(lambda m, x, **k: m(x, **k), rev, x, mask)
+    y_ref, g_ref = step(plain_forward, ref, x, mask)
+    assert torch.equal(y_rev, y_ref)
+    assert_grads_match(g_rev, g_ref, 1e-10)
+    for a, b in zip(rev.buffers(), ref.buffers(), strict=True):
+        assert torch.equal(a, b)  # BatchNorm statistics updated once, as plain autograd
+
+
+def test_float32_depth_32_within_1e_5():
+    torch.manual_seed(0)
+    rev = ReversibleSequential(*[reversible_mlp_block(32, 64) for _ in range(32)])
+    ref = copy.deepcopy(rev)
+    x = torch.randn(16, 64)
+    _, g_rev = step(lambda m, x, **k: m(x), rev, x, None)
+    _, g_ref = step(plain_forward, ref, x, None)
+    assert_grads_match(g_rev, g_ref, 1e-5)
+
+
+def test_dropout_and_batchnorm_match_plain():
+    torch.manual_seed(0)
+    rev = ReversibleSequential(
+        *[reversible_mlp_block(8, 16, norm="batch", dropout=0.5) for _ in range(6)]
+    ).double()
+    ref = copy.deepcopy(rev)
+    x = torch.randn(10, 16, dtype=torch.float64)
+    y1, g_rev = step(lambda m, x, **k: m(x), rev, x, None)
+    y2, g_ref = step(plain_forward, ref, x, None)
+    assert torch.equal(y1, y2)
+    assert_grads_match(g_rev, g_ref, 1e-12)
+    for (name, a), b in zip(rev.named_buffers(), ref.buffers(), strict=True):
+        assert torch.equal(a, b), name
+    assert int(rev.blocks[0].f.norm.num_batches_tracked) == 1
+
+
+def test_tuple_streams_and_keyword_tensor_gradients():
+    torch.manual_seed(0)
+    rev = ReversibleSequential(*[reversible_transformer_block(16, 2) for _ in range(3)])
+    x1, x2 = torch.randn(2, 5, 16, requires_grad=True), torch.randn(2, 5, 16, requires_grad=True)
+    bias = torch.randn(5, 5, requires_grad=True)
+    y1, y2 = rev((x1, x2), attn_mask=bias)
+    (y1.sum() + 2 * y2.sum()).backward()
+    ref = copy.deepcopy(rev)
+    r1, r2 = x1.detach().requires_grad_(), x2.detach().requires_grad_()
+    rb = bias.detach().requires_grad_()
+    a, b = r1, r2
+    for block in ref.blocks:
+        a, b = block(a, b, attn_mask=rb)
+    (a.sum() + 2 * b.sum()).backward()
+    for got, want in [(x1.grad, r1.grad), (x2.grad, r2.grad), (bias.grad, rb.grad)]:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_autograd_grad_inputs_without_grad_and_second_backward():
+    torch.manual_seed(0)
+    rev = ReversibleSequential(*[reversible_mlp_block(4, 8, dropout=0.2) for _ in range(4)])
+    x = torch.randn(3, 8)  # does not require grad
+    y = rev(x)
+    params = list(rev.parameters())
+    first = torch.autograd.grad(y.sum(), params, retain_graph=True)
+    second = torch.autograd.grad(y.sum(), params)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    assert all(p.grad is None for p in params)  # autograd.grad does not touch .grad
+
+
+def test_gradient_accumulation_and_hooks():
+    torch.manual_seed(0)
+    rev = ReversibleSequential(*[reversible_mlp_block(4, 8) for _ in range(2)])
+    seen = []
+    rev.blocks[0].f.fc1.weight.register_hook(lambda g: seen.append(g.norm()))
+    x = torch.randn(3, 8)
+    rev(x).sum().backward()
+    once = rev.blocks[0].f.fc1.weight.grad.clone()
+    rev(x).sum().backward()
+    torch.testing.assert_close(rev.blocks[0].f.fc1.weight.grad, 2 * once)
+    assert len(seen) == 2
+
+
+def test_no_grad_and_eval_keep_nothing():
+    rev = ReversibleSequential(*[reversible_mlp_block(8, 16) for _ in range(8)])
+    x = torch.randn(4, 16)
+    with torch.no_grad(), MemoryMeter("cpu") as m:
+        y = rev(x)
+    assert m.end_bytes == y.numel() * 4
+
+
+def test_bf16_input_under_autocast():
+    torch.manual_seed(0)
+    rev = ReversibleSequential(*[reversible_mlp_block(8, 16) for _ in range(4)])
+    x = torch.randn(4, 16).bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = rev(x)
+    y.float().sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.bfloat16
+    assert all(p.grad is not None for p in rev.parameters())
+
+
+def test_callers_tensors_untouched():
+    rev = ReversibleSequential(*[reversible_mlp_block(4, 8) for _ in range(3)])
+    x = torch.randn(3, 8, requires_grad=True)
+    before = x.detach().clone()
+    version = x._version
+    rev(x).sum().backward()
+    assert torch.equal(x.detach(), before) and x._version == version
+
+
+# --- memory ----------------------------------------------------------------------------------
+
+
+def _step_peak(depth):
+    torch.manual_seed(0)
+    rev = ReversibleSequential(*[reversible_mlp_block(64, 128) for _ in range(depth)])
+    x = torch.randn(64, 128, requires_grad=True)
+    rev(x).sum().backward()  # gradients exist: measure the steady state, as in training
+    with MemoryMeter("cpu") as fwd:
+        y = rev(x)
+    held = fwd.end_bytes
+    with MemoryMeter("cpu") as bwd:
+        y.sum().backward()
+    del y
+    with MemoryMeter("cpu") as both:
+        rev(x).sum().backward()
+    return held, both.peak_bytes, x
+
+
+def test_memory_flat_in_depth_and_only_the_output_held():
+    held8, peak8, x = _step_peak(8)
+    held128, peak128, _ = _step_peak(128)
+    assert held8 == held128 == x.numel() * 4  # the output, nothing else
+    assert abs(peak128 - peak8) <= 0.10 * peak8
+
+
+# --- drift control ---------------------------------------------------------------------------
+
+
+def _deep_bf16(anchor_every):
+    torch.manual_seed(0)
+    blocks = [reversible_mlp_block(16, 32) for _ in range(64)]
+    return ReversibleSequential(*blocks, anchor_every=anchor_every).bfloat16()
+
+
+def test_check_inverse_warns_or_raises_with_the_fix():
+    rev = _deep_bf16(None)
+    rev.check_inverse, rev.on_drift = 1e-6, "warn"
+    x = torch.randn(8, 32).bfloat16()
+    with pytest.warns(ReconstructionWarning, match="anchor_every"):
+        rev(x).float().sum().backward()
+    assert max(d for d in rev.last_drift if d is not None) > 1e-6
+    rev.on_drift = "raise"
+    with pytest.raises(ReconstructionError, match=r"check_inverse=1e-06.*anchor_every"):
+        rev(x).float().sum().backward()
+
+
+def test_anchors_bound_bf16_error_near_plain_bf16():
+    torch.manual_seed(0)
+    x = torch.randn(8, 32)
+    exact = copy.deepcopy(_deep_bf16(None)).double()
+    _, g_exact = step(plain_forward, exact, x.double(), None)
+
+    def err(model_fn, model):
+        _, g = step(model_fn, model, x.bfloat16(), None)
+        a = torch.cat([t.flatten().double() for t in g])
+        b = torch.cat([t.flatten() for t in g_exact])
+        return ((a - b).norm() / b.norm()).item()
+
+    plain = err(plain_forward, _deep_bf16(None))
+    anchored = err(lambda m, x, **k: m(x), _deep_bf16(4))
+    assert anchored <= 1.5 * plain
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+
+def test_bad_input_messages():
+    with pytest.raises(RevckptError, match=r"size 5 is odd\); pad that dimension"):
+        ReversibleSequential(reversible_mlp_block(2, 4))(torch.randn(3, 5))
+    wrong = ReversibleBlock(nn.Linear(4, 3), nn.Linear(4, 4))
+    with pytest.raises(RevckptError, match=r"branch f returned \(2, 3\).*keeps the shape"):
+        ReversibleSequential(wrong)(torch.randn(2, 8))
+    with pytest.raises(RevckptError, match=r"block 1 is a Linear, not a coupling block"):
+        ReversibleSequential(reversible_mlp_block(2, 4), nn.Linear(4, 4))
+    with pytest.raises(RevckptError, match=r"must be an nn.Module"):
+        ReversibleBlock(lambda x: x)
+    with pytest.raises(RevckptError, match=r"coupling='mult' is not a coupling"):
+        ReversibleBlock(nn.Linear(2, 2), coupling="mult")
+    with pytest.raises(RevckptError, match=r"anchor_every=0"):
+        ReversibleSequential(reversible_mlp_block(2, 4), anchor_every=0)
+    with pytest.raises(RevckptError, match=r"check_inverse=-1"):
+        ReversibleSequential(reversible_mlp_block(2, 4), check_inverse=-1)
+    with pytest.raises(RevckptError, match=r"affine coupling needs"):
+        ReversibleSequential(ReversibleBlock(nn.Linear(2, 2), coupling="affine"))(torch.randn(3, 4))
+
+
+def test_inverse_and_custom_coupling():
+    class Gated(Coupling):
+        def combine(self, x, h):
+            return x + torch.sigmoid(h) * 0.5
+
+        def separate(self, y, h):
+            return y - torch.sigmoid(h) * 0.5
+
+    torch.manual_seed(0)
+    block = ReversibleBlock(nn.Linear(3, 3), nn.Linear(3, 3), coupling=Gated()).double()
+    x1, x2 = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    r1, r2 = block.inverse(*block(x1, x2))
+    torch.testing.assert_close((r1, r2), (x1, x2), rtol=1e-12, atol=1e-12)
+    rev = ReversibleSequential(block, copy.deepcopy(block))
+    ref = copy.deepcopy(rev)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    assert_grads_match(
+        step(lambda m, x, **k: m(x), rev, x, None)[1], step(plain_forward, ref, x, None)[1], 1e-12
+    )
+
+
+def test_affine_scale_bounded():
+    c = AffineCoupling(clamp=2.0)
+    x = torch.ones(3)
+    y = c.combine(x, (torch.tensor([-1e6, 0.0, 1e6]), torch.zeros(3)))
+    assert torch.all(y >= torch.exp(torch.tensor(-2.0)) - 1e-6)
+    assert torch.all(y <= torch.exp(torch.tensor(2.0)) + 1e-5)
+
+
+def test_revnet_conv_block_split_channels():
+    torch.manual_seed(0)
+    rev = ReversibleSequential(*[revnet_conv_block(8) for _ in range(2)], split_dim=1).double()
+    ref = copy.deepcopy(rev)
+    x = torch.randn(2, 8, 6, 6, dtype=torch.float64)
+
+    def plain(m, x, **k):
+        a, b = x.chunk(2, dim=1)
+        for block in m.blocks:
+            a, b = block(a, b)
+        return torch.cat([a, b], dim=1)
+
+    assert_grads_match(
+        step(lambda m, x, **k: m(x), rev, x, None)[1], step(plain, ref, x, None)[1], 1e-10
+    )
