@@ -223,8 +223,7 @@ def _step_peak(depth):
     with MemoryMeter("cpu") as fwd:
         y = rev(x)
     held = fwd.end_bytes
-    with MemoryMeter("cpu") as bwd:
-        y.sum().backward()
+    y.sum().backward()
     del y
     with MemoryMeter("cpu") as both:
         rev(x).sum().backward()
