@@ -11,6 +11,9 @@ again), and a weak reference on the storage subtracts it the moment it is freed.
     peak     = max_t live(t)          (checked after every operation)
     end      = live(exit)
 
+Storages resized outside the dispatcher (``untyped_storage().resize_(0)``) are re-read when
+the block ends: ``end`` is exact for them, ``peak`` an upper bound.
+
 Scope of the CPU figures: tensor storages only (not allocator slack or kernel workspace), and
 only storages created inside the block: a tensor created before entry and freed inside is not
 subtracted, so measure a forward and its backward inside one meter rather than the backward
@@ -80,6 +83,16 @@ class _StorageTracker(TorchDispatchMode):
         with self.lock:
             self.live -= self.sizes.pop(key, 0)
             self.refs.pop(key, None)
+
+    def resync(self) -> None:
+        """Re-read the size of every tracked storage: catches storages resized outside the
+        dispatcher (``untyped_storage().resize_(0)``, as some libraries do to free a tensor)."""
+        for key, ref in list(self.refs.items()):
+            storage = ref()
+            if storage is not None:
+                nbytes = storage.nbytes()
+                self.live += nbytes - self.sizes[key]
+                self.sizes[key] = nbytes
 
     def _add(self, storage: torch.UntypedStorage) -> None:
         key = storage._cdata
@@ -173,6 +186,7 @@ class MemoryMeter:
             assert self._tracker is not None
             self._tracker.__exit__(*exc)
             with self._tracker.lock:
+                self._tracker.resync()
                 peak, end = self._tracker.peak, self._tracker.live
                 self._tracker.refs.clear()  # dropping the weak references cancels their callbacks
             self._tracker = None

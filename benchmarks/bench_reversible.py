@@ -1,0 +1,221 @@
+"""Reversible stacks: plain autograd, per-block checkpoint, revckpt and the peers, side by side.
+
+Every variant runs the same weights and the same math, the 2-stream additive coupling
+``y1 = x1 + F(x2); y2 = x2 + G(y1)`` with ``F, G = Linear(w, h) -> ReLU -> Linear(h, w)``
+(the configuration of the project's peer measurements: batch 256, stream width 512, hidden
+1024, float32, one CPU thread). Outputs are checked equal to plain autograd before timing.
+Reported per depth (8, 32, 128):
+
+* held after forward: live tensor bytes after the forward (``revckpt.MemoryMeter``);
+* peak: highest live tensor bytes over a forward+backward step in steady state (parameter
+  gradients already allocated, as from the second training step on);
+* time ratio: forward+backward time over plain autograd's (interleaved runs, median, IQR).
+
+Peers that are not installed are skipped with a note (``pip install -e ".[bench]"`` and
+``pip install --no-deps memcnn==1.5.2``). memcnn frees block inputs by resizing their storage
+to zero, which the CPU meter sees only at the end of a measured block: its *held* figure is
+exact, its *peak* figure is an upper bound.
+
+Run ``python benchmarks/bench_reversible.py`` (``--quick`` for a smoke run); prints a table and
+writes ``benchmarks/results/bench_reversible.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as tcp
+from torch import nn
+
+import revckpt
+from revckpt import MemoryMeter, time_ratio
+from revckpt.layers import ReversibleBlock, ReversibleSequential
+
+Forward = Callable[[torch.Tensor], torch.Tensor]
+
+
+def branch(width: int, hidden: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, width))
+
+
+def plain(blocks: list[ReversibleBlock]) -> Forward:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=1)
+        for block in blocks:
+            x1, x2 = block(x1, x2)
+        return torch.cat([x1, x2], dim=1)
+
+    return run
+
+
+def torch_checkpoint(blocks: list[ReversibleBlock]) -> Forward:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=1)
+        for block in blocks:
+            x1, x2 = tcp.checkpoint(block, x1, x2, use_reentrant=False)
+        return torch.cat([x1, x2], dim=1)
+
+    return run
+
+
+def peers(blocks: list[ReversibleBlock]) -> tuple[dict[str, Forward], list[str]]:
+    found: dict[str, Forward] = {}
+    notes = []
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    try:
+        import revlib
+
+        found["revlib 1.7.2"] = revlib.ReversibleSequential(
+            *[m for b in blocks for m in (b.f, b.g)], split_dim=1
+        )
+    except ImportError:
+        notes.append("revlib not installed: skipped (pip install -e '.[bench]')")
+    try:
+        import memcnn
+
+        found["memcnn 1.5.2"] = nn.Sequential(
+            *[
+                memcnn.InvertibleModuleWrapper(
+                    memcnn.AdditiveCoupling(b.f, b.g, split_dim=1),
+                    keep_input=False,
+                    keep_input_inverse=False,
+                )
+                for b in blocks
+            ]
+        )
+    except ImportError:
+        notes.append("memcnn not installed: skipped (pip install --no-deps memcnn==1.5.2)")
+    try:
+        import revtorch
+
+        found["revtorch 0.2.4"] = revtorch.ReversibleSequence(
+            nn.ModuleList([revtorch.ReversibleBlock(b.f, b.g, split_along_dim=1) for b in blocks])
+        )
+    except ImportError:
+        notes.append("revtorch not installed: skipped (pip install -e '.[bench]')")
+    return found, notes
+
+
+def bench_depth(depth: int, batch: int, width: int, hidden: int, repeats: int) -> tuple[
+        list[dict[str, Any]], list[str]]:
+    torch.manual_seed(0)
+    blocks = [ReversibleBlock(branch(width, hidden), branch(width, hidden)) for _ in range(depth)]
+    params = [p for b in blocks for p in b.parameters()]
+    x0 = torch.randn(batch, 2 * width)
+    variants: dict[str, Forward] = {
+        "plain autograd": plain(blocks),
+        "torch checkpoint per block": torch_checkpoint(blocks),
+        "revckpt ReversibleSequential": ReversibleSequential(*blocks, split_dim=1),
+    }
+    found, notes = peers(blocks)
+    variants.update(found)
+
+    def fresh() -> torch.Tensor:
+        return x0.clone().requires_grad_(True)  # memcnn frees its input's storage
+
+    def step(forward: Forward) -> Callable[[], None]:
+        def go() -> None:
+            forward(fresh()).sum().backward()
+
+        return go
+
+    with torch.no_grad():
+        reference = variants["plain autograd"](x0)
+    rows = []
+    for name, forward in variants.items():
+        out = forward(fresh())
+        max_diff = (out.detach() - reference).abs().max().item()
+        out.sum().backward()  # gradients allocated: steady state from here on
+        del out
+        x = fresh()
+        with MemoryMeter("cpu") as fwd:
+            y = forward(x)
+        held = fwd.end_bytes
+        y.sum().backward()
+        del y, x
+        with MemoryMeter("cpu") as both:
+            step(forward)()
+        ratio = time_ratio(step(forward), step(variants["plain autograd"]), repeats=repeats,
+                           warmup=1)
+        rows.append({
+            "depth": depth,
+            "variant": name,
+            "held_after_forward_bytes": held,
+            "peak_bytes": both.peak_bytes,
+            "time_ratio": ratio.ratio,
+            "time_ratio_q25": ratio.q25,
+            "time_ratio_q75": ratio.q75,
+            "max_abs_diff_vs_plain": max_diff,
+        })
+        print(f"  depth {depth}: {name}", file=sys.stderr)
+    for p in params:
+        p.grad = None
+    return rows, notes
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| depth | variant | held after forward MB | peak fwd+bwd MB | time vs plain (IQR) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['depth']} | {r['variant']} | {r['held_after_forward_bytes'] / 1e6:.2f} | "
+            f"{r['peak_bytes'] / 1e6:.2f} | {r['time_ratio']:.3f} "
+            f"({r['time_ratio_q25']:.2f}-{r['time_ratio_q75']:.2f}) |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+    parser.add_argument("--depths", type=int, nargs="+", default=None)
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved timing rounds")
+    parser.add_argument(
+        "--out", type=Path,
+        default=Path(__file__).parent / "results" / "bench_reversible.json",
+    )
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.quick:
+        batch, width, hidden = 8, 16, 32
+        depths, repeats = args.depths or [2, 4], args.repeats or 3
+    else:
+        batch, width, hidden = 256, 512, 1024
+        depths, repeats = args.depths or [8, 32, 128], args.repeats or 9
+    rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+    for depth in depths:
+        r, n = bench_depth(depth, batch, width, hidden, repeats)
+        rows += r
+        notes = n
+    result = {
+        "benchmark": "bench_reversible",
+        "command": "python benchmarks/bench_reversible.py" + (" --quick" if args.quick else ""),
+        "config": {"batch": batch, "stream_width": width, "hidden": hidden, "depths": depths,
+                   "repeats": repeats, "threads": 1, "dtype": "float32"},
+        "environment": {"torch": torch.__version__, "revckpt": revckpt.__version__,
+                        "python": platform.python_version(), "machine": platform.machine()},
+        "notes": notes,
+        "rows": rows,
+    }
+    print(table(rows))
+    for note in notes:
+        print("note:", note)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
