@@ -104,8 +104,9 @@ def peers(blocks: list[ReversibleBlock]) -> tuple[dict[str, Forward], list[str]]
     return found, notes
 
 
-def bench_depth(depth: int, batch: int, width: int, hidden: int, repeats: int) -> tuple[
-        list[dict[str, Any]], list[str]]:
+def bench_depth(
+    depth: int, batch: int, width: int, hidden: int, repeats: int
+) -> tuple[list[dict[str, Any]], list[str]]:
     torch.manual_seed(0)
     blocks = [ReversibleBlock(branch(width, hidden), branch(width, hidden)) for _ in range(depth)]
     params = [p for b in blocks for p in b.parameters()]
@@ -143,18 +144,21 @@ def bench_depth(depth: int, batch: int, width: int, hidden: int, repeats: int) -
         del y, x
         with MemoryMeter("cpu") as both:
             step(forward)()
-        ratio = time_ratio(step(forward), step(variants["plain autograd"]), repeats=repeats,
-                           warmup=1)
-        rows.append({
-            "depth": depth,
-            "variant": name,
-            "held_after_forward_bytes": held,
-            "peak_bytes": both.peak_bytes,
-            "time_ratio": ratio.ratio,
-            "time_ratio_q25": ratio.q25,
-            "time_ratio_q75": ratio.q75,
-            "max_abs_diff_vs_plain": max_diff,
-        })
+        ratio = time_ratio(
+            step(forward), step(variants["plain autograd"]), repeats=repeats, warmup=1
+        )
+        rows.append(
+            {
+                "depth": depth,
+                "variant": name,
+                "held_after_forward_bytes": held,
+                "peak_bytes": both.peak_bytes,
+                "time_ratio": ratio.ratio,
+                "time_ratio_q25": ratio.q25,
+                "time_ratio_q75": ratio.q75,
+                "max_abs_diff_vs_plain": max_diff,
+            }
+        )
         print(f"  depth {depth}: {name}", file=sys.stderr)
     for p in params:
         p.grad = None
@@ -181,7 +185,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--depths", type=int, nargs="+", default=None)
     parser.add_argument("--repeats", type=int, default=None, help="interleaved timing rounds")
     parser.add_argument(
-        "--out", type=Path,
+        "--out",
+        type=Path,
         default=Path(__file__).parent / "results" / "bench_reversible.json",
     )
     args = parser.parse_args(argv)
@@ -201,10 +206,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         "benchmark": "bench_reversible",
         "command": "python benchmarks/bench_reversible.py" + (" --quick" if args.quick else ""),
-        "config": {"batch": batch, "stream_width": width, "hidden": hidden, "depths": depths,
-                   "repeats": repeats, "threads": 1, "dtype": "float32"},
-        "environment": {"torch": torch.__version__, "revckpt": revckpt.__version__,
-                        "python": platform.python_version(), "machine": platform.machine()},
+        "config": {
+            "batch": batch,
+            "stream_width": width,
+            "hidden": hidden,
+            "depths": depths,
+            "repeats": repeats,
+            "threads": 1,
+            "dtype": "float32",
+        },
+        "environment": {
+            "torch": torch.__version__,
+            "revckpt": revckpt.__version__,
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+        },
         "notes": notes,
         "rows": rows,
     }

@@ -1,12 +1,14 @@
 """Value-level determinism check for recomputed forwards.
 
-During the first forward every operation's freshly allocated outputs are fingerprinted with two
-float64 reductions, ``sum(x)`` and ``sum(|x|)``; the recompute fingerprints its outputs again,
-in the same order, and the first difference raises :class:`CheckpointMismatchError` naming the
-operation. Operations whose outputs all alias an input (views, ``detach``, in-place updates
-such as a BatchNorm counter) and allocations of uninitialised memory (``empty_like``) are
-skipped: only values the block computes are compared. The check costs two reductions per output
-and 16 bytes per output kept until backward, so it is opt-in (``determinism_check="values"``).
+During the first forward every operation's freshly allocated outputs are fingerprinted with
+three float64 reductions, ``sum(x)``, ``sum(|x|)`` and ``sum(x_i * w_i)`` with a fixed
+position-dependent weight (so reordered values are caught too); the recompute fingerprints its
+outputs again, in the same order, and the first difference raises
+:class:`CheckpointMismatchError` naming the operation. Operations whose outputs all alias an
+input (views, ``detach``, in-place updates such as a BatchNorm counter) and allocations of
+uninitialised memory (``empty_like``) are skipped: only values the block computes are compared.
+The check costs three reductions per output and 24 bytes per output kept until backward, so it
+is opt-in (``determinism_check="values"``).
 """
 
 from __future__ import annotations
@@ -40,8 +42,12 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     x = t.detach()
     if x.is_complex():
         x = torch.view_as_real(x)
-    x = x.to(torch.float64)
-    return torch.stack([x.sum(), x.abs().sum()]).cpu()
+    x = x.to(torch.float64).reshape(-1)
+    # a position-dependent weight (fractional parts of i * golden ratio) catches reordered values
+    # that leave sum(x) and sum|x| unchanged
+    ramp = torch.arange(x.numel(), dtype=torch.float64, device=x.device).mul_(0.6180339887498949)
+    ramp = ramp.frac_().sub_(0.5)
+    return torch.stack([x.sum(), x.abs().sum(), (x * ramp).sum()]).cpu()
 
 
 def _fresh_outputs(out: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:

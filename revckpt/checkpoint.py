@@ -27,6 +27,7 @@ import contextlib
 import functools
 import itertools
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -113,7 +114,8 @@ def _policy_context_fn(policy: Policy) -> Callable[[], tuple[Any, Any]]:
 
 class _Contexts:
     """The forward and recompute contexts of one checkpoint call (reusable: a second backward
-    with ``retain_graph=True`` recomputes again)."""
+    with ``retain_graph=True`` recomputes again, except with a selective policy, whose torch
+    cache serves one backward)."""
 
     def __init__(
         self,
@@ -185,12 +187,18 @@ def _modules_of(fn: Any) -> tuple[nn.Module, ...]:
     return (owner,) if isinstance(owner, nn.Module) else ()
 
 
-def _check_options(determinism_check: str) -> None:
+def _check_options(determinism_check: str, preserve_rng_state: bool) -> None:
     if determinism_check not in _DETERMINISM_CHECKS:
         raise InvalidArgumentError(
             f"determinism_check={determinism_check!r} is not an option; use 'metadata' (compare "
             "shapes and dtypes of recomputed tensors), 'values' (also compare their values) or "
             "'none'"
+        )
+    if determinism_check == "values" and not preserve_rng_state:
+        raise InvalidArgumentError(
+            "determinism_check='values' with preserve_rng_state=False flags every block that "
+            "draws random numbers (its recompute draws new ones); keep preserve_rng_state=True "
+            "or use determinism_check='metadata'"
         )
 
 
@@ -286,7 +294,9 @@ def checkpoint(
             first operation whose recomputed value differs; ``"none"`` checks nothing.
         policy: op-level selective recompute: a preset in :data:`POLICY_PRESETS`
             (``"matmul"``, ``"attention"``, ``"matmul+attention"``) or a function
-            ``op -> bool`` returning True for the aten ops whose outputs to keep.
+            ``op -> bool`` returning True for the aten ops whose outputs to keep. torch's
+            selective-checkpoint cache is consumed by the first backward: a second backward
+            over the same graph (``retain_graph=True``) is not supported with a policy.
 
     .. note:: Autocast: the recompute runs under the forward's autocast state, whatever the
        state during backward. BatchNorm: running statistics are updated by the first forward
@@ -305,7 +315,7 @@ def checkpoint(
             f"checkpoint(fn, ...) needs a callable block (an nn.Module or a function), got "
             f"{type(fn).__name__}"
         )
-    _check_options(determinism_check)
+    _check_options(determinism_check, preserve_rng_state)
     return _checkpoint(
         fn,
         args,
@@ -330,6 +340,8 @@ def segment_bounds(length: int, segments: int | str | Sequence[int]) -> list[tup
       e.g. ``[3, 5]`` for ``[0:3], [3:5], [5:L]`` (a leading ``0`` and a trailing ``length`` may be
       included).
     """
+    if not isinstance(segments, (bool, str, Sequence)) and hasattr(segments, "__index__"):
+        segments = operator.index(segments)  # numpy and other integer scalars
     if isinstance(segments, bool) or not isinstance(segments, (int, str, Sequence)):
         raise InvalidInputTypeError(
             f"segments must be an int, 'sqrt' or a list of boundary indices, got "
@@ -446,7 +458,7 @@ def checkpoint_sequential(
             f"checkpoint_sequential(blocks, segments, input): input must be a torch.Tensor, got "
             f"{type(input).__name__}; pass other arguments as keywords (they reach every block)"
         )
-    _check_options(determinism_check)
+    _check_options(determinism_check, preserve_rng_state)
     bounds = segment_bounds(len(chain), segments)
     x = input
     for start, stop in bounds:

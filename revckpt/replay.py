@@ -261,6 +261,14 @@ def is_replaying() -> bool:
     return _replaying.depth > 0
 
 
+class _Frozen(threading.local):
+    depth: int = 0
+    swapped: dict[nn.Module, dict[str, torch.Tensor | None]] | None = None
+
+
+_frozen = _Frozen()
+
+
 @contextlib.contextmanager
 def freeze_running_stats() -> Iterator[None]:
     """Within this context, normalisation modules in training mode do not change their statistics.
@@ -270,12 +278,22 @@ def freeze_running_stats() -> Iterator[None]:
     copies of ``running_mean``, ``running_var`` and ``num_batches_tracked`` for the duration of its
     call; its output (which uses batch statistics in training mode) and the tensors it saves for
     backward are unchanged. The real buffers are restored when the call returns or raises.
+    Nested uses share one table per thread (the hooks are installed by the outermost only), so a
+    recompute inside a recompute restores the real buffers too.
 
     .. note:: Normalisation layers written from scratch (buffers updated by hand with
        ``F.batch_norm``) are not recognised; derive them from
        ``torch.nn.modules.batchnorm._NormBase``, check :func:`is_replaying` in their forward,
        or keep such blocks out of recompute.
     """
+    state = _frozen
+    if state.depth > 0:
+        state.depth += 1
+        try:
+            yield
+        finally:
+            state.depth -= 1
+        return
     owner = threading.get_ident()
     swapped: dict[nn.Module, dict[str, torch.Tensor | None]] = {}
 
@@ -287,7 +305,7 @@ def freeze_running_stats() -> Iterator[None]:
             or module in swapped
         ):
             return
-        originals = {name: module._buffers.get(name) for name in _RUNNING_STAT_BUFFERS}
+        originals = {n: module._buffers[n] for n in _RUNNING_STAT_BUFFERS if n in module._buffers}
         swapped[module] = originals
         # The copies are bookkeeping, not part of the block: hide them from dispatch modes
         # (selective-checkpoint caches, value checks, memory meters) and from autograd.
@@ -299,8 +317,7 @@ def freeze_running_stats() -> Iterator[None]:
     def restore(module: nn.Module) -> None:
         originals = swapped.pop(module, None)
         if originals is not None:
-            for name, buf in originals.items():
-                module._buffers[name] = buf
+            module._buffers.update(originals)
 
     def after(module: nn.Module, args: Any, output: Any) -> None:
         if threading.get_ident() == owner:
@@ -308,9 +325,11 @@ def freeze_running_stats() -> Iterator[None]:
 
     pre = nn.modules.module.register_module_forward_pre_hook(before)
     post = nn.modules.module.register_module_forward_hook(after, always_call=True)
+    state.depth, state.swapped = 1, swapped
     try:
         yield
     finally:
+        state.depth, state.swapped = 0, None
         pre.remove()
         post.remove()
         for module in list(swapped):

@@ -15,6 +15,7 @@ The hypothesis strategies (:func:`stack_specs`, :func:`block_stacks`) need the `
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,8 @@ def assert_gradients_close(
 
         ||g - r||_2 <= atol + rtol * ||r||_2
 
+    A NaN or infinite gradient on either side always fails.
+
     ``reference=None`` compares against a float64 copy of ``candidate`` (see
     :func:`revckpt.measure.gradient_error`, which also explains ``loss_fn`` and ``seed``). On
     failure raises :class:`~revckpt.GradientMismatchError` (an ``AssertionError``) that lists the
@@ -60,6 +63,8 @@ def assert_gradients_close(
     report = gradient_error(candidate, reference, inputs, kwargs=kwargs, loss_fn=loss_fn, seed=seed)
 
     def excess(e: TensorError) -> float:
+        if not math.isfinite(e.diff_norm):
+            return math.inf  # NaN or inf in either gradient always fails
         allowed = atol + rtol * e.ref_norm
         if e.diff_norm <= allowed:
             return 0.0
@@ -128,7 +133,8 @@ class StackSpec:
 
     def build(self) -> nn.Sequential:
         """The stack, with weights drawn from ``seed``, in ``dtype``, in training mode."""
-        with torch.random.fork_rng(devices=[]):
+        cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=cuda):
             torch.manual_seed(self.seed)
             model = mlp_chain(
                 self.depth, self.width, self.hidden, dropout=self.dropout, norm=self.norm

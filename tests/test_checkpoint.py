@@ -301,7 +301,7 @@ def test_policy_presets_exact_and_between_plain_and_full(policy):
     assert full < sel < plain
 
 
-def test_policy_function_keeping_everything_matches_plain_memory():
+def test_policy_function_keeps_more_than_full_recompute():
     model = mlp_chain(3, 32, 64)
     x = torch.randn(16, 32, requires_grad=True)
     with MemoryMeter("cpu") as m_sel:
@@ -420,3 +420,33 @@ def test_segment_bounds_partition_the_chain(length, data):
     assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
     if isinstance(segments, int):
         assert len(bounds) == segments
+
+
+class _Rolling(nn.Module):
+    """A block whose forward reorders values by a counter: sums stay equal, values do not."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.shift = 0
+
+    def forward(self, x):
+        self.shift += 1
+        return torch.tanh(torch.roll(self.lin(x), self.shift, 0))
+
+
+def test_values_check_catches_reordered_values():
+    x = torch.randn(5, 4, requires_grad=True)
+    y = checkpoint(_Rolling(), x, determinism_check="values")
+    with pytest.raises(CheckpointMismatchError, match=r"aten\.roll"):
+        y.sum().backward()
+
+
+def test_values_check_needs_rng_preservation_and_numpy_segments_work():
+    import numpy as np
+
+    with pytest.raises(InvalidArgumentError, match="preserve_rng_state=True"):
+        checkpoint(
+            nn.Linear(2, 2), torch.randn(1, 2), determinism_check="values", preserve_rng_state=False
+        )
+    assert segment_bounds(4, np.int64(2)) == [(0, 2), (2, 4)]

@@ -73,14 +73,54 @@ def test_freeze_running_stats_restores_buffers_after_an_error():
     assert bn.running_mean is original
 
 
-def test_eval_mode_untouched():
+def test_eval_mode_buffers_not_swapped():
     bn = nn.BatchNorm1d(3).eval()
+    seen = []
+    bn.register_forward_pre_hook(lambda m, i: seen.append(m.running_mean))
     with freeze_running_stats():
         bn(torch.randn(4, 3))
-    assert int(bn.num_batches_tracked) == 0
+    assert seen[0] is bn.running_mean  # eval mode reads the real statistics, no copies
+    bn.train()
+    with freeze_running_stats():
+        bn(torch.randn(4, 3))
+    assert seen[1] is not bn.running_mean  # training mode updates a throwaway copy
 
 
 def test_devices_of():
     lin = nn.Linear(2, 2)
     assert devices_of(lin, (torch.randn(1), {"a": torch.randn(1)}), 3) == [torch.device("cpu")]
     assert devices_of(torch.empty(1, device="meta")) == []
+
+
+def test_nested_freezes_restore_the_real_buffers():
+    bn = nn.BatchNorm1d(3).train()
+    real = [bn.running_mean, bn.running_var, bn.num_batches_tracked]
+    with freeze_running_stats():
+        bn(torch.randn(4, 3))
+        with freeze_running_stats():
+            bn(torch.randn(4, 3))
+        bn(torch.randn(4, 3))
+    assert [bn.running_mean, bn.running_var, bn.num_batches_tracked] == real
+    assert all(
+        a is b
+        for a, b in zip(
+            real, [bn.running_mean, bn.running_var, bn.num_batches_tracked], strict=True
+        )
+    )
+    assert int(bn.num_batches_tracked) == 0
+
+
+def test_nested_checkpoint_through_create_graph_keeps_real_buffers():
+    import revckpt
+
+    block = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh()).double()
+    real = block[1].running_mean
+    x = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+
+    def penalty(x):
+        h = revckpt.checkpoint(block, x)
+        (g,) = torch.autograd.grad(h.pow(2).sum(), x, create_graph=True)
+        return g
+
+    revckpt.checkpoint(penalty, x).sum().backward()
+    assert block[1].running_mean is real

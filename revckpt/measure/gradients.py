@@ -3,10 +3,11 @@
 Both models run the same inputs under the same RNG seed (so dropout draws the same masks; on
 CPU the masks do not depend on the dtype) and are differentiated through the same scalar loss,
 by default a fixed random projection of the outputs, ``L = sum_i <w_i, y_i>`` with
-``w_i ~ N(0, 1)`` from a seeded generator (a random projection exercises every output element,
-where ``y.sum()`` would give every element the same cotangent). For every parameter (and every
-input that requires grad), with ``g`` the candidate's gradient and ``r`` the reference's, in
-float64:
+``w_i ~ N(0, 1)`` from a seeded generator, rounded to the candidate's output dtype for both
+models so that a bf16 candidate is not charged for rounding ``w`` (a random projection exercises
+every output element, where ``y.sum()`` would give every element the same cotangent). For
+every parameter (and every input that requires grad), with ``g`` the candidate's gradient and
+``r`` the reference's, in float64:
 
     rel_l2        = ||g - r||_2 / ||r||_2
     one_minus_cos = 1 - <g, r> / (||g||_2 ||r||_2)
@@ -56,13 +57,7 @@ class TensorError:
         dmax = d.abs().max().item() if d.numel() else 0.0
         return cls(
             rel_l2=_ratio(dn, rn),
-            one_minus_cos=(
-                0.0
-                if dn == 0
-                else 1.0
-                if gn == 0 or rn == 0
-                else max(0.0, 1.0 - torch.dot(g, r).item() / (gn * rn))
-            ),
+            one_minus_cos=_one_minus_cos(g, r, dn, gn, rn),
             max_abs_rel=_ratio(dmax, rmax),
             diff_norm=dn,
             ref_norm=rn,
@@ -70,7 +65,19 @@ class TensorError:
         )
 
 
+def _one_minus_cos(g: torch.Tensor, r: torch.Tensor, dn: float, gn: float, rn: float) -> float:
+    if not math.isfinite(dn):
+        return math.nan  # a non-finite gradient has no direction: say so, do not report 0
+    if dn == 0:
+        return 0.0
+    if gn == 0 or rn == 0:
+        return 1.0
+    return max(0.0, 1.0 - torch.dot(g, r).item() / (gn * rn))
+
+
 def _ratio(num: float, den: float) -> float:
+    if math.isnan(num):
+        return math.nan
     if num == 0:
         return 0.0
     return num / den if den > 0 else math.inf
@@ -132,7 +139,11 @@ def _prepare(obj: Any, dtype: torch.dtype | None) -> Any:
     return tree_map(one, obj)
 
 
-def _projection_loss(out: Any, seed: int) -> torch.Tensor:
+def _projection_loss(
+    out: Any, seed: int, round_to: list[torch.dtype] | None
+) -> tuple[torch.Tensor, list[torch.dtype]]:
+    """``sum_i <w_i, y_i>``; ``w_i`` is rounded to ``round_to[i]`` (the candidate's output
+    dtypes) first, so candidate and reference are differentiated along the same direction."""
     tensors = [
         t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()
     ]
@@ -143,12 +154,20 @@ def _projection_loss(out: Any, seed: int) -> torch.Tensor:
         )
     gen = torch.Generator().manual_seed(seed)
     total = None
-    for t in tensors:
-        w = torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.device, t.dtype)
-        term = (t * w).sum()
+    for i, t in enumerate(tensors):
+        w = torch.randn(t.shape, generator=gen, dtype=torch.float64)
+        if round_to is not None and i < len(round_to):
+            w = w.to(round_to[i])
+        term = (t * w.to(t.device, t.dtype)).sum()
         total = term if total is None else total + term.to(total.dtype)
     assert total is not None
-    return total
+    return total, [t.dtype for t in tensors]
+
+
+def _fork_all_rng() -> Any:
+    """fork_rng over the CPU and every initialised CUDA device (``manual_seed`` seeds them all)."""
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    return torch.random.fork_rng(devices=cuda)
 
 
 def _snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -168,7 +187,8 @@ def _grads(
     kwargs: Mapping[str, Any],
     loss_fn: Callable[[Any], torch.Tensor] | None,
     seed: int,
-) -> dict[str, torch.Tensor | None]:
+    round_to: list[torch.dtype] | None = None,
+) -> tuple[dict[str, torch.Tensor | None], list[torch.dtype] | None]:
     names, tensors = [], []
     for n, p in model.named_parameters():
         if p.requires_grad:
@@ -183,15 +203,24 @@ def _grads(
             names.append(f"input.{k}")
             tensors.append(a)
     saved = _snapshot(model)
+    dtypes = None
     try:
-        with torch.random.fork_rng(devices=[]):
+        with _fork_all_rng():
             torch.manual_seed(seed)
             out = model(*args, **kwargs)
-            loss = loss_fn(out) if loss_fn is not None else _projection_loss(out, seed)
+            if loss_fn is not None:
+                loss = loss_fn(out)
+            else:
+                loss, dtypes = _projection_loss(out, seed, round_to)
+            if not loss.requires_grad:
+                raise InvalidArgumentError(
+                    "the loss does not depend on anything that requires grad; give the model "
+                    "parameters that require grad or an input with requires_grad=True"
+                )
             grads = torch.autograd.grad(loss, tensors, allow_unused=True) if tensors else ()
     finally:
         _restore(model, saved)
-    return dict(zip(names, grads, strict=True))
+    return dict(zip(names, grads, strict=True)), dtypes
 
 
 def paired_gradients(
@@ -222,8 +251,10 @@ def paired_gradients(
             f"{type(reference).__name__}"
         )
     args, kw = _as_args(inputs), dict(kwargs or {})
-    cand = _grads(candidate, _prepare(args, None), _prepare(kw, None), loss_fn, seed)
-    ref = _grads(reference, _prepare(args, ref_dtype), _prepare(kw, ref_dtype), loss_fn, seed)
+    cand, dtypes = _grads(candidate, _prepare(args, None), _prepare(kw, None), loss_fn, seed)
+    ref, _ = _grads(
+        reference, _prepare(args, ref_dtype), _prepare(kw, ref_dtype), loss_fn, seed, dtypes
+    )
     if cand.keys() != ref.keys():
         only_c, only_r = sorted(cand.keys() - ref.keys()), sorted(ref.keys() - cand.keys())
         raise InvalidArgumentError(

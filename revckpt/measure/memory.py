@@ -77,7 +77,9 @@ class _StorageTracker(TorchDispatchMode):
         self.refs: dict[int, weakref.ref[Any]] = {}
         self.live = 0
         self.peak = 0
-        self.lock = threading.Lock()
+        # Re-entrant: a weak-reference callback can run inside _add on this very thread, when
+        # an allocation there triggers a garbage collection that frees a tracked storage.
+        self.lock = threading.RLock()
 
     def _freed(self, key: int) -> None:
         with self.lock:
@@ -112,15 +114,19 @@ class _StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        before: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        for a in tree_flatten((args, kwargs))[0]:
+            st = _storage(a) if isinstance(a, torch.Tensor) else a
+            if isinstance(st, torch.UntypedStorage) and st.device.type == self.device_type:
+                before[st._cdata] = (st, st.nbytes())
         out = func(*args, **kwargs)
-        if func.overloadpacket in _LIFT_OPS:  # torch.tensor(data): a fresh storage, lifted
-            inputs: set[int] = set()
-        else:
-            inputs = set()
-            for a in tree_flatten((args, kwargs))[0]:
-                st = _storage(a) if isinstance(a, torch.Tensor) else a
-                if isinstance(st, torch.UntypedStorage):
-                    inputs.add(st._cdata)
+        inputs = set() if func.overloadpacket in _LIFT_OPS else set(before)
+        for key, (st, nbytes) in before.items():
+            if key not in self.sizes and st.nbytes() > nbytes:
+                # a storage from before the block grew (out= argument, resize_): count the growth
+                with self.lock:
+                    self.live += st.nbytes() - nbytes
+                    self.peak = max(self.peak, self.live)
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
                 continue
@@ -131,6 +137,9 @@ class _StorageTracker(TorchDispatchMode):
                 continue  # an alias of a storage that existed before the block
             self._add(st)
         return out
+
+
+_ACTIVE_CUDA: list[MemoryMeter] = []
 
 
 class MemoryMeter:
@@ -162,16 +171,30 @@ class MemoryMeter:
             raise InvalidArgumentError(
                 f"MemoryMeter measures 'cpu' or 'cuda' memory, got device {str(self.device)!r}"
             )
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise InvalidArgumentError(
+                "MemoryMeter('cuda'): CUDA is not available in this build or on this machine; "
+                "measure with MemoryMeter('cpu')"
+            )
         self._tracker: _StorageTracker | None = None
         self._base = 0
+        self._seen = 0
         self._stats: MemoryStats | None = None
 
     def __enter__(self) -> MemoryMeter:
         self._stats = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            # Resetting the peak statistics would hide the peak an enclosing meter has seen so
+            # far: fold it into every enclosing meter first.
+            current = torch.cuda.max_memory_allocated(self.device)
+            for outer in _ACTIVE_CUDA:
+                if outer.device == self.device:
+                    outer._seen = max(outer._seen, current - outer._base)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
+            self._seen = 0
+            _ACTIVE_CUDA.append(self)
         else:
             self._tracker = _StorageTracker("cpu")
             self._tracker.__enter__()
@@ -180,7 +203,8 @@ class MemoryMeter:
     def __exit__(self, *exc: Any) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device) - self._base
+            _ACTIVE_CUDA.remove(self)
+            peak = max(self._seen, torch.cuda.max_memory_allocated(self.device) - self._base)
             end = torch.cuda.memory_allocated(self.device) - self._base
         else:
             assert self._tracker is not None
@@ -212,14 +236,18 @@ class MemoryMeter:
 
 
 def peak_memory(
-    fn: Callable[..., Any], *args: Any, device: str | torch.device | None = None, **kwargs: Any
+    fn: Callable[..., Any],
+    *args: Any,
+    meter_device: str | torch.device | None = None,
+    **kwargs: Any,
 ) -> MemoryStats:
-    """Run ``fn(*args, **kwargs)`` under a :class:`MemoryMeter`; return its :class:`MemoryStats`.
+    """Run ``fn(*args, **kwargs)`` under ``MemoryMeter(meter_device)``; return its
+    :class:`MemoryStats` (``device=`` and other keywords go to ``fn``).
 
     The result of ``fn`` is dropped before the figures are taken, so ``end_bytes`` is what ``fn``
     left alive elsewhere (gradients in ``.grad``, caches). To keep the result, use the meter.
     """
-    meter = MemoryMeter(device)
+    meter = MemoryMeter(meter_device)
     with meter:
         fn(*args, **kwargs)
     return meter.stats

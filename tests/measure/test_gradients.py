@@ -1,4 +1,5 @@
 import copy
+import math
 
 import pytest
 import torch
@@ -15,13 +16,16 @@ class Checkpointed(nn.Module):
         self.segments = segments
 
     def forward(self, x):
+        if self.segments is None:
+            return self.chain(x)
         return checkpoint_sequential(self.chain, self.segments, x)
 
 
 def test_exact_strategy_reports_zero_in_float64():
     chain = mlp_chain(6, 8, 16, dropout=0.2, norm="batch").double()
     x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
-    err = gradient_error(Checkpointed(chain, 3), None, x)
+    plain = Checkpointed(copy.deepcopy(chain), None)  # same names, no checkpoint
+    err = gradient_error(Checkpointed(chain, 3), plain, x)
     assert err.overall.rel_l2 == 0.0 and err.overall.one_minus_cos == 0.0
     assert set(err.per_tensor) >= {"chain.0.fc1.weight", "input.0"}
 
@@ -65,3 +69,25 @@ def test_mismatched_reference_is_rejected():
         gradient_error(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4)), torch.randn(2, 4))
     with pytest.raises(InvalidArgumentError, match="loss_fn"):
         gradient_error(nn.Flatten(), None, torch.randn(2, 4).long())
+
+
+def test_nan_gradients_are_reported_not_hidden():
+    model = nn.Linear(4, 4).double()
+    model.weight.register_hook(lambda g: g * float("nan"))
+    err = gradient_error(model, None, torch.randn(3, 4, dtype=torch.float64))
+    assert math.isnan(err.per_tensor["weight"].rel_l2)
+    assert math.isnan(err.per_tensor["weight"].one_minus_cos)
+
+
+def test_bf16_projection_weights_do_not_add_an_error_floor():
+    class Identity(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = nn.Parameter(torch.randn(64))
+
+        def forward(self, x):
+            return self.p * 1.0
+
+    model = Identity().bfloat16()
+    err = gradient_error(model, None, torch.zeros(1))
+    assert err.overall.rel_l2 == 0.0  # y = p: d<w, y>/dp = w exactly in any dtype

@@ -59,7 +59,7 @@ def test_nested_meters_measure_their_own_block():
 
 
 def test_function_form():
-    stats = peak_memory(lambda n: torch.empty(n).sum(), 256, device="cpu")
+    stats = peak_memory(lambda n: torch.empty(n).sum(), 256, meter_device="cpu")
     assert stats.peak_bytes == 256 * 4 + 4 and stats.end_bytes == 0
 
 
@@ -97,8 +97,8 @@ def test_backward_peak_with_checkpoint_is_lower():
         model.zero_grad(set_to_none=True)
         x.grad = None
 
-    plain = peak_memory(step, lambda m, x: m(x), device="cpu")
-    ckpt = peak_memory(step, lambda m, x: checkpoint_sequential(m, 16, x), device="cpu")
+    plain = peak_memory(step, lambda m, x: m(x), meter_device="cpu")
+    ckpt = peak_memory(step, lambda m, x: checkpoint_sequential(m, 16, x), meter_device="cpu")
     assert ckpt.peak_bytes < plain.peak_bytes / 2
 
 
@@ -154,3 +154,34 @@ def test_random_allocation_sequences_are_byte_exact(steps):
         end = referenced()
     assert m.end_bytes == end
     assert m.peak_bytes == peak
+
+
+def test_garbage_collection_inside_the_meter_does_not_deadlock():
+    class Node:
+        pass
+
+    gc.collect()
+    with MemoryMeter("cpu") as m:
+        for _ in range(3000):
+            n = Node()
+            n.self = n
+            n.t = torch.empty(10)
+            del n
+            torch.empty(10)
+        gc.collect()
+    assert m.end_bytes == 0 and m.peak_bytes >= 40
+
+
+def test_growth_of_a_preexisting_tensor_is_counted():
+    out = torch.empty(0)
+    a = torch.randn(256, 256)
+    with MemoryMeter("cpu") as m:
+        torch.mul(a, 2, out=out)  # out grows from 0 to 256 KiB
+    assert m.end_bytes == 256 * 256 * 4
+    del out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_cuda_meter_without_cuda_says_so():
+    with pytest.raises(InvalidArgumentError, match="CUDA is not available"):
+        MemoryMeter("cuda")

@@ -5,6 +5,7 @@ from revckpt import InvalidArgumentError, time_ratio
 
 
 def test_double_work_measures_near_two():
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     a = torch.randn(256, 256)
 
@@ -20,6 +21,7 @@ def test_double_work_measures_near_two():
     assert 1.3 < r.ratio < 3.0
     assert r.q25 <= r.ratio <= r.q75 and r.spread >= 0 and r.repeats == 9
     assert "x (IQR" in str(r)
+    torch.set_num_threads(threads)
 
 
 def test_bad_arguments():
