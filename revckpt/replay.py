@@ -176,7 +176,7 @@ class ForwardState:
     new masks, as with ``torch.utils.checkpoint(preserve_rng_state=False)``).
     """
 
-    __slots__ = ("_rng", "autocast", "devices")
+    __slots__ = ("_rng", "autocast", "devices", "norms")
 
     def __init__(
         self,
@@ -187,13 +187,22 @@ class ForwardState:
         self.devices = devices
         self._rng = rng
         self.autocast = autocast
+        self.norms: tuple[nn.Module, ...] | None = None
 
     @classmethod
-    def capture(cls, *owners: Any, preserve_rng_state: bool = True) -> ForwardState:
+    def capture(
+        cls,
+        *owners: Any,
+        preserve_rng_state: bool = True,
+        norms: tuple[nn.Module, ...] | None = None,
+    ) -> ForwardState:
         """Capture the state for a forward whose tensors and modules are ``owners``.
 
         The CPU generator is always captured (CPU code may draw random numbers whatever the
         device of the data); accelerator generators for every device found in ``owners``.
+        ``norms``: when the caller knows every normalisation module the forward can call (its
+        branches are modules with registered submodules), replay freezes exactly those and
+        skips the global module hooks; ``None`` freezes whatever normalisation module runs.
         """
         devices = devices_of(*owners)
         rng: dict[torch.device, torch.Tensor] = {}
@@ -202,7 +211,9 @@ class ForwardState:
                 if device not in rng:
                     rng[device] = _get_rng(device)
         autocast = tuple(AutocastState.capture(t) for t in _autocast_device_types(devices))
-        return cls(devices, rng, autocast)
+        state = cls(devices, rng, autocast)
+        state.norms = norms
+        return state
 
     def forward_finished(self) -> None:
         """Forget generator states that the forward did not advance: replay needs none of them."""
@@ -236,7 +247,7 @@ class ForwardState:
             with contextlib.ExitStack() as stack:
                 for ac in self.autocast:
                     stack.enter_context(ac.context())
-                stack.enter_context(freeze_running_stats())
+                stack.enter_context(freeze_running_stats(self.norms))
                 _replaying.depth += 1
                 stack.callback(_replaying.__setattr__, "depth", _replaying.depth - 1)
                 yield
@@ -261,6 +272,35 @@ def is_replaying() -> bool:
     return _replaying.depth > 0
 
 
+def _swap_in_copies(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    originals = {n: module._buffers[n] for n in _RUNNING_STAT_BUFFERS if n in module._buffers}
+    # The copies are bookkeeping, not part of the block: hide them from dispatch modes
+    # (selective-checkpoint caches, value checks, memory meters) and from autograd.
+    with _disable_current_modes(), torch.no_grad():
+        for name, buf in originals.items():
+            if buf is not None:
+                module._buffers[name] = buf.clone()
+    return originals
+
+
+@contextlib.contextmanager
+def _swapped_statistics(modules: Iterable[nn.Module]) -> Iterator[None]:
+    swapped = {}
+    try:
+        for m in modules:
+            if (
+                isinstance(m, _NormBase)
+                and m.training
+                and m.track_running_stats
+                and m not in swapped
+            ):
+                swapped[m] = _swap_in_copies(m)
+        yield
+    finally:
+        for m, originals in swapped.items():
+            m._buffers.update(originals)
+
+
 class _Frozen(threading.local):
     depth: int = 0
     swapped: dict[nn.Module, dict[str, torch.Tensor | None]] | None = None
@@ -270,7 +310,7 @@ _frozen = _Frozen()
 
 
 @contextlib.contextmanager
-def freeze_running_stats() -> Iterator[None]:
+def freeze_running_stats(modules: Iterable[nn.Module] | None = None) -> Iterator[None]:
     """Within this context, normalisation modules in training mode do not change their statistics.
 
     Every ``torch.nn`` BatchNorm / SyncBatchNorm / InstanceNorm module with
@@ -281,12 +321,20 @@ def freeze_running_stats() -> Iterator[None]:
     Nested uses share one table per thread (the hooks are installed by the outermost only), so a
     recompute inside a recompute restores the real buffers too.
 
+    ``modules``: when given, exactly these modules are frozen for the whole context (their
+    buffers swapped on entry, restored on exit) and no global hook is installed, which keeps
+    module calls on PyTorch's fast path; pass every normalisation module the code can call.
+
     .. note:: Normalisation layers written from scratch (buffers updated by hand with
        ``F.batch_norm``) are not recognised; derive them from
        ``torch.nn.modules.batchnorm._NormBase``, check :func:`is_replaying` in their forward,
        or keep such blocks out of recompute.
     """
     state = _frozen
+    if modules is not None:
+        with _swapped_statistics(modules):
+            yield
+        return
     if state.depth > 0:
         state.depth += 1
         try:
@@ -305,14 +353,7 @@ def freeze_running_stats() -> Iterator[None]:
             or module in swapped
         ):
             return
-        originals = {n: module._buffers[n] for n in _RUNNING_STAT_BUFFERS if n in module._buffers}
-        swapped[module] = originals
-        # The copies are bookkeeping, not part of the block: hide them from dispatch modes
-        # (selective-checkpoint caches, value checks, memory meters) and from autograd.
-        with _disable_current_modes(), torch.no_grad():
-            for name, buf in originals.items():
-                if buf is not None:
-                    module._buffers[name] = buf.clone()
+        swapped[module] = _swap_in_copies(module)
 
     def restore(module: nn.Module) -> None:
         originals = swapped.pop(module, None)

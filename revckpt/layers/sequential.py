@@ -33,6 +33,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
+from torch.nn.modules.batchnorm import _NormBase
 
 from ..errors import InvalidArgumentError, InvalidInputTypeError, ReconstructionError
 from ..replay import ForwardState
@@ -105,14 +106,16 @@ class ReversibleBlock(nn.Module):
         return f"coupling={self.coupling!r}, branches={'f' if self.g is None else 'f, g'}"
 
 
-def _call_with(
-    branch: nn.Module, params: dict[str, torch.Tensor], u: torch.Tensor, kwargs: dict[str, Any]
-) -> Any:
-    return torch.func.functional_call(branch, params, (u,), kwargs, strict=False)
+def _trainable(module: nn.Module) -> tuple[tuple[str, torch.Tensor], ...]:
+    return tuple((n, p) for n, p in module.named_parameters() if p.requires_grad)
 
 
-def _grad_params(module: Any) -> tuple[torch.Tensor, ...]:
-    return tuple(p for p in dict.fromkeys(module.parameters()) if p.requires_grad)
+def _norms(module: nn.Module | None) -> tuple[nn.Module, ...]:
+    """Normalisation modules a branch can call (branches are modules: their submodules are all
+    it calls), so replay can freeze them without global hooks."""
+    if module is None:
+        return ()
+    return tuple(m for m in module.modules() if isinstance(m, _NormBase))
 
 
 @dataclass
@@ -149,6 +152,33 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return diff / ref if ref > 0 else (0.0 if diff == 0 else float("inf"))
 
 
+@dataclass(frozen=True)
+class _Step:
+    """One half step: ``s[target] = combine(s[target], branch(s[other]))`` of block ``index``.
+
+    ``anchor``: 0 keeps nothing, 1 keeps the target's input, 2 also the other stream (the first
+    half step of an anchored block). ``named``: the branch's trainable parameters, in the order
+    they are passed to the node; ``norms``: its normalisation modules, for replay.
+    """
+
+    block: ReversibleBlock
+    which: str
+    index: int
+    target: int
+    other: int
+    anchor: int
+    named: tuple[tuple[str, torch.Tensor], ...]
+    norms: tuple[nn.Module, ...]
+
+    @property
+    def branch(self) -> nn.Module:
+        return self.block.f if self.which == "f" else self.block.g
+
+    @property
+    def params(self) -> tuple[torch.Tensor, ...]:
+        return tuple(p for _, p in self.named)
+
+
 class _HalfStep(torch.autograd.Function):
     """``y = combine(a, branch(u))`` as an autograd node that keeps nothing for backward
     (except, at anchors, its exact inputs)."""
@@ -162,11 +192,10 @@ class _HalfStep(torch.autograd.Function):
         u: torch.Tensor,
         *tensors: torch.Tensor,
     ) -> torch.Tensor:
-        block, which, _, _, _, anchor = step
+        block, anchor = step.block, step.anchor
         ctx.chain, ctx.step = chain, step
-        branch = block.f if which == "f" else block.g
-        ctx.state = ForwardState.capture(u, chain.kwargs, branch)
-        y = block.coupling.combine(a, block._branch(which, u, a, chain.kwargs))
+        ctx.state = ForwardState.capture(u, chain.kwargs, step.branch, norms=step.norms)
+        y = block.coupling.combine(a, block._branch(step.which, u, a, chain.kwargs))
         ctx.state.forward_finished()
         # anchor: 0 = none, 1 = keep a, 2 = keep a and u (the first half step of a block)
         ctx.save_for_backward(*((a, u)[:anchor]))
@@ -177,8 +206,9 @@ class _HalfStep(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         chain: _Chain = ctx.chain
-        block, which, block_index, target, other, anchor = ctx.step
-        branch = block.f if which == "f" else block.g
+        step: _Step = ctx.step
+        block, branch, named, anchor = step.block, step.branch, step.named, step.anchor
+        block_index, target, other = step.index, step.target, step.other
         exact = ctx.saved_tensors
         if anchor == 2:
             chain.values[other] = exact[1]
@@ -188,18 +218,23 @@ class _HalfStep(torch.autograd.Function):
         for name in chain.grad_kwargs:
             kw[name] = chain.kwargs[name].detach().requires_grad_(True)
             kw_leaves.append(kw[name])
-        # Differentiate through detached aliases of the parameters: autograd then reports their
-        # gradients to the outer backward once, where hooks and DDP see them, instead of
-        # firing parameter hooks inside this nested differentiation too.
-        aliases = {
-            name: p.detach().requires_grad_(True)
-            for name, p in branch.named_parameters()
-            if p.requires_grad
-        }
-        params = tuple(aliases.values())
         u_leaf = u.detach().requires_grad_(True)
+        if any(p._backward_hooks for _, p in named):
+            # Differentiate through detached aliases of the parameters, so that their hooks fire
+            # once, in the outer backward that receives these gradients, and not also here.
+            aliases = {name: p.detach().requires_grad_(True) for name, p in named}
+            params = tuple(aliases.values())
+
+            def run() -> Any:
+                return torch.func.functional_call(branch, aliases, (u_leaf,), kw, strict=False)
+        else:
+            params = tuple(p for _, p in named)
+
+            def run() -> Any:
+                return _call(branch, u_leaf, kw)
+
         with torch.enable_grad(), ctx.state.replay():
-            h = _call_with(branch, aliases, u_leaf, kw)
+            h = run()
             with torch.no_grad():
                 a = block.coupling.separate(y, _detached(h))
             if anchor:
@@ -384,11 +419,16 @@ class ReversibleSequential(nn.Module):
         grad_kwargs = tuple(
             k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad
         )
+        trainable = (
+            [(_trainable(b.f), _trainable(b.g) if b.g is not None else ()) for b in self.blocks]
+            if torch.is_grad_enabled()
+            else []
+        )
         needs_graph = torch.is_grad_enabled() and (
             x1.requires_grad
             or x2.requires_grad
             or bool(grad_kwargs)
-            or any(p.requires_grad for p in self.parameters())
+            or any(f or g for f, g in trainable)
         )
         if not needs_graph:
             for block in self.blocks:
@@ -405,27 +445,23 @@ class ReversibleSequential(nn.Module):
         kw_tensors = [kwargs[k] for k in grad_kwargs]
         streams = {0: x1, 1: x2}
         ids = (0, 1)  # which stream is the block's first and second input
-        for i, block in enumerate(self.blocks):
+        for i, (block, (named_f, named_g)) in enumerate(zip(self.blocks, trainable, strict=True)):
             anchored = self.anchor_every is not None and i % self.anchor_every == 0
             first, second = ids
+            step = _Step(
+                block, "f", i, first, second, 2 if anchored else 0, named_f, _norms(block.f)
+            )
             streams[first] = _HalfStep.apply(
-                chain,
-                (block, "f", i, first, second, 2 if anchored else 0),
-                streams[first],
-                streams[second],
-                *_grad_params(block.f),
-                *kw_tensors,
+                chain, step, streams[first], streams[second], *step.params, *kw_tensors
             )
             if block.g is None:
                 ids = (second, first)
             else:
+                step = _Step(
+                    block, "g", i, second, first, 1 if anchored else 0, named_g, _norms(block.g)
+                )
                 streams[second] = _HalfStep.apply(
-                    chain,
-                    (block, "g", i, second, first, 1 if anchored else 0),
-                    streams[second],
-                    streams[first],
-                    *_grad_params(block.g),
-                    *kw_tensors,
+                    chain, step, streams[second], streams[first], *step.params, *kw_tensors
                 )
         out = _Output.apply(
             chain, ids, None if tuple_mode else self.split_dim, streams[ids[0]], streams[ids[1]]
