@@ -10,6 +10,7 @@ from .blocks import (
     reversible_transformer_block,
     revnet_conv_block,
 )
+from .convert import ReversibleStack, convert_to_reversible
 from .coupling import AdditiveCoupling, AffineCoupling, Coupling, make_coupling
 from .sequential import ReconstructionWarning, ReversibleBlock, ReversibleSequential
 
@@ -25,6 +26,8 @@ __all__ = [
     "ReconstructionWarning",
     "ReversibleBlock",
     "ReversibleSequential",
+    "ReversibleStack",
+    "convert_to_reversible",
     "make_coupling",
     "reversible_mlp_block",
     "reversible_transformer_block",
