@@ -160,6 +160,24 @@ def bench_depth(
             }
         )
         print(f"  depth {depth}: {name}", file=sys.stderr)
+    peer_rows = [r for r in rows if r["variant"] in found]
+    if peer_rows:
+        best = min(peer_rows, key=lambda r: r["time_ratio"])["variant"]
+        head = time_ratio(
+            step(variants["revckpt ReversibleSequential"]),
+            step(variants[best]),
+            repeats=repeats,
+            warmup=1,
+        )
+        rows.append(
+            {
+                "depth": depth,
+                "variant": f"head-to-head: revckpt / {best} (fastest peer above)",
+                "time_ratio": head.ratio,
+                "time_ratio_q25": head.q25,
+                "time_ratio_q75": head.q75,
+            }
+        )
     for p in params:
         p.grad = None
     return rows, notes
@@ -171,6 +189,12 @@ def table(rows: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|",
     ]
     for r in rows:
+        if "held_after_forward_bytes" not in r:
+            lines.append(
+                f"| {r['depth']} | {r['variant']} | | | {r['time_ratio']:.3f} "
+                f"({r['time_ratio_q25']:.2f}-{r['time_ratio_q75']:.2f}) |"
+            )
+            continue
         lines.append(
             f"| {r['depth']} | {r['variant']} | {r['held_after_forward_bytes'] / 1e6:.2f} | "
             f"{r['peak_bytes'] / 1e6:.2f} | {r['time_ratio']:.3f} "
@@ -196,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         depths, repeats = args.depths or [2, 4], args.repeats or 3
     else:
         batch, width, hidden = 256, 512, 1024
-        depths, repeats = args.depths or [8, 32, 128], args.repeats or 9
+        depths, repeats = args.depths or [8, 32, 128], args.repeats or 11
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
     for depth in depths:

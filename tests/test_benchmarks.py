@@ -24,3 +24,24 @@ def test_bench_checkpoint_quick(tmp_path, capsys):
     per_block = next(r for r in mlp if r["variant"] == "revckpt per-block")
     assert per_block["retained_bytes"] < plain["retained_bytes"]
     assert "| chain | variant |" in capsys.readouterr().out
+
+
+def test_bench_reversible_quick(tmp_path):
+    out = tmp_path / "r.json"
+    result = load("bench_reversible").main(
+        ["--quick", "--repeats", "1", "--depths", "2", "--out", str(out)]
+    )
+    rows = {r["variant"]: r for r in result["rows"]}
+    ours = rows["revckpt ReversibleSequential"]
+    assert ours["max_abs_diff_vs_plain"] < 1e-5
+    assert ours["held_after_forward_bytes"] < rows["plain autograd"]["held_after_forward_bytes"]
+    assert json.loads(out.read_text())["rows"]
+
+
+def test_drift_script(tmp_path):
+    result = load("drift_reversible").main(["--out", str(tmp_path / "d.json")])
+    by = {
+        (r["dtype"], r["depth"], r["anchor_every"]): r["max_relative_drift"] for r in result["rows"]
+    }
+    assert by[("float32", 8, None)] < 1e-5
+    assert by[("bfloat16", 128, 8)] < by[("bfloat16", 128, None)]
