@@ -25,6 +25,7 @@ frozen BatchNorm statistics through :mod:`revckpt.replay`.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -134,6 +135,7 @@ class _Chain:
     on_drift: str
     drift: list[float | None]
     values: dict[int, torch.Tensor] = field(default_factory=dict)
+    owned: set[int] = field(default_factory=set)  # streams whose value this walk created
 
 
 def _sample_index(numel: int, device: torch.device) -> torch.Tensor:
@@ -195,7 +197,12 @@ class _HalfStep(torch.autograd.Function):
         block, anchor = step.block, step.anchor
         ctx.chain, ctx.step = chain, step
         ctx.state = ForwardState.capture(u, chain.kwargs, step.branch, norms=step.norms)
-        y = block.coupling.combine(a, block._branch(step.which, u, a, chain.kwargs))
+        h = block._branch(step.which, u, a, chain.kwargs)
+        if isinstance(block.coupling, AdditiveCoupling) and _private_result(h, a, u):
+            y = h.add_(a)  # y = a + h, written over the branch's fresh output
+        else:
+            y = block.coupling.combine(a, h)
+        del h
         ctx.state.forward_finished()
         # anchor: 0 = none, 1 = keep a, 2 = keep a and u (the first half step of a block)
         ctx.save_for_backward(*((a, u)[:anchor]))
@@ -212,6 +219,7 @@ class _HalfStep(torch.autograd.Function):
         exact = ctx.saved_tensors
         if anchor == 2:
             chain.values[other] = exact[1]
+            chain.owned.discard(other)
         y, u = chain.values[target], chain.values[other]
         kw = dict(chain.kwargs)
         kw_leaves = []
@@ -236,7 +244,10 @@ class _HalfStep(torch.autograd.Function):
         with torch.enable_grad(), ctx.state.replay():
             h = run()
             with torch.no_grad():
-                a = block.coupling.separate(y, _detached(h))
+                if target in chain.owned and isinstance(block.coupling, AdditiveCoupling):
+                    a = y.sub_(h)  # y is a value this walk rebuilt: overwrite it
+                else:
+                    a = block.coupling.separate(y, _detached(h))
             if anchor:
                 _record_drift(chain, block_index, a, exact[0])
                 a = exact[0]
@@ -256,10 +267,28 @@ class _HalfStep(torch.autograd.Function):
         grads = torch.autograd.grad(y_again, sources, dy, allow_unused=True)
         del y, h, y_again
         chain.values[target] = a.detach()
+        if anchor:
+            chain.owned.discard(target)  # an anchor is a kept forward tensor: never overwrite
+        else:
+            chain.owned.add(target)
         da = dy if a_leaf is None else _zeros_if_none(grads[-1], a)
         du = _zeros_if_none(grads[0], u)
         rest = grads[1 : 1 + len(params) + len(kw_leaves)]
         return (None, None, da, du, *rest)
+
+
+def _private_result(h: Any, a: torch.Tensor, u: torch.Tensor) -> bool:
+    """Whether the branch output ``h`` is a fresh tensor nobody else holds, so ``a + h`` may be
+    written into it: not a view, not a parameter or other leaf requiring grad, sharing no
+    storage with the streams, and of the result's shape and dtype."""
+    if not isinstance(h, torch.Tensor) or h._base is not None or h.requires_grad:
+        return False
+    if h.shape != a.shape or h.dtype != torch.result_type(a, h) or h.device != a.device:
+        return False
+    if sys.getrefcount(h) > 3:  # the caller's name, this argument, getrefcount's own
+        return False
+    storage = h.untyped_storage()._cdata
+    return storage not in (a.untyped_storage()._cdata, u.untyped_storage()._cdata)
 
 
 def _detached(h: Any) -> Any:
@@ -321,6 +350,7 @@ class _Output(torch.autograd.Function):
             y1, y2 = saved[0].chunk(2, dim=ctx.dim)
             d1, d2 = grads[0].chunk(2, dim=ctx.dim)
         ctx.chain.values = {ctx.ids[0]: y1, ctx.ids[1]: y2}
+        ctx.chain.owned = set()  # the output is the caller's: never overwritten
         return None, None, None, d1, d2
 
 
