@@ -16,9 +16,7 @@ table and writes ``benchmarks/results/bench_checkpoint.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,9 +24,9 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint as tcp
+from _common import environment, ratio_cell, write_json  # benchmarks/_common.py
 from torch import nn
 
-import revckpt
 from revckpt import MemoryMeter, checkpoint_sequential, time_ratio
 from revckpt.models import mlp_chain, transformer_chain
 
@@ -137,16 +135,12 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         p = plain[r["chain"]]
         if "retained_bytes" not in r:
-            lines.append(
-                f"| {r['chain']} | {r['variant']} | | | | | {r['time_ratio']:.3f} "
-                f"({r['time_ratio_q25']:.2f}-{r['time_ratio_q75']:.2f}) |"
-            )
+            lines.append(f"| {r['chain']} | {r['variant']} | | | | | {ratio_cell(r)} |")
             continue
         lines.append(
             f"| {r['chain']} | {r['variant']} | {r['retained_bytes'] / 2**20:.2f} | "
             f"{r['retained_bytes'] / p['retained_bytes']:.3f} | {r['peak_bytes'] / 2**20:.2f} | "
-            f"{r['peak_bytes'] / p['peak_bytes']:.3f} | {r['time_ratio']:.3f} "
-            f"({r['time_ratio_q25']:.2f}-{r['time_ratio_q75']:.2f}) |"
+            f"{r['peak_bytes'] / p['peak_bytes']:.3f} | {ratio_cell(r)} |"
         )
     return "\n".join(lines)
 
@@ -190,18 +184,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "bench_checkpoint",
         "command": "python benchmarks/bench_checkpoint.py" + (" --quick" if args.quick else ""),
         "config": {"mlp": mlp, "transformer": tf, "repeats": repeats, "threads": 1},
-        "environment": {
-            "torch": torch.__version__,
-            "revckpt": revckpt.__version__,
-            "python": platform.python_version(),
-            "machine": platform.machine(),
-        },
+        "environment": environment(),
         "rows": rows,
     }
     print(table(rows))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(result, args.out)
     return result
 
 

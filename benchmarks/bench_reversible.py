@@ -23,8 +23,6 @@ writes ``benchmarks/results/bench_reversible.json``.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import warnings
 from collections.abc import Callable
@@ -33,9 +31,9 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint as tcp
+from _common import environment, ratio_cell, write_json  # benchmarks/_common.py
 from torch import nn
 
-import revckpt
 from revckpt import MemoryMeter, time_ratio
 from revckpt.layers import ReversibleBlock, ReversibleSequential
 
@@ -190,15 +188,11 @@ def table(rows: list[dict[str, Any]]) -> str:
     ]
     for r in rows:
         if "held_after_forward_bytes" not in r:
-            lines.append(
-                f"| {r['depth']} | {r['variant']} | | | {r['time_ratio']:.3f} "
-                f"({r['time_ratio_q25']:.2f}-{r['time_ratio_q75']:.2f}) |"
-            )
+            lines.append(f"| {r['depth']} | {r['variant']} | | | {ratio_cell(r)} |")
             continue
         lines.append(
             f"| {r['depth']} | {r['variant']} | {r['held_after_forward_bytes'] / 1e6:.2f} | "
-            f"{r['peak_bytes'] / 1e6:.2f} | {r['time_ratio']:.3f} "
-            f"({r['time_ratio_q25']:.2f}-{r['time_ratio_q75']:.2f}) |"
+            f"{r['peak_bytes'] / 1e6:.2f} | {ratio_cell(r)} |"
         )
     return "\n".join(lines)
 
@@ -239,21 +233,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "threads": 1,
             "dtype": "float32",
         },
-        "environment": {
-            "torch": torch.__version__,
-            "revckpt": revckpt.__version__,
-            "python": platform.python_version(),
-            "machine": platform.machine(),
-        },
+        "environment": environment(),
         "notes": notes,
         "rows": rows,
     }
     print(table(rows))
     for note in notes:
         print("note:", note)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(result, args.out)
     return result
 
 

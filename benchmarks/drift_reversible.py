@@ -12,11 +12,11 @@ Run ``python benchmarks/drift_reversible.py``; prints a table and writes
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
+from _common import environment, write_json  # benchmarks/_common.py
 
 from revckpt.layers import reversible_mlp_block
 
@@ -73,11 +73,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         "benchmark": "drift_reversible",
         "command": "python benchmarks/drift_reversible.py",
+        "environment": environment(),
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(result, args.out)
     return result
 
 
