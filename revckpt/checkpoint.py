@@ -132,49 +132,44 @@ class _Contexts:
         self.sac = _policy_context_fn(policy)() if policy is not None else None
         self.state: ForwardState | None = None
 
-    def __call__(self) -> tuple[_Forward, _Recompute]:
-        return _Forward(self), _Recompute(self)
+    def __call__(self) -> tuple[_Reusable, _Reusable]:
+        return _Reusable(self._forward), _Reusable(self._recompute)
+
+    def _forward(self, stack: contextlib.ExitStack) -> None:
+        self.state = ForwardState.capture(*self.owners, preserve_rng_state=self.preserve_rng_state)
+        stack.callback(self.state.forward_finished)  # runs last, once the forward is done
+        if self.sac is not None:
+            stack.enter_context(self.sac[0])
+        if self.values is not None:
+            stack.enter_context(self.values.recording())
+
+    def _recompute(self, stack: contextlib.ExitStack) -> None:
+        assert self.state is not None, "recompute before the checkpointed forward ran"
+        stack.enter_context(self.state.replay())
+        if self.sac is not None:
+            stack.enter_context(self.sac[1])
+        if self.values is not None:
+            stack.enter_context(self.values.checking())
 
 
-class _Forward:
-    def __init__(self, ctx: _Contexts) -> None:
-        self.ctx = ctx
-        self.stack: contextlib.ExitStack | None = None
+class _Reusable:
+    """A context manager that may be entered again after it exits (torch reuses the recompute
+    context for every backward); each entry fills a fresh ``ExitStack`` with ``setup``."""
 
-    def __enter__(self) -> None:
-        ctx = self.ctx
-        ctx.state = ForwardState.capture(*ctx.owners, preserve_rng_state=ctx.preserve_rng_state)
-        self.stack = contextlib.ExitStack()
-        if ctx.sac is not None:
-            self.stack.enter_context(ctx.sac[0])
-        if ctx.values is not None:
-            self.stack.enter_context(ctx.values.recording())
-
-    def __exit__(self, *exc: Any) -> None:
-        assert self.stack is not None
-        self.stack.close()
-        if exc[0] is None and self.ctx.state is not None:
-            self.ctx.state.forward_finished()
-
-
-class _Recompute:
-    def __init__(self, ctx: _Contexts) -> None:
-        self.ctx = ctx
-        self.stack: contextlib.ExitStack | None = None
+    def __init__(self, setup: Callable[[contextlib.ExitStack], None]) -> None:
+        self.setup = setup
+        self.stacks: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> None:
-        ctx = self.ctx
-        assert ctx.state is not None, "recompute before the checkpointed forward ran"
-        self.stack = contextlib.ExitStack()
-        self.stack.enter_context(ctx.state.replay())
-        if ctx.sac is not None:
-            self.stack.enter_context(ctx.sac[1])
-        if ctx.values is not None:
-            self.stack.enter_context(ctx.values.checking())
+        stack = contextlib.ExitStack()
+        with contextlib.ExitStack() as guard:
+            guard.push(stack)  # unwinds what setup entered if setup itself raises
+            self.setup(stack)
+            guard.pop_all()
+        self.stacks.append(stack)
 
-    def __exit__(self, *exc: Any) -> None:
-        assert self.stack is not None
-        self.stack.__exit__(*exc)
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self.stacks.pop().__exit__(*exc)
 
 
 def _modules_of(fn: Any) -> tuple[nn.Module, ...]:
