@@ -34,3 +34,22 @@ def twin(model: nn.Module) -> nn.Module:
 
 def bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+class Chain(nn.Module):
+    """A chain of blocks run plainly (``segments=None``) or with checkpoint segments; the same
+    parameter names either way, so the two can be compared by gradient_error."""
+
+    def __init__(self, chain: nn.Module, segments: Any = None, **options: Any) -> None:
+        super().__init__()
+        self.chain = chain
+        self.segments = segments
+        self.options = options
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from revckpt import checkpoint_sequential
+
+        if self.segments is None:
+            return self.chain(x)
+        segments = len(self.chain) if self.segments == "per-block" else self.segments
+        return checkpoint_sequential(self.chain, segments, x, **self.options)

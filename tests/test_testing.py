@@ -2,32 +2,19 @@ import copy
 
 import pytest
 import torch
+from helpers import Chain
 from hypothesis import given
 from torch import nn
 
-from revckpt import GradientMismatchError, checkpoint_sequential
+from revckpt import GradientMismatchError
 from revckpt.testing import StackSpec, assert_gradients_close, block_stacks, stack_specs
-
-
-class Checkpointed(nn.Module):
-    def __init__(self, chain):
-        super().__init__()
-        self.chain = chain
-
-    def forward(self, x):
-        return checkpoint_sequential(self.chain, len(self.chain), x)
-
-
-class Plain(Checkpointed):
-    def forward(self, x):
-        return self.chain(x)
 
 
 @given(spec=stack_specs(depth=(1, 6), dtypes=(torch.float64,)))
 def test_checkpointed_stacks_match_plain_autograd(spec):
     model = spec.build()
-    plain = Plain(copy.deepcopy(model))
-    report = assert_gradients_close(Checkpointed(model), plain, spec.make_input(), rtol=0.0)
+    plain = Chain(copy.deepcopy(model))
+    report = assert_gradients_close(Chain(model, "per-block"), plain, spec.make_input(), rtol=0.0)
     assert report.overall.rel_l2 == 0.0
 
 

@@ -3,29 +3,18 @@ import math
 
 import pytest
 import torch
+from helpers import Chain
 from torch import nn
 
-from revckpt import InvalidArgumentError, checkpoint_sequential, gradient_error
+from revckpt import InvalidArgumentError, gradient_error
 from revckpt.models import mlp_chain
-
-
-class Checkpointed(nn.Module):
-    def __init__(self, chain, segments):
-        super().__init__()
-        self.chain = chain
-        self.segments = segments
-
-    def forward(self, x):
-        if self.segments is None:
-            return self.chain(x)
-        return checkpoint_sequential(self.chain, self.segments, x)
 
 
 def test_exact_strategy_reports_zero_in_float64():
     chain = mlp_chain(6, 8, 16, dropout=0.2, norm="batch").double()
     x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
-    plain = Checkpointed(copy.deepcopy(chain), None)  # same names, no checkpoint
-    err = gradient_error(Checkpointed(chain, 3), plain, x)
+    plain = Chain(copy.deepcopy(chain), None)  # same names, no checkpoint
+    err = gradient_error(Chain(chain, 3), plain, x)
     assert err.overall.rel_l2 == 0.0 and err.overall.one_minus_cos == 0.0
     assert set(err.per_tensor) >= {"chain.0.fc1.weight", "input.0"}
 
@@ -33,7 +22,7 @@ def test_exact_strategy_reports_zero_in_float64():
 def test_float32_candidate_against_float64_reference_is_roundoff():
     chain = mlp_chain(4, 16, 32, dropout=0.2)
     x = torch.randn(8, 16)
-    err = gradient_error(Checkpointed(chain, 4), None, x)
+    err = gradient_error(Chain(chain, 4), None, x)
     assert 0 < err.overall.rel_l2 < 1e-5
     assert err.overall.one_minus_cos < 1e-10
 
