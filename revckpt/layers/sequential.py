@@ -25,7 +25,7 @@ frozen BatchNorm statistics through :mod:`revckpt.replay`.
 
 from __future__ import annotations
 
-import sys
+import functools
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _NormBase
+from torch.utils._pytree import tree_flatten
 
 from ..errors import InvalidArgumentError, InvalidInputTypeError, ReconstructionError
 from ..replay import ForwardState
@@ -192,13 +193,14 @@ class _HalfStep(torch.autograd.Function):
         step: tuple[Any, ...],
         a: torch.Tensor,
         u: torch.Tensor,
+        token: torch.Tensor,
         *tensors: torch.Tensor,
     ) -> torch.Tensor:
         block, anchor = step.block, step.anchor
         ctx.chain, ctx.step = chain, step
         ctx.state = ForwardState.capture(u, chain.kwargs, step.branch, norms=step.norms)
         h = block._branch(step.which, u, a, chain.kwargs)
-        if isinstance(block.coupling, AdditiveCoupling) and _private_result(h, a, u):
+        if _plain_additive(block.coupling) and _private_result(h, a):
             y = h.add_(a)  # y = a + h, written over the branch's fresh output
         else:
             y = block.coupling.combine(a, h)
@@ -243,9 +245,10 @@ class _HalfStep(torch.autograd.Function):
 
         with torch.enable_grad(), ctx.state.replay():
             h = run()
+            _check_sources(h, (u_leaf, *params, *kw_leaves), step)
             with torch.no_grad():
-                if target in chain.owned and isinstance(block.coupling, AdditiveCoupling):
-                    a = y.sub_(h)  # y is a value this walk rebuilt: overwrite it
+                if target in chain.owned and _plain_additive(block.coupling) and _sole_owner(y):
+                    a = y.sub_(h)  # a value this walk rebuilt, held by nobody else: overwrite
                 else:
                     a = block.coupling.separate(y, _detached(h))
             if anchor:
@@ -253,7 +256,7 @@ class _HalfStep(torch.autograd.Function):
                 a = exact[0]
             elif ctx.sample is not None:
                 _record_drift(chain, block_index, _sample(a), ctx.sample)
-            if isinstance(block.coupling, AdditiveCoupling):
+            if _plain_additive(block.coupling):
                 # y = a + h: dy/da = dy/dh = identity, so differentiate h alone.
                 a_leaf, y_again = None, h
             else:
@@ -274,21 +277,58 @@ class _HalfStep(torch.autograd.Function):
         da = dy if a_leaf is None else _zeros_if_none(grads[-1], a)
         du = _zeros_if_none(grads[0], u)
         rest = grads[1 : 1 + len(params) + len(kw_leaves)]
-        return (None, None, da, du, *rest)
+        return (None, None, da, du, None, *rest)
 
 
-def _private_result(h: Any, a: torch.Tensor, u: torch.Tensor) -> bool:
-    """Whether the branch output ``h`` is a fresh tensor nobody else holds, so ``a + h`` may be
-    written into it: not a view, not a parameter or other leaf requiring grad, sharing no
-    storage with the streams, and of the result's shape and dtype."""
-    if not isinstance(h, torch.Tensor) or h._base is not None or h.requires_grad:
+@functools.cache
+def _sole_use_count() -> int:
+    """The storage use count of a tensor that nothing else references (read off a fresh one)."""
+    fresh = torch.empty(1)
+    return torch._C._storage_Use_Count(fresh.untyped_storage()._cdata)
+
+
+def _sole_owner(t: torch.Tensor) -> bool:
+    """Whether ``t`` is the only tensor on its memory: no view, ``detach()`` or ``.data`` alias
+    held by a hook, a cache or a module, so it may be overwritten."""
+    if t._base is not None or t.requires_grad:
+        return False
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= _sole_use_count()
+
+
+def _plain_additive(coupling: Coupling) -> bool:
+    return type(coupling) is AdditiveCoupling  # a subclass may redefine combine / separate
+
+
+def _private_result(h: Any, a: torch.Tensor) -> bool:
+    """Whether ``a + h`` may be written into the branch output ``h``: a tensor of the result's
+    shape, dtype and device that nothing else holds."""
+    if not isinstance(h, torch.Tensor):
         return False
     if h.shape != a.shape or h.dtype != torch.result_type(a, h) or h.device != a.device:
         return False
-    if sys.getrefcount(h) > 3:  # the caller's name, this argument, getrefcount's own
-        return False
-    storage = h.untyped_storage()._cdata
-    return storage not in (a.untyped_storage()._cdata, u.untyped_storage()._cdata)
+    return _sole_owner(h)
+
+
+def _check_sources(h: Any, sources: tuple[torch.Tensor, ...], step: _Step) -> None:
+    """Raise if the branch's graph reaches a leaf that requires grad but is not among the
+    tensors this node returns gradients for: that gradient would be dropped silently."""
+    known = {id(t) for t in sources}
+    seen: set[Any] = set()
+    todo = [t.grad_fn for t in tree_flatten(h)[0] if isinstance(t, torch.Tensor) and t.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        leaf = getattr(fn, "variable", None)
+        if leaf is not None and id(leaf) not in known and leaf.requires_grad:
+            raise InvalidArgumentError(
+                f"branch {step.which} of reversible block {step.index} uses a tensor of shape "
+                f"{tuple(leaf.shape)} that requires grad but is not one of its registered "
+                "parameters, so the reversible backward cannot return its gradient; register it "
+                "as an nn.Parameter (or submodule) of the branch, or pass it as a keyword tensor"
+            )
+        todo.extend(next_fn for next_fn, _ in fn.next_functions)
 
 
 def _detached(h: Any) -> Any:
@@ -449,6 +489,15 @@ class ReversibleSequential(nn.Module):
         grad_kwargs = tuple(
             k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad
         )
+        for k, v in kwargs.items():
+            if not isinstance(v, torch.Tensor) and any(
+                isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(v)[0]
+            ):
+                raise InvalidInputTypeError(
+                    f"keyword {k!r} holds tensors that require grad inside a "
+                    f"{type(v).__name__}; the reversible backward returns gradients for "
+                    "top-level keyword tensors only: pass each such tensor as its own keyword"
+                )
         trainable = (
             [(_trainable(b.f), _trainable(b.g) if b.g is not None else ()) for b in self.blocks]
             if torch.is_grad_enabled()
@@ -473,6 +522,9 @@ class ReversibleSequential(nn.Module):
         )
         self.last_drift = chain.drift
         kw_tensors = [kwargs[k] for k in grad_kwargs]
+        # Every half step joins the graph (even one whose inputs and registered parameters need
+        # no gradient), so that its backward runs and can check what its branch really used.
+        token = torch.empty(0, requires_grad=True)
         streams = {0: x1, 1: x2}
         ids = (0, 1)  # which stream is the block's first and second input
         for i, (block, (named_f, named_g)) in enumerate(zip(self.blocks, trainable, strict=True)):
@@ -482,7 +534,7 @@ class ReversibleSequential(nn.Module):
                 block, "f", i, first, second, 2 if anchored else 0, named_f, _norms(block.f)
             )
             streams[first] = _HalfStep.apply(
-                chain, step, streams[first], streams[second], *step.params, *kw_tensors
+                chain, step, streams[first], streams[second], token, *step.params, *kw_tensors
             )
             if block.g is None:
                 ids = (second, first)
@@ -491,7 +543,7 @@ class ReversibleSequential(nn.Module):
                     block, "g", i, second, first, 1 if anchored else 0, named_g, _norms(block.g)
                 )
                 streams[second] = _HalfStep.apply(
-                    chain, step, streams[second], streams[first], *step.params, *kw_tensors
+                    chain, step, streams[second], streams[first], token, *step.params, *kw_tensors
                 )
         out = _Output.apply(
             chain, ids, None if tuple_mode else self.split_dim, streams[ids[0]], streams[ids[1]]

@@ -8,6 +8,7 @@ from torch import nn
 
 from revckpt import MemoryMeter, ReconstructionError, RevckptError
 from revckpt.layers import (
+    AdditiveCoupling,
     AffineCoupling,
     Coupling,
     ReconstructionWarning,
@@ -194,15 +195,25 @@ def test_no_grad_and_eval_keep_nothing():
     assert m.end_bytes == y.numel() * 4
 
 
-def test_bf16_input_under_autocast():
+def test_bf16_input_under_autocast_matches_plain_autocast():
     torch.manual_seed(0)
     rev = ReversibleSequential(*[reversible_mlp_block(8, 16) for _ in range(4)])
-    x = torch.randn(4, 16).bfloat16().requires_grad_()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = rev(x)
-    y.float().sum().backward()
-    assert x.grad is not None and x.grad.dtype == torch.bfloat16
-    assert all(p.grad is not None for p in rev.parameters())
+    ref = copy.deepcopy(rev)
+
+    def under_autocast(fn):
+        def run(m, x, **k):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return fn(m, x).float()
+
+        return run
+
+    x = torch.randn(4, 16).bfloat16()
+    y1, g1 = step(under_autocast(lambda m, x: m(x)), rev, x, None)
+    y2, g2 = step(under_autocast(plain_forward), ref, x, None)
+    assert torch.equal(y1, y2)
+    assert g1[-1].dtype == torch.bfloat16
+    # bf16 rounding of the rebuilt streams: the same gradients up to bf16 drift
+    assert_grads_match(g1, g2, 2e-2)
 
 
 def test_callers_tensors_untouched():
@@ -350,3 +361,65 @@ def test_revnet_conv_block_split_channels():
     assert_grads_match(
         step(lambda m, x, **k: m(x), rev, x, None)[1], step(plain, ref, x, None)[1], 1e-10
     )
+
+
+# --- in-place safety and silent-drop guards ----------------------------------------------------
+
+
+def test_tensors_captured_by_hooks_are_never_overwritten():
+    torch.manual_seed(0)
+    rev = ReversibleSequential(*[reversible_mlp_block(4, 8) for _ in range(4)]).double()
+    outputs, inputs = [], []
+    rev.blocks[1].f.register_forward_hook(lambda m, i, o: outputs.append((o.detach(), o.clone())))
+    rev.blocks[1].f.register_forward_pre_hook(
+        lambda m, i: inputs.append((i[0].detach(), i[0].clone()))
+    )
+
+    x = torch.randn(3, 8, dtype=torch.float64)
+    rev(x).sum().backward()
+    assert len(outputs) == 2 and len(inputs) == 2  # forward and the backward's recompute
+    for held, copy_ in outputs + inputs:
+        assert torch.equal(held, copy_)
+
+
+def test_coupling_subclass_does_not_take_the_additive_shortcuts():
+    class Scaled(AdditiveCoupling):
+        def combine(self, x, h):
+            return x + 0.5 * h
+
+        def separate(self, y, h):
+            return y - 0.5 * h
+
+    torch.manual_seed(0)
+    blocks = [
+        ReversibleBlock(nn.Linear(3, 3), nn.Linear(3, 3), coupling=Scaled()) for _ in range(2)
+    ]
+    rev = ReversibleSequential(*blocks).double()
+    ref = copy.deepcopy(rev)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    y1, g1 = step(lambda m, x, **k: m(x), rev, x, None)
+    y2, g2 = step(plain_forward, ref, x, None)
+    assert torch.equal(y1, y2)
+    assert_grads_match(g1, g2, 1e-12)
+
+
+def test_unregistered_parameter_or_nested_keyword_raises_instead_of_dropping_gradients():
+    class Tied(nn.Module):
+        def __init__(self, other):
+            super().__init__()
+            self.other = [other]  # not registered: its parameters are invisible
+
+        def forward(self, x):
+            return self.other[0](x)
+
+    rev = ReversibleSequential(ReversibleBlock(Tied(nn.Linear(3, 3)), nn.Linear(3, 3)))
+    with pytest.raises(RevckptError, match="not one of its registered parameters"):
+        rev(torch.randn(2, 6)).sum().backward()
+
+    class WithExtra(nn.Module):
+        def forward(self, x, extra=()):
+            return x * 2
+
+    rev = ReversibleSequential(ReversibleBlock(WithExtra(), WithExtra()))
+    with pytest.raises(RevckptError, match="pass each such tensor as its own keyword"):
+        rev(torch.randn(2, 6), extra=[torch.ones(3, requires_grad=True)])
