@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -245,7 +246,9 @@ class _HalfStep(torch.autograd.Function):
 
         with torch.enable_grad(), ctx.state.replay():
             h = run()
-            _check_sources(h, (u_leaf, *params, *kw_leaves), step)
+            if branch not in _CHECKED_BRANCHES:
+                _check_sources(h, (u_leaf, *params, *kw_leaves), step)
+                _CHECKED_BRANCHES.add(branch)
             with torch.no_grad():
                 if target in chain.owned and _plain_additive(block.coupling) and _sole_owner(y):
                     a = y.sub_(h)  # a value this walk rebuilt, held by nobody else: overwrite
@@ -309,9 +312,15 @@ def _private_result(h: Any, a: torch.Tensor) -> bool:
     return _sole_owner(h)
 
 
+# Branches whose graph has been checked once (the walk costs ~1% of a step; a branch's
+# structure rarely changes between calls).
+_CHECKED_BRANCHES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
 def _check_sources(h: Any, sources: tuple[torch.Tensor, ...], step: _Step) -> None:
     """Raise if the branch's graph reaches a leaf that requires grad but is not among the
-    tensors this node returns gradients for: that gradient would be dropped silently."""
+    tensors this node returns gradients for: that gradient would be dropped silently. Done on
+    the first backward through each branch."""
     known = {id(t) for t in sources}
     seen: set[Any] = set()
     todo = [t.grad_fn for t in tree_flatten(h)[0] if isinstance(t, torch.Tensor) and t.grad_fn]
