@@ -191,7 +191,7 @@ class _HalfStep(torch.autograd.Function):
     def forward(
         ctx: Any,
         chain: _Chain,
-        step: tuple[Any, ...],
+        step: _Step,
         a: torch.Tensor,
         u: torch.Tensor,
         token: torch.Tensor,
