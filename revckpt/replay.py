@@ -303,7 +303,6 @@ def _swapped_statistics(modules: Iterable[nn.Module]) -> Iterator[None]:
 
 class _Frozen(threading.local):
     depth: int = 0
-    swapped: dict[nn.Module, dict[str, torch.Tensor | None]] | None = None
 
 
 _frozen = _Frozen()
@@ -366,11 +365,11 @@ def freeze_running_stats(modules: Iterable[nn.Module] | None = None) -> Iterator
 
     pre = nn.modules.module.register_module_forward_pre_hook(before)
     post = nn.modules.module.register_module_forward_hook(after, always_call=True)
-    state.depth, state.swapped = 1, swapped
+    state.depth = 1
     try:
         yield
     finally:
-        state.depth, state.swapped = 0, None
+        state.depth = 0
         pre.remove()
         post.remove()
         for module in list(swapped):

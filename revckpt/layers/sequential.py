@@ -140,7 +140,9 @@ class _Chain:
     owned: set[int] = field(default_factory=set)  # streams whose value this walk created
 
 
+@functools.lru_cache(maxsize=64)
 def _sample_index(numel: int, device: torch.device) -> torch.Tensor:
+    """Fixed positions of the drift sample (computed once per size: not on every half step)."""
     gen = torch.Generator().manual_seed(numel)
     return torch.randperm(numel, generator=gen)[: min(numel, 64)].to(device)
 
