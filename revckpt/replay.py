@@ -150,6 +150,17 @@ class AutocastState:
             cache_enabled=torch.is_autocast_cache_enabled(),
         )
 
+    def matches_current(self) -> bool:
+        """Whether autocast on this device type is already in this state (so replay need not
+        enter a context)."""
+        if not torch.is_autocast_enabled(self.device_type):
+            return not self.enabled
+        return (
+            self.enabled
+            and torch.get_autocast_dtype(self.device_type) == self.dtype
+            and torch.is_autocast_cache_enabled() == self.cache_enabled
+        )
+
     def context(self) -> contextlib.AbstractContextManager[Any]:
         """A context that re-establishes these settings (or disables autocast if it was off)."""
         return torch.autocast(
@@ -195,6 +206,7 @@ class ForwardState:
         *owners: Any,
         preserve_rng_state: bool = True,
         norms: tuple[nn.Module, ...] | None = None,
+        devices: list[torch.device] | None = None,
     ) -> ForwardState:
         """Capture the state for a forward whose tensors and modules are ``owners``.
 
@@ -203,8 +215,11 @@ class ForwardState:
         ``norms``: when the caller knows every normalisation module the forward can call (its
         branches are modules with registered submodules), replay freezes exactly those and
         skips the global module hooks; ``None`` freezes whatever normalisation module runs.
+        ``devices``: the result of :func:`devices_of` for the owners, when the caller already
+        has it (a stack capturing many forwards over the same tensors scans them once).
         """
-        devices = devices_of(*owners)
+        if devices is None:
+            devices = devices_of(*owners)
         rng: dict[torch.device, torch.Tensor] = {}
         if preserve_rng_state:
             for device in [torch.device("cpu"), *devices]:
@@ -236,24 +251,61 @@ class ForwardState:
         """Bytes this state keeps alive (the RNG states; autocast state is a few flags)."""
         return sum(s.numel() * s.element_size() for s in self._rng.values())
 
-    @contextlib.contextmanager
-    def replay(self) -> Iterator[None]:
+    def replay(self) -> contextlib.AbstractContextManager[None]:
         """Run the body as the captured forward ran: same RNG streams, same autocast, with
-        running statistics frozen. The caller's RNG state is restored afterwards."""
-        outer = {device: _get_rng(device) for device in self._rng}
+        running statistics frozen. The caller's RNG state is restored afterwards.
+
+        Only what differs is touched: no generator is set when the forward drew no random
+        numbers, no autocast context is entered when the current settings already match, and
+        no statistics are frozen when ``norms`` is an empty tuple (a recompute runs per block
+        of a deep stack, so the common case costs a few attribute reads).
+        """
+        return _Replay(self)
+
+
+class _Replay:
+    """The context of :meth:`ForwardState.replay` (a class: cheaper than a generator and an
+    ``ExitStack`` on a path that runs once per block and step)."""
+
+    __slots__ = ("_contexts", "_outer", "_state")
+
+    def __init__(self, state: ForwardState) -> None:
+        self._state = state
+        self._outer: dict[torch.device, torch.Tensor] = {}
+        self._contexts: list[contextlib.AbstractContextManager[Any]] = []
+
+    def __enter__(self) -> None:
+        state = self._state
+        self._outer = {device: _get_rng(device) for device in state._rng}
+        self._contexts = []
         try:
-            for device, state in self._rng.items():
-                _set_rng(device, state)
-            with contextlib.ExitStack() as stack:
-                for ac in self.autocast:
-                    stack.enter_context(ac.context())
-                stack.enter_context(freeze_running_stats(self.norms))
-                _replaying.depth += 1
-                stack.callback(_replaying.__setattr__, "depth", _replaying.depth - 1)
-                yield
+            for device, rng in state._rng.items():
+                _set_rng(device, rng)
+            pending: list[contextlib.AbstractContextManager[Any]] = [
+                ac.context() for ac in state.autocast if not ac.matches_current()
+            ]
+            if state.norms is None or state.norms:
+                pending.append(freeze_running_stats(state.norms))
+            for context in pending:
+                context.__enter__()
+                self._contexts.append(context)
+        except BaseException:
+            self._unwind(None, None, None)
+            raise
+        _replaying.depth += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        _replaying.depth -= 1
+        self._unwind(*exc)
+
+    def _unwind(self, *exc: Any) -> None:
+        try:
+            while self._contexts:
+                self._contexts.pop().__exit__(*exc)
         finally:
-            for device, state in outer.items():
-                _set_rng(device, state)
+            for device, rng in self._outer.items():
+                _set_rng(device, rng)
+            self._outer = {}
 
 
 class _ReplayDepth(threading.local):

@@ -39,12 +39,13 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._pytree import tree_flatten
 
 from ..errors import InvalidArgumentError, InvalidInputTypeError, ReconstructionError
-from ..replay import ForwardState
+from ..replay import ForwardState, devices_of
 from .coupling import AdditiveCoupling, Coupling, make_coupling
 
 __all__ = ["ReconstructionWarning", "ReversibleBlock", "ReversibleSequential"]
 
 Streams = tuple[torch.Tensor, torch.Tensor]
+Named = tuple[tuple[str, torch.Tensor], ...]
 
 
 class ReconstructionWarning(UserWarning):
@@ -109,16 +110,30 @@ class ReversibleBlock(nn.Module):
         return f"coupling={self.coupling!r}, branches={'f' if self.g is None else 'f, g'}"
 
 
-def _trainable(module: nn.Module) -> tuple[tuple[str, torch.Tensor], ...]:
-    return tuple((n, p) for n, p in module.named_parameters() if p.requires_grad)
-
-
-def _norms(module: nn.Module | None) -> tuple[nn.Module, ...]:
-    """Normalisation modules a branch can call (branches are modules: their submodules are all
-    it calls), so replay can freeze them without global hooks."""
+def _scan(module: nn.Module | None) -> tuple[tuple[torch.Tensor, ...], tuple[nn.Module, ...]]:
+    """One walk over a branch: its trainable parameters (shared ones once) and the
+    normalisation modules it can call (branches are modules: their submodules are all it
+    calls), so replay can freeze exactly those without global hooks. Runs per branch and
+    forward, so it walks ``_modules`` directly (``named_modules`` is a generator with names)."""
     if module is None:
-        return ()
-    return tuple(m for m in module.modules() if isinstance(m, _NormBase))
+        return (), ()
+    params: list[torch.Tensor] = []
+    norms: list[nn.Module] = []
+    seen: set[int] = set()
+    todo = [module]
+    while todo:
+        m = todo.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        if isinstance(m, _NormBase):
+            norms.append(m)
+        for p in m._parameters.values():
+            if p is not None and p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        todo.extend(c for c in reversed(m._modules.values()) if c is not None)
+    return tuple(params), tuple(norms)
 
 
 @dataclass
@@ -136,6 +151,7 @@ class _Chain:
     check_inverse: float | None
     on_drift: str
     drift: list[float | None]
+    devices: list[torch.device]
     values: dict[int, torch.Tensor] = field(default_factory=dict)
     owned: set[int] = field(default_factory=set)  # streams whose value this walk created
 
@@ -163,8 +179,10 @@ class _Step:
     """One half step: ``s[target] = combine(s[target], branch(s[other]))`` of block ``index``.
 
     ``anchor``: 0 keeps nothing, 1 keeps the target's input, 2 also the other stream (the first
-    half step of an anchored block). ``named``: the branch's trainable parameters, in the order
-    they are passed to the node; ``norms``: its normalisation modules, for replay.
+    half step of an anchored block). ``params``: the branch's trainable parameters, in the order
+    they are passed to the node; ``norms``: its normalisation modules, for replay. ``additive``:
+    the coupling is exactly :class:`AdditiveCoupling` (``y = a + h``), which allows in-place
+    updates and differentiating ``h`` alone.
     """
 
     block: ReversibleBlock
@@ -173,16 +191,14 @@ class _Step:
     target: int
     other: int
     anchor: int
-    named: tuple[tuple[str, torch.Tensor], ...]
+    params: tuple[torch.Tensor, ...]
     norms: tuple[nn.Module, ...]
+    branch: nn.Module = field(init=False)
+    additive: bool = field(init=False)
 
-    @property
-    def branch(self) -> nn.Module:
-        return self.block.f if self.which == "f" else self.block.g
-
-    @property
-    def params(self) -> tuple[torch.Tensor, ...]:
-        return tuple(p for _, p in self.named)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "branch", self.block.f if self.which == "f" else self.block.g)
+        object.__setattr__(self, "additive", _plain_additive(self.block.coupling))
 
 
 class _HalfStep(torch.autograd.Function):
@@ -201,16 +217,15 @@ class _HalfStep(torch.autograd.Function):
     ) -> torch.Tensor:
         block, anchor = step.block, step.anchor
         ctx.chain, ctx.step = chain, step
-        ctx.state = ForwardState.capture(u, chain.kwargs, step.branch, norms=step.norms)
+        ctx.state = state = ForwardState.capture(norms=step.norms, devices=chain.devices)
         h = block._branch(step.which, u, a, chain.kwargs)
-        if _plain_additive(block.coupling) and _private_result(h, a):
-            y = h.add_(a)  # y = a + h, written over the branch's fresh output
-        else:
-            y = block.coupling.combine(a, h)
+        # y = a + h is written over the branch's fresh output when nothing else holds it
+        private = step.additive and _private_result(h, a)
+        y = h.add_(a) if private else block.coupling.combine(a, h)
         del h
-        ctx.state.forward_finished()
-        # anchor: 0 = none, 1 = keep a, 2 = keep a and u (the first half step of a block)
-        ctx.save_for_backward(*((a, u)[:anchor]))
+        state.forward_finished()
+        if anchor:  # 1 = keep a, 2 = keep a and u (the first half step of an anchored block)
+            ctx.save_for_backward(*((a, u)[:anchor]))
         ctx.sample = _sample(a) if chain.check_inverse is not None and not anchor else None
         return y
 
@@ -219,62 +234,60 @@ class _HalfStep(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         chain: _Chain = ctx.chain
         step: _Step = ctx.step
-        block, branch, named, anchor = step.block, step.branch, step.named, step.anchor
-        block_index, target, other = step.index, step.target, step.other
-        exact = ctx.saved_tensors
+        target, anchor, values = step.target, step.anchor, chain.values
+        exact = ctx.saved_tensors if anchor else ()
         if anchor == 2:
-            chain.values[other] = exact[1]
-            chain.owned.discard(other)
-        y, u = chain.values[target], chain.values[other]
-        kw = dict(chain.kwargs)
-        kw_leaves = []
-        for name in chain.grad_kwargs:
-            kw[name] = chain.kwargs[name].detach().requires_grad_(True)
-            kw_leaves.append(kw[name])
+            values[step.other] = exact[1]
+            chain.owned.discard(step.other)
+        y, u = values[target], values[step.other]
+        kw, kw_leaves = chain.kwargs, ()
+        if chain.grad_kwargs:
+            kw = dict(kw)
+            for name in chain.grad_kwargs:
+                kw[name] = kw[name].detach().requires_grad_(True)
+            kw_leaves = tuple(kw[name] for name in chain.grad_kwargs)
         u_leaf = u.detach().requires_grad_(True)
-        if any(p._backward_hooks for _, p in named):
+        branch, params = step.branch, step.params
+        hooked = any(p._backward_hooks for p in params)
+        if hooked:
             # Differentiate through detached aliases of the parameters, so that their hooks fire
             # once, in the outer backward that receives these gradients, and not also here.
-            aliases = {name: p.detach().requires_grad_(True) for name, p in named}
+            names = {id(p): name for name, p in branch.named_parameters()}
+            aliases = {names[id(p)]: p.detach().requires_grad_(True) for p in params}
             params = tuple(aliases.values())
 
-            def run() -> Any:
-                return torch.func.functional_call(branch, aliases, (u_leaf,), kw, strict=False)
-        else:
-            params = tuple(p for _, p in named)
-
-            def run() -> Any:
-                return _call(branch, u_leaf, kw)
-
         with torch.enable_grad(), ctx.state.replay():
-            h = run()
+            if hooked:
+                h = torch.func.functional_call(branch, aliases, (u_leaf,), kw, strict=False)
+            else:
+                h = _call(branch, u_leaf, kw)
             if branch not in _CHECKED_BRANCHES:
                 _check_sources(h, (u_leaf, *params, *kw_leaves), step)
                 _CHECKED_BRANCHES.add(branch)
             with torch.no_grad():
-                if target in chain.owned and _plain_additive(block.coupling) and _sole_owner(y):
+                if step.additive and target in chain.owned and _sole_owner(y):
                     a = y.sub_(h)  # a value this walk rebuilt, held by nobody else: overwrite
                 else:
-                    a = block.coupling.separate(y, _detached(h))
+                    a = step.block.coupling.separate(y, _detached(h))
             if anchor:
-                _record_drift(chain, block_index, a, exact[0])
+                _record_drift(chain, step.index, a, exact[0])
                 a = exact[0]
             elif ctx.sample is not None:
-                _record_drift(chain, block_index, _sample(a), ctx.sample)
-            if _plain_additive(block.coupling):
+                _record_drift(chain, step.index, _sample(a), ctx.sample)
+            if step.additive:
                 # y = a + h: dy/da = dy/dh = identity, so differentiate h alone.
                 a_leaf, y_again = None, h
             else:
                 a_leaf = a.detach().requires_grad_(True)
-                y_again = block.coupling.combine(a_leaf, h)
+                y_again = step.block.coupling.combine(a_leaf, h)
         sources = (
             (u_leaf, *params, *kw_leaves)
             if a_leaf is None
             else (u_leaf, *params, *kw_leaves, a_leaf)
         )
-        grads = torch.autograd.grad(y_again, sources, dy, allow_unused=True)
+        grads = _vjp(y_again, sources, dy)
         del y, h, y_again
-        chain.values[target] = a.detach()
+        values[target] = a.detach()
         if anchor:
             chain.owned.discard(target)  # an anchor is a kept forward tensor: never overwrite
         else:
@@ -283,6 +296,27 @@ class _HalfStep(torch.autograd.Function):
         du = _zeros_if_none(grads[0], u)
         rest = grads[1 : 1 + len(params) + len(kw_leaves)]
         return (None, None, da, du, None, *rest)
+
+
+def _vjp(
+    output: torch.Tensor, inputs: tuple[torch.Tensor, ...], cotangent: torch.Tensor
+) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad(output, inputs, cotangent, allow_unused=True)``.
+
+    Runs once per half step: when the cotangent already has the output's shape, dtype and
+    device (the usual case), it goes straight to the engine and skips ``grad``'s argument
+    normalisation, which costs as much Python time as the rest of a half step's bookkeeping.
+    """
+    engine_run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    if (
+        engine_run is None
+        or not isinstance(output, torch.Tensor)
+        or cotangent.shape != output.shape
+        or cotangent.dtype != output.dtype
+        or cotangent.device != output.device
+    ):
+        return torch.autograd.grad(output, inputs, cotangent, allow_unused=True)
+    return engine_run((output,), (cotangent,), False, False, inputs, True, accumulate_grad=False)
 
 
 @functools.cache
@@ -509,16 +543,12 @@ class ReversibleSequential(nn.Module):
                     f"{type(v).__name__}; the reversible backward returns gradients for "
                     "top-level keyword tensors only: pass each such tensor as its own keyword"
                 )
-        trainable = (
-            [(_trainable(b.f), _trainable(b.g) if b.g is not None else ()) for b in self.blocks]
-            if torch.is_grad_enabled()
-            else []
-        )
+        scans = [(_scan(b.f), _scan(b.g)) for b in self.blocks] if torch.is_grad_enabled() else []
         needs_graph = torch.is_grad_enabled() and (
             x1.requires_grad
             or x2.requires_grad
             or bool(grad_kwargs)
-            or any(f or g for f, g in trainable)
+            or any(f[0] or g[0] for f, g in scans)
         )
         if not needs_graph:
             for block in self.blocks:
@@ -530,6 +560,7 @@ class ReversibleSequential(nn.Module):
             check_inverse=self.check_inverse,
             on_drift=self.on_drift,
             drift=[None] * len(self.blocks),
+            devices=devices_of(x1, x2, kwargs, self),
         )
         self.last_drift = chain.drift
         kw_tensors = [kwargs[k] for k in grad_kwargs]
@@ -538,21 +569,17 @@ class ReversibleSequential(nn.Module):
         token = torch.empty(0, requires_grad=True)
         streams = {0: x1, 1: x2}
         ids = (0, 1)  # which stream is the block's first and second input
-        for i, (block, (named_f, named_g)) in enumerate(zip(self.blocks, trainable, strict=True)):
+        for i, (block, (scan_f, scan_g)) in enumerate(zip(self.blocks, scans, strict=True)):
             anchored = self.anchor_every is not None and i % self.anchor_every == 0
             first, second = ids
-            step = _Step(
-                block, "f", i, first, second, 2 if anchored else 0, named_f, _norms(block.f)
-            )
+            step = _Step(block, "f", i, first, second, 2 if anchored else 0, *scan_f)
             streams[first] = _HalfStep.apply(
                 chain, step, streams[first], streams[second], token, *step.params, *kw_tensors
             )
             if block.g is None:
                 ids = (second, first)
             else:
-                step = _Step(
-                    block, "g", i, second, first, 1 if anchored else 0, named_g, _norms(block.g)
-                )
+                step = _Step(block, "g", i, second, first, 1 if anchored else 0, *scan_g)
                 streams[second] = _HalfStep.apply(
                     chain, step, streams[second], streams[first], token, *step.params, *kw_tensors
                 )
