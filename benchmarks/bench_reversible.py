@@ -9,7 +9,13 @@ Reported per depth (8, 32, 128):
 * held after forward: live tensor bytes after the forward (``revckpt.MemoryMeter``);
 * peak: highest live tensor bytes over a forward+backward step in steady state (parameter
   gradients already allocated, as from the second training step on);
-* time ratio: forward+backward time over plain autograd's (interleaved runs, median, IQR).
+* time ratio: forward+backward time over plain autograd's. Every variant runs once per round,
+  in an order rotated each round, and is divided by plain's time of the same round (median of
+  the rounds, ``revckpt.time_ratios``). Matrix-multiply speed on a CPU depends on where the
+  allocator happens to place the buffers, which is fixed for a process and differs between
+  processes by a few percent, so each depth is measured in ``--processes`` fresh processes
+  (default 3) and the table gives the median over them with each process's value.
+* head-to-head: revckpt against the fastest peer of that process, interleaved directly.
 
 Peers that are not installed are skipped with a note (``pip install -e ".[bench]"`` and
 ``pip install --no-deps memcnn==1.5.2``). memcnn frees block inputs by resizing their storage
@@ -23,7 +29,11 @@ writes ``benchmarks/results/bench_reversible.json``.
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
+import subprocess
 import sys
+import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -34,10 +44,11 @@ import torch.utils.checkpoint as tcp
 from _common import environment, ratio_cell, write_json  # benchmarks/_common.py
 from torch import nn
 
-from revckpt import MemoryMeter, time_ratio
+from revckpt import MemoryMeter, time_ratio, time_ratios
 from revckpt.layers import ReversibleBlock, ReversibleSequential
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
+HEAD_TO_HEAD = "head-to-head: revckpt / fastest peer (interleaved)"
 
 
 def branch(width: int, hidden: int) -> nn.Module:
@@ -142,22 +153,26 @@ def bench_depth(
         del y, x
         with MemoryMeter("cpu") as both:
             step(forward)()
-        ratio = time_ratio(
-            step(forward), step(variants["plain autograd"]), repeats=repeats, warmup=1
-        )
         rows.append(
             {
                 "depth": depth,
                 "variant": name,
                 "held_after_forward_bytes": held,
                 "peak_bytes": both.peak_bytes,
-                "time_ratio": ratio.ratio,
-                "time_ratio_q25": ratio.q25,
-                "time_ratio_q75": ratio.q75,
                 "max_abs_diff_vs_plain": max_diff,
             }
         )
-        print(f"  depth {depth}: {name}", file=sys.stderr)
+        print(f"  depth {depth}: {name} measured", file=sys.stderr)
+    # One round-robin for every variant: all ratios divide by the same plain runs.
+    ratios = time_ratios(
+        {name: step(forward) for name, forward in variants.items()},
+        baseline="plain autograd",
+        repeats=repeats,
+        warmup=1,
+    )
+    for row in rows:
+        r = ratios[row["variant"]]
+        row.update(time_ratio=r.ratio, time_ratio_q25=r.q25, time_ratio_q75=r.q75)
     peer_rows = [r for r in rows if r["variant"] in found]
     if peer_rows:
         best = min(peer_rows, key=lambda r: r["time_ratio"])["variant"]
@@ -170,7 +185,8 @@ def bench_depth(
         rows.append(
             {
                 "depth": depth,
-                "variant": f"head-to-head: revckpt / {best} (fastest peer above)",
+                "variant": HEAD_TO_HEAD,
+                "fastest_peer": best,
                 "time_ratio": head.ratio,
                 "time_ratio_q25": head.q25,
                 "time_ratio_q75": head.q75,
@@ -181,20 +197,62 @@ def bench_depth(
     return rows, notes
 
 
+def aggregate(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Rows of several processes: memory from the first (it is deterministic), time as the
+    median over processes of each process's median ratio, with every process's value kept."""
+    rows = []
+    for i, first in enumerate(runs[0]):
+        same = [run[i] for run in runs]
+        assert all(r["variant"] == first["variant"] for r in same), "processes disagree on rows"
+        per_process = [r["time_ratio"] for r in same]
+        row = {k: v for k, v in first.items() if not k.startswith("time_ratio")}
+        if "fastest_peer" in first:
+            row["fastest_peer"] = [r["fastest_peer"] for r in same]
+        row.update(
+            time_ratio=statistics.median(per_process),
+            time_ratio_per_process=per_process,
+            time_ratio_iqr_per_process=[[r["time_ratio_q25"], r["time_ratio_q75"]] for r in same],
+        )
+        rows.append(row)
+    return rows
+
+
+def time_cell(row: dict[str, Any]) -> str:
+    values = row.get("time_ratio_per_process")
+    if values is None or len(values) == 1:
+        return ratio_cell(row)
+    return f"{row['time_ratio']:.3f} [" + ", ".join(f"{v:.3f}" for v in values) + "]"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
+    multi = any(len(r.get("time_ratio_per_process", ())) > 1 for r in rows)
+    time_head = (
+        "time vs plain: median of processes [each process's median]"
+        if multi
+        else "time vs plain (IQR)"
+    )
     lines = [
-        "| depth | variant | held after forward MB | peak fwd+bwd MB | time vs plain (IQR) |",
+        f"| depth | variant | held after forward MB | peak fwd+bwd MB | {time_head} |",
         "|---|---|---|---|---|",
     ]
     for r in rows:
         if "held_after_forward_bytes" not in r:
-            lines.append(f"| {r['depth']} | {r['variant']} | | | {ratio_cell(r)} |")
+            lines.append(f"| {r['depth']} | {r['variant']} | | | {time_cell(r)} |")
             continue
         lines.append(
             f"| {r['depth']} | {r['variant']} | {r['held_after_forward_bytes'] / 1e6:.2f} | "
-            f"{r['peak_bytes'] / 1e6:.2f} | {ratio_cell(r)} |"
+            f"{r['peak_bytes'] / 1e6:.2f} | {time_cell(r)} |"
         )
     return "\n".join(lines)
+
+
+def run_worker(args: argparse.Namespace, depth: int, out: Path) -> list[dict[str, Any]]:
+    """One depth measured in a fresh process (its own heap layout and allocator state)."""
+    cmd = [sys.executable, __file__, "--worker", "--depths", str(depth), "--out", str(out)]
+    cmd += ["--repeats", str(args.repeats)] if args.repeats else []
+    cmd += ["--quick"] if args.quick else []
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())["rows"]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -202,6 +260,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     parser.add_argument("--depths", type=int, nargs="+", default=None)
     parser.add_argument("--repeats", type=int, default=None, help="interleaved timing rounds")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=3,
+        help="fresh processes per depth; time ratios are the median over them (default 3)",
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--out",
         type=Path,
@@ -217,19 +282,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         depths, repeats = args.depths or [8, 32, 128], args.repeats or 11
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
+    processes = 1 if args.worker else args.processes
     for depth in depths:
-        r, n = bench_depth(depth, batch, width, hidden, repeats)
-        rows += r
-        notes = n
+        if processes == 1:
+            r, notes = bench_depth(depth, batch, width, hidden, repeats)
+            rows += r
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            runs = []
+            for k in range(processes):
+                print(f"depth {depth}: process {k + 1} of {processes}", file=sys.stderr)
+                runs.append(run_worker(args, depth, Path(tmp) / f"{k}.json"))
+        rows += aggregate(runs)
+        notes = peers([])[1]
+    command = "python benchmarks/bench_reversible.py" + (" --quick" if args.quick else "")
     result = {
         "benchmark": "bench_reversible",
-        "command": "python benchmarks/bench_reversible.py" + (" --quick" if args.quick else ""),
+        "command": command,
         "config": {
             "batch": batch,
             "stream_width": width,
             "hidden": hidden,
             "depths": depths,
             "repeats": repeats,
+            "processes": processes,
             "threads": 1,
             "dtype": "float32",
         },
@@ -237,6 +313,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "notes": notes,
         "rows": rows,
     }
+    if args.worker:
+        write_json(result, args.out)
+        return result
     print(table(rows))
     for note in notes:
         print("note:", note)

@@ -24,6 +24,7 @@ from .measure import (
     gradient_error,
     peak_memory,
     time_ratio,
+    time_ratios,
 )
 
 __version__ = "0.1.0"
@@ -50,4 +51,5 @@ __all__ = [
     "segment_bounds",
     "testing",
     "time_ratio",
+    "time_ratios",
 ]

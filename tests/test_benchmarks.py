@@ -3,7 +3,10 @@
 import importlib.util
 import json
 import pathlib
+import statistics
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -32,12 +35,14 @@ def test_bench_checkpoint_quick(tmp_path, capsys):
 def test_bench_reversible_quick(tmp_path):
     out = tmp_path / "r.json"
     result = load("bench_reversible").main(
-        ["--quick", "--repeats", "1", "--depths", "2", "--out", str(out)]
+        ["--quick", "--repeats", "1", "--depths", "2", "--processes", "2", "--out", str(out)]
     )
     rows = {r["variant"]: r for r in result["rows"]}
     ours = rows["revckpt ReversibleSequential"]
     assert ours["max_abs_diff_vs_plain"] < 1e-5
     assert ours["held_after_forward_bytes"] < rows["plain autograd"]["held_after_forward_bytes"]
+    assert len(ours["time_ratio_per_process"]) == 2
+    assert ours["time_ratio"] == pytest.approx(statistics.median(ours["time_ratio_per_process"]))
     assert json.loads(out.read_text())["rows"]
 
 

@@ -5,7 +5,7 @@ Imports nothing of revckpt but the errors module, so every other part may use it
 
 from .gradients import GradientError, TensorError, gradient_error, paired_gradients
 from .memory import MemoryMeter, MemoryStats, peak_memory
-from .timing import TimeRatio, time_ratio
+from .timing import TimeRatio, time_ratio, time_ratios
 
 __all__ = [
     "GradientError",
@@ -17,4 +17,5 @@ __all__ = [
     "paired_gradients",
     "peak_memory",
     "time_ratio",
+    "time_ratios",
 ]

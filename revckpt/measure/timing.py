@@ -7,14 +7,16 @@ round so neither always runs second), and reports the median of the per-round ra
 
     ratio_i = t_candidate(i) / t_baseline(i)          ratio = median_i ratio_i
 
-with the interquartile range of the ``ratio_i`` as its spread.
+with the interquartile range of the ``ratio_i`` as its spread. :func:`time_ratios` does the same
+for many candidates at once: every round runs each of them once, in an order rotated from round
+to round, and each is divided by the baseline's time of the same round.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +24,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["TimeRatio", "time_ratio"]
+__all__ = ["TimeRatio", "time_ratio", "time_ratios"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,28 @@ def _once(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
+def _summary(cand: list[float], base: list[float]) -> TimeRatio:
+    ratios = [c / b for c, b in zip(cand, base, strict=True)]
+    n = len(ratios)
+    q = statistics.quantiles(ratios, n=4, method="inclusive") if n > 1 else [ratios[0]] * 3
+    return TimeRatio(
+        ratio=statistics.median(ratios),
+        q25=q[0],
+        q75=q[2],
+        candidate_seconds=statistics.median(cand),
+        baseline_seconds=statistics.median(base),
+        repeats=n,
+    )
+
+
+def _check_rounds(repeats: int, warmup: int) -> None:
+    if repeats < 1 or warmup < 0:
+        raise InvalidArgumentError(
+            f"time_ratio needs repeats >= 1 and warmup >= 0, got repeats={repeats}, "
+            f"warmup={warmup}; use e.g. repeats=15, warmup=2"
+        )
+
+
 def time_ratio(
     candidate: Callable[[], Any],
     baseline: Callable[[], Any],
@@ -70,15 +94,11 @@ def time_ratio(
     Both callables take no arguments (close over the model and data, e.g. a forward+backward
     step). CUDA work is synchronised before and after each call.
     """
-    if repeats < 1 or warmup < 0:
-        raise InvalidArgumentError(
-            f"time_ratio needs repeats >= 1 and warmup >= 0, got repeats={repeats}, "
-            f"warmup={warmup}; use e.g. repeats=15, warmup=2"
-        )
+    _check_rounds(repeats, warmup)
     for _ in range(warmup):
         candidate()
         baseline()
-    ratios, cand, base = [], [], []
+    cand, base = [], []
     for i in range(repeats):
         if i % 2 == 0:
             c = _once(candidate)
@@ -88,13 +108,41 @@ def time_ratio(
             c = _once(candidate)
         cand.append(c)
         base.append(b)
-        ratios.append(c / b)
-    q = statistics.quantiles(ratios, n=4, method="inclusive") if repeats > 1 else [ratios[0]] * 3
-    return TimeRatio(
-        ratio=statistics.median(ratios),
-        q25=q[0],
-        q75=q[2],
-        candidate_seconds=statistics.median(cand),
-        baseline_seconds=statistics.median(base),
-        repeats=repeats,
-    )
+    return _summary(cand, base)
+
+
+def time_ratios(
+    fns: Mapping[str, Callable[[], Any]],
+    *,
+    baseline: str,
+    repeats: int = 15,
+    warmup: int = 2,
+) -> dict[str, TimeRatio]:
+    """:func:`time_ratio` of every callable in ``fns`` against ``fns[baseline]``, in one run.
+
+    Each of ``repeats`` rounds runs every callable once; the order is rotated by one position
+    per round, so none always runs first or right after the same neighbour. With ``t_k(i)`` the
+    time of callable ``k`` in round ``i``::
+
+        ratio_k = median_i t_k(i) / t_baseline(i)
+
+    All candidates are thus compared with the same baseline runs, which is what a table of
+    "time against plain" needs when two candidates are also compared with each other. The
+    baseline's own entry is 1. Returns the ratios in the order of ``fns``.
+    """
+    _check_rounds(repeats, warmup)
+    if baseline not in fns:
+        raise InvalidArgumentError(
+            f"baseline {baseline!r} is not one of the timed callables {sorted(fns)}; pass the "
+            "key of the callable to divide by"
+        )
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(repeats):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(_once(fns[name]))
+    return {name: _summary(times[name], times[baseline]) for name in names}
