@@ -40,6 +40,7 @@ from torch.utils.checkpoint import (
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from ._determinism import ValueLog
+from .approx.checkpoint import Approx, run_approx
 from .errors import InvalidArgumentError, InvalidInputTypeError
 from .replay import ForwardState
 
@@ -427,6 +428,7 @@ def checkpoint_sequential(
     preserve_rng_state: bool = True,
     determinism_check: DeterminismCheck = "metadata",
     policy: Policy | None = None,
+    approx: Approx | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
     """Run a chain of blocks with every segment checkpointed.
@@ -446,6 +448,10 @@ def checkpoint_sequential(
         input: the chain's input tensor.
         **kwargs: passed to every block (``block(x, **kwargs)``): attention masks, positions.
         preserve_rng_state, determinism_check, policy: as in :func:`checkpoint`.
+        approx: an :class:`revckpt.approx.Approx`: keep each segment input compressed and/or
+            recompute in bf16 (see :func:`revckpt.approx.checkpoint`). The value-level
+            determinism check and ``policy`` do not apply to an approximate recompute (its
+            values differ by design): combining them raises.
     """
     chain = _as_blocks(blocks)
     if not isinstance(input, torch.Tensor):
@@ -455,6 +461,13 @@ def checkpoint_sequential(
         )
     _check_options(determinism_check, preserve_rng_state)
     bounds = segment_bounds(len(chain), segments)
+    if approx is not None:
+        if policy is not None or determinism_check == "values":
+            raise InvalidArgumentError(
+                "approx= recomputes from a compressed input, so its values differ from the "
+                "forward by design: drop policy= and determinism_check='values' when using it"
+            )
+        return _approx_sequential(chain, bounds, input, kwargs, approx, preserve_rng_state)
     x = input
     for start, stop in bounds:
         part = chain[start:stop]
@@ -467,6 +480,35 @@ def checkpoint_sequential(
             preserve_rng_state=preserve_rng_state,
             determinism_check=determinism_check,
             policy=policy,
+            label=f"blocks[{start}:{stop}]",
+        )
+    return x
+
+
+def _approx_sequential(
+    chain: list[Callable[..., Any]],
+    bounds: list[tuple[int, int]],
+    x: torch.Tensor,
+    kwargs: dict[str, Any],
+    approx: Approx,
+    preserve_rng_state: bool,
+) -> torch.Tensor:
+    if not isinstance(approx, Approx):
+        raise InvalidInputTypeError(
+            f"approx= takes a revckpt.approx.Approx(...), got {type(approx).__name__}"
+        )
+    for start, stop in bounds:
+        part = chain[start:stop]
+        all_modules = all(isinstance(b, nn.Module) for b in part)
+        x = run_approx(
+            _Segment(part),
+            (x,),
+            kwargs,
+            config=approx,
+            modules=tuple(part)
+            if all_modules
+            else tuple(b for b in part if isinstance(b, nn.Module)),
+            preserve_rng_state=preserve_rng_state,
             label=f"blocks[{start}:{stop}]",
         )
     return x

@@ -30,7 +30,14 @@ from .models.mlp import Norm, mlp_chain
 if TYPE_CHECKING:
     from hypothesis.strategies import SearchStrategy
 
-__all__ = ["StackSpec", "assert_gradients_close", "block_stacks", "stack_specs"]
+__all__ = [
+    "ErrorCheck",
+    "StackSpec",
+    "assert_error_within_bound",
+    "assert_gradients_close",
+    "block_stacks",
+    "stack_specs",
+]
 
 
 def assert_gradients_close(
@@ -194,3 +201,131 @@ def stack_specs(
 def block_stacks(**ranges: Any) -> SearchStrategy[tuple[nn.Sequential, torch.Tensor]]:
     """Hypothesis strategy of ``(model, input)`` pairs from :func:`stack_specs` ``(**ranges)``."""
     return stack_specs(**ranges).map(lambda s: (s.build(), s.make_input()))
+
+
+@dataclass(frozen=True)
+class ErrorCheck:
+    """What :func:`assert_error_within_bound` measured, per parameter (absolute L2 norms).
+
+    ``measured``: approximate-path gradient against float64; ``exact``: exact float32 path
+    against float64 (the rounding the approximation comes on top of); ``bound``, ``estimate``:
+    from :func:`revckpt.approx.bounds.estimate_error`; ``allowed = bound + exact``.
+    """
+
+    measured: dict[str, float]
+    exact: dict[str, float]
+    bound: dict[str, float]
+    estimate: dict[str, float]
+    grad_norm: dict[str, float]
+    config: str
+    worst_row_bound: float = 0.0
+
+    @property
+    def allowed(self) -> dict[str, float]:
+        return {n: self.bound[n] + self.exact[n] for n in self.bound}
+
+    @property
+    def violations(self) -> list[str]:
+        allowed = self.allowed
+        return [n for n, m in self.measured.items() if not m <= allowed[n]]
+
+    def table(self) -> str:
+        lines = [
+            f"gradient error of {self.config} against float64, relative to ||grad||",
+            "| parameter | measured | bound | estimate | exact fp32 |",
+            "|---|---|---|---|---|",
+        ]
+        for n, m in self.measured.items():
+            g = self.grad_norm[n] or 1.0
+            flag = "  <-- above bound" if n in self.violations else ""
+            lines.append(
+                f"| {n} | {m / g:.2e} | {self.bound[n] / g:.2e} | {self.estimate[n] / g:.2e} | "
+                f"{self.exact[n] / g:.2e} |{flag}"
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _chain_grads(blocks: nn.Sequential, x: torch.Tensor, ct: torch.Tensor, **kw: Any) -> list[Any]:
+    from .checkpoint import checkpoint_sequential
+
+    for p in blocks.parameters():
+        p.grad = None
+    y = checkpoint_sequential(blocks, len(blocks), x, **kw) if kw else blocks(x)
+    y.backward(ct.to(y.dtype))
+    return [p.grad.detach().clone() for p in blocks.parameters() if p.requires_grad]
+
+
+def assert_error_within_bound(
+    blocks: nn.Sequential | Sequence[nn.Module],
+    x: torch.Tensor,
+    approx: Any,
+    *,
+    cotangent: torch.Tensor | None = None,
+    probes: int = 8,
+    power_iterations: int = 12,
+) -> ErrorCheck:
+    """Run the chain exactly and with every block input kept through ``approx`` (a
+    :class:`revckpt.approx.Approx` or :class:`~revckpt.approx.Codec`), measure each parameter
+    gradient's error against float64, and assert it is within the hard bound::
+
+        ||G_approx - G_64|| <= bound + ||G_exact32 - G_64||
+
+    (the bound covers the compression; the second term is the float32 rounding of the exact
+    path, which the approximate path shares). Raises
+    :class:`~revckpt.GradientMismatchError` with the per-parameter table when a parameter is
+    above; returns the :class:`ErrorCheck` (print it for the table) otherwise. The blocks must
+    be deterministic (see :mod:`revckpt.approx.bounds`); their ``.grad`` are overwritten.
+    """
+    import copy
+
+    from .approx import Approx, Codec
+    from .approx.bounds import estimate_error
+
+    if isinstance(approx, Codec):
+        approx = Approx(
+            store=approx.format,
+            scaling=approx.scaling,
+            block_size=approx.block_size,
+            rounding=approx.rounding,
+        )
+    if not isinstance(approx, Approx):
+        raise InvalidArgumentError(
+            f"approx must be a revckpt.approx.Approx or Codec, got {type(approx).__name__}"
+        )
+    chain = blocks if isinstance(blocks, nn.Sequential) else nn.Sequential(*blocks)
+    with torch.no_grad():
+        out = chain(x)
+    ct = torch.ones_like(out) if cotangent is None else cotangent
+    est = estimate_error(
+        chain, x, approx, cotangent=ct, probes=probes, power_iterations=power_iterations
+    )
+    names = list(est.bound)
+    exact32 = _chain_grads(chain, x, ct)
+    approx32 = _chain_grads(chain, x, ct, approx=approx)
+    chain64 = copy.deepcopy(chain).double()
+    exact64 = _chain_grads(chain64, x.double(), ct.double())
+    for p in chain.parameters():
+        p.grad = None
+
+    def dist(a: list[Any], b: list[Any]) -> dict[str, float]:
+        return {n: float((u.double() - v).norm()) for n, u, v in zip(names, a, b, strict=True)}
+
+    check = ErrorCheck(
+        measured=dist(approx32, exact64),
+        exact=dist(exact32, exact64),
+        bound=est.bound,
+        estimate=est.estimate,
+        grad_norm=est.grad_norm,
+        config=str(approx),
+        worst_row_bound=est.worst_row_bound,
+    )
+    if check.violations:
+        raise GradientMismatchError(
+            f"gradient error above the first-order bound for {check.violations}:\n"
+            f"{check.table()}\nThe bound assumes smooth blocks (no ReLU kinks crossed, no "
+            "saturated softmax); see docs/approx.md"
+        )
+    return check

@@ -1,7 +1,14 @@
-"""Low-precision paths: compressed checkpoint boundaries and bf16 recompute.
+"""Low-precision paths: compressed checkpoint boundaries and bf16 recompute, with error bounds.
 
-Not yet implemented: the approximate-recompute issue (#4) delivers this subpackage. Nothing
-here is exported yet, so importing a name from it fails loudly rather than returning a stub.
+* :mod:`~revckpt.approx.formats`: :class:`Codec` (bf16, fp8 e4m3 / e5m2; tensor, row or block
+  scaling; nearest or stochastic rounding) with its per-element error bound.
+* :mod:`~revckpt.approx.checkpoint`: :func:`checkpoint` and the :class:`Approx` configuration
+  taken by ``checkpoint_sequential(approx=...)`` and ``ReversibleSequential(approx=...)``.
+* :mod:`~revckpt.approx.bounds`: :func:`estimate_error`, a first-order hard bound and a cheap
+  random-probe estimate of the parameter-gradient error.
 """
 
-__all__: list[str] = []
+from .checkpoint import Approx, checkpoint
+from .formats import FORMATS, Codec, Encoded
+
+__all__ = ["FORMATS", "Approx", "Codec", "Encoded", "checkpoint"]

@@ -25,9 +25,9 @@ frozen BatchNorm statistics through :mod:`revckpt.replay`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -35,9 +35,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
-from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._pytree import tree_flatten
 
+from .._autograd import first_unregistered_leaf, module_targets, vjp
+from ..approx.checkpoint import Approx
 from ..errors import InvalidArgumentError, InvalidInputTypeError, ReconstructionError
 from ..replay import ForwardState, devices_of
 from .coupling import AdditiveCoupling, Coupling, make_coupling
@@ -110,32 +111,6 @@ class ReversibleBlock(nn.Module):
         return f"coupling={self.coupling!r}, branches={'f' if self.g is None else 'f, g'}"
 
 
-def _scan(module: nn.Module | None) -> tuple[tuple[torch.Tensor, ...], tuple[nn.Module, ...]]:
-    """One walk over a branch: its trainable parameters (shared ones once) and the
-    normalisation modules it can call (branches are modules: their submodules are all it
-    calls), so replay can freeze exactly those without global hooks. Runs per branch and
-    forward, so it walks ``_modules`` directly (``named_modules`` is a generator with names)."""
-    if module is None:
-        return (), ()
-    params: list[torch.Tensor] = []
-    norms: list[nn.Module] = []
-    seen: set[int] = set()
-    todo = [module]
-    while todo:
-        m = todo.pop()
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
-        if isinstance(m, _NormBase):
-            norms.append(m)
-        for p in m._parameters.values():
-            if p is not None and p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-        todo.extend(c for c in reversed(m._modules.values()) if c is not None)
-    return tuple(params), tuple(norms)
-
-
 @dataclass
 class _Chain:
     """State shared by the nodes of one forward call of a ReversibleSequential.
@@ -150,6 +125,7 @@ class _Chain:
     grad_kwargs: tuple[str, ...]
     check_inverse: float | None
     on_drift: str
+    recompute_dtype: torch.dtype | None
     drift: list[float | None]
     devices: list[torch.device]
     values: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -256,14 +232,20 @@ class _HalfStep(torch.autograd.Function):
             aliases = {names[id(p)]: p.detach().requires_grad_(True) for p in params}
             params = tuple(aliases.values())
 
-        with torch.enable_grad(), ctx.state.replay():
+        with torch.enable_grad(), ctx.state.replay(), _recompute_autocast(chain, u):
             if hooked:
                 h = torch.func.functional_call(branch, aliases, (u_leaf,), kw, strict=False)
             else:
                 h = _call(branch, u_leaf, kw)
-            if branch not in _CHECKED_BRANCHES:
-                _check_sources(h, (u_leaf, *params, *kw_leaves), step)
-                _CHECKED_BRANCHES.add(branch)
+            leaf = first_unregistered_leaf(branch, h, (u_leaf, *params, *kw_leaves))
+            if leaf is not None:
+                raise InvalidArgumentError(
+                    f"branch {step.which} of reversible block {step.index} uses a tensor of "
+                    f"shape {tuple(leaf.shape)} that requires grad but is not one of its "
+                    "registered parameters, so the reversible backward cannot return its "
+                    "gradient; register it as an nn.Parameter (or submodule) of the branch, or "
+                    "pass it as a keyword tensor"
+                )
             with torch.no_grad():
                 if step.additive and target in chain.owned and _sole_owner(y):
                     a = y.sub_(h)  # a value this walk rebuilt, held by nobody else: overwrite
@@ -285,7 +267,9 @@ class _HalfStep(torch.autograd.Function):
             if a_leaf is None
             else (u_leaf, *params, *kw_leaves, a_leaf)
         )
-        grads = _vjp(y_again, sources, dy)
+        if y_again.dtype != dy.dtype:  # a low-precision recompute: h is in its dtype
+            dy = dy.to(y_again.dtype) if a_leaf is None else dy
+        grads = vjp(y_again, sources, dy)
         del y, h, y_again
         values[target] = a.detach()
         if anchor:
@@ -296,27 +280,6 @@ class _HalfStep(torch.autograd.Function):
         du = _zeros_if_none(grads[0], u)
         rest = grads[1 : 1 + len(params) + len(kw_leaves)]
         return (None, None, da, du, None, *rest)
-
-
-def _vjp(
-    output: torch.Tensor, inputs: tuple[torch.Tensor, ...], cotangent: torch.Tensor
-) -> tuple[torch.Tensor | None, ...]:
-    """``torch.autograd.grad(output, inputs, cotangent, allow_unused=True)``.
-
-    Runs once per half step: when the cotangent already has the output's shape, dtype and
-    device (the usual case), it goes straight to the engine and skips ``grad``'s argument
-    normalisation, which costs as much Python time as the rest of a half step's bookkeeping.
-    """
-    engine_run = getattr(torch.autograd.graph, "_engine_run_backward", None)
-    if (
-        engine_run is None
-        or not isinstance(output, torch.Tensor)
-        or cotangent.shape != output.shape
-        or cotangent.dtype != output.dtype
-        or cotangent.device != output.device
-    ):
-        return torch.autograd.grad(output, inputs, cotangent, allow_unused=True)
-    return engine_run((output,), (cotangent,), False, False, inputs, True, accumulate_grad=False)
 
 
 @functools.cache
@@ -348,32 +311,10 @@ def _private_result(h: Any, a: torch.Tensor) -> bool:
     return _sole_owner(h)
 
 
-# Branches whose graph has been checked once (the walk costs ~1% of a step; a branch's
-# structure rarely changes between calls).
-_CHECKED_BRANCHES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
-def _check_sources(h: Any, sources: tuple[torch.Tensor, ...], step: _Step) -> None:
-    """Raise if the branch's graph reaches a leaf that requires grad but is not among the
-    tensors this node returns gradients for: that gradient would be dropped silently. Done on
-    the first backward through each branch."""
-    known = {id(t) for t in sources}
-    seen: set[Any] = set()
-    todo = [t.grad_fn for t in tree_flatten(h)[0] if isinstance(t, torch.Tensor) and t.grad_fn]
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        leaf = getattr(fn, "variable", None)
-        if leaf is not None and id(leaf) not in known and leaf.requires_grad:
-            raise InvalidArgumentError(
-                f"branch {step.which} of reversible block {step.index} uses a tensor of shape "
-                f"{tuple(leaf.shape)} that requires grad but is not one of its registered "
-                "parameters, so the reversible backward cannot return its gradient; register it "
-                "as an nn.Parameter (or submodule) of the branch, or pass it as a keyword tensor"
-            )
-        todo.extend(next_fn for next_fn, _ in fn.next_functions)
+def _recompute_autocast(chain: _Chain, u: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+    if chain.recompute_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(u.device.type, dtype=chain.recompute_dtype)
 
 
 def _detached(h: Any) -> Any:
@@ -457,6 +398,10 @@ class ReversibleSequential(nn.Module):
         anchor_every: keep the inputs of blocks ``0, k, 2k, ...`` exactly, so reconstruction
             restarts from a stored anchor: drift is bounded by ``k`` blocks instead of the
             whole depth, for ``ceil(L / k)`` stored block inputs.
+        approx: ``revckpt.approx.Approx(store=None, recompute_dtype=torch.bfloat16)`` re-runs
+            ``f`` and ``g`` under bf16 autocast in backward (the forward and the streams stay in
+            their dtype). The rebuilt inputs then carry the bf16 error of each branch output,
+            so combine it with ``anchor_every`` on deep stacks; ``check_inverse`` reports it.
 
     Memory held between forward and backward: the output, plus 5,056 bytes (CPU) or 16 bytes
     (per CUDA device) for each branch call that drew random numbers, plus the anchors and the
@@ -471,6 +416,7 @@ class ReversibleSequential(nn.Module):
         check_inverse: float | None = None,
         on_drift: Literal["warn", "raise"] = "warn",
         anchor_every: int | None = None,
+        approx: Approx | None = None,
     ) -> None:
         super().__init__()
         if len(blocks) == 1 and not isinstance(blocks[0], nn.Module):
@@ -498,11 +444,22 @@ class ReversibleSequential(nn.Module):
                 f"anchor_every={anchor_every!r}: pass a positive int k to store every k-th block "
                 "input, or None for no anchors"
             )
+        if approx is not None and not isinstance(approx, Approx):
+            raise InvalidInputTypeError(
+                f"approx= takes a revckpt.approx.Approx(...), got {type(approx).__name__}"
+            )
+        if approx is not None and approx.codec is not None:
+            raise InvalidArgumentError(
+                f"ReversibleSequential keeps no block inputs to compress (approx={approx}); "
+                "its streams stay in full precision. Use "
+                "Approx(store=None, recompute_dtype=torch.bfloat16) for a bf16 recompute"
+            )
         self.blocks = nn.ModuleList(blocks)
         self.split_dim = split_dim
         self.check_inverse = check_inverse
         self.on_drift = on_drift
         self.anchor_every = anchor_every
+        self.approx = approx
         self.last_drift: list[float | None] = []
 
     def _split(self, x: torch.Tensor) -> Streams:
@@ -543,7 +500,11 @@ class ReversibleSequential(nn.Module):
                     f"{type(v).__name__}; the reversible backward returns gradients for "
                     "top-level keyword tensors only: pass each such tensor as its own keyword"
                 )
-        scans = [(_scan(b.f), _scan(b.g)) for b in self.blocks] if torch.is_grad_enabled() else []
+        scans = (
+            [(module_targets(b.f), module_targets(b.g)) for b in self.blocks]
+            if torch.is_grad_enabled()
+            else []
+        )
         needs_graph = torch.is_grad_enabled() and (
             x1.requires_grad
             or x2.requires_grad
@@ -558,6 +519,7 @@ class ReversibleSequential(nn.Module):
             kwargs=kwargs,
             grad_kwargs=grad_kwargs,
             check_inverse=self.check_inverse,
+            recompute_dtype=None if self.approx is None else self.approx.recompute_dtype,
             on_drift=self.on_drift,
             drift=[None] * len(self.blocks),
             devices=devices_of(x1, x2, kwargs, self),

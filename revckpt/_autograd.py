@@ -1,0 +1,104 @@
+"""Autograd plumbing shared by the strategies that run their own backward (reversible stacks,
+approximate recompute): which tensors a module's recompute differentiates, a lean VJP, and the
+check that no gradient is dropped.
+
+Those strategies wrap a block in one ``torch.autograd.Function`` whose inputs are the block
+input, the module's trainable parameters and any keyword tensor that requires grad; backward
+recomputes the block with autograd on and returns the VJP for exactly those tensors, so hooks,
+``torch.autograd.grad`` and DDP see ordinary gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["first_unregistered_leaf", "module_targets", "vjp"]
+
+
+def module_targets(module: Any) -> tuple[tuple[torch.Tensor, ...], tuple[nn.Module, ...]]:
+    """A module's trainable parameters (shared ones once) and the normalisation modules it can
+    call, in one walk over ``_modules`` (cheaper than ``named_modules``; runs per block and
+    forward). Not a module: ``((), ())``."""
+    if not isinstance(module, nn.Module):
+        return (), ()
+    params: list[torch.Tensor] = []
+    norms: list[nn.Module] = []
+    seen: set[int] = set()
+    todo = [module]
+    while todo:
+        m = todo.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        if isinstance(m, _NormBase):
+            norms.append(m)
+        for p in m._parameters.values():
+            if p is not None and p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        todo.extend(c for c in reversed(m._modules.values()) if c is not None)
+    return tuple(params), tuple(norms)
+
+
+def vjp(
+    output: torch.Tensor, inputs: tuple[torch.Tensor, ...], cotangent: torch.Tensor
+) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad(output, inputs, cotangent, allow_unused=True)``.
+
+    Runs once per block and step: when the cotangent already has the output's shape, dtype and
+    device (the usual case), it goes straight to the engine and skips ``grad``'s argument
+    normalisation, which costs as much Python time as the rest of a block's bookkeeping.
+    """
+    engine_run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    if (
+        engine_run is None
+        or not isinstance(output, torch.Tensor)
+        or cotangent.shape != output.shape
+        or cotangent.dtype != output.dtype
+        or cotangent.device != output.device
+    ):
+        return torch.autograd.grad(output, inputs, cotangent, allow_unused=True)
+    return engine_run((output,), (cotangent,), False, False, inputs, True, accumulate_grad=False)
+
+
+# Modules and functions whose recompute graph has been checked once (the walk costs ~1% of a
+# step; a block's structure rarely changes between calls).
+_CHECKED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def first_unregistered_leaf(
+    owner: Any, outputs: Any, sources: tuple[torch.Tensor, ...]
+) -> torch.Tensor | None:
+    """A leaf that requires grad, reached from ``outputs``, that is not among ``sources`` (its
+    gradient would be dropped silently), or ``None``. Walks the graph on the first call per
+    ``owner`` (a module or function; anything that cannot be weakly referenced is walked
+    every time)."""
+    try:
+        if owner in _CHECKED:
+            return None
+    except TypeError:
+        pass
+    known = {id(t) for t in sources}
+    seen: set[Any] = set()
+    todo = [
+        t.grad_fn for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor) and t.grad_fn
+    ]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        leaf = getattr(fn, "variable", None)
+        if leaf is not None and id(leaf) not in known and leaf.requires_grad:
+            return leaf
+        todo.extend(next_fn for next_fn, _ in fn.next_functions)
+    with contextlib.suppress(TypeError):
+        _CHECKED.add(owner)
+    return None

@@ -1,0 +1,325 @@
+"""How far approximate recompute moves the parameter gradients: a bound and an estimate.
+
+Setting: a chain ``y = f_{B-1}(... f_0(x))`` with parameters ``theta_k`` and a cotangent ``dy``
+on its output (``dy = 1`` everywhere for ``loss = y.sum()``). Every block input ``x_k`` is kept
+through a codec, and block ``k``'s backward recomputes its activations from
+``x_hat_k = x_k + dx_k``. The parameter gradients are then a function of the boundaries::
+
+    G(x_hat_0, ..., x_hat_{B-1}) = (grad theta_0, ..., grad theta_{B-1})
+
+(block ``k``'s VJP uses activations from ``x_hat_k`` and the cotangent coming from above, which
+already carries the error of the blocks above). To first order in the boundary errors::
+
+    dG = J dx,      J = dG / d(x_0, ..., x_{B-1}) at the exact boundaries
+
+**Hard bound** (per parameter tensor ``p``, rows ``J_p`` of ``J``)::
+
+    ||dG_p|| <= ||J_p||_2 * ||b||_2,      b = k * (u * |x| + eta / s)
+
+where ``b`` stacks the codec's per-element bounds (:meth:`Codec.error_bound`) of every boundary,
+so ``||dx|| <= ||b||`` holds exactly, and ``||J_p||_2`` comes from power iteration on
+``J_p^T J_p`` (one JVP and one VJP of ``G`` per iteration, vectorised over the parameters).
+It is worst case in the direction and the size of every element's error, so it is loose
+(typically 10-1000x); it neglects second-order terms (the codec error squared), which is what
+"first order" means here. It is for tests and reports.
+
+First order needs the perturbation to be small where it meets the blocks' nonlinearities:
+
+* every row's codec bound must be at most half the row (``FIRST_ORDER_LIMIT``); otherwise
+  the codec can lose the row (tensor scaling over rows six decades apart flushes the small
+  ones to zero) and the bound is reported as ``inf`` with a warning;
+* the nonlinearity must be smooth at the scale of the perturbation. Pre-norm blocks (LayerNorm
+  before the MLP or attention, as in transformers) rescale each row first, so a relative
+  compression error stays relative; an un-normalised GELU fed rows of magnitude 1e3 behaves
+  like a ReLU kink, and ReLU itself crosses kinks (``NonSmoothWarning``). There the measured
+  error can exceed the bound: measure it (``revckpt.testing.assert_error_within_bound``).
+
+**Cheap estimate**: the codec's actual per-element errors ``|dx|`` with random signs ``r``::
+
+    est_p = sqrt(mean_r ||J_p (|dx| * r)||^2) = ||J_p diag(|dx|)||_F
+
+from a few random-sign JVPs (``probes``), all boundaries at once. It is the error one expects if
+the rounding errors of different elements are independent, which holds for well-conditioned
+blocks. It fails (documented in ``docs/approx.md``) where errors correlate, e.g. a saturated
+softmax or a ReLU whose pre-activations sit at zero, where the first-order picture itself breaks.
+``linearised`` is ``||J_p dx||`` with the actual signed errors: the first-order prediction itself.
+
+Requirements: blocks take and return one tensor, are deterministic (no dropout: use ``eval()``
+or ``p=0``) and do not update buffers (BatchNorm in eval mode), because ``G`` is evaluated many
+times under ``torch.func`` transforms. Compute runs in float64 on a copy of the blocks.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call, jvp, vjp, vmap
+
+from ..errors import InvalidArgumentError, InvalidInputTypeError
+from .checkpoint import Approx
+from .formats import Codec
+
+__all__ = ["FIRST_ORDER_LIMIT", "ErrorEstimate", "NonSmoothWarning", "estimate_error"]
+
+# A row whose codec error bound exceeds this fraction of the row is not a small perturbation:
+# the codec may lose it (e.g. tensor scaling over rows six decades apart flushes the small rows
+# to zero), and no first-order argument bounds what follows.
+FIRST_ORDER_LIMIT = 0.5
+
+_NON_SMOOTH = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.PReLU,
+    nn.Hardtanh,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.Hardshrink,
+    nn.Softshrink,
+    nn.Threshold,
+    nn.MaxPool1d,
+    nn.MaxPool2d,
+    nn.MaxPool3d,
+)
+
+
+class NonSmoothWarning(UserWarning):
+    """The blocks contain piecewise-linear pieces the first-order analysis does not cover."""
+
+
+@dataclass(frozen=True)
+class ErrorEstimate:
+    """Per-parameter gradient error of an approximate recompute, absolute (L2 norms).
+
+    ``bound``: the first-order hard bound; ``estimate``: the random-sign estimate;
+    ``linearised``: the first-order prediction with the actual codec errors; ``grad_norm``:
+    the norm of the exact gradient (to make any of them relative). Keys are
+    ``"<block index>.<parameter name>"``.
+    """
+
+    bound: dict[str, float]
+    estimate: dict[str, float]
+    linearised: dict[str, float]
+    grad_norm: dict[str, float]
+    boundary_bound_norm: float
+    worst_row_bound: float
+    codec: str
+
+    @property
+    def first_order(self) -> bool:
+        """Whether every row's codec bound is small against the row (``<= 1/2`` relative), the
+        condition for the first-order bound; when not, ``bound`` is infinite."""
+        return self.worst_row_bound <= FIRST_ORDER_LIMIT
+
+    def relative(self, which: str = "estimate") -> dict[str, float]:
+        """``which`` (``"bound"``, ``"estimate"`` or ``"linearised"``) over ``grad_norm``."""
+        values = getattr(self, which)
+        return {
+            k: v / self.grad_norm[k] if self.grad_norm[k] > 0 else math.inf
+            for k, v in values.items()
+        }
+
+    def total(self, which: str = "estimate") -> float:
+        """Relative error of all parameter gradients together: ``sqrt(sum_p e_p^2) / ||G||``
+        (for the bound this is again a bound, since ``||dG||^2 = sum_p ||dG_p||^2``)."""
+        values = getattr(self, which)
+        norm = math.sqrt(sum(v * v for v in self.grad_norm.values()))
+        err = math.sqrt(sum(v * v for v in values.values()))
+        return err / norm if norm > 0 else math.inf
+
+    def table(self) -> str:
+        lines = [
+            f"gradient error of approximate recompute ({self.codec}), relative to ||grad||",
+            "| parameter | bound | estimate | linearised |",
+            "|---|---|---|---|",
+        ]
+        rb, re, rl = self.relative("bound"), self.relative("estimate"), self.relative("linearised")
+        for name in self.bound:
+            lines.append(f"| {name} | {rb[name]:.2e} | {re[name]:.2e} | {rl[name]:.2e} |")
+        lines.append(
+            f"| all | {self.total('bound'):.2e} | {self.total('estimate'):.2e} | "
+            f"{self.total('linearised'):.2e} |"
+        )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _codec_of(codec: Codec | Approx) -> Codec:
+    if isinstance(codec, Approx):
+        if codec.recompute_dtype is not None:
+            raise InvalidArgumentError(
+                f"estimate_error covers the error of a compressed boundary; {codec} also "
+                "recomputes in low precision, which it does not model. Measure that case with "
+                "revckpt.testing.assert_error_within_bound or revckpt.gradient_error"
+            )
+        if codec.codec is None:
+            raise InvalidArgumentError(
+                "Approx(store=None) compresses nothing: its gradient error is zero"
+            )
+        return codec.codec
+    if not isinstance(codec, Codec):
+        raise InvalidInputTypeError(
+            f"estimate_error needs a revckpt.approx.Codec or Approx, got {type(codec).__name__}"
+        )
+    return codec
+
+
+def _chain_gradients(
+    blocks: Sequence[nn.Module],
+    params: list[dict[str, torch.Tensor]],
+    buffers: list[dict[str, torch.Tensor]],
+    cotangent: torch.Tensor,
+) -> Any:
+    """``G(z_0, ..., z_{B-1})``: the chain's parameter gradients with block ``k``'s backward
+    recomputed from ``z_k`` (flat tuple, blocks in order)."""
+
+    def grads(zs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        ct = cotangent
+        per_block: list[tuple[torch.Tensor, ...]] = [()] * len(blocks)
+        for k in reversed(range(len(blocks))):
+
+            def f(z: torch.Tensor, p: dict[str, torch.Tensor], k: int = k) -> torch.Tensor:
+                return functional_call(blocks[k], (p, buffers[k]), (z,))
+
+            _, pullback = vjp(f, zs[k], params[k])
+            dz, dp = pullback(ct)
+            per_block[k] = tuple(dp[name] for name in params[k])
+            ct = dz
+        return tuple(g for block in per_block for g in block)
+
+    return grads
+
+
+def _worst_row_ratio(x: torch.Tensor, bound: torch.Tensor) -> float:
+    """``max_r ||b_r|| / ||x_r||`` over the rows of the last dimension (zero rows: 0)."""
+    rows_x = x.detach().double().reshape(-1, x.shape[-1] if x.dim() else 1).norm(dim=1)
+    rows_b = bound.reshape(rows_x.shape[0], -1).norm(dim=1)
+    ratio = torch.where(rows_b == 0, 0.0, rows_b / rows_x.clamp_min(1e-300))
+    return float(ratio.max()) if ratio.numel() else 0.0
+
+
+def estimate_error(
+    blocks: Sequence[nn.Module] | nn.Sequential,
+    x: torch.Tensor,
+    codec: Codec | Approx,
+    *,
+    cotangent: torch.Tensor | None = None,
+    probes: int = 8,
+    power_iterations: int = 12,
+    seed: int = 0,
+) -> ErrorEstimate:
+    """Bound and estimate the parameter-gradient error of keeping every block input of the
+    chain ``blocks`` through ``codec`` (as ``checkpoint_sequential(blocks, len(blocks), x,
+    approx=...)`` does), for input ``x`` and output cotangent ``cotangent`` (default: ones,
+    i.e. ``loss = y.sum()``). See the module docstring for the formulas."""
+    codec = _codec_of(codec)
+    chain = list(blocks)
+    if not chain or not all(isinstance(b, nn.Module) for b in chain):
+        raise InvalidInputTypeError(
+            "estimate_error needs a non-empty chain of nn.Modules (an nn.Sequential or a list)"
+        )
+    if probes < 1 or power_iterations < 1:
+        raise InvalidArgumentError(
+            f"probes={probes}, power_iterations={power_iterations}: both must be >= 1"
+        )
+    kinks = sorted(
+        {type(m).__name__ for b in chain for m in b.modules() if isinstance(m, _NON_SMOOTH)}
+    )
+    if kinks:
+        warnings.warn(
+            f"the blocks contain {', '.join(kinks)}: a compressed input can move "
+            "pre-activations across the kink, which the first-order bound and estimate do not "
+            "see (e.g. ReLU bias gradients have zero first-order sensitivity). Treat both as "
+            "indicative and measure with revckpt.testing.assert_error_within_bound, or use a "
+            "smooth activation (GELU, SiLU)",
+            NonSmoothWarning,
+            stacklevel=2,
+        )
+    # Boundaries in the working precision, as the approximate path sees them.
+    with torch.no_grad():
+        xs = [x.detach()]
+        for block in chain[:-1]:
+            xs.append(block(xs[-1]).detach())
+        out = chain[-1](xs[-1])
+    bound_vec = [codec.error_bound(z) for z in xs]
+    dx = [(codec.roundtrip(z).double() - z.double()) for z in xs]
+    boundary_bound_norm = math.sqrt(sum(float(b.pow(2).sum()) for b in bound_vec))
+    worst_row = max(_worst_row_ratio(z, b) for z, b in zip(xs, bound_vec, strict=True))
+
+    blocks64 = [copy.deepcopy(b).double() for b in chain]
+    params = [{n: p.detach() for n, p in b.named_parameters() if p.requires_grad} for b in blocks64]
+    buffers = [{n: t.detach().clone() for n, t in b.named_buffers()} for b in blocks64]
+    names = [f"{k}.{n}" for k, p in enumerate(params) for n in p]
+    ct = (torch.ones_like(out) if cotangent is None else cotangent).detach().double()
+    grads_fn = _chain_gradients(blocks64, params, buffers, ct)
+    zs = tuple(z.double() for z in xs)
+    exact = grads_fn(zs)
+    grad_norm = {n: float(g.norm()) for n, g in zip(names, exact, strict=True)}
+
+    def push(v: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return jvp(grads_fn, (zs,), (v,))[1]
+
+    _, pull = vjp(grads_fn, zs)
+    gen = torch.Generator().manual_seed(seed)
+
+    # Linearised prediction with the actual errors.
+    lin = push(tuple(dx))
+    linearised = {n: float(t.norm()) for n, t in zip(names, lin, strict=True)}
+
+    # Random-sign estimate: probes JVPs in one vmap.
+    signs = [
+        torch.randint(0, 2, (probes, *d.shape), generator=gen).double().mul_(2).sub_(1) for d in dx
+    ]
+    tangents = tuple(s * d.abs() for s, d in zip(signs, dx, strict=True))
+    probed = vmap(push)(tangents)
+    estimate = {
+        n: float(t.reshape(probes, -1).pow(2).sum(1).mean().sqrt())
+        for n, t in zip(names, probed, strict=True)
+    }
+
+    # Power iteration for ||J_p||_2, one vector per parameter, vectorised.
+    count = len(names)
+    v = tuple(torch.randn((count, *z.shape), generator=gen, dtype=torch.float64) for z in zs)
+    sigma = torch.zeros(count, dtype=torch.float64)
+    eye = torch.eye(count, dtype=torch.float64)
+    for _ in range(power_iterations):
+        vnorm = torch.sqrt(sum(t.reshape(count, -1).pow(2).sum(1) for t in v))
+        v = tuple(t / vnorm.clamp_min(1e-300).reshape(-1, *([1] * (t.dim() - 1))) for t in v)
+        jv = vmap(push)(v)
+        # keep, for vector p, only the rows of parameter p
+        masked = tuple(t * eye[:, j].reshape(-1, *([1] * (t.dim() - 1))) for j, t in enumerate(jv))
+        sigma = torch.sqrt(sum(t.reshape(count, -1).pow(2).sum(1) for t in masked))
+        v = vmap(lambda w: pull(w)[0])(masked)
+    # For a unit v, ||J_p v|| <= ||J_p^T J_p v|| / ||J_p v|| <= ||J_p||: both converge to the
+    # norm from below; take the better (larger) one.
+    back = torch.sqrt(sum(t.reshape(count, -1).pow(2).sum(1) for t in v))
+    ratio = torch.where(sigma > 0, back / sigma.clamp_min(1e-300), torch.zeros_like(sigma))
+    norms = torch.maximum(sigma, ratio)
+    bound = {n: float(norms[i]) * boundary_bound_norm for i, n in enumerate(names)}
+    if worst_row > FIRST_ORDER_LIMIT:
+        warnings.warn(
+            f"with {codec} a boundary row's error bound is {worst_row:.2g} of the row itself: "
+            "the codec can lose that row, so there is no first-order bound (reported as inf). "
+            "Use scaling='row' or 'block', or a wider format",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        bound = {n: (math.inf if grad_bound > 0 else 0.0) for n, grad_bound in bound.items()}
+    return ErrorEstimate(
+        bound=bound,
+        estimate=estimate,
+        linearised=linearised,
+        grad_norm=grad_norm,
+        boundary_bound_norm=boundary_bound_norm,
+        worst_row_bound=worst_row,
+        codec=str(codec),
+    )

@@ -1,0 +1,364 @@
+"""Approximate recompute: a checkpoint whose kept input is compressed, optionally re-run in bf16.
+
+``checkpoint(fn, x, store="e4m3")`` runs ``fn(x)`` without keeping its activations, like
+:func:`revckpt.checkpoint`, but keeps ``x`` itself compressed by a
+:class:`~revckpt.approx.formats.Codec` (1 byte per element plus a float32 scale per row for
+fp8, 2 bytes for bf16, against 4 for float32). Backward decodes ``x_hat``, re-runs ``fn`` from
+it, and returns the gradients of that recompute::
+
+    kept:      encode(x)                                 (payload + scales)
+    backward:  x_hat = decode(encode(x));  y_hat = fn(x_hat)
+               dx, dtheta = VJP of y_hat at (x_hat, theta) with the incoming dy
+
+So the forward output is exact and only the gradients see the approximation: each element of
+``x_hat`` is within ``k * (u * |x| + eta / s)`` of ``x`` (see :mod:`revckpt.approx.formats`) and
+:mod:`revckpt.approx.bounds` turns that into a bound on each parameter gradient.
+
+``recompute_dtype=torch.bfloat16`` re-runs ``fn`` under bf16 autocast during backward while the
+first forward stays exact. With ``store=None`` and no ``recompute_dtype`` nothing is approximate
+and the gradients are bitwise those of :func:`revckpt.checkpoint`.
+
+RNG (dropout masks), autocast state and BatchNorm statistics go through :mod:`revckpt.replay`,
+as for every recompute. The block is one autograd node whose inputs are the tensor arguments,
+the trainable parameters of ``fn`` (when it is an ``nn.Module``) and keyword tensors that
+require grad, so ``torch.autograd.grad``, hooks and DDP see ordinary gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.utils._pytree import tree_flatten
+
+from .._autograd import first_unregistered_leaf, module_targets, vjp
+from ..errors import InvalidArgumentError, InvalidInputTypeError
+from ..replay import ForwardState
+from .formats import FORMATS, Codec, Encoded, Rounding, Scaling
+
+__all__ = ["Approx", "checkpoint"]
+
+_RECOMPUTE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Approx:
+    """What an approximate recompute keeps and how it re-runs.
+
+    Args:
+        store: format of the kept block input: ``"bf16"``, ``"e4m3"``, ``"e5m2"``, or ``None``
+            to keep it exact.
+        scaling: ``"tensor"``, ``"row"``, ``"block"``, ``None``, or ``"auto"`` (``"row"`` for
+            fp8, none for bf16, whose range is float32's).
+        block_size: elements per scale with ``scaling="block"``.
+        rounding: ``"nearest"`` or ``"stochastic"``.
+        recompute_dtype: ``torch.bfloat16`` (or ``torch.float16``) to re-run the forward
+            under autocast of that dtype during backward; ``None`` re-runs it as the first
+            forward ran.
+    """
+
+    store: str | None = "e4m3"
+    scaling: Scaling | Literal["auto"] | None = "auto"
+    block_size: int = 128
+    rounding: Rounding = "nearest"
+    recompute_dtype: torch.dtype | None = None
+    codec: Codec | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.store is not None and self.store not in FORMATS:
+            raise InvalidArgumentError(
+                f"unknown store format {self.store!r}; use one of {sorted(FORMATS)} or None to "
+                "keep the block input exact"
+            )
+        if self.recompute_dtype is not None and self.recompute_dtype not in _RECOMPUTE_DTYPES:
+            raise InvalidArgumentError(
+                f"recompute_dtype={self.recompute_dtype!r}: use torch.bfloat16, torch.float16 "
+                "or None (recompute as the forward ran)"
+            )
+        codec = None
+        if self.store is not None:
+            scaling = self.scaling
+            if scaling == "auto":
+                scaling = None if self.store == "bf16" else "row"
+            codec = Codec(self.store, scaling, block_size=self.block_size, rounding=self.rounding)
+        object.__setattr__(self, "codec", codec)
+
+    @property
+    def exact(self) -> bool:
+        """Nothing approximate: the gradients are those of a plain checkpoint."""
+        return self.codec is None and self.recompute_dtype is None
+
+    def __str__(self) -> str:
+        parts = [f"store {self.codec}" if self.codec is not None else "store exact"]
+        if self.recompute_dtype is not None:
+            parts.append(f"recompute {str(self.recompute_dtype).removeprefix('torch.')}")
+        return ", ".join(parts)
+
+
+@dataclass
+class _Block:
+    """Everything one call needs in backward, except the kept tensors."""
+
+    fn: Callable[..., Any]
+    template: list[Any]  # the positional args, tensors replaced by None
+    slots: list[int]  # positions of the tensor args in template
+    kwargs: dict[str, Any]
+    grad_kwargs: tuple[str, ...]
+    params: tuple[torch.Tensor, ...]
+    norms: tuple[nn.Module, ...] | None
+    config: Approx
+    preserve_rng_state: bool
+    label: str
+    multiple: bool = False  # the block returned a tuple / list
+
+    def args(self, tensors: Sequence[Any]) -> list[Any]:
+        args = list(self.template)
+        for slot, t in zip(self.slots, tensors, strict=True):
+            args[slot] = t
+        return args
+
+
+class _Kept:
+    """A kept block input: encoded, or exact (saved through ``ctx.save_for_backward``)."""
+
+    __slots__ = ("encoded", "index", "requires_grad")
+
+    def __init__(self, encoded: Encoded | None, index: int, requires_grad: bool) -> None:
+        self.encoded = encoded
+        self.index = index  # position among the exactly saved tensors, or -1
+        self.requires_grad = requires_grad
+
+
+class _ApproxFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, block: _Block, token: torch.Tensor, *inputs: torch.Tensor) -> Any:
+        n = len(block.slots)
+        tensors = inputs[:n]
+        ctx.block = block
+        ctx.state = ForwardState.capture(
+            *tensors,
+            block.kwargs,
+            block.fn,
+            preserve_rng_state=block.preserve_rng_state,
+            norms=block.norms,
+        )
+        out = block.fn(*block.args(tensors), **block.kwargs)
+        ctx.state.forward_finished()
+        codec = block.config.codec
+        kept, exact = [], []
+        for t in tensors:
+            if codec is not None and t.is_floating_point():
+                kept.append(_Kept(codec.encode(t), -1, True))
+            else:
+                kept.append(_Kept(None, len(exact), t.is_floating_point()))
+                exact.append(t)
+        ctx.kept = kept
+        ctx.save_for_backward(*exact)
+        outs, multiple = _outputs(out, block.label)
+        block.multiple = multiple
+        ids = {id(t) for t in inputs}
+        outs = [o.view_as(o) if id(o) in ids else o for o in outs]
+        return tuple(outs) if multiple else outs[0]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        block: _Block = ctx.block
+        saved = ctx.saved_tensors
+        leaves, args_in = [], []
+        for k in ctx.kept:
+            t = k.encoded.decode() if k.encoded is not None else saved[k.index]
+            if k.requires_grad:
+                t = t.detach().requires_grad_(True)
+                leaves.append(t)
+            args_in.append(t)
+        kw = block.kwargs
+        kw_leaves: tuple[torch.Tensor, ...] = ()
+        if block.grad_kwargs:
+            kw = dict(kw)
+            for name in block.grad_kwargs:
+                kw[name] = kw[name].detach().requires_grad_(True)
+            kw_leaves = tuple(kw[name] for name in block.grad_kwargs)
+        params = block.params
+        hooked = any(p._backward_hooks for p in params)
+        aliases: dict[str, torch.Tensor] = {}
+        if hooked:
+            # Differentiate through detached aliases so parameter hooks fire once, in the outer
+            # backward that receives these gradients.
+            assert isinstance(block.fn, nn.Module)
+            names = {id(p): name for name, p in block.fn.named_parameters()}
+            aliases = {names[id(p)]: p.detach().requires_grad_(True) for p in params}
+            params = tuple(aliases.values())
+        device_type = args_in[0].device.type if args_in else "cpu"
+        with torch.enable_grad(), ctx.state.replay(), _recompute_autocast(block, device_type):
+            args = block.args(args_in)
+            if hooked:
+                out = torch.func.functional_call(block.fn, aliases, tuple(args), kw, strict=False)
+            else:
+                out = block.fn(*args, **kw)
+        sources = (*leaves, *params, *kw_leaves)
+        leaf = first_unregistered_leaf(block.fn, out, sources)
+        if leaf is not None:
+            raise InvalidArgumentError(
+                f"{block.label} uses a tensor of shape {tuple(leaf.shape)} that requires grad "
+                "but is neither an argument nor a parameter of the checkpointed module, so its "
+                "gradient would be lost; pass an nn.Module that registers it, or pass the "
+                "tensor as an argument"
+            )
+        outs, _ = _outputs(out, block.label)
+        pairs = [
+            (o, g if g.dtype == o.dtype else g.to(o.dtype))
+            for o, g in zip(outs, grads, strict=True)
+            if g is not None and o.requires_grad
+        ]
+        if not pairs:
+            result: tuple[torch.Tensor | None, ...] = (None,) * len(sources)
+        elif len(pairs) == 1:
+            result = vjp(pairs[0][0], sources, pairs[0][1])
+        else:
+            result = torch.autograd.grad(
+                [o for o, _ in pairs], sources, [g for _, g in pairs], allow_unused=True
+            )
+        del out, outs, pairs
+        arg_grads, i = [], 0
+        for k in ctx.kept:
+            if k.requires_grad:
+                arg_grads.append(result[i])
+                i += 1
+            else:
+                arg_grads.append(None)
+        return (None, None, *arg_grads, *result[len(leaves) :])
+
+
+def _recompute_autocast(block: _Block, device_type: str) -> contextlib.AbstractContextManager[Any]:
+    dtype = block.config.recompute_dtype
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=dtype)
+
+
+def _outputs(out: Any, label: str) -> tuple[list[torch.Tensor], bool]:
+    if isinstance(out, torch.Tensor):
+        return [out], False
+    if isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
+        return list(out), True
+    raise InvalidInputTypeError(
+        f"{label} returned {type(out).__name__}; an approximate checkpoint needs a block that "
+        "returns a tensor or a tuple of tensors"
+    )
+
+
+def run_approx(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    *,
+    config: Approx,
+    modules: Sequence[nn.Module] | None = None,
+    complete: bool | None = None,
+    preserve_rng_state: bool = True,
+    label: str = "the approximate checkpoint",
+) -> Any:
+    """Run ``fn(*args, **kwargs)`` as one approximate-recompute node (the shared engine of
+    :func:`checkpoint` and ``checkpoint_sequential(approx=...)``). ``modules``: the modules
+    ``fn`` calls (default: ``fn`` itself when it is a module); ``complete``: whether they are
+    all it calls (then replay freezes exactly their normalisation layers; else any that runs).
+    """
+    if modules is None:
+        modules = (fn,) if isinstance(fn, nn.Module) else ()
+    if complete is None:
+        complete = isinstance(fn, nn.Module)
+    params: list[torch.Tensor] = []
+    norms: list[nn.Module] = []
+    seen: set[int] = set()
+    for m in modules:
+        module_params, module_norms = module_targets(m)
+        for t in module_params:
+            if id(t) not in seen:
+                seen.add(id(t))
+                params.append(t)
+        norms += module_norms
+    template, slots, tensors = [], [], []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            slots.append(i)
+            tensors.append(a)
+            template.append(None)
+        else:
+            template.append(a)
+    if not tensors:
+        raise InvalidInputTypeError(
+            f"{label} got no tensor argument; pass the block input as a positional tensor"
+        )
+    grad_kwargs = tuple(
+        k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad
+    )
+    for k, v in kwargs.items():
+        if not isinstance(v, torch.Tensor) and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(v)[0]
+        ):
+            raise InvalidInputTypeError(
+                f"keyword {k!r} holds tensors that require grad inside a {type(v).__name__}; "
+                "pass each such tensor as its own keyword so its gradient can be returned"
+            )
+    block = _Block(
+        fn=fn,
+        template=template,
+        slots=slots,
+        kwargs=kwargs,
+        grad_kwargs=grad_kwargs,
+        params=tuple(params),
+        norms=tuple(norms) if complete else None,
+        config=config,
+        preserve_rng_state=preserve_rng_state,
+        label=label,
+    )
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    # A zero-size token that requires grad makes the node join the graph even when nothing
+    # registered needs a gradient, so its backward runs and can name a tensor the block used
+    # without registering it (a closure), instead of that gradient vanishing.
+    token = torch.empty(0, requires_grad=True)
+    return _ApproxFunction.apply(block, token, *tensors, *params, *(kwargs[k] for k in grad_kwargs))
+
+
+def checkpoint(
+    fn: Callable[..., Any],
+    *args: Any,
+    store: str | None = "e4m3",
+    scaling: Scaling | Literal["auto"] | None = "auto",
+    block_size: int = 128,
+    rounding: Rounding = "nearest",
+    recompute_dtype: torch.dtype | None = None,
+    preserve_rng_state: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """Run ``fn(*args, **kwargs)`` keeping only its tensor arguments, compressed.
+
+    Floating-point tensor arguments are kept in ``store`` format (see :class:`Approx` for the
+    options; integer and boolean tensors are kept exactly); keyword arguments are passed to
+    ``fn`` unchanged and kept as they are. ``fn`` is typically an ``nn.Module``: its trainable
+    parameters receive gradients. A plain function must take every tensor that requires grad
+    as an argument (else backward raises, naming the tensor).
+
+    Memory held between forward and backward: the compressed arguments (payload and scales),
+    plus RNG state when ``fn`` drew random numbers. Extra work: one forward of ``fn`` in
+    backward, plus an encode and a decode.
+    """
+    config = Approx(
+        store=store,
+        scaling=scaling,
+        block_size=block_size,
+        rounding=rounding,
+        recompute_dtype=recompute_dtype,
+    )
+    if not callable(fn):
+        raise InvalidInputTypeError(
+            f"approx.checkpoint(fn, *args): fn must be callable, got {type(fn).__name__}"
+        )
+    return run_approx(fn, args, kwargs, config=config, preserve_rng_state=preserve_rng_state)

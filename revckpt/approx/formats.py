@@ -1,0 +1,314 @@
+"""Codecs that keep a tensor in bf16 or fp8 (e4m3 / e5m2), with explicit scaling and rounding.
+
+A :class:`Codec` encodes a floating tensor ``x`` into a low-precision payload ``q`` and a
+float32 scale per group of elements (one group per tensor, per row, or per block of
+``block_size`` consecutive elements of a row), and decodes it back::
+
+    s = 2 ** floor(log2(fmax / amax(group)))      (a power of two: scaling is exact)
+    q = round(clamp(x * s, -fmax, fmax))          (to the format: nearest or stochastic)
+    x_hat = q / s
+
+Every element obeys the per-element bound (:meth:`Codec.error_bound`)::
+
+    |x_hat - x| <= k * (u * |x| + eta / s)
+
+with ``u`` the format's unit roundoff (``2**-p`` for ``p`` significand bits), ``eta`` the
+absolute error bound of its subnormal range (half the smallest subnormal), and ``k = 1`` for
+round-to-nearest, ``k = 2`` for stochastic rounding (which moves by less than one ulp).
+
+========  ===========  ========  ============  ===========
+format    torch dtype  fmax      u             eta
+========  ===========  ========  ============  ===========
+bf16      bfloat16     3.39e38   2**-8         2**-134
+e4m3      float8_e4m3fn 448      2**-4         2**-10
+e5m2      float8_e5m2  57344     2**-3         2**-17
+========  ===========  ========  ============  ===========
+
+Why explicit: ``x.to(torch.float8_e4m3fn)`` turns ``inf`` into 448 and every value beyond 448
+into 448 without a word. Here non-finite input raises :class:`~revckpt.InvalidArgumentError`,
+scaling puts every group inside the range, and the clamp before the cast is a guard the scaling
+makes inactive. bf16 has the range of float32 and needs no scale (``scaling=None``); fp8 always
+needs one. Stochastic rounding draws from a generator of its own (seeded, one per device), so
+it does not move the global random stream that dropout and replay rely on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..errors import InvalidArgumentError, InvalidInputTypeError
+
+__all__ = ["FORMATS", "Codec", "Encoded", "FormatSpec"]
+
+Scaling = Literal["tensor", "row", "block"]
+Rounding = Literal["nearest", "stochastic"]
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """The number format: dtype, significand bits ``p`` (with the implicit bit), largest finite
+    value ``fmax`` and smallest normal exponent ``emin``."""
+
+    name: str
+    dtype: torch.dtype
+    significand_bits: int
+    fmax: float
+    emin: int
+
+    @property
+    def unit_roundoff(self) -> float:
+        """``u = 2**-p``: the relative error bound of round-to-nearest in the normal range."""
+        return 2.0**-self.significand_bits
+
+    @property
+    def eta(self) -> float:
+        """Half the smallest subnormal, ``2**(emin - p)``: the absolute error bound of
+        round-to-nearest below the normal range."""
+        return 2.0 ** (self.emin - self.significand_bits)
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+FORMATS: dict[str, FormatSpec] = {
+    "bf16": FormatSpec("bf16", torch.bfloat16, 8, torch.finfo(torch.bfloat16).max, -126),
+    "e4m3": FormatSpec("e4m3", torch.float8_e4m3fn, 4, 448.0, -6),
+    "e5m2": FormatSpec("e5m2", torch.float8_e5m2, 3, 57344.0, -14),
+}
+
+# Scales are powers of two 2**e with e in this range (so that s and 1/s are float32 numbers).
+_MAX_SCALE_EXP = 127
+_MIN_SCALE_EXP = -126
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A compressed tensor: the payload (shape of the original), the float32 scales (shape
+    ``(groups, 1)`` over the flattened rows, or ``None``) and what is needed to decode."""
+
+    payload: torch.Tensor
+    scales: torch.Tensor | None
+    dtype: torch.dtype
+    codec: Codec
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: payload plus scales."""
+        n = self.payload.numel() * self.payload.element_size()
+        if self.scales is not None:
+            n += self.scales.numel() * self.scales.element_size()
+        return n
+
+    def decode(self) -> torch.Tensor:
+        return self.codec.decode(self)
+
+
+_GENERATORS: dict[torch.device, torch.Generator] = {}
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    gen = _GENERATORS.get(device)
+    if gen is None:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(0x5EED)
+        _GENERATORS[device] = gen
+    return gen
+
+
+@dataclass(frozen=True)
+class Codec:
+    """Compress a floating tensor to ``format`` with ``scaling`` and ``rounding``.
+
+    Args:
+        format: ``"bf16"``, ``"e4m3"`` or ``"e5m2"``.
+        scaling: ``"tensor"`` (one scale), ``"row"`` (one per row of the last dimension),
+            ``"block"`` (one per ``block_size`` consecutive elements of a row) or ``None``
+            (bf16 only).
+        block_size: elements per scale for ``"block"`` scaling; must divide the row length.
+        rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (unbiased: rounds up with
+            probability equal to the distance from the lower neighbour, in ulps).
+    """
+
+    format: str = "e4m3"
+    scaling: Scaling | None = "row"
+    block_size: int = 128
+    rounding: Rounding = "nearest"
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise InvalidArgumentError(
+                f"unknown format {self.format!r}; use one of {sorted(FORMATS)} "
+                "(bf16 halves the bytes, e4m3 / e5m2 quarter them)"
+            )
+        if self.scaling not in ("tensor", "row", "block", None):
+            raise InvalidArgumentError(
+                f"unknown scaling {self.scaling!r}; use 'tensor', 'row', 'block' or None (bf16)"
+            )
+        if self.scaling is None and self.format != "bf16":
+            raise InvalidArgumentError(
+                f"{self.format} needs a scale (its largest value is {self.spec.fmax:g}): use "
+                "scaling='row' (default), 'block' or 'tensor'"
+            )
+        if self.scaling == "block" and (
+            isinstance(self.block_size, bool)
+            or not isinstance(self.block_size, int)
+            or self.block_size < 1
+        ):
+            raise InvalidArgumentError(
+                f"block_size={self.block_size!r}: pass a positive int, e.g. 128"
+            )
+        if self.rounding not in ("nearest", "stochastic"):
+            raise InvalidArgumentError(
+                f"unknown rounding {self.rounding!r}; use 'nearest' or 'stochastic'"
+            )
+
+    @property
+    def spec(self) -> FormatSpec:
+        return FORMATS[self.format]
+
+    @property
+    def unit_roundoff(self) -> float:
+        """``u`` of the format (round-to-nearest, normal range)."""
+        return self.spec.unit_roundoff
+
+    @property
+    def k(self) -> int:
+        """Rounding factor of the bound: 1 for nearest, 2 for stochastic."""
+        return 1 if self.rounding == "nearest" else 2
+
+    def bytes_per_element(self, row_length: int, numel: int | None = None) -> float:
+        """Bytes kept per element, scales included: ``itemsize + 4 / group_size``."""
+        size = self.spec.itemsize
+        if self.scaling == "row":
+            return size + 4 / row_length
+        if self.scaling == "block":
+            return size + 4 / self.block_size
+        if self.scaling == "tensor":
+            return size + 4 / (numel or row_length)
+        return float(size)
+
+    # -- encoding --------------------------------------------------------------------------
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as a 2-D ``(groups, group_size)`` view: the unit that shares a scale."""
+        flat = x.reshape(1, -1) if x.dim() == 0 else x.reshape(-1, x.shape[-1])
+        if self.scaling == "tensor":
+            return flat.reshape(1, -1)
+        if self.scaling == "block":
+            n = flat.shape[1]
+            if n % self.block_size:
+                divisors = [d for d in range(min(n, self.block_size), 0, -1) if n % d == 0][:3]
+                raise InvalidArgumentError(
+                    f"block_size={self.block_size} does not divide the row length {n} of a "
+                    f"tensor of shape {tuple(x.shape)}; choose a block_size that divides it "
+                    f"(e.g. {', '.join(map(str, divisors))}), use scaling='row', or pad the "
+                    "last dimension to a multiple of the block size"
+                )
+            return flat.reshape(-1, self.block_size)
+        return flat
+
+    def check(self, x: torch.Tensor) -> None:
+        """Raise if ``x`` cannot be encoded: not a tensor, not floating point, or not finite."""
+        if not isinstance(x, torch.Tensor):
+            raise InvalidInputTypeError(f"a codec encodes tensors, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise InvalidInputTypeError(
+                f"cannot compress a {x.dtype} tensor: codecs take floating-point tensors; keep "
+                "integer and boolean tensors (indices, masks) exact"
+            )
+        if x.numel() and not bool(torch.isfinite(x).all()):
+            bad = (~torch.isfinite(x)).sum().item()
+            raise InvalidArgumentError(
+                f"{bad} non-finite value(s) (inf or nan) in a tensor of shape {tuple(x.shape)} "
+                f"sent to the {self.format} codec; a cast would silently turn inf into "
+                f"{self.spec.fmax:g}. Find where the model overflows (e.g. with "
+                "torch.autograd.detect_anomaly) or keep this boundary exact (store=None)"
+            )
+
+    def scales(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The power-of-two scale of each group, shape ``(groups, 1)``, float32."""
+        if self.scaling is None:
+            return None
+        rows = self._rows(x.detach())
+        amax = rows.abs().amax(dim=1, keepdim=True).double() if rows.numel() else rows.double()
+        fmax = self.spec.fmax
+        safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+        exp = torch.floor(torch.log2(fmax / safe))
+        exp = exp - (safe * torch.exp2(exp) > fmax).double()  # log2 rounding at exact powers
+        exp = exp.clamp(_MIN_SCALE_EXP, _MAX_SCALE_EXP)
+        exp = torch.where(amax > 0, exp, torch.zeros_like(exp))
+        return torch.exp2(exp).float()
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        """Compress ``x`` (raises on non-floating or non-finite input)."""
+        self.check(x)
+        with torch.no_grad():
+            x = x.detach()
+            spec = self.spec
+            scales = self.scales(x)
+            t = x.float()
+            if scales is not None:
+                t = (self._rows(t) * scales).reshape(x.shape)
+            t = t.clamp(-spec.fmax, spec.fmax)  # inactive after scaling: a guard for the cast
+            if self.rounding == "stochastic":
+                t = self._stochastic(t)
+            payload = t.to(spec.dtype)
+        return Encoded(payload=payload, scales=scales, dtype=x.dtype, codec=self)
+
+    def _stochastic(self, t: torch.Tensor) -> torch.Tensor:
+        """Round ``t`` (float32, within range) to one of its two neighbours in the format,
+        up with probability equal to the fractional distance (in ulps) from the lower one."""
+        spec = self.spec
+        _, e = torch.frexp(t)  # t = m * 2**e, 0.5 <= |m| < 1, so floor(log2|t|) = e - 1
+        ulp_exp = torch.clamp(e - 1, min=spec.emin) - (spec.significand_bits - 1)
+        scaled = torch.ldexp(t, -ulp_exp)
+        noise = torch.rand(t.shape, generator=_generator(t.device), device=t.device)
+        rounded = torch.floor(scaled + noise)
+        return torch.ldexp(rounded, ulp_exp).clamp(-spec.fmax, spec.fmax)
+
+    def decode(self, encoded: Encoded) -> torch.Tensor:
+        """``x_hat = q / s`` in the original dtype."""
+        t = encoded.payload.float()
+        if encoded.scales is not None:
+            t = (self._rows(t) / encoded.scales).reshape(encoded.payload.shape)
+        return t.to(encoded.dtype)
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        """``decode(encode(x))``."""
+        return self.decode(self.encode(x))
+
+    def error_bound(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-element bound ``k * (u * |x| + eta / s)`` on ``|decode(encode(x)) - x|``
+        (float64, shape of ``x``; 0 where ``x`` is 0, which every rounding keeps exact)."""
+        self.check(x)
+        spec = self.spec
+        a = x.detach().double().abs()
+        scales = self.scales(x)
+        if scales is None:
+            floor = torch.full_like(a, spec.eta)
+        else:
+            floor = (spec.eta / self._rows(torch.ones_like(a)).mul(scales.double())).reshape(
+                a.shape
+            )
+        # zero is representable and every rounding mode keeps it: no error there
+        return torch.where(a == 0, 0.0, self.k * (spec.unit_roundoff * a + floor))
+
+    def __str__(self) -> str:
+        scaling = "" if self.scaling is None else f", {self.scaling}"
+        if self.scaling == "block":
+            scaling += f" {self.block_size}"
+        rounding = "" if self.rounding == "nearest" else ", stochastic"
+        return f"{self.format}{scaling}{rounding}"
+
+
+def relative_rms(x: torch.Tensor, codec: Codec) -> float:
+    """Relative L2 error of one round trip, ``||x_hat - x|| / ||x||`` (for reports)."""
+    x64 = x.detach().double()
+    ref = x64.norm().item()
+    diff = (codec.roundtrip(x).double() - x64).norm().item()
+    return diff / ref if ref > 0 else (0.0 if diff == 0 else math.inf)

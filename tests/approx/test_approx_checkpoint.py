@@ -1,0 +1,211 @@
+"""Approximate recompute: memory kept, exactness without compression, autograd citizenship."""
+
+import pytest
+import torch
+from helpers import bitwise_equal, train_step, twin
+from torch import nn
+
+import revckpt
+from revckpt import InvalidArgumentError, InvalidInputTypeError, MemoryMeter, approx
+from revckpt.approx import Approx
+from revckpt.layers import ReversibleSequential, reversible_mlp_block
+from revckpt.models import ResidualMLPBlock, mlp_chain
+
+
+def _held(store, x, block):
+    xx = x.detach().clone().requires_grad_()
+    with MemoryMeter("cpu") as meter:
+        y = approx.checkpoint(block, xx, store=store)
+    return meter.end_bytes - y.numel() * y.element_size(), y, xx
+
+
+def test_retained_bytes_half_for_bf16_quarter_for_fp8():
+    block = ResidualMLPBlock(512, 1024)
+    x = torch.randn(64, 512)
+    fp32 = x.numel() * 4
+    held = {s: _held(s, x * 1, block)[0] for s in ("bf16", "e4m3", "e5m2")}
+    assert held["bf16"] == fp32 // 2
+    scales = 64 * 4  # one float32 scale per row
+    assert held["e4m3"] == fp32 // 4 + scales and held["e5m2"] == fp32 // 4 + scales
+
+
+def test_input_is_not_kept_when_compressed():
+    block = ResidualMLPBlock(64, 128)
+    held, _, _ = _held("e4m3", torch.randn(16, 64), block)
+    # the caller's x is its own; what the node keeps is only the encoding
+    assert held == 16 * 64 + 16 * 4
+
+
+def test_no_compression_is_bitwise_plain_checkpoint():
+    chain = mlp_chain(4, 32, 64, dropout=0.2, norm="batch")
+    other = twin(chain)
+    x = torch.randn(16, 32, requires_grad=True)
+
+    def run_plain(m, xx):
+        return revckpt.checkpoint_sequential(m, 4, xx)
+
+    def run_approx(m, xx):
+        return revckpt.checkpoint_sequential(m, 4, xx, approx=Approx(store=None))
+
+    out_a, grads_a, dx_a = train_step(chain, x, run_plain)
+    out_b, grads_b, dx_b = train_step(other, x, run_approx)
+    assert torch.equal(out_a, out_b) and torch.equal(dx_a, dx_b)
+    assert bitwise_equal(grads_a, grads_b)
+    assert bitwise_equal(list(chain.buffers()), list(other.buffers()))
+
+
+def test_single_block_no_compression_matches_revckpt_checkpoint():
+    block = ResidualMLPBlock(32, 64, dropout=0.3)
+    other = twin(block)
+    x = torch.randn(8, 32, requires_grad=True)
+    a = train_step(block, x, lambda m, xx: revckpt.checkpoint(m, xx))
+    b = train_step(other, x, lambda m, xx: approx.checkpoint(m, xx, store=None))
+    assert torch.equal(a[0], b[0]) and bitwise_equal(a[1], b[1]) and torch.equal(a[2], b[2])
+
+
+@pytest.mark.parametrize("store", ["bf16", "e4m3", "e5m2"])
+def test_forward_exact_gradients_close(store):
+    chain = mlp_chain(3, 32, 64)  # ReLU: activation flips add to the first-order error
+    other = twin(chain)
+    x = torch.randn(16, 32, requires_grad=True)
+    out_a, grads_a, dx_a = train_step(chain, x)
+    out_b, grads_b, dx_b = train_step(
+        other, x, lambda m, xx: revckpt.checkpoint_sequential(m, 3, xx, approx=Approx(store=store))
+    )
+    assert torch.equal(out_a, out_b)  # only backward sees the approximation
+    a, b = torch.cat([g.flatten() for g in grads_a]), torch.cat([g.flatten() for g in grads_b])
+    tol = {"bf16": 3e-2, "e4m3": 2e-1, "e5m2": 3e-1}[store]
+    assert 0 < ((a - b).norm() / a.norm()).item() < tol
+    assert ((dx_a - dx_b).norm() / dx_a.norm()).item() < 2 * tol  # input grad: flips add up
+
+
+def test_bf16_recompute_runs_under_autocast_and_first_forward_stays_exact():
+    block = ResidualMLPBlock(32, 64)
+    x = torch.randn(8, 32, requires_grad=True)
+    seen = []
+    block.fc1.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    y = approx.checkpoint(block, x, store=None, recompute_dtype=torch.bfloat16)
+    assert y.dtype == torch.float32 and seen == [torch.float32]
+    y.sum().backward()
+    assert seen == [torch.float32, torch.bfloat16]
+    assert block.fc1.weight.grad.dtype == torch.float32
+    ref = twin(block)
+    ref.zero_grad()
+    ref(x.detach()).sum().backward()
+    rel = (block.fc1.weight.grad - ref.fc1.weight.grad).norm() / ref.fc1.weight.grad.norm()
+    assert 0 < rel < 3e-2
+
+
+def test_autograd_grad_and_inputs_without_grad_and_kwargs():
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x, *, scale):
+            return self.lin(x) * scale
+
+    block = Masked()
+    x = torch.randn(4, 16)  # does not require grad
+    scale = torch.rand(4, 1, requires_grad=True)
+    y = approx.checkpoint(block, x, store="e4m3", scale=scale)
+    gw, gs = torch.autograd.grad(y.sum(), (block.lin.weight, scale))
+    ref_w, ref_s = torch.autograd.grad(block(x, scale=scale).sum(), (block.lin.weight, scale))
+    assert (gw - ref_w).norm() < 0.1 * ref_w.norm()
+    assert (gs - ref_s).norm() < 0.1 * ref_s.norm()
+    assert block.lin.weight.grad is None
+
+
+def test_retain_graph_and_accumulation():
+    block = ResidualMLPBlock(16, 32)
+    x = torch.randn(4, 16, requires_grad=True)
+    y = approx.checkpoint(block, x, store="bf16")
+    y.sum().backward(retain_graph=True)
+    first = block.fc1.weight.grad.clone()
+    y.sum().backward()
+    assert torch.allclose(block.fc1.weight.grad, 2 * first)
+
+
+def test_no_grad_forward_keeps_nothing():
+    block = ResidualMLPBlock(64, 128)
+    x = torch.randn(16, 64)
+    with torch.no_grad(), MemoryMeter("cpu") as meter:
+        y = approx.checkpoint(block, x, store="e4m3")
+    assert meter.end_bytes == y.numel() * 4
+
+
+def test_integer_arguments_kept_exact():
+    emb = nn.Embedding(10, 8)
+
+    def fn(ids, h):
+        return emb.weight[ids] + h
+
+    class F(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = emb
+
+        def forward(self, ids, h):
+            return fn(ids, h)
+
+    ids = torch.tensor([1, 2, 3])
+    h = torch.randn(3, 8, requires_grad=True)
+    approx.checkpoint(F(), ids, h, store="e4m3").sum().backward()
+    assert emb.weight.grad is not None and h.grad is not None
+
+
+def test_unregistered_tensor_raises_with_fix():
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def fn(x):
+        return x @ w
+
+    y = approx.checkpoint(fn, torch.randn(2, 8), store="bf16")
+    with pytest.raises(InvalidArgumentError, match=r"pass an nn\.Module that registers it"):
+        y.sum().backward()
+
+
+def test_bad_input():
+    block = ResidualMLPBlock(16, 32)
+    x = torch.randn(2, 16)
+    with pytest.raises(InvalidArgumentError, match="unknown store format 'fp4'"):
+        approx.checkpoint(block, x, store="fp4")
+    with pytest.raises(InvalidArgumentError, match="unknown scaling"):
+        approx.checkpoint(block, x, scaling="col")
+    with pytest.raises(InvalidArgumentError, match="recompute_dtype"):
+        approx.checkpoint(block, x, recompute_dtype=torch.int8)
+    bad = x.clone()
+    bad[0, 0] = float("inf")
+    with pytest.raises(InvalidArgumentError, match="non-finite"):
+        approx.checkpoint(block, bad.requires_grad_(), store="e4m3")
+    with pytest.raises(InvalidArgumentError, match="does not divide the row length 16"):
+        approx.checkpoint(block, x.requires_grad_(), store="e4m3", scaling="block")
+    with pytest.raises(InvalidInputTypeError, match="no tensor argument"):
+        approx.checkpoint(block, 3.0)
+    with pytest.raises(InvalidArgumentError, match="drop policy="):
+        revckpt.checkpoint_sequential(
+            mlp_chain(2, 16), 2, x, approx=Approx(), determinism_check="values"
+        )
+
+
+def test_reversible_bf16_recompute_with_anchors():
+    torch.manual_seed(0)
+    blocks = [reversible_mlp_block(16, 32) for _ in range(8)]
+    exact = ReversibleSequential(*blocks)
+    low = ReversibleSequential(
+        *[twin(b) for b in blocks],
+        approx=Approx(store=None, recompute_dtype=torch.bfloat16),
+        anchor_every=4,
+    )
+    x = torch.randn(8, 32)
+    out_a, grads_a, _ = train_step(exact, x)
+    out_b, grads_b, _ = train_step(low, x)
+    assert torch.equal(out_a, out_b)
+    rel = max(((a - b).norm() / a.norm()).item() for a, b in zip(grads_a, grads_b, strict=True))
+    assert 0 < rel < 5e-2
+    assert low.last_drift[0] is not None and low.last_drift[0] > 0
+
+
+def test_reversible_rejects_a_store_format():
+    with pytest.raises(InvalidArgumentError, match="keeps no block inputs to compress"):
+        ReversibleSequential(reversible_mlp_block(8, 16), approx=Approx(store="e4m3"))
