@@ -53,3 +53,17 @@ def test_drift_script(tmp_path):
     }
     assert by[("float32", 8, None)] < 1e-5
     assert by[("bfloat16", 128, 8)] < by[("bfloat16", 128, None)]
+
+
+def test_bench_approx_quick(tmp_path):
+    result = load("bench_approx").main(
+        ["--quick", "--repeats", "1", "--out", str(tmp_path / "a.json")]
+    )
+    rows = {(r["chain"].split(" (")[0], r["config"]): r for r in result["rows"]}
+    gelu = "MLP pre-norm GELU"
+    assert rows[(gelu, "exact (store=None)")]["kept_fraction_of_fp32"] == 1.0
+    assert rows[(gelu, "bf16")]["kept_fraction_of_fp32"] == 0.5
+    assert 0.25 <= rows[(gelu, "e4m3 row")]["kept_fraction_of_fp32"] < 0.3
+    for config in ("bf16", "e4m3 row", "e5m2 row"):
+        r = rows[(gelu, config)]
+        assert r["grad_rel_error_vs_fp64"] <= r["bound_rel"]

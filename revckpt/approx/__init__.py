@@ -8,7 +8,16 @@
   random-probe estimate of the parameter-gradient error.
 """
 
+from .bounds import ErrorEstimate, estimate_error
 from .checkpoint import Approx, checkpoint
 from .formats import FORMATS, Codec, Encoded
 
-__all__ = ["FORMATS", "Approx", "Codec", "Encoded", "checkpoint"]
+__all__ = [
+    "FORMATS",
+    "Approx",
+    "Codec",
+    "Encoded",
+    "ErrorEstimate",
+    "checkpoint",
+    "estimate_error",
+]

@@ -61,6 +61,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call, jvp, vjp, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from .checkpoint import Approx
@@ -221,6 +222,24 @@ def estimate_error(
     chain ``blocks`` through ``codec`` (as ``checkpoint_sequential(blocks, len(blocks), x,
     approx=...)`` does), for input ``x`` and output cotangent ``cotangent`` (default: ones,
     i.e. ``loss = y.sum()``). See the module docstring for the formulas."""
+    # Forward-mode AD through attention needs the math kernel (the fused CPU kernels have no
+    # JVP); the values are the same up to rounding.
+    with sdpa_kernel(SDPBackend.MATH):
+        return _estimate_error(
+            blocks, x, codec, cotangent, probes=probes, power_iterations=power_iterations, seed=seed
+        )
+
+
+def _estimate_error(
+    blocks: Sequence[nn.Module] | nn.Sequential,
+    x: torch.Tensor,
+    codec: Codec | Approx,
+    cotangent: torch.Tensor | None,
+    *,
+    probes: int,
+    power_iterations: int,
+    seed: int,
+) -> ErrorEstimate:
     codec = _codec_of(codec)
     chain = list(blocks)
     if not chain or not all(isinstance(b, nn.Module) for b in chain):
