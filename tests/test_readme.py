@@ -25,3 +25,16 @@ def test_readme_snippets_run():
         else:
             exec(compile(code, "README.md", "exec"), namespace)
     namespace["test_checkpointed_model_is_exact"]()
+
+
+@pytest.mark.parametrize("guide", ["approx.md", "reversible.md"])
+def test_guide_snippets_run(guide):
+    path = README.parent / "docs" / guide
+    blocks = re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+    assert blocks
+    namespace: dict = {}
+    for code in blocks:
+        exec(compile(code, guide, "exec"), namespace)
+    for name, fn in list(namespace.items()):
+        if name.startswith("test_") and callable(fn):
+            fn()
