@@ -40,7 +40,7 @@ from torch.utils.checkpoint import (
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from ._determinism import ValueLog
-from .approx.checkpoint import Approx, run_approx
+from .approx.recompute import Approx, run_approx
 from .errors import InvalidArgumentError, InvalidInputTypeError
 from .replay import ForwardState
 

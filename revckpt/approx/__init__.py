@@ -2,15 +2,15 @@
 
 * :mod:`~revckpt.approx.formats`: :class:`Codec` (bf16, fp8 e4m3 / e5m2; tensor, row or block
   scaling; nearest or stochastic rounding) with its per-element error bound.
-* :mod:`~revckpt.approx.checkpoint`: :func:`checkpoint` and the :class:`Approx` configuration
+* :mod:`~revckpt.approx.recompute`: :func:`checkpoint` and the :class:`Approx` configuration
   taken by ``checkpoint_sequential(approx=...)`` and ``ReversibleSequential(approx=...)``.
 * :mod:`~revckpt.approx.bounds`: :func:`estimate_error`, a first-order hard bound and a cheap
   random-probe estimate of the parameter-gradient error.
 """
 
 from .bounds import ErrorEstimate, estimate_error
-from .checkpoint import Approx, checkpoint
 from .formats import FORMATS, Codec, Encoded
+from .recompute import Approx, checkpoint
 
 __all__ = [
     "FORMATS",

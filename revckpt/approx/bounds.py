@@ -64,8 +64,8 @@ from torch.func import functional_call, jvp, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import InvalidArgumentError, InvalidInputTypeError
-from .checkpoint import Approx
 from .formats import Codec
+from .recompute import Approx
 
 __all__ = ["FIRST_ORDER_LIMIT", "ErrorEstimate", "NonSmoothWarning", "estimate_error"]
 

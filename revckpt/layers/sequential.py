@@ -38,7 +38,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils._pytree import tree_flatten
 
 from .._autograd import first_unregistered_leaf, module_targets, vjp
-from ..approx.checkpoint import Approx
+from ..approx.recompute import Approx
 from ..errors import InvalidArgumentError, InvalidInputTypeError, ReconstructionError
 from ..replay import ForwardState, devices_of
 from .coupling import AdditiveCoupling, Coupling, make_coupling
