@@ -1,0 +1,241 @@
+"""The cost model the scheduler optimises: memory peak, recompute time and gradient error of a
+chain plan, from per-block measurements.
+
+A **plan** cuts the chain of ``L`` blocks into segments ``[j, k)``, each run with one strategy:
+
+============  ======================================  ==========================  ===========
+strategy      kept between forward and backward       extra time in backward      error
+============  ======================================  ==========================  ===========
+store         every block's input and saved tensors   none                        0
+checkpoint    the segment input ``x_j``               re-run the segment forward  0
+approx:<c>    ``x_j`` compressed by codec ``c``       re-run the segment forward  ``e_j(c)``
+reversible    nothing (the output is the next         re-run each block forward   0
+              segment's input, or the caller's)       once (inverse + reforward)
+============  ======================================  ==========================  ===========
+
+Per block ``i`` the model uses (all measured by :func:`revckpt.schedule.profile`): forward and
+backward time ``f_i``, ``b_i``; input and output bytes ``x_i``, ``x_{i+1}``; bytes saved for
+backward apart from the input ``s_i``; the forward transient ``tf_i`` (peak live bytes during
+the block's forward above those alive before it and its input, with autograd recording) and
+``tn_i`` (the same without recording, as in a recompute-later forward); the backward transient
+``tb_i`` (peak during the block's backward above its saved tensors, its input and the gradient
+of its output).
+
+Memory is simulated event by event. Let ``P`` be the bytes kept by the segments before the
+current one and ``O`` the chain's output (held by the caller from the end of the forward).
+Forward, block ``i`` of a segment peaks at ``P + K_before_i + x_i + t_i`` (``t = tf`` when the
+block stores, ``tn`` otherwise). Backward walks the segments from the last; with ``g_i`` the
+gradient of block ``i``'s output (``x_{i+1}`` bytes), block ``i`` peaks at
+
+* store / checkpoint / approx: ``P + c + sum_{i' in [j, i]} (x_i' + s_i') + O + g_i + tb_i``
+  (the recomputed or stored activations of the segment up to ``i``; ``c`` is the compressed
+  input an approx segment still holds), and a recomputing segment first peaks at
+  ``P + c + sum_{[j, i)} (x + s) + x_i + tf_i + O + g_k`` while re-running block ``i``;
+* reversible: ``P + O + x_{i+1} + g_i + x_i + max(s_i + tb_i, tf_i)`` (the value being
+  inverted, the rebuilt input and one block's activations).
+
+Every segment's peak is ``P + W`` with ``W`` independent of what comes before it, so the peak of
+a plan is ``max_p (P_p + W_p)``: this decomposition is what makes an exact dynamic programme
+possible (:mod:`revckpt.schedule.solver`). A reversible segment may not be followed by an approx
+segment (the reversible output would be kept in full next to its compressed copy).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ..errors import InvalidArgumentError
+
+__all__ = [
+    "BlockCost",
+    "Evaluation",
+    "Segment",
+    "SegmentCost",
+    "chain_totals",
+    "evaluate",
+    "segment_cost",
+    "strategy_names",
+]
+
+STORE, CHECKPOINT, REVERSIBLE = "store", "checkpoint", "reversible"
+APPROX_PREFIX = "approx:"
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """Measured costs of one block (bytes and seconds). ``approx_bytes[c]`` and
+    ``approx_error[c]``: the block input's size compressed by codec ``c``, and the estimated
+    relative parameter-gradient error of compressing it."""
+
+    forward_s: float
+    backward_s: float
+    input_bytes: int
+    output_bytes: int
+    saved_bytes: int
+    forward_peak_bytes: int
+    forward_peak_nograd_bytes: int
+    backward_peak_bytes: int
+    invertible: bool = False
+    approx_bytes: Mapping[str, int] = field(default_factory=dict)
+    approx_error: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Blocks ``start`` to ``stop - 1`` run with ``strategy``."""
+
+    start: int
+    stop: int
+    strategy: str
+
+
+@dataclass(frozen=True)
+class SegmentCost:
+    """``kept``: bytes held from the segment's forward to its backward; ``work``: its peak
+    above the bytes kept by earlier segments; ``time``: extra seconds (recompute); ``error``."""
+
+    kept: int
+    work: int
+    time: float
+    error: float
+
+
+def strategy_names(blocks: Sequence[BlockCost]) -> list[str]:
+    """Every strategy some block supports: store, checkpoint, reversible (if any block is
+    invertible) and ``approx:<codec>`` for every codec profiled."""
+    names = [STORE, CHECKPOINT]
+    if any(b.invertible for b in blocks):
+        names.append(REVERSIBLE)
+    codecs = sorted({c for b in blocks for c in b.approx_bytes})
+    names += [APPROX_PREFIX + c for c in codecs]
+    return names
+
+
+def _check_strategy(blocks: Sequence[BlockCost], seg: Segment) -> None:
+    if not 0 <= seg.start < seg.stop <= len(blocks):
+        raise InvalidArgumentError(
+            f"segment [{seg.start}, {seg.stop}) does not fit a chain of {len(blocks)} blocks"
+        )
+    if seg.strategy == REVERSIBLE:
+        bad = [i for i in range(seg.start, seg.stop) if not blocks[i].invertible]
+        if bad:
+            raise InvalidArgumentError(
+                f"blocks {bad} are not invertible, so segment [{seg.start}, {seg.stop}) cannot "
+                "be reversible; mark only reversible-coupling blocks as invertible"
+            )
+    elif seg.strategy.startswith(APPROX_PREFIX):
+        codec = seg.strategy[len(APPROX_PREFIX) :]
+        if codec not in blocks[seg.start].approx_bytes:
+            raise InvalidArgumentError(
+                f"codec {codec!r} was not profiled for block {seg.start}; profile it "
+                "(schedule.profile(..., codecs=[...])) or choose one of "
+                f"{sorted(blocks[seg.start].approx_bytes)}"
+            )
+    elif seg.strategy not in (STORE, CHECKPOINT):
+        raise InvalidArgumentError(
+            f"unknown strategy {seg.strategy!r}; use 'store', 'checkpoint', 'reversible' or "
+            "'approx:<codec>'"
+        )
+
+
+def segment_cost(blocks: Sequence[BlockCost], seg: Segment) -> SegmentCost:
+    """Kept bytes, working peak, recompute time and error of one segment (see module doc)."""
+    _check_strategy(blocks, seg)
+    out = blocks[-1].output_bytes
+    j, k, strategy = seg.start, seg.stop, seg.strategy
+    part = blocks[j:k]
+    if strategy == STORE:
+        kept = sum(b.input_bytes + b.saved_bytes for b in part)
+        work = 0
+        acc = 0
+        for b in part:  # forward
+            work = max(work, acc + b.input_bytes + b.forward_peak_bytes)
+            acc += b.input_bytes + b.saved_bytes
+        for b in reversed(part):  # backward: acc = sum over [j, i]
+            work = max(work, acc + out + b.output_bytes + b.backward_peak_bytes)
+            acc -= b.input_bytes + b.saved_bytes
+        return SegmentCost(kept, work, 0.0, 0.0)
+    recompute = sum(b.forward_s for b in part)
+    if strategy == REVERSIBLE:
+        work = 0
+        for b in part:
+            work = max(work, b.input_bytes + b.forward_peak_nograd_bytes)
+            work = max(
+                work,
+                out
+                + 2 * b.output_bytes
+                + b.input_bytes
+                + max(b.saved_bytes + b.backward_peak_bytes, b.forward_peak_bytes),
+            )
+        return SegmentCost(0, work, recompute, 0.0)
+    # checkpoint / approx
+    if strategy == CHECKPOINT:
+        kept, held, error = part[0].input_bytes, 0, 0.0
+    else:
+        codec = strategy[len(APPROX_PREFIX) :]
+        kept = held = part[0].approx_bytes[codec]
+        error = part[0].approx_error.get(codec, 0.0)
+    work = 0
+    for i, b in enumerate(part):  # forward, nothing recorded
+        alive = kept if strategy == CHECKPOINT else held
+        current = b.input_bytes if (i > 0 or strategy != CHECKPOINT) else 0
+        work = max(work, alive + current + b.forward_peak_nograd_bytes)
+    grad_out = part[-1].output_bytes
+    acc = 0
+    for b in part:  # the recompute in backward
+        work = max(work, held + acc + b.input_bytes + b.forward_peak_bytes + out + grad_out)
+        acc += b.input_bytes + b.saved_bytes
+    for b in reversed(part):  # its backward
+        work = max(work, held + acc + out + b.output_bytes + b.backward_peak_bytes)
+        acc -= b.input_bytes + b.saved_bytes
+    return SegmentCost(kept, work, recompute, error)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Predicted figures of a plan: peak bytes, extra seconds, summed error, kept bytes."""
+
+    peak_bytes: int
+    overhead_s: float
+    error: float
+    kept_bytes: int
+
+
+def evaluate(blocks: Sequence[BlockCost], segments: Sequence[Segment]) -> Evaluation:
+    """Predicted peak, recompute overhead and error of a plan (segments in order, covering the
+    chain). The peak is ``max_p (P_p + W_p)`` over segments ``p`` (see the module docstring)."""
+    if not segments or segments[0].start != 0 or segments[-1].stop != len(blocks):
+        raise InvalidArgumentError("a plan's segments must cover the chain from block 0 to the end")
+    for a, b in itertools.pairwise(segments):
+        if a.stop != b.start:
+            raise InvalidArgumentError(
+                f"segments [{a.start}, {a.stop}) and [{b.start}, {b.stop}) do not meet"
+            )
+        if a.strategy == REVERSIBLE and b.strategy.startswith(APPROX_PREFIX):
+            raise InvalidArgumentError(
+                f"a reversible segment (ending at block {a.stop}) cannot be followed by an "
+                "approx segment: its output would be kept in full next to the compressed copy"
+            )
+    prefix, peak, time, error = 0, 0, 0.0, 0.0
+    for seg in segments:
+        cost = segment_cost(blocks, seg)
+        peak = max(peak, prefix + cost.work)
+        prefix += cost.kept
+        time += cost.time
+        error += cost.error
+    return Evaluation(peak_bytes=peak, overhead_s=time, error=error, kept_bytes=prefix)
+
+
+def chain_totals(blocks: Sequence[BlockCost]) -> tuple[float, int]:
+    """Forward+backward seconds of the plain chain and its store-everything peak bytes."""
+    plain = evaluate(blocks, [Segment(0, len(blocks), STORE)])
+    base = sum(b.forward_s + b.backward_s for b in blocks)
+    return base, plain.peak_bytes
+
+
+def slots_of(nbytes: int, slot_bytes: float) -> int:
+    """Bytes in slots, rounded up (a plan that fits in slots fits in bytes)."""
+    return math.ceil(nbytes / slot_bytes - 1e-9) if nbytes > 0 else 0

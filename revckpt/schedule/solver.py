@@ -1,0 +1,407 @@
+"""Exact chain optimisation: the cheapest plan under a memory budget and an error budget.
+
+The problem (see :mod:`revckpt.schedule.costs`): choose segments ``[j, k)`` and a strategy for
+each, covering the chain, to minimise the total recompute time subject to
+
+    max_p (P_p + W_p) <= budget,       sum_p e_p <= error_budget,
+
+where ``P_p`` is the sum of the bytes kept by the segments before ``p`` and ``W_p`` the working
+peak of segment ``p``. Bytes are counted in ``slots`` of ``budget / slots`` bytes and errors in
+``error_slots`` of ``error_budget / error_slots``, each quantity rounded **up**, so a plan
+feasible in slots is feasible in bytes and errors.
+
+Dynamic programme over the quantised instance (exact for it)::
+
+    T[k, P', e', r'] = min over j < k, strategy s, with P + W(j,k,s) <= B:
+                       T[j, P, e, r] + time(j, k, s)
+    P' = P + K(j,k,s),  e' = e + E(j,k,s),  r' = [s is reversible]
+
+(``r`` forbids an approx segment right after a reversible one.) Each transition is a vectorised
+``numpy`` update over all ``(P, e)`` at once: ``O(L^2 S)`` array operations for ``L`` blocks and
+``S`` strategies.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidArgumentError
+from .costs import (
+    APPROX_PREFIX,
+    CHECKPOINT,
+    REVERSIBLE,
+    STORE,
+    BlockCost,
+    Segment,
+    chain_totals,
+    evaluate,
+    segment_cost,
+    slots_of,
+    strategy_names,
+)
+from .plan import Plan
+
+__all__ = [
+    "Instance",
+    "baseline",
+    "min_feasible_peak",
+    "parse_budget",
+    "quantise",
+    "solve",
+    "solve_segments",
+]
+
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_budget(budget: Any, store_all_peak: int) -> int:
+    """A memory budget in bytes from an int (bytes), a string (``"2GiB"``, ``"500 MB"``,
+    ``"1.5e9"``) or a float in ``(0, 1]`` (a fraction of the store-everything peak)."""
+    if isinstance(budget, bool):
+        raise InvalidArgumentError(f"memory_budget={budget!r}: pass bytes, '2GiB' or a fraction")
+    if isinstance(budget, (int, np.integer)):
+        if budget <= 0:
+            raise InvalidArgumentError(f"memory_budget={budget}: a byte budget must be positive")
+        return int(budget)
+    if isinstance(budget, float):
+        if not 0 < budget <= 1:
+            raise InvalidArgumentError(
+                f"memory_budget={budget}: a float is a fraction of the store-everything peak "
+                f"({store_all_peak:,} bytes) and must be in (0, 1]; pass bytes as an int or a "
+                "string like '2GiB'"
+            )
+        return max(1, math.floor(budget * store_all_peak))
+    if isinstance(budget, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", budget)
+        unit = m.group(2).lower() if m else ""
+        if m is None or unit not in (*_UNITS, ""):
+            raise InvalidArgumentError(
+                f"cannot read the memory budget {budget!r}: write a number and a unit, e.g. "
+                "'2GiB', '512MiB', '8 GB' or '1.5e9' (bytes)"
+            )
+        value = float(m.group(1)) * _UNITS.get(unit, 1)
+        if value < 1:
+            raise InvalidArgumentError(f"memory budget {budget!r} is less than one byte")
+        return int(value)
+    raise InvalidArgumentError(
+        f"memory_budget must be bytes (int), a string like '2GiB' or a fraction (float), got "
+        f"{type(budget).__name__}"
+    )
+
+
+@dataclass(frozen=True)
+class Instance:
+    """The quantised problem: per candidate segment ``(j, k, strategy)`` its kept and working
+    slots, error slots and time; ``budget`` slots; ``error_budget`` slots."""
+
+    length: int
+    strategies: tuple[str, ...]
+    candidates: tuple[tuple[int, int, str, int, int, int, float], ...]  # j, k, s, K, W, E, T
+    budget: int
+    error_budget: int
+
+
+def quantise(
+    blocks: Sequence[BlockCost],
+    *,
+    budget_bytes: int,
+    error_budget: float,
+    strategies: Sequence[str],
+    slots: int,
+    error_slots: int,
+) -> Instance:
+    slot = budget_bytes / slots
+    err_slot = error_budget / error_slots if error_budget > 0 else 0.0
+    cands = []
+    n = len(blocks)
+    for s in strategies:
+        for j in range(n):
+            for k in range(j + 1, n + 1):
+                if s == REVERSIBLE and not blocks[k - 1].invertible:
+                    break  # every longer segment from j contains block k - 1 too
+                if s.startswith(APPROX_PREFIX) and s[len(APPROX_PREFIX) :] not in (
+                    blocks[j].approx_bytes
+                ):
+                    break
+                if s == STORE and k > j + 1:
+                    break  # a store segment of n blocks = n store segments of one
+                cost = segment_cost(blocks, Segment(j, k, s))
+                if cost.error > 0 and err_slot == 0:
+                    break  # no error budget: approx is not allowed (same error for every k)
+                e = math.ceil(cost.error / err_slot - 1e-12) if cost.error > 0 else 0
+                cands.append(
+                    (j, k, s, slots_of(cost.kept, slot), slots_of(cost.work, slot), e, cost.time)
+                )
+    return Instance(
+        length=n,
+        strategies=tuple(strategies),
+        candidates=tuple(cands),
+        budget=slots,
+        error_budget=error_slots if err_slot > 0 else 0,
+    )
+
+
+def solve_segments(inst: Instance) -> tuple[list[Segment], float] | None:
+    """The optimal segments of a quantised instance and their time, or ``None`` if none fits."""
+    n, budget, ne = inst.length, inst.budget, inst.error_budget
+    shape = (2, budget + 1, ne + 1)
+    best = [np.full(shape, np.inf) for _ in range(n + 1)]
+    parent = [np.full(shape, -1, dtype=np.int64) for _ in range(n + 1)]
+    best[0][0, 0, 0] = 0.0
+    by_start: dict[int, list[int]] = {}
+    for idx, c in enumerate(inst.candidates):
+        by_start.setdefault(c[0], []).append(idx)
+    for j in range(n):
+        for idx in by_start.get(j, ()):
+            _, k, s, kept, work, err, time = inst.candidates[idx]
+            if work > budget or err > ne:
+                continue
+            rows = budget - work + 1  # P in [0, budget - work]
+            cols = ne - err + 1
+            flag = 1 if s == REVERSIBLE else 0
+            sources = (0,) if s.startswith(APPROX_PREFIX) else (0, 1)
+            for f in sources:
+                cand = best[j][f, :rows, :cols] + time
+                target = best[k][flag, kept : kept + rows, err : err + cols]
+                rows_here = target.shape[0]
+                cand = cand[:rows_here]
+                better = cand < target
+                if not better.any():
+                    continue
+                target[better] = cand[better]
+                code = parent[k][flag, kept : kept + rows_here, err : err + cols]
+                code[better] = idx * 2 + f
+    final = best[n]
+    if not np.isfinite(final).any():
+        return None
+    flag, p, e = np.unravel_index(int(np.argmin(final)), final.shape)
+    total = float(final[flag, p, e])
+    segments = []
+    k = n
+    while k > 0:
+        code = int(parent[k][flag, p, e])
+        idx, f = divmod(code, 2)
+        j, _, s, kept, _, err, _ = inst.candidates[idx]
+        segments.append(Segment(j, k, s))
+        k, flag, p, e = j, f, p - kept, e - err
+    segments.reverse()
+    return segments, total
+
+
+def min_feasible_peak(blocks: Sequence[BlockCost], strategies: Sequence[str]) -> int:
+    """The smallest predicted peak (bytes) of any plan using ``strategies`` without approx
+    (exact: a Pareto front of (kept, peak) per position)."""
+    usable = [s for s in strategies if not s.startswith(APPROX_PREFIX)] or [CHECKPOINT]
+    n = len(blocks)
+    fronts: list[dict[tuple[int, int], int]] = [dict() for _ in range(n + 1)]
+    fronts[0][(0, 0)] = 0  # (kept, flag) -> peak
+    for j in range(n):
+        for (kept, _flag), peak in fronts[j].items():
+            for s in usable:
+                for k in range(j + 1, n + 1):
+                    if s == REVERSIBLE and not blocks[k - 1].invertible:
+                        break
+                    if s == STORE and k > j + 1:
+                        break
+                    cost = segment_cost(blocks, Segment(j, k, s))
+                    key = (kept + cost.kept, 1 if s == REVERSIBLE else 0)
+                    value = max(peak, kept + cost.work)
+                    if value < fronts[k].get(key, math.inf):
+                        fronts[k][key] = value
+        # prune: keep (kept, peak) pairs not dominated by a smaller kept with a smaller peak
+        for k in range(j + 1, n + 1):
+            items = sorted(fronts[k].items())
+            pruned, low = {}, math.inf
+            for key, value in items:
+                if value < low:
+                    pruned[key] = value
+                    low = value
+            fronts[k] = pruned
+    return min(fronts[n].values())
+
+
+def _blocks_of(profile: Any) -> list[BlockCost]:
+    blocks = list(getattr(profile, "blocks", profile))
+    if not blocks:
+        raise InvalidArgumentError(
+            "the profile has no blocks; profile a non-empty chain (schedule.profile(blocks, x))"
+        )
+    if not all(isinstance(b, BlockCost) for b in blocks):
+        raise InvalidArgumentError(
+            "solve takes a Profile (from revckpt.schedule.profile) or a list of BlockCost"
+        )
+    return blocks
+
+
+def _plan(
+    profile: Any,
+    blocks: Sequence[BlockCost],
+    segments: Sequence[Segment],
+    *,
+    name: str,
+    budget: int | None,
+    error_budget: float,
+) -> Plan:
+    base, store_peak = chain_totals(blocks)
+    ev = evaluate(blocks, segments)
+    return Plan(
+        segments=tuple(segments),
+        predicted_peak_bytes=ev.peak_bytes,
+        predicted_overhead=ev.overhead_s / base if base > 0 else 0.0,
+        predicted_error=ev.error,
+        memory_budget_bytes=budget,
+        error_budget=error_budget,
+        store_all_peak_bytes=store_peak,
+        base_time_s=base,
+        name=name,
+        block_names=tuple(getattr(profile, "names", ())),
+    )
+
+
+def solve(
+    profile: Any,
+    *,
+    memory_budget: int | float | str,
+    error_budget: float = 0.0,
+    strategies: Sequence[str] | None = None,
+    slots: int = 1000,
+    error_slots: int = 32,
+) -> Plan:
+    """The plan of least predicted recompute time whose predicted peak fits ``memory_budget``
+    and whose summed error fits ``error_budget``.
+
+    Args:
+        profile: a :class:`~revckpt.schedule.Profile` (or a list of ``BlockCost``).
+        memory_budget: bytes (int), a string such as ``"2GiB"``, or a fraction (float in
+            ``(0, 1]``) of the store-everything peak.
+        error_budget: the largest summed relative gradient error of approx segments (0: no
+            approx).
+        strategies: subset of ``"store"``, ``"checkpoint"``, ``"reversible"``,
+            ``"approx:<codec>"`` (default: all the profile supports).
+        slots, error_slots: resolution of the exact programme (see the module docstring).
+
+    Raises :class:`~revckpt.InvalidArgumentError` when no plan fits, naming the smallest
+    budget that does.
+    """
+    blocks = _blocks_of(profile)
+    _, store_peak = chain_totals(blocks)
+    budget = parse_budget(memory_budget, store_peak)
+    if not error_budget >= 0 or not math.isfinite(error_budget):
+        raise InvalidArgumentError(f"error_budget={error_budget!r}: pass a number >= 0")
+    if slots < 1 or error_slots < 1:
+        raise InvalidArgumentError("slots and error_slots must be positive")
+    available = strategy_names(blocks)
+    chosen = list(strategies) if strategies is not None else available
+    unknown = [s for s in chosen if s not in available]
+    if unknown:
+        raise InvalidArgumentError(
+            f"strategies {unknown} are not available for this profile; choose from {available}"
+        )
+    inst = quantise(
+        blocks,
+        budget_bytes=budget,
+        error_budget=error_budget,
+        strategies=chosen,
+        slots=slots,
+        error_slots=error_slots,
+    )
+    result = solve_segments(inst)
+    if result is None:
+        smallest = min_feasible_peak(blocks, chosen)
+        if smallest <= budget:
+            raise InvalidArgumentError(
+                f"a plan fits {budget:,} bytes only without the rounding of {slots} slots; "
+                f"raise slots (e.g. slots={slots * 10}) or the budget slightly"
+            )
+        raise InvalidArgumentError(
+            f"no plan fits a memory budget of {_human(budget)} ({budget:,} bytes): the "
+            f"smallest predicted peak with strategies {chosen} is {_human(smallest)} "
+            f"({smallest:,} bytes, {smallest / store_peak:.1%} of store-all). Raise the budget "
+            "to at least that, allow more strategies (reversible blocks, approx with an "
+            "error_budget), or use a smaller batch"
+        )
+    segments, _ = result
+    return _plan(
+        profile, blocks, segments, name="optimal", budget=budget, error_budget=error_budget
+    )
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def baseline(profile: Any, name: str, *, memory_budget: Any = None) -> Plan:
+    """A reference plan: ``"store"`` (nothing recomputed), ``"per-block"`` (every block
+    checkpointed), ``"sqrt"`` (``round(sqrt(L))`` equal segments), ``"every-k"`` (segments of
+    ``k`` blocks), or ``"greedy"`` (from store-all, checkpoint one block at a time, the one that
+    lowers the predicted peak most per second of recompute, until ``memory_budget`` fits)."""
+    blocks = _blocks_of(profile)
+    n = len(blocks)
+    _, store_peak = chain_totals(blocks)
+    budget = None if memory_budget is None else parse_budget(memory_budget, store_peak)
+
+    def every(k: int) -> list[Segment]:
+        return [Segment(j, min(j + k, n), CHECKPOINT) for j in range(0, n, k)]
+
+    if name == "store":
+        segments = [Segment(i, i + 1, STORE) for i in range(n)]
+    elif name == "per-block":
+        segments = every(1)
+    elif name == "sqrt":
+        segments = every(math.ceil(n / max(1, round(math.sqrt(n)))))
+    elif name.startswith("every-") and name[6:].isdigit() and int(name[6:]) >= 1:
+        segments = every(int(name[6:]))
+    elif name == "greedy":
+        if budget is None:
+            raise InvalidArgumentError("the greedy baseline needs memory_budget")
+        strategy = [STORE] * n
+        while True:
+            current = evaluate(blocks, _runs(strategy))
+            if current.peak_bytes <= budget:
+                break
+            best, best_score = None, -math.inf
+            for i in range(n):
+                if strategy[i] != STORE:
+                    continue
+                trial = strategy.copy()
+                trial[i] = CHECKPOINT
+                ev = evaluate(blocks, _runs(trial))
+                gain = current.peak_bytes - ev.peak_bytes
+                score = gain / max(ev.overhead_s - current.overhead_s, 1e-12)
+                if gain > 0 and score > best_score:
+                    best, best_score = i, score
+            if best is None:
+                raise InvalidArgumentError(
+                    f"the greedy baseline cannot reach {budget:,} bytes with per-block checkpoints"
+                )
+            strategy[best] = CHECKPOINT
+        segments = _runs(strategy)
+    else:
+        raise InvalidArgumentError(
+            f"unknown baseline {name!r}; use 'store', 'per-block', 'sqrt', 'every-<k>' or 'greedy'"
+        )
+    return _plan(profile, blocks, segments, name=name, budget=budget, error_budget=0.0)
+
+
+def _runs(strategy: Sequence[str]) -> list[Segment]:
+    """Per-block strategies as segments: each store or checkpoint block its own segment."""
+    return [Segment(i, i + 1, s) for i, s in enumerate(strategy)]

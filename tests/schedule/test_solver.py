@@ -1,0 +1,176 @@
+"""The solver is exact: it equals brute force (L <= 7) and an independent MILP (L <= 32)."""
+
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import brute_force, milp_optimum
+
+from revckpt import InvalidArgumentError
+from revckpt.schedule import BlockCost, Plan, Segment, baseline, evaluate, parse_budget, solve
+from revckpt.schedule.costs import chain_totals, strategy_names
+from revckpt.schedule.solver import quantise, solve_segments
+
+
+def make_chain(n, seed):
+    """A chain of ``n`` blocks with random (but plausible) costs."""
+    rng = random.Random(seed)
+    width = rng.randint(20, 200)
+    blocks = []
+    for _ in range(n):
+        x = rng.randint(width // 2, width)
+        saved = rng.randint(0, 6 * width)
+        fwd = rng.uniform(0.1, 5.0)
+        blocks.append(
+            BlockCost(
+                forward_s=fwd,
+                backward_s=2 * fwd,
+                input_bytes=x,
+                output_bytes=x,
+                saved_bytes=saved,
+                forward_peak_bytes=saved + x + rng.randint(0, width),
+                forward_peak_nograd_bytes=x + rng.randint(0, width),
+                backward_peak_bytes=x + rng.randint(0, 2 * width),
+                invertible=rng.random() < 0.5,
+                approx_bytes={"e4m3": x // 4 + 1},
+                approx_error={"e4m3": rng.uniform(1e-4, 5e-2)},
+            )
+        )
+    return blocks
+
+
+def block_costs(max_len=7):
+    return st.builds(make_chain, st.integers(1, max_len), st.integers(0, 2**32))
+
+
+def _instance(blocks, fraction, error_budget, slots):
+    _, store_peak = chain_totals(blocks)
+    budget = max(1, int(fraction * store_peak))
+    return quantise(
+        blocks,
+        budget_bytes=budget,
+        error_budget=error_budget,
+        strategies=strategy_names(blocks),
+        slots=slots,
+        error_slots=8,
+    )
+
+
+@settings(max_examples=200)
+@given(
+    blocks=block_costs(),
+    fraction=st.floats(0.05, 1.0),
+    error_budget=st.sampled_from([0.0, 0.02, 0.1]),
+    slots=st.sampled_from([20, 100]),
+)
+def test_dynamic_programme_equals_brute_force(blocks, fraction, error_budget, slots):
+    inst = _instance(blocks, fraction, error_budget, slots)
+    result = solve_segments(inst)
+    expected = brute_force(inst)
+    if expected is None:
+        assert result is None
+    else:
+        assert result is not None
+        assert result[1] == pytest.approx(expected, abs=1e-9)
+
+
+@settings(max_examples=50)
+@given(
+    blocks=block_costs(max_len=12),
+    fraction=st.floats(0.05, 1.0),
+    error_budget=st.sampled_from([0.0, 0.05]),
+)
+def test_dynamic_programme_equals_milp(blocks, fraction, error_budget):
+    inst = _instance(blocks, fraction, error_budget, 50)
+    result = solve_segments(inst)
+    expected = milp_optimum(inst)
+    assert (result is None) == (expected is None)
+    if result is not None:
+        assert result[1] == pytest.approx(expected, rel=1e-7, abs=1e-7)
+
+
+@pytest.mark.parametrize("error_budget", [0.0, 0.05])
+@pytest.mark.parametrize("seed", [1])
+def test_dynamic_programme_equals_milp_at_32_blocks(error_budget, seed):
+    chain = make_chain(32, seed)
+    for fraction in (0.2, 0.5):
+        inst = _instance(chain, fraction, error_budget, 60)
+        result = solve_segments(inst)
+        expected = milp_optimum(inst)
+        assert (result is None) == (expected is None)
+        if result is not None:
+            assert result[1] == pytest.approx(expected, rel=1e-7, abs=1e-7)
+
+
+@settings(max_examples=40)
+@given(blocks=block_costs(), fraction=st.floats(0.1, 1.0))
+def test_byte_exact_when_one_slot_is_one_byte(blocks, fraction):
+    """With slot = 1 byte nothing is rounded: the plan's predicted peak (an event-by-event
+    simulation in bytes) is within the budget, and the decomposition matches it."""
+    _, store_peak = chain_totals(blocks)
+    budget = max(1, int(fraction * store_peak))
+    try:
+        plan = solve(blocks, memory_budget=budget, slots=budget)
+    except InvalidArgumentError:
+        return
+    assert plan.predicted_peak_bytes <= budget
+    assert evaluate(blocks, plan.segments).peak_bytes == plan.predicted_peak_bytes
+
+
+def test_optimal_never_worse_than_baselines():
+    chain = make_chain(16, 3)
+    for name in ("per-block", "sqrt", "every-4", "store"):
+        base = baseline(chain, name)
+        budget = base.predicted_peak_bytes
+        plan = solve(chain, memory_budget=budget, slots=budget)  # one slot per byte
+        assert plan.predicted_peak_bytes <= base.predicted_peak_bytes
+        assert plan.predicted_overhead <= base.predicted_overhead + 1e-12
+    greedy = baseline(chain, "greedy", memory_budget=0.5)
+    plan = solve(chain, memory_budget=0.5, strategies=["store", "checkpoint"], slots=4000)
+    assert plan.predicted_overhead <= greedy.predicted_overhead + 1e-12
+
+
+def test_plan_json_round_trip_and_table(tmp_path):
+    chain = make_chain(5, 4)
+    plan = solve(chain, memory_budget=0.7, error_budget=0.05)
+    again = Plan.from_json(plan.to_json(tmp_path / "plan.json"))
+    assert again == plan
+    assert Plan.from_json(tmp_path / "plan.json") == plan
+    assert "| blocks | strategy |" in plan.table()
+    assert len(plan.strategies) == 5
+
+
+def test_parse_budget():
+    assert parse_budget("2GiB", 1) == 2 * 2**30
+    assert parse_budget("512 MiB", 1) == 512 * 2**20
+    assert parse_budget("8GB", 1) == 8 * 10**9
+    assert parse_budget("1.5e9", 1) == 1_500_000_000
+    assert parse_budget(0.25, 1000) == 250
+    assert parse_budget(12345, 1) == 12345
+    for bad in ("2 gigs", "GiB", "-1MiB", 1.5, 0, -3, True, None):
+        with pytest.raises(InvalidArgumentError):
+            parse_budget(bad, 1000)
+
+
+def test_infeasible_budget_names_the_smallest_feasible_one():
+    blocks = [BlockCost(1.0, 2.0, 100, 100, 400, 520, 150, 200, invertible=False) for _ in range(4)]
+    with pytest.raises(InvalidArgumentError, match=r"smallest predicted peak") as info:
+        solve(blocks, memory_budget=100)
+    smallest = int(info.value.args[0].split("(")[2].split(" bytes")[0].replace(",", ""))
+    plan = solve(blocks, memory_budget=smallest, slots=smallest)
+    assert plan.predicted_peak_bytes == smallest
+
+
+def test_bad_input():
+    with pytest.raises(InvalidArgumentError, match="no blocks"):
+        solve([], memory_budget=100)
+    blocks = [BlockCost(1.0, 2.0, 10, 10, 10, 30, 15, 20)]
+    with pytest.raises(InvalidArgumentError, match="not available"):
+        solve(blocks, memory_budget=1.0, strategies=["reversible"])
+    with pytest.raises(InvalidArgumentError, match="cannot read the memory budget"):
+        solve(blocks, memory_budget="lots")
+    with pytest.raises(InvalidArgumentError, match="not invertible"):
+        evaluate(blocks, [Segment(0, 1, "reversible")])
+    assert math.isfinite(solve(blocks, memory_budget=1.0).predicted_overhead)
