@@ -394,6 +394,20 @@ class _Segment:
         return x
 
 
+class _ModuleSegment(nn.Module):
+    """A segment of module blocks as one module (parameter names ``blocks.<i>.<name>``), so a
+    recompute can reparametrise it as a whole (approx path, parameters with hooks)."""
+
+    def __init__(self, blocks: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: Any, **kwargs: Any) -> Any:
+        for block in self.blocks:
+            x = block(x, **kwargs)
+        return x
+
+
 def _as_blocks(blocks: Any) -> list[Callable[..., Any]]:
     if isinstance(blocks, nn.Module) and not isinstance(blocks, (nn.Sequential, nn.ModuleList)):
         raise InvalidInputTypeError(
@@ -500,8 +514,9 @@ def _approx_sequential(
     for start, stop in bounds:
         part = chain[start:stop]
         all_modules = all(isinstance(b, nn.Module) for b in part)
+        complete = all(isinstance(b, nn.Module) for b in part)
         x = run_approx(
-            _Segment(part),
+            _ModuleSegment(part) if complete else _Segment(part),
             (x,),
             kwargs,
             config=approx,

@@ -21,7 +21,9 @@ so ``||dx|| <= ||b||`` holds exactly, and ``||J_p||_2`` comes from power iterati
 ``J_p^T J_p`` (one JVP and one VJP of ``G`` per iteration, vectorised over the parameters).
 It is worst case in the direction and the size of every element's error, so it is loose
 (typically 10-1000x); it neglects second-order terms (the codec error squared), which is what
-"first order" means here. It is for tests and reports.
+"first order" means here, and power iteration approaches ``||J_p||_2`` from below (4% low
+after 12 iterations on a checked 2-block chain; raise ``power_iterations`` to tighten). It is
+for tests and reports.
 
 First order needs the perturbation to be small where it meets the blocks' nonlinearities:
 
@@ -159,8 +161,9 @@ def _codec_of(codec: Codec | Approx) -> Codec:
         if codec.recompute_dtype is not None:
             raise InvalidArgumentError(
                 f"estimate_error covers the error of a compressed boundary; {codec} also "
-                "recomputes in low precision, which it does not model. Measure that case with "
-                "revckpt.testing.assert_error_within_bound or revckpt.gradient_error"
+                "recomputes in low precision, which it does not model. Measure that case: "
+                "revckpt.testing.assert_error_within_bound reports the measured error for it "
+                "(with no bound), or compare gradients with revckpt.gradient_error"
             )
         if codec.codec is None:
             raise InvalidArgumentError(

@@ -196,6 +196,8 @@ class Codec:
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as a 2-D ``(groups, group_size)`` view: the unit that shares a scale."""
+        if x.numel() == 0:
+            return x.reshape(0, 1)
         flat = x.reshape(1, -1) if x.dim() == 0 else x.reshape(-1, x.shape[-1])
         if self.scaling == "tensor":
             return flat.reshape(1, -1)
@@ -215,7 +217,9 @@ class Codec:
     def check(self, x: torch.Tensor) -> None:
         """Raise if ``x`` cannot be encoded: not a tensor, not floating point, or not finite."""
         if not isinstance(x, torch.Tensor):
-            raise InvalidInputTypeError(f"a codec encodes tensors, got {type(x).__name__}")
+            raise InvalidInputTypeError(
+                f"a codec encodes tensors, got {type(x).__name__}; pass a floating-point tensor"
+            )
         if not x.is_floating_point():
             raise InvalidInputTypeError(
                 f"cannot compress a {x.dtype} tensor: codecs take floating-point tensors; keep "
@@ -240,9 +244,12 @@ class Codec:
         safe = torch.where(amax > 0, amax, torch.ones_like(amax))
         exp = torch.floor(torch.log2(fmax / safe))
         exp = exp - (safe * torch.exp2(exp) > fmax).double()  # log2 rounding at exact powers
-        exp = exp.clamp(_MIN_SCALE_EXP, _MAX_SCALE_EXP)
+        if x.dtype == torch.float64:
+            exp = exp.clamp(-1022, 1023)
+        else:
+            exp = exp.clamp(_MIN_SCALE_EXP, _MAX_SCALE_EXP)
         exp = torch.where(amax > 0, exp, torch.zeros_like(exp))
-        return torch.exp2(exp).float()
+        return torch.exp2(exp).to(torch.float64 if x.dtype == torch.float64 else torch.float32)
 
     def encode(self, x: torch.Tensor) -> Encoded:
         """Compress ``x`` (raises on non-floating or non-finite input)."""
@@ -250,8 +257,19 @@ class Codec:
         with torch.no_grad():
             x = x.detach()
             spec = self.spec
+            if x.numel() == 0:
+                return Encoded(
+                    torch.empty(x.shape, dtype=spec.dtype, device=x.device), None, x.dtype, self
+                )
             scales = self.scales(x)
-            t = x.float()
+            if scales is None and float(x.abs().max()) > spec.fmax:
+                raise InvalidArgumentError(
+                    f"values up to {float(x.abs().max()):.3g} exceed {self.format}'s largest "
+                    f"value {spec.fmax:.3g}; a cast would saturate them. Use scaling='tensor' "
+                    "or 'row'"
+                )
+            # float64 input is scaled in float64 (it may exceed float32's range)
+            t = x.double() if x.dtype == torch.float64 else x.float()
             if scales is not None:
                 t = (self._rows(t) * scales).reshape(x.shape)
             t = t.clamp(-spec.fmax, spec.fmax)  # inactive after scaling: a guard for the cast
@@ -273,7 +291,7 @@ class Codec:
 
     def decode(self, encoded: Encoded) -> torch.Tensor:
         """``x_hat = q / s`` in the original dtype."""
-        t = encoded.payload.float()
+        t = encoded.payload.double() if encoded.dtype == torch.float64 else encoded.payload.float()
         if encoded.scales is not None:
             t = (self._rows(t) / encoded.scales).reshape(encoded.payload.shape)
         return t.to(encoded.dtype)

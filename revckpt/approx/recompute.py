@@ -114,7 +114,6 @@ class _Block:
     config: Approx
     preserve_rng_state: bool
     label: str
-    multiple: bool = False  # the block returned a tuple / list
 
     def args(self, tensors: Sequence[Any]) -> list[Any]:
         args = list(self.template)
@@ -124,19 +123,22 @@ class _Block:
 
 
 class _Kept:
-    """A kept block input: encoded, or exact (saved through ``ctx.save_for_backward``)."""
+    """A kept block input: saved exactly, or as an encoded payload and its scales. Every kept
+    tensor goes through ``ctx.save_for_backward`` (version checks, saved-tensor hooks); these
+    are indices into ``ctx.saved_tensors``."""
 
-    __slots__ = ("encoded", "index", "requires_grad")
+    __slots__ = ("dtype", "payload", "requires_grad", "scales")
 
-    def __init__(self, encoded: Encoded | None, index: int, requires_grad: bool) -> None:
-        self.encoded = encoded
-        self.index = index  # position among the exactly saved tensors, or -1
-        self.requires_grad = requires_grad
+    def __init__(self, payload: int, scales: int, dtype: torch.dtype | None, grad: bool) -> None:
+        self.payload = payload  # index of the exact tensor or of the payload
+        self.scales = scales  # index of the scales, or -1 (exact, or an unscaled codec)
+        self.dtype = dtype  # the original dtype when encoded, else None
+        self.requires_grad = grad
 
 
 class _ApproxFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, block: _Block, token: torch.Tensor, *inputs: torch.Tensor) -> Any:
+    def forward(ctx: Any, block: _Block, *inputs: torch.Tensor) -> Any:
         n = len(block.slots)
         tensors = inputs[:n]
         ctx.block = block
@@ -150,17 +152,27 @@ class _ApproxFunction(torch.autograd.Function):
         out = block.fn(*block.args(tensors), **block.kwargs)
         ctx.state.forward_finished()
         codec = block.config.codec
-        kept, exact = [], []
-        for t in tensors:
+        kept, saved = [], []
+        for i, t in enumerate(tensors):
             if codec is not None and t.is_floating_point():
-                kept.append(_Kept(codec.encode(t), -1, True))
+                enc = _encode(codec, t, i, block.label)
+                kept.append(
+                    _Kept(
+                        len(saved), len(saved) + 1 if enc.scales is not None else -1, t.dtype, True
+                    )
+                )
+                saved.append(enc.payload)
+                if enc.scales is not None:
+                    saved.append(enc.scales)
             else:
-                kept.append(_Kept(None, len(exact), t.is_floating_point()))
-                exact.append(t)
+                kept.append(_Kept(len(saved), -1, None, t.is_floating_point()))
+                saved.append(t)
         ctx.kept = kept
-        ctx.save_for_backward(*exact)
+        ctx.kw_names = [k for k, v in block.kwargs.items() if isinstance(v, torch.Tensor)]
+        ctx.kw_start = len(saved)
+        saved += [block.kwargs[k] for k in ctx.kw_names]
+        ctx.save_for_backward(*saved)
         outs, multiple = _outputs(out, block.label)
-        block.multiple = multiple
         ids = {id(t) for t in inputs}
         outs = [o.view_as(o) if id(o) in ids else o for o in outs]
         return tuple(outs) if multiple else outs[0]
@@ -170,17 +182,24 @@ class _ApproxFunction(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         block: _Block = ctx.block
         saved = ctx.saved_tensors
+        codec = block.config.codec
         leaves, args_in = [], []
         for k in ctx.kept:
-            t = k.encoded.decode() if k.encoded is not None else saved[k.index]
+            if k.dtype is None:
+                t = saved[k.payload]
+            else:
+                assert codec is not None
+                scales = saved[k.scales] if k.scales >= 0 else None
+                t = codec.decode(Encoded(saved[k.payload], scales, k.dtype, codec))
             if k.requires_grad:
                 t = t.detach().requires_grad_(True)
                 leaves.append(t)
             args_in.append(t)
-        kw = block.kwargs
+        kw = dict(block.kwargs)
+        for name, t in zip(ctx.kw_names, saved[ctx.kw_start :], strict=True):
+            kw[name] = t  # through saved_tensors: an in-place change since forward raises
         kw_leaves: tuple[torch.Tensor, ...] = ()
         if block.grad_kwargs:
-            kw = dict(kw)
             for name in block.grad_kwargs:
                 kw[name] = kw[name].detach().requires_grad_(True)
             kw_leaves = tuple(kw[name] for name in block.grad_kwargs)
@@ -190,11 +209,16 @@ class _ApproxFunction(torch.autograd.Function):
         if hooked:
             # Differentiate through detached aliases so parameter hooks fire once, in the outer
             # backward that receives these gradients.
-            assert isinstance(block.fn, nn.Module)
+            if not isinstance(block.fn, nn.Module):
+                raise InvalidArgumentError(
+                    f"{block.label}: a parameter has a backward hook, which needs the block as "
+                    "an nn.Module to recompute through detached aliases; pass nn.Module blocks"
+                )
             names = {id(p): name for name, p in block.fn.named_parameters()}
             aliases = {names[id(p)]: p.detach().requires_grad_(True) for p in params}
             params = tuple(aliases.values())
-        device_type = args_in[0].device.type if args_in else "cpu"
+        floats = [t for t in args_in if t.is_floating_point()]
+        device_type = (floats or args_in)[0].device.type
         with torch.enable_grad(), ctx.state.replay(), _recompute_autocast(block, device_type):
             args = block.args(args_in)
             if hooked:
@@ -232,7 +256,21 @@ class _ApproxFunction(torch.autograd.Function):
                 i += 1
             else:
                 arg_grads.append(None)
-        return (None, None, *arg_grads, *result[len(leaves) :])
+        return (None, *arg_grads, *result[len(leaves) :])
+
+
+def _encode(codec: Codec, t: torch.Tensor, index: int, label: str) -> Encoded:
+    try:
+        return codec.encode(t)
+    except InvalidArgumentError as err:
+        if "non-finite" not in str(err):
+            raise
+        raise InvalidArgumentError(
+            f"positional argument {index} of {label} has non-finite values and would be "
+            f"compressed ({codec}). A mask or constant with -inf belongs in a keyword argument "
+            "(kept exactly); otherwise find where the model overflows (e.g. with "
+            "torch.autograd.detect_anomaly) or keep the boundary exact (store=None)"
+        ) from None
 
 
 def _recompute_autocast(block: _Block, device_type: str) -> contextlib.AbstractContextManager[Any]:
@@ -318,13 +356,16 @@ def run_approx(
         preserve_rng_state=preserve_rng_state,
         label=label,
     )
-    if not torch.is_grad_enabled():
-        return fn(*args, **kwargs)
-    # A zero-size token that requires grad makes the node join the graph even when nothing
-    # registered needs a gradient, so its backward runs and can name a tensor the block used
-    # without registering it (a closure), instead of that gradient vanishing.
-    token = torch.empty(0, requires_grad=True)
-    return _ApproxFunction.apply(block, token, *tensors, *params, *(kwargs[k] for k in grad_kwargs))
+    if any(t.is_complex() for t in tensors):
+        raise InvalidInputTypeError(
+            f"{label} got a complex tensor; approximate recompute supports real floating-point "
+            "tensors (and keeps integer and boolean ones exact): split complex values into "
+            "real and imaginary parts"
+        )
+    needs_graph = any(t.requires_grad for t in tensors) or bool(params) or bool(grad_kwargs)
+    if not torch.is_grad_enabled() or not needs_graph:
+        return fn(*args, **kwargs)  # nothing to differentiate: keep nothing, plain call
+    return _ApproxFunction.apply(block, *tensors, *params, *(kwargs[k] for k in grad_kwargs))
 
 
 def checkpoint(

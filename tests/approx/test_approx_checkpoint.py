@@ -160,9 +160,61 @@ def test_unregistered_tensor_raises_with_fix():
     def fn(x):
         return x @ w
 
-    y = approx.checkpoint(fn, torch.randn(2, 8), store="bf16")
+    y = approx.checkpoint(fn, torch.randn(2, 8, requires_grad=True), store="bf16")
     with pytest.raises(InvalidArgumentError, match=r"pass an nn\.Module that registers it"):
         y.sum().backward()
+
+
+def test_nothing_to_differentiate_runs_plainly():
+    frozen = nn.Linear(8, 8).requires_grad_(False)
+    y = approx.checkpoint(frozen, torch.randn(2, 8), store="e4m3")
+    assert not y.requires_grad  # no node, nothing kept
+    w = torch.randn(8, 8, requires_grad=True)
+    z = approx.checkpoint(lambda x: x @ w, torch.randn(2, 8), store="e4m3")
+    z.sum().backward()  # a closure over a leaf: plain autograd, exact gradient
+    assert w.grad is not None
+
+
+def test_parameter_hooks_fire_once_through_segments():
+    chain = mlp_chain(4, 16, 32)
+    calls = []
+    chain[1].fc1.weight.register_hook(lambda g: calls.append(1))
+    x = torch.randn(4, 16, requires_grad=True)
+    revckpt.checkpoint_sequential(chain, 2, x, approx=Approx(store="e4m3")).sum().backward()
+    assert calls == [1] and chain[1].fc1.weight.grad is not None
+
+
+def test_keyword_tensor_changed_in_place_after_forward_raises():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, *, scale):
+            return self.lin(x) * scale
+
+    scale = torch.rand(2, 1)
+    y = approx.checkpoint(Scaled(), torch.randn(2, 8, requires_grad=True), scale=scale)
+    scale.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_positional_mask_with_inf_gets_a_keyword_hint():
+    def fn(x, mask):
+        return x + mask
+
+    mask = torch.zeros(2, 8)
+    mask[0, 0] = float("-inf")
+    with pytest.raises(InvalidArgumentError, match="belongs in a keyword argument"):
+        approx.checkpoint(fn, torch.randn(2, 8, requires_grad=True), mask, store="e4m3")
+
+
+def test_complex_input_rejected():
+    with pytest.raises(InvalidInputTypeError, match="complex"):
+        approx.checkpoint(
+            lambda z: z * 2, torch.randn(2, 4, dtype=torch.cfloat, requires_grad=True)
+        )
 
 
 def test_bad_input():

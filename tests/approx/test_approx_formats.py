@@ -140,3 +140,17 @@ def test_block_size_must_divide_row():
         InvalidArgumentError, match=r"does not divide the row length 100.*e\.g\. 100"
     ):
         Codec("e4m3", "block", block_size=128).encode(torch.randn(2, 100))
+
+
+def test_float64_beyond_float32_range_is_not_saturated():
+    x = torch.tensor([[1e300, 1.0], [3.0, -2e200]], dtype=torch.float64)
+    for codec in (Codec("e4m3", "row"), Codec("e5m2", "tensor"), Codec("bf16", "row")):
+        x_hat = codec.roundtrip(x)
+        assert bool(((x_hat - x).abs() <= codec.error_bound(x)).all())
+    with pytest.raises(InvalidArgumentError, match="exceed bf16's largest value"):
+        Codec("bf16", None).encode(x)
+
+
+def test_zero_size_last_dimension():
+    for codec in CODECS:
+        assert codec.roundtrip(torch.zeros(4, 0)).shape == (4, 0)
