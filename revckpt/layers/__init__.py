@@ -12,7 +12,12 @@ from .blocks import (
 )
 from .convert import ReversibleStack, convert_to_reversible
 from .coupling import AdditiveCoupling, AffineCoupling, Coupling, make_coupling
-from .sequential import ReconstructionWarning, ReversibleBlock, ReversibleSequential
+from .sequential import (
+    ReconstructionWarning,
+    ReversibleBlock,
+    ReversibleSequential,
+    ReversibleUnit,
+)
 
 __all__ = [
     "AdditiveCoupling",
@@ -27,6 +32,7 @@ __all__ = [
     "ReversibleBlock",
     "ReversibleSequential",
     "ReversibleStack",
+    "ReversibleUnit",
     "convert_to_reversible",
     "make_coupling",
     "reversible_mlp_block",

@@ -43,7 +43,7 @@ from ..errors import InvalidArgumentError, InvalidInputTypeError, Reconstruction
 from ..replay import ForwardState, devices_of
 from .coupling import AdditiveCoupling, Coupling, make_coupling
 
-__all__ = ["ReconstructionWarning", "ReversibleBlock", "ReversibleSequential"]
+__all__ = ["ReconstructionWarning", "ReversibleBlock", "ReversibleSequential", "ReversibleUnit"]
 
 Streams = tuple[torch.Tensor, torch.Tensor]
 Named = tuple[tuple[str, torch.Tensor], ...]
@@ -549,3 +549,31 @@ class ReversibleSequential(nn.Module):
             chain, ids, None if tuple_mode else self.split_dim, streams[ids[0]], streams[ids[1]]
         )
         return tuple(out) if tuple_mode else out
+
+
+class ReversibleUnit(nn.Module):
+    """A :class:`ReversibleBlock` with one tensor in and out: the input is split into the two
+    streams along ``split_dim`` and the output concatenated, so it fits a chain of ordinary
+    blocks. Plainly called it stores like any block; a run of units inside a
+    ``ReversibleSequential`` (what ``revckpt.schedule`` builds for a reversible segment) keeps
+    nothing. ``state_dict`` keys: ``block.<...>``."""
+
+    def __init__(self, block: ReversibleBlock, *, split_dim: int = -1) -> None:
+        super().__init__()
+        if not isinstance(block, ReversibleBlock):
+            raise InvalidInputTypeError(
+                f"ReversibleUnit wraps a ReversibleBlock, got {type(block).__name__}"
+            )
+        self.block = block
+        self.split_dim = split_dim
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        size = x.shape[self.split_dim] if x.dim() else 0
+        if x.dim() == 0 or size % 2:
+            raise InvalidArgumentError(
+                f"cannot split an input of shape {tuple(x.shape)} into two equal streams along "
+                f"dim {self.split_dim}; pad it to an even size or choose another split_dim"
+            )
+        x1, x2 = x.chunk(2, dim=self.split_dim)
+        y1, y2 = self.block(x1, x2, **kwargs)
+        return torch.cat([y1, y2], dim=self.split_dim)

@@ -8,10 +8,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidArgumentError
-from .costs import Segment
+import torch
+from torch import nn
 
-__all__ = ["Plan"]
+from ..approx import Approx
+from ..checkpoint import checkpoint_sequential
+from ..errors import InvalidArgumentError, InvalidInputTypeError
+from ..layers import ReversibleSequential, ReversibleUnit
+from .costs import APPROX_PREFIX, CHECKPOINT, REVERSIBLE, STORE, Segment
+
+__all__ = ["Plan", "Scheduled", "apply"]
 
 
 def _mib(n: float) -> str:
@@ -38,6 +44,7 @@ class Plan:
     base_time_s: float
     name: str = "optimal"
     block_names: tuple[str, ...] = field(default=())
+    input_signature: tuple[Any, ...] | None = None
 
     @property
     def length(self) -> int:
@@ -85,6 +92,9 @@ class Plan:
         d = asdict(self)
         d["segments"] = [[s.start, s.stop, s.strategy] for s in self.segments]
         d["block_names"] = list(self.block_names)
+        if self.input_signature is not None:
+            shape, dtype, device = self.input_signature
+            d["input_signature"] = [list(shape), dtype, device]
         d["format"] = "revckpt.Plan/1"
         return d
 
@@ -105,6 +115,8 @@ class Plan:
         fields = {k: v for k, v in d.items() if k != "format"}
         fields["segments"] = tuple(Segment(int(a), int(b), str(s)) for a, b, s in d["segments"])
         fields["block_names"] = tuple(d.get("block_names", ()))
+        sig = d.get("input_signature")
+        fields["input_signature"] = None if sig is None else (tuple(sig[0]), sig[1], sig[2])
         return cls(**fields)
 
     @classmethod
@@ -116,6 +128,72 @@ class Plan:
         return cls.from_dict(json.loads(text))
 
 
-def check_segments(segments: Sequence[Segment], length: int) -> None:
-    if not segments or segments[0].start != 0 or segments[-1].stop != length:
-        raise InvalidArgumentError(f"a plan must cover blocks 0 to {length - 1}")
+class Scheduled(nn.Module):
+    """A chain run by a :class:`Plan`. The blocks are registered under the names they had in
+    the original container (``state_dict`` keys unchanged) and shared, not copied."""
+
+    def __init__(self, blocks: nn.Sequential | Sequence[nn.Module], plan: Plan) -> None:
+        super().__init__()
+        if isinstance(blocks, nn.Sequential):
+            named = list(blocks.named_children())
+        else:
+            named = [(str(i), b) for i, b in enumerate(blocks)]
+        if len(named) != plan.length:
+            raise InvalidArgumentError(
+                f"the plan covers {plan.length} blocks but the chain has {len(named)}; apply a "
+                "plan to the chain it was solved for"
+            )
+        for name, block in named:
+            if not isinstance(block, nn.Module):
+                raise InvalidInputTypeError(f"block {name} is not an nn.Module")
+            self.add_module(name, block)
+        self._order = [name for name, _ in named]
+        self.plan = plan
+        self._runs: list[tuple[str, Any]] = []
+        chain = [block for _, block in named]
+        for seg in plan.segments:
+            part = chain[seg.start : seg.stop]
+            if seg.strategy == REVERSIBLE:
+                if not all(isinstance(b, ReversibleUnit) for b in part):
+                    raise InvalidArgumentError(
+                        f"segment {seg.start}-{seg.stop - 1} is planned reversible but holds "
+                        "blocks that are not ReversibleUnit; re-profile the chain"
+                    )
+                dims = {b.split_dim for b in part}
+                if len(dims) != 1:
+                    raise InvalidArgumentError(
+                        "reversible units of one segment must share split_dim"
+                    )
+                rev = ReversibleSequential(*[b.block for b in part], split_dim=dims.pop())
+                self._runs.append((REVERSIBLE, rev))
+            else:
+                self._runs.append((seg.strategy, part))
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        sig = self.plan.input_signature
+        if sig is not None and (tuple(x.shape), str(x.dtype), x.device.type) != tuple(sig):
+            raise InvalidArgumentError(
+                f"this plan was profiled on inputs of shape {list(sig[0])}, {sig[1]} on "
+                f"{sig[2]}, but got shape {list(x.shape)}, {x.dtype} on {x.device.type}: its "
+                "memory predictions do not hold for other inputs. Profile and solve again "
+                "for this input (schedule.profile(blocks, x))"
+            )
+        for strategy, run in self._runs:
+            if strategy == STORE:
+                for block in run:
+                    x = block(x, **kwargs)
+            elif strategy == CHECKPOINT:
+                x = checkpoint_sequential(run, 1, x, **kwargs)
+            elif strategy == REVERSIBLE:
+                x = run(x, **kwargs)
+            else:
+                fmt = strategy[len(APPROX_PREFIX) :]
+                x = checkpoint_sequential(run, 1, x, approx=Approx(store=fmt), **kwargs)
+        return x
+
+
+def apply(blocks: nn.Sequential | Sequence[nn.Module], plan: Plan) -> Scheduled:
+    """An ``nn.Module`` that runs ``blocks`` as ``plan`` says, sharing their parameters."""
+    if not isinstance(plan, Plan):
+        raise InvalidInputTypeError(f"apply(blocks, plan) needs a Plan, got {type(plan).__name__}")
+    return Scheduled(blocks, plan)

@@ -271,6 +271,7 @@ def _plan(
         base_time_s=base,
         name=name,
         block_names=tuple(getattr(profile, "names", ())),
+        input_signature=getattr(profile, "input_signature", None),
     )
 
 

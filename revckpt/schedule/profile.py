@@ -1,0 +1,187 @@
+"""Measure what the scheduler needs about each block of a chain.
+
+:func:`profile` runs the chain block by block on example inputs and records, per block (see
+:class:`~revckpt.schedule.costs.BlockCost`): forward and backward time (median of ``repeats``),
+the bytes its forward saves for backward apart from its input, its input and output bytes, the
+transient peaks of its forward (recording and not) and of its backward (all from
+:class:`~revckpt.MemoryMeter`), whether it is invertible (a
+:class:`~revckpt.layers.ReversibleUnit`), and per codec the compressed size of its input and
+the estimated relative gradient error of compressing it (``revckpt.approx.estimate_error`` on
+the block alone). Backward is measured in steady state: parameter gradients already exist, so
+their accumulation allocates only temporaries, as from the second training step on.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..approx import Approx
+from ..approx.bounds import estimate_error
+from ..errors import InvalidArgumentError, InvalidInputTypeError
+from ..layers import ReversibleUnit
+from ..measure import MemoryMeter
+from .costs import BlockCost
+
+__all__ = ["Profile", "profile"]
+
+DEFAULT_CODECS = ("bf16", "e4m3", "e5m2")
+
+
+def _signature(x: torch.Tensor) -> tuple[tuple[int, ...], str, str]:
+    return tuple(x.shape), str(x.dtype), x.device.type
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Per-block costs of a chain, the block names, and the example input's signature."""
+
+    blocks: tuple[BlockCost, ...]
+    names: tuple[str, ...]
+    input_signature: tuple[tuple[int, ...], str, str]
+
+    def table(self) -> str:
+        lines = [
+            "| block | fwd ms | bwd ms | input MB | saved MB | fwd peak MB | bwd peak MB | "
+            "invertible | approx error (est.) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name, b in zip(self.names, self.blocks, strict=True):
+            errs = ", ".join(f"{c} {e:.1e}" for c, e in b.approx_error.items())
+            lines.append(
+                f"| {name} | {b.forward_s * 1e3:.2f} | {b.backward_s * 1e3:.2f} | "
+                f"{b.input_bytes / 2**20:.2f} | {b.saved_bytes / 2**20:.2f} | "
+                f"{b.forward_peak_bytes / 2**20:.2f} | {b.backward_peak_bytes / 2**20:.2f} | "
+                f"{'yes' if b.invertible else 'no'} | {errs} |"
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _median_time(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def profile(
+    blocks: nn.Sequential | Sequence[nn.Module],
+    x: torch.Tensor,
+    *,
+    codecs: Sequence[str] = DEFAULT_CODECS,
+    repeats: int = 5,
+    device: str | torch.device | None = None,
+    **kwargs: Any,
+) -> Profile:
+    """Profile the chain ``blocks`` on input ``x`` (keyword arguments reach every block).
+
+    ``codecs``: the approx formats to price (``()`` for none). ``repeats``: timing repeats
+    (median). ``device``: where memory is metered (default: ``x``'s device).
+    """
+    chain = list(blocks)
+    if not chain:
+        raise InvalidArgumentError("profile needs a non-empty chain of blocks")
+    if not all(isinstance(b, nn.Module) for b in chain):
+        raise InvalidInputTypeError("profile needs nn.Module blocks (an nn.Sequential or a list)")
+    if not isinstance(x, torch.Tensor):
+        raise InvalidInputTypeError(f"profile(blocks, x): x must be a tensor, got {type(x)}")
+    if repeats < 1:
+        raise InvalidArgumentError(f"repeats={repeats}: pass at least 1")
+    names = (
+        tuple(n for n, _ in blocks.named_children())
+        if isinstance(blocks, nn.Sequential)
+        else tuple(str(i) for i in range(len(chain)))
+    )
+    meter_device = device if device is not None else x.device
+    params = [p for b in chain for p in b.parameters() if p.requires_grad]
+    for p in params:  # steady state: gradients exist
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    costs = []
+    current = x.detach()
+    for block in chain:
+        costs.append(_profile_block(block, current, codecs, repeats, meter_device, kwargs))
+        with torch.no_grad():
+            current = block(current, **kwargs).detach()
+    for p in params:
+        p.grad = None
+    return Profile(tuple(costs), names, _signature(x))
+
+
+def _profile_block(
+    block: nn.Module,
+    x: torch.Tensor,
+    codecs: Sequence[str],
+    repeats: int,
+    device: Any,
+    kwargs: dict[str, Any],
+) -> BlockCost:
+    leaf = x.detach().requires_grad_(x.is_floating_point())
+    with MemoryMeter(device) as fwd:
+        y = block(leaf, **kwargs)
+    if not isinstance(y, torch.Tensor):
+        raise InvalidInputTypeError(
+            f"the scheduler handles chains of blocks returning one tensor; {type(block).__name__} "
+            f"returned {type(y).__name__}"
+        )
+    out_bytes = _nbytes(y)
+    saved = max(0, fwd.end_bytes - out_bytes)
+    grad_out = torch.randn_like(y)
+    with MemoryMeter(device) as bwd:
+        y.backward(grad_out)
+    del y
+    leaf.grad = None
+    with torch.no_grad(), MemoryMeter(device) as nograd:
+        z = block(leaf.detach(), **kwargs)
+    del z
+
+    def forward() -> None:
+        block(leaf, **kwargs)
+
+    def step() -> None:
+        block(leaf, **kwargs).backward(grad_out)
+
+    forward()
+    f = _median_time(forward, repeats)
+    fb = _median_time(step, repeats)
+    leaf.grad = None
+    approx_bytes: dict[str, int] = {}
+    approx_error: dict[str, float] = {}
+    if x.is_floating_point():
+        for fmt in codecs:
+            cfg = Approx(store=fmt)
+            assert cfg.codec is not None
+            approx_bytes[fmt] = cfg.codec.encode(x).nbytes
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                est = estimate_error([block], x, cfg, probes=4, power_iterations=1)
+            approx_error[fmt] = est.total("estimate")
+    return BlockCost(
+        forward_s=f,
+        backward_s=max(fb - f, 0.0),
+        input_bytes=_nbytes(x),
+        output_bytes=out_bytes,
+        saved_bytes=saved,
+        forward_peak_bytes=fwd.peak_bytes,
+        forward_peak_nograd_bytes=nograd.peak_bytes,
+        backward_peak_bytes=bwd.peak_bytes,
+        invertible=isinstance(block, ReversibleUnit),
+        approx_bytes=approx_bytes,
+        approx_error=approx_error,
+    )

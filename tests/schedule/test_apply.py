@@ -1,0 +1,99 @@
+"""profile -> solve -> apply on real modules: same gradients, same state_dict, clear errors."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from revckpt import InvalidArgumentError, MemoryMeter
+from revckpt.layers import ReversibleUnit, reversible_mlp_block
+from revckpt.models import mlp_chain
+from revckpt.schedule import Plan, Segment, apply, baseline, profile, solve
+
+
+def _grads(model, x):
+    for p in model.parameters():
+        p.grad = None
+    model(x).sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_profile_measures_every_block():
+    chain = mlp_chain(3, 32, 64)
+    prof = profile(chain, torch.randn(16, 32), repeats=2)
+    assert len(prof.blocks) == 3 and prof.names == ("0", "1", "2")
+    b = prof.blocks[0]
+    assert b.input_bytes == 16 * 32 * 4 and b.output_bytes == 16 * 32 * 4
+    # the ReLU output (16x64), saved by ReLU and fc2 (fc1 saves the block input, not counted)
+    assert b.saved_bytes == 16 * 64 * 4
+    assert b.forward_peak_bytes >= b.saved_bytes + b.output_bytes
+    assert b.output_bytes <= b.forward_peak_nograd_bytes <= b.forward_peak_bytes
+    assert b.forward_s > 0 and b.backward_s > 0
+    assert set(b.approx_bytes) == {"bf16", "e4m3", "e5m2"}
+    assert b.approx_bytes["e4m3"] < b.approx_bytes["bf16"] < b.input_bytes
+    assert 0 < b.approx_error["bf16"] < b.approx_error["e4m3"] < b.approx_error["e5m2"]
+    assert not b.invertible
+    assert "| 0 |" in prof.table()
+    assert all(p.grad is None for p in chain.parameters())
+
+
+def test_applied_plan_shares_parameters_keeps_keys_and_gradients():
+    chain = mlp_chain(6, 32, 64)
+    x = torch.randn(16, 32)
+    prof = profile(chain, x, repeats=1, codecs=())
+    plan = solve(prof, memory_budget=baseline(prof, "sqrt").predicted_peak_bytes)
+    assert "checkpoint" in plan.strategies
+    model = apply(chain, plan)
+    assert list(model.state_dict()) == list(chain.state_dict())
+    assert all(a is b for a, b in zip(model.parameters(), chain.parameters(), strict=True))
+    reference = _grads(copy.deepcopy(chain), x)
+    assert all(torch.equal(a, b) for a, b in zip(_grads(model, x), reference, strict=True))
+
+
+def test_plan_with_reversible_units():
+    torch.manual_seed(0)
+    chain = nn.Sequential(*(ReversibleUnit(reversible_mlp_block(16, 32)) for _ in range(4)))
+    x = torch.randn(8, 32)
+    prof = profile(chain, x, repeats=1, codecs=())
+    assert all(b.invertible for b in prof.blocks)
+    plan = solve(prof, memory_budget=0.5)
+    assert "reversible" in plan.strategies
+    model = apply(chain, plan)
+    reference = _grads(copy.deepcopy(chain), x)
+    got = _grads(model, x)
+    assert all(
+        torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(got, reference, strict=True)
+    )
+    xx = x.clone().requires_grad_()
+    with MemoryMeter("cpu") as m:
+        y = model(xx)
+    rev_only = Plan.from_dict({**plan.to_dict(), "segments": [[0, 4, "reversible"]]})
+    with MemoryMeter("cpu") as m_rev:
+        y2 = apply(chain, rev_only)(xx)
+    assert m_rev.end_bytes == y2.numel() * 4 <= m.end_bytes
+    del y, y2
+
+
+def test_input_signature_mismatch_raises():
+    chain = mlp_chain(2, 16, 32)
+    prof = profile(chain, torch.randn(8, 16), repeats=1, codecs=())
+    model = apply(chain, solve(prof, memory_budget=1.0))
+    with pytest.raises(InvalidArgumentError, match="profiled on inputs of shape"):
+        model(torch.randn(4, 16))
+
+
+def test_bad_plans_and_inputs():
+    chain = mlp_chain(3, 16, 32)
+    prof = profile(chain, torch.randn(4, 16), repeats=1, codecs=())
+    plan = baseline(prof, "per-block")
+    with pytest.raises(InvalidArgumentError, match="covers 3 blocks but the chain has 2"):
+        apply(mlp_chain(2, 16, 32), plan)
+    bad = Plan.from_dict({**plan.to_dict(), "segments": [[0, 3, "reversible"]]})
+    with pytest.raises(InvalidArgumentError, match="not ReversibleUnit"):
+        apply(chain, bad)
+    with pytest.raises(InvalidArgumentError, match="non-empty chain"):
+        profile([], torch.randn(2))
+    with pytest.raises(InvalidArgumentError, match="not a revckpt plan"):
+        Plan.from_dict({"segments": []})
+    assert Segment(0, 1, "store") == Segment(0, 1, "store")
