@@ -67,3 +67,9 @@ def test_bench_approx_quick(tmp_path):
     for config in ("bf16", "e4m3 row", "e5m2 row"):
         r = rows[(gelu, config)]
         assert r["grad_rel_error_vs_fp64"] <= r["bound_rel"]
+
+
+def test_bench_solver_small(tmp_path):
+    result = load("bench_solver").main(["--lengths", "8", "--out", str(tmp_path / "s.json")])
+    assert {r["blocks"] for r in result["rows"]} == {8}
+    assert all(r["seconds_median"] > 0 for r in result["rows"])

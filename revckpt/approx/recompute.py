@@ -80,6 +80,14 @@ class Approx:
                 f"recompute_dtype={self.recompute_dtype!r}: use torch.bfloat16, torch.float16 "
                 "or None (recompute as the forward ran)"
             )
+        if self.store is None and (
+            self.scaling != "auto" or self.rounding != "nearest" or self.block_size != 128
+        ):
+            raise InvalidArgumentError(
+                "scaling, block_size and rounding describe a compressed format, but "
+                "store=None keeps the input exact: drop them, or choose store='bf16', 'e4m3' "
+                "or 'e5m2'"
+            )
         codec = None
         if self.store is not None:
             scaling = self.scaling

@@ -29,10 +29,12 @@ gradient of block ``i``'s output (``x_{i+1}`` bytes), block ``i`` peaks at
 
 * store / checkpoint / approx: ``P + c + sum_{i' in [j, i]} (x_i' + s_i') + O + g_i + tb_i``
   (the recomputed or stored activations of the segment up to ``i``; ``c`` is the compressed
-  input an approx segment still holds), and a recomputing segment first peaks at
+  input an approx segment still holds; an approx segment, one autograd node, also holds the
+  parameter gradients ``sum_{i' in [i, k)} p_i'`` it has computed until it returns them),
+  and a recomputing segment first peaks at
   ``P + c + sum_{[j, i)} (x + s) + x_i + tf_i + O + g_k`` while re-running block ``i``;
-* reversible: ``P + O + x_{i+1} + g_i + x_i + max(s_i + tb_i, tf_i)`` (the value being
-  inverted, the rebuilt input and one block's activations).
+* reversible: ``P + O + x_{i+1} + g_i + x_i + p_i + max(s_i + tb_i, tf_i)`` (the value being
+  inverted, the rebuilt input, the block's parameter gradients and one block's activations).
 
 Every segment's peak is ``P + W`` with ``W`` independent of what comes before it, so the peak of
 a plan is ``max_p (P_p + W_p)``: this decomposition is what makes an exact dynamic programme
@@ -66,9 +68,10 @@ APPROX_PREFIX = "approx:"
 
 @dataclass(frozen=True)
 class BlockCost:
-    """Measured costs of one block (bytes and seconds). ``approx_bytes[c]`` and
-    ``approx_error[c]``: the block input's size compressed by codec ``c``, and the estimated
-    relative parameter-gradient error of compressing it."""
+    """Measured costs of one block (bytes and seconds). ``param_bytes``: its trainable
+    parameters' gradients. ``approx_bytes[c]`` and ``approx_error[c]``: the block input's size
+    compressed by codec ``c``, and the estimated relative parameter-gradient error of
+    compressing it."""
 
     forward_s: float
     backward_s: float
@@ -79,6 +82,7 @@ class BlockCost:
     forward_peak_nograd_bytes: int
     backward_peak_bytes: int
     invertible: bool = False
+    param_bytes: int = 0
     approx_bytes: Mapping[str, int] = field(default_factory=dict)
     approx_error: Mapping[str, float] = field(default_factory=dict)
 
@@ -168,6 +172,7 @@ def segment_cost(blocks: Sequence[BlockCost], seg: Segment) -> SegmentCost:
                 out
                 + 2 * b.output_bytes
                 + b.input_bytes
+                + b.param_bytes  # its node returns the block's parameter gradients at once
                 + max(b.saved_bytes + b.backward_peak_bytes, b.forward_peak_bytes),
             )
         return SegmentCost(0, work, recompute, 0.0)
@@ -188,8 +193,11 @@ def segment_cost(blocks: Sequence[BlockCost], seg: Segment) -> SegmentCost:
     for b in part:  # the recompute in backward
         work = max(work, held + acc + b.input_bytes + b.forward_peak_bytes + out + grad_out)
         acc += b.input_bytes + b.saved_bytes
+    captured = 0  # approx: one node returns the segment's parameter gradients at its end
     for b in reversed(part):  # its backward
-        work = max(work, held + acc + out + b.output_bytes + b.backward_peak_bytes)
+        if strategy != CHECKPOINT:
+            captured += b.param_bytes
+        work = max(work, held + acc + out + b.output_bytes + b.backward_peak_bytes + captured)
         acc -= b.input_bytes + b.saved_bytes
     return SegmentCost(kept, work, recompute, error)
 

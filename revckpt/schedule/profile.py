@@ -182,6 +182,7 @@ def _profile_block(
         forward_peak_nograd_bytes=nograd.peak_bytes,
         backward_peak_bytes=bwd.peak_bytes,
         invertible=isinstance(block, ReversibleUnit),
+        param_bytes=sum(_nbytes(p) for p in block.parameters() if p.requires_grad),
         approx_bytes=approx_bytes,
         approx_error=approx_error,
     )

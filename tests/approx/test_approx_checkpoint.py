@@ -224,6 +224,8 @@ def test_bad_input():
         approx.checkpoint(block, x, store="fp4")
     with pytest.raises(InvalidArgumentError, match="unknown scaling"):
         approx.checkpoint(block, x, scaling="col")
+    with pytest.raises(InvalidArgumentError, match="store=None keeps the input exact"):
+        Approx(store=None, rounding="stochastic")
     with pytest.raises(InvalidArgumentError, match="recompute_dtype"):
         approx.checkpoint(block, x, recompute_dtype=torch.int8)
     bad = x.clone()

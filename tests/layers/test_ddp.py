@@ -1,7 +1,10 @@
 """ReversibleSequential under DistributedDataParallel: gloo, 2 CPU processes on loopback."""
 
 import os
+import pathlib
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -57,12 +60,21 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _launch(port, find_unused, out):
+    mp.start_processes(_worker, args=(port, find_unused, out), nprocs=WORLD, start_method="fork")
+
+
 @pytest.mark.parametrize("find_unused", [False, True])
 def test_ddp_gradients_equal_single_process(tmp_path, find_unused):
     out = tmp_path / "grads.pt"
-    mp.start_processes(
-        _worker, args=(_free_port(), find_unused, str(out)), nprocs=WORLD, start_method="fork"
+    # Fork from a fresh interpreter: forking the test process itself can hang once earlier
+    # tests have started OpenMP worker threads (libgomp is not fork-safe).
+    here = pathlib.Path(__file__).resolve().parent
+    code = (
+        f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; import test_ddp; "
+        f"test_ddp._launch({_free_port()}, {find_unused!r}, {str(out)!r})"
     )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
     ddp_grads = torch.load(out)
 
     model = Model(with_unused=find_unused).double()
