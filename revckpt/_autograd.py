@@ -19,7 +19,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["first_unregistered_leaf", "module_targets", "vjp"]
+from .errors import InvalidInputTypeError
+
+__all__ = ["first_unregistered_leaf", "grad_keywords", "module_targets", "vjp"]
 
 
 def module_targets(module: Any) -> tuple[tuple[torch.Tensor, ...], tuple[nn.Module, ...]]:
@@ -102,3 +104,19 @@ def first_unregistered_leaf(
     with contextlib.suppress(TypeError):
         _CHECKED.add(owner)
     return None
+
+
+def grad_keywords(kwargs: dict[str, Any]) -> tuple[str, ...]:
+    """Names of the keyword tensors that require grad (they become inputs of the node, so
+    their gradients are returned). A tensor requiring grad nested in a container cannot be
+    returned a gradient: raise, naming the keyword."""
+    for k, v in kwargs.items():
+        if not isinstance(v, torch.Tensor) and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(v)[0]
+        ):
+            raise InvalidInputTypeError(
+                f"keyword {k!r} holds tensors that require grad inside a {type(v).__name__}; "
+                "gradients are returned for top-level keyword tensors only: pass each such "
+                "tensor as its own keyword"
+            )
+    return tuple(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad)

@@ -34,9 +34,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
-from torch.utils._pytree import tree_flatten
 
-from .._autograd import first_unregistered_leaf, module_targets, vjp
+from .._autograd import first_unregistered_leaf, grad_keywords, module_targets, vjp
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..replay import ForwardState
 from .formats import FORMATS, Codec, Encoded, Rounding, Scaling
@@ -341,17 +340,7 @@ def run_approx(
         raise InvalidInputTypeError(
             f"{label} got no tensor argument; pass the block input as a positional tensor"
         )
-    grad_kwargs = tuple(
-        k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad
-    )
-    for k, v in kwargs.items():
-        if not isinstance(v, torch.Tensor) and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(v)[0]
-        ):
-            raise InvalidInputTypeError(
-                f"keyword {k!r} holds tensors that require grad inside a {type(v).__name__}; "
-                "pass each such tensor as its own keyword so its gradient can be returned"
-            )
+    grad_kwargs = grad_keywords(kwargs)
     block = _Block(
         fn=fn,
         template=template,

@@ -35,9 +35,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
-from torch.utils._pytree import tree_flatten
 
-from .._autograd import first_unregistered_leaf, module_targets, vjp
+from .._autograd import first_unregistered_leaf, grad_keywords, module_targets, vjp
 from ..approx.recompute import Approx
 from ..errors import InvalidArgumentError, InvalidInputTypeError, ReconstructionError
 from ..replay import ForwardState, devices_of
@@ -488,18 +487,7 @@ class ReversibleSequential(nn.Module):
             raise InvalidInputTypeError(
                 f"ReversibleSequential takes a tensor or a tuple (x1, x2), got {type(x).__name__}"
             )
-        grad_kwargs = tuple(
-            k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad
-        )
-        for k, v in kwargs.items():
-            if not isinstance(v, torch.Tensor) and any(
-                isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(v)[0]
-            ):
-                raise InvalidInputTypeError(
-                    f"keyword {k!r} holds tensors that require grad inside a "
-                    f"{type(v).__name__}; the reversible backward returns gradients for "
-                    "top-level keyword tensors only: pass each such tensor as its own keyword"
-                )
+        grad_kwargs = grad_keywords(kwargs)
         scans = (
             [(module_targets(b.f), module_targets(b.g)) for b in self.blocks]
             if torch.is_grad_enabled()
