@@ -21,8 +21,8 @@ so ``||dx|| <= ||b||`` holds exactly, and ``||J_p||_2`` comes from power iterati
 ``J_p^T J_p`` (one JVP and one VJP of ``G`` per iteration, vectorised over the parameters).
 It is worst case in the direction and the size of every element's error, so it is loose
 (typically 10-1000x); it neglects second-order terms (the codec error squared), which is what
-"first order" means here, and power iteration approaches ``||J_p||_2`` from below (4% low
-after 12 iterations on a checked 2-block chain; raise ``power_iterations`` to tighten). It is
+"first order" means here, and power iteration approaches ``||J_p||_2`` from below (raise
+``power_iterations`` to tighten). It is
 for tests and reports.
 
 First order needs the perturbation to be small where it meets the blocks' nonlinearities:

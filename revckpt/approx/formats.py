@@ -81,10 +81,6 @@ FORMATS: dict[str, FormatSpec] = {
     "e5m2": FormatSpec("e5m2", torch.float8_e5m2, 3, 57344.0, -14),
 }
 
-# Scales are powers of two 2**e with e in this range (so that s and 1/s are float32 numbers).
-_MAX_SCALE_EXP = 127
-_MIN_SCALE_EXP = -126
-
 
 @dataclass(frozen=True)
 class Encoded:
@@ -244,10 +240,9 @@ class Codec:
         safe = torch.where(amax > 0, amax, torch.ones_like(amax))
         exp = torch.floor(torch.log2(fmax / safe))
         exp = exp - (safe * torch.exp2(exp) > fmax).double()  # log2 rounding at exact powers
-        if x.dtype == torch.float64:
-            exp = exp.clamp(-1022, 1023)
-        else:
-            exp = exp.clamp(_MIN_SCALE_EXP, _MAX_SCALE_EXP)
+        # s = 2**e and 1/s must be normal numbers of the dtype the scaling runs in
+        fi = torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32)
+        exp = exp.clamp(math.log2(fi.tiny), math.floor(math.log2(fi.max)))
         exp = torch.where(amax > 0, exp, torch.zeros_like(exp))
         return torch.exp2(exp).to(torch.float64 if x.dtype == torch.float64 else torch.float32)
 
@@ -322,11 +317,3 @@ class Codec:
             scaling += f" {self.block_size}"
         rounding = "" if self.rounding == "nearest" else ", stochastic"
         return f"{self.format}{scaling}{rounding}"
-
-
-def relative_rms(x: torch.Tensor, codec: Codec) -> float:
-    """Relative L2 error of one round trip, ``||x_hat - x|| / ||x||`` (for reports)."""
-    x64 = x.detach().double()
-    ref = x64.norm().item()
-    diff = (codec.roundtrip(x).double() - x64).norm().item()
-    return diff / ref if ref > 0 else (0.0 if diff == 0 else math.inf)
