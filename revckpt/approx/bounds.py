@@ -64,8 +64,10 @@ import torch
 from torch import nn
 from torch.func import functional_call, jvp, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.modules.batchnorm import _NormBase
 
 from ..errors import InvalidArgumentError, InvalidInputTypeError
+from ..replay import freeze_running_stats
 from .formats import Codec
 from .recompute import Approx
 
@@ -267,7 +269,8 @@ def _estimate_error(
             stacklevel=2,
         )
     # Boundaries in the working precision, as the approximate path sees them.
-    with torch.no_grad():
+    norms = [m for b in chain for m in b.modules() if isinstance(m, _NormBase)]
+    with torch.no_grad(), freeze_running_stats(norms):  # the model's statistics stay as they are
         xs = [x.detach()]
         for block in chain[:-1]:
             xs.append(block(xs[-1]).detach())
@@ -278,6 +281,9 @@ def _estimate_error(
     worst_row = max(_worst_row_ratio(z, b) for z, b in zip(xs, bound_vec, strict=True))
 
     blocks64 = [copy.deepcopy(b).double() for b in chain]
+    for m in (m for b in blocks64 for m in b.modules()):
+        if isinstance(m, _NormBase) and m.training:
+            m.track_running_stats = False  # batch statistics, as in training, without updates
     params = [{n: p.detach() for n, p in b.named_parameters() if p.requires_grad} for b in blocks64]
     buffers = [{n: t.detach().clone() for n, t in b.named_buffers()} for b in blocks64]
     names = [f"{k}.{n}" for k, p in enumerate(params) for n in p]

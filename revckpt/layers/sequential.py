@@ -270,11 +270,16 @@ class _HalfStep(torch.autograd.Function):
             dy = dy.to(y_again.dtype) if a_leaf is None else dy
         grads = vjp(y_again, sources, dy)
         del y, h, y_again
-        values[target] = a.detach()
-        if anchor:
-            chain.owned.discard(target)  # an anchor is a kept forward tensor: never overwrite
+        if step.index == 0 and step.which == "f":
+            # the walk is over: drop the rebuilt stack input, which would otherwise stay alive
+            # (through the graph) while the layers before the stack run their backward
+            chain.values, chain.owned = {}, set()
         else:
-            chain.owned.add(target)
+            values[target] = a.detach()
+            if anchor:
+                chain.owned.discard(target)  # an anchor is a kept forward tensor: never overwrite
+            else:
+                chain.owned.add(target)
         da = dy if a_leaf is None else _zeros_if_none(grads[-1], a)
         du = _zeros_if_none(grads[0], u)
         rest = grads[1 : 1 + len(params) + len(kw_leaves)]

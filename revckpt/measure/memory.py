@@ -51,6 +51,7 @@ class MemoryStats:
     peak_bytes: int
     end_bytes: int
     device: str
+    since_reset_peak_bytes: int | None = None
 
     def __str__(self) -> str:
         return f"peak {_mib(self.peak_bytes)}, retained {_mib(self.end_bytes)} on {self.device}"
@@ -179,10 +180,13 @@ class MemoryMeter:
         self._tracker: _StorageTracker | None = None
         self._base = 0
         self._seen = 0
+        self._before_reset = 0
+        self._reset = False
         self._stats: MemoryStats | None = None
 
     def __enter__(self) -> MemoryMeter:
         self._stats = None
+        self._before_reset, self._reset = 0, False
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             # Resetting the peak statistics would hide the peak an enclosing meter has seen so
@@ -214,7 +218,58 @@ class MemoryMeter:
                 peak, end = self._tracker.peak, self._tracker.live
                 self._tracker.refs.clear()  # dropping the weak references cancels their callbacks
             self._tracker = None
-        self._stats = MemoryStats(peak_bytes=peak, end_bytes=end, device=str(self.device))
+        since = peak if self._reset else None
+        self._stats = MemoryStats(
+            peak_bytes=max(peak, self._before_reset),
+            end_bytes=end,
+            device=str(self.device),
+            since_reset_peak_bytes=since,
+        )
+
+    def _active(self, what: str) -> None:
+        if self._stats is not None or (self._tracker is None and self not in _ACTIVE_CUDA):
+            raise InvalidArgumentError(f"MemoryMeter.{what} works inside the `with` block only")
+
+    @property
+    def live_bytes(self) -> int:
+        """Live tensor memory now, above the level at entry (inside the block only)."""
+        self._active("live_bytes")
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device) - self._base
+        assert self._tracker is not None
+        return self._tracker.live
+
+    def reset_peak(self) -> None:
+        """Start a new phase: :attr:`since_reset_peak_bytes` is then the highest live memory
+        from now to the end of the block (still above the level at entry); ``peak_bytes``
+        stays the peak of the whole block. For example, the peak of a backward alone while the
+        forward's tensors are tracked (and their frees seen) by the same meter."""
+        self._active("reset_peak")
+        self._reset = True
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            current = torch.cuda.max_memory_allocated(self.device) - self._base
+            self._before_reset = max(self._before_reset, self._seen, current)
+            for outer in _ACTIVE_CUDA:
+                if outer is not self and outer.device == self.device:
+                    outer._seen = max(outer._seen, current + self._base - outer._base)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._seen = 0
+        else:
+            assert self._tracker is not None
+            with self._tracker.lock:
+                self._before_reset = max(self._before_reset, self._tracker.peak)
+                self._tracker.peak = self._tracker.live
+
+    @property
+    def since_reset_peak_bytes(self) -> int:
+        """Highest live memory since the last :meth:`reset_peak` (after the block)."""
+        since = self.stats.since_reset_peak_bytes
+        if since is None:
+            raise InvalidArgumentError(
+                "since_reset_peak_bytes needs a call to reset_peak() inside the `with` block"
+            )
+        return since
 
     @property
     def stats(self) -> MemoryStats:

@@ -1,6 +1,20 @@
-"""Small built-in models used by tests, the demo and the benchmarks."""
+"""Small built-in models used by tests, the demo and the benchmarks.
+
+* GPT-like: :func:`gpt_like` / :func:`transformer_chain` (pre-norm causal transformer blocks);
+* RevNet-like: :func:`revnet_like` (stem, reversible units, downsampling blocks, head);
+* :func:`mlp_chain` (residual MLP blocks).
+"""
 
 from .mlp import ResidualMLPBlock, mlp_chain
-from .transformer import TransformerBlock, transformer_chain
+from .revnet import ClassifierHead, revnet_like
+from .transformer import TransformerBlock, gpt_like, transformer_chain
 
-__all__ = ["ResidualMLPBlock", "TransformerBlock", "mlp_chain", "transformer_chain"]
+__all__ = [
+    "ClassifierHead",
+    "ResidualMLPBlock",
+    "TransformerBlock",
+    "gpt_like",
+    "mlp_chain",
+    "revnet_like",
+    "transformer_chain",
+]

@@ -7,13 +7,15 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["TransformerBlock", "transformer_chain"]
+__all__ = ["TransformerBlock", "gpt_like", "transformer_chain"]
 
 
 class TransformerBlock(nn.Module):
@@ -77,3 +79,14 @@ def transformer_chain(
     return nn.Sequential(
         *(TransformerBlock(dim, heads, mlp_ratio=mlp_ratio, dropout=dropout) for _ in range(depth))
     )
+
+
+def gpt_like(
+    depth: int = 8, dim: int = 128, heads: int = 4, *, mlp_ratio: int = 4, dropout: float = 0.0
+) -> nn.Sequential:
+    """The GPT-like model of the demo and the benchmarks: ``depth`` causal pre-norm transformer
+    blocks (:class:`TransformerBlock`) on inputs ``(batch, seq, dim)``; block ``i`` is named
+    ``layer{i}``. Token embedding and output head are left out: they are outside the chain a
+    scheduler plans."""
+    chain = transformer_chain(depth, dim, heads, mlp_ratio=mlp_ratio, dropout=dropout)
+    return nn.Sequential(OrderedDict((f"layer{i}", block) for i, block in enumerate(chain)))

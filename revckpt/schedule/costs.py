@@ -56,8 +56,10 @@ __all__ = [
     "Evaluation",
     "Segment",
     "SegmentCost",
+    "allowed_after",
     "chain_totals",
     "evaluate",
+    "follow_limit",
     "segment_cost",
     "strategy_names",
 ]
@@ -85,6 +87,19 @@ class BlockCost:
     param_bytes: int = 0
     approx_bytes: Mapping[str, int] = field(default_factory=dict)
     approx_error: Mapping[str, float] = field(default_factory=dict)
+    backward_capture_peak_bytes: int | None = None
+    checkpoint_peak_bytes: int | None = None
+    reversible_peak_bytes: int | None = None
+    output_saved: bool = False
+
+    @property
+    def capture_peak(self) -> int:
+        """``tc``: the backward transient when the block's parameter gradients are returned
+        (kept) rather than accumulated into ``.grad`` and freed, as inside one approx or
+        reversible node; if not measured, ``tb + p`` (an upper bound)."""
+        if self.backward_capture_peak_bytes is not None:
+            return self.backward_capture_peak_bytes
+        return self.backward_peak_bytes + self.param_bytes
 
 
 @dataclass(frozen=True)
@@ -116,6 +131,30 @@ def strategy_names(blocks: Sequence[BlockCost]) -> list[str]:
     codecs = sorted({c for b in blocks for c in b.approx_bytes})
     names += [APPROX_PREFIX + c for c in codecs]
     return names
+
+
+NO_LIMIT, NO_APPROX, NO_APPROX_OR_REVERSIBLE = 0, 1, 2
+
+
+def follow_limit(blocks: Sequence[BlockCost], seg: Segment) -> int:
+    """What may follow ``seg``: after a reversible segment no approx segment (the reversible
+    output would be kept in full next to its compressed copy); after a store segment whose last
+    block saves its own output for backward (e.g. it ends with a ReLU) neither approx nor
+    reversible (that output stays alive in the stored block, so compressing or dropping it
+    saves nothing)."""
+    if seg.strategy == REVERSIBLE:
+        return NO_APPROX
+    if seg.strategy == STORE and blocks[seg.stop - 1].output_saved:
+        return NO_APPROX_OR_REVERSIBLE
+    return NO_LIMIT
+
+
+def allowed_after(limit: int, strategy: str) -> bool:
+    if strategy.startswith(APPROX_PREFIX):
+        return limit == NO_LIMIT
+    if strategy == REVERSIBLE:
+        return limit != NO_APPROX_OR_REVERSIBLE
+    return True
 
 
 def _check_strategy(blocks: Sequence[BlockCost], seg: Segment) -> None:
@@ -164,18 +203,24 @@ def segment_cost(blocks: Sequence[BlockCost], seg: Segment) -> SegmentCost:
         return SegmentCost(kept, work, 0.0, 0.0)
     recompute = sum(b.forward_s for b in part)
     if strategy == REVERSIBLE:
+        held = part[0].input_bytes if j == 0 else 0  # the caller's chain input, if ours
         work = 0
-        for b in part:
-            work = max(work, b.input_bytes + b.forward_peak_nograd_bytes)
-            work = max(
+        for i, b in enumerate(part):
+            current = b.input_bytes if (i > 0 or j > 0) else 0
+            work = max(work, held + current + b.forward_peak_nograd_bytes)
+            if b.reversible_peak_bytes is not None:  # tr, measured: rebuild and backward
+                work = max(work, held + out + b.output_bytes + b.reversible_peak_bytes)
+                continue
+            work = max(  # an upper bound when tr was not measured
                 work,
-                out
+                held
+                + out
                 + 2 * b.output_bytes
                 + b.input_bytes
-                + b.param_bytes  # its node returns the block's parameter gradients at once
-                + max(b.saved_bytes + b.backward_peak_bytes, b.forward_peak_bytes),
+                # its node returns the block's parameter gradients at once
+                + max(b.saved_bytes + b.capture_peak, b.forward_peak_bytes + b.param_bytes),
             )
-        return SegmentCost(0, work, recompute, 0.0)
+        return SegmentCost(held, work, recompute, 0.0)
     # checkpoint / approx
     if strategy == CHECKPOINT:
         kept, held, error = part[0].input_bytes, 0, 0.0
@@ -183,6 +228,9 @@ def segment_cost(blocks: Sequence[BlockCost], seg: Segment) -> SegmentCost:
         codec = strategy[len(APPROX_PREFIX) :]
         kept = held = part[0].approx_bytes[codec]
         error = part[0].approx_error.get(codec, 0.0)
+        if j == 0:  # the caller's chain input stays alive next to its compressed copy
+            kept += part[0].input_bytes
+            held += part[0].input_bytes
     work = 0
     for i, b in enumerate(part):  # forward, nothing recorded
         alive = kept if strategy == CHECKPOINT else held
@@ -190,15 +238,34 @@ def segment_cost(blocks: Sequence[BlockCost], seg: Segment) -> SegmentCost:
         work = max(work, alive + current + b.forward_peak_nograd_bytes)
     grad_out = part[-1].output_bytes
     acc = 0
-    for b in part:  # the recompute in backward
-        work = max(work, held + acc + b.input_bytes + b.forward_peak_bytes + out + grad_out)
+    last = part[-1]
+    measured_last = strategy == CHECKPOINT and last.checkpoint_peak_bytes is not None
+    for i, b in enumerate(part):  # the recompute in backward
+        if i == len(part) - 1 and measured_last:
+            # tk: the last block's recompute and backward measured together (the recompute
+            # stops after the last tensor its backward needs)
+            assert last.checkpoint_peak_bytes is not None
+            work = max(work, acc + b.input_bytes + out + grad_out + last.checkpoint_peak_bytes)
+        else:
+            work = max(work, held + acc + b.input_bytes + b.forward_peak_bytes + out + grad_out)
         acc += b.input_bytes + b.saved_bytes
-    captured = 0  # approx: one node returns the segment's parameter gradients at its end
-    for b in reversed(part):  # its backward
-        if strategy != CHECKPOINT:
+    if strategy == CHECKPOINT:
+        for i in reversed(range(len(part))):  # its backward
+            b = part[i]
+            if not (i == len(part) - 1 and measured_last):
+                work = max(work, acc + out + b.output_bytes + b.backward_peak_bytes)
+            acc -= b.input_bytes + b.saved_bytes
+    else:  # one node: the recomputed segment output stays alive and it returns the segment's
+        captured = 0  # parameter gradients at its end, so those made so far are kept
+        for i in reversed(range(len(part))):
+            b = part[i]
+            inner = b.output_bytes if i < len(part) - 1 else 0  # g_i, unless it is g_k
+            recomputed = grad_out  # the segment output, rebuilt, alive until the node returns
+            work = max(
+                work, held + acc + out + grad_out + recomputed + inner + b.capture_peak + captured
+            )
             captured += b.param_bytes
-        work = max(work, held + acc + out + b.output_bytes + b.backward_peak_bytes + captured)
-        acc -= b.input_bytes + b.saved_bytes
+            acc -= b.input_bytes + b.saved_bytes
     return SegmentCost(kept, work, recompute, error)
 
 
@@ -222,10 +289,16 @@ def evaluate(blocks: Sequence[BlockCost], segments: Sequence[Segment]) -> Evalua
             raise InvalidArgumentError(
                 f"segments [{a.start}, {a.stop}) and [{b.start}, {b.stop}) do not meet"
             )
-        if a.strategy == REVERSIBLE and b.strategy.startswith(APPROX_PREFIX):
+        if not allowed_after(follow_limit(blocks, a), b.strategy):
             raise InvalidArgumentError(
-                f"a reversible segment (ending at block {a.stop}) cannot be followed by an "
-                "approx segment: its output would be kept in full next to the compressed copy"
+                f"segment [{a.start}, {a.stop}) ({a.strategy}) cannot be followed by segment "
+                f"[{b.start}, {b.stop}) ({b.strategy}): "
+                + (
+                    "its output would be kept in full next to the compressed copy"
+                    if a.strategy == REVERSIBLE
+                    else f"block {a.stop - 1} saves its output for backward, so it stays alive "
+                    "anyway; checkpoint that block or store the next one"
+                )
             )
     prefix, peak, time, error = 0, 0, 0.0, 0.0
     for seg in segments:

@@ -25,8 +25,9 @@ from torch import nn
 
 from ..approx import Approx
 from ..approx.bounds import estimate_error
+from ..checkpoint import checkpoint
 from ..errors import InvalidArgumentError, InvalidInputTypeError
-from ..layers import ReversibleUnit
+from ..layers import ReversibleSequential, ReversibleUnit
 from ..measure import MemoryMeter
 from .costs import BlockCost
 
@@ -110,18 +111,39 @@ def profile(
     )
     meter_device = device if device is not None else x.device
     params = [p for b in chain for p in b.parameters() if p.requires_grad]
-    for p in params:  # steady state: gradients exist
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    buffers = [(b, b.detach().clone()) for blk in chain for b in blk.buffers()]
+    rng = torch.random.get_rng_state()
     costs = []
     current = x.detach()
-    for block in chain:
-        costs.append(_profile_block(block, current, codecs, repeats, meter_device, kwargs))
+    try:
+        for p in params:  # steady state: gradients exist
+            p.grad = torch.zeros_like(p)
+        for block in chain:
+            costs.append(_profile_block(block, current, codecs, repeats, meter_device, kwargs))
+            with torch.no_grad():
+                current = block(current, **kwargs).detach()
+    finally:  # leave the model as it was: gradients, running statistics, RNG
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
         with torch.no_grad():
-            current = block(current, **kwargs).detach()
-    for p in params:
-        p.grad = None
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.random.set_rng_state(rng)
     return Profile(tuple(costs), names, _signature(x))
+
+
+def _saves_own_output(block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+    """Whether the block's forward saves its own output for backward (e.g. a final ReLU)."""
+    packed: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.add(t.untyped_storage()._cdata)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = block(x, **kwargs)
+    return y.untyped_storage()._cdata in packed
 
 
 def _profile_block(
@@ -142,10 +164,44 @@ def _profile_block(
         )
     out_bytes = _nbytes(y)
     saved = max(0, fwd.end_bytes - out_bytes)
+    output_saved = _saves_own_output(block, leaf, kwargs)
     grad_out = torch.randn_like(y)
-    with MemoryMeter(device) as bwd:
-        y.backward(grad_out)
     del y
+    params = [p for p in block.parameters() if p.requires_grad]
+    wrt = ([leaf] if leaf.requires_grad else []) + params
+    # Backward transients, metered together with their forward so that saved tensors freed
+    # during the backward count as freed: the peak above the level when backward starts
+    # (saved tensors, the output, its gradient alive). ``tb`` accumulates into ``.grad`` (the
+    # steady state), ``tc`` returns the gradients (kept, as inside one approx/reversible node).
+    # ``tk``: the same for the block checkpointed (its recompute and backward together).
+    transients = []
+    # ``tr``: the same for an invertible block run reversibly (nothing stored; the input is
+    # rebuilt from the output in backward).
+    modes = ["accumulate", "capture", "checkpoint"]
+    if isinstance(block, ReversibleUnit):
+        modes.append("reversible")
+        reversible = ReversibleSequential(block.block, split_dim=block.split_dim)
+    for mode in modes:
+        leaf.grad = None
+        with MemoryMeter(device) as meter:
+            if mode == "checkpoint":
+                y = checkpoint(block, leaf, **kwargs)
+            elif mode == "reversible":
+                y = reversible(leaf, **kwargs)
+            else:
+                y = block(leaf, **kwargs)
+            g = grad_out.clone()
+            start = meter.live_bytes
+            meter.reset_peak()
+            if not wrt:
+                pass
+            elif mode == "capture":
+                grads = torch.autograd.grad(y, wrt, g, allow_unused=True)
+                del grads
+            else:
+                y.backward(g)
+            del y, g
+        transients.append(max(0, meter.since_reset_peak_bytes - start))
     leaf.grad = None
     with torch.no_grad(), MemoryMeter(device) as nograd:
         z = block(leaf.detach(), **kwargs)
@@ -180,9 +236,13 @@ def _profile_block(
         saved_bytes=saved,
         forward_peak_bytes=fwd.peak_bytes,
         forward_peak_nograd_bytes=nograd.peak_bytes,
-        backward_peak_bytes=bwd.peak_bytes,
+        backward_peak_bytes=transients[0],
+        backward_capture_peak_bytes=transients[1],
+        checkpoint_peak_bytes=transients[2],
+        reversible_peak_bytes=transients[3] if len(transients) > 3 else None,
+        output_saved=output_saved,
         invertible=isinstance(block, ReversibleUnit),
-        param_bytes=sum(_nbytes(p) for p in block.parameters() if p.requires_grad),
+        param_bytes=sum(_nbytes(p) for p in params),
         approx_bytes=approx_bytes,
         approx_error=approx_error,
     )

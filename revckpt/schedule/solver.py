@@ -39,8 +39,10 @@ from .costs import (
     STORE,
     BlockCost,
     Segment,
+    allowed_after,
     chain_totals,
     evaluate,
+    follow_limit,
     segment_cost,
     slots_of,
     strategy_names,
@@ -115,6 +117,7 @@ class Instance:
     candidates: tuple[tuple[int, int, str, int, int, int, float], ...]  # j, k, s, K, W, E, T
     budget: int
     error_budget: int
+    limits: tuple[int, ...] = ()  # per candidate: what may follow it (costs.follow_limit)
 
 
 def quantise(
@@ -129,6 +132,7 @@ def quantise(
     slot = budget_bytes / slots
     err_slot = error_budget / error_slots if error_budget > 0 else 0.0
     cands = []
+    limits: list[int] = []
     n = len(blocks)
     for s in strategies:
         for j in range(n):
@@ -148,10 +152,12 @@ def quantise(
                 cands.append(
                     (j, k, s, slots_of(cost.kept, slot), slots_of(cost.work, slot), e, cost.time)
                 )
+                limits.append(follow_limit(blocks, Segment(j, k, s)))
     return Instance(
         length=n,
         strategies=tuple(strategies),
         candidates=tuple(cands),
+        limits=tuple(limits),
         budget=slots,
         error_budget=error_slots if err_slot > 0 else 0,
     )
@@ -160,7 +166,7 @@ def quantise(
 def solve_segments(inst: Instance) -> tuple[list[Segment], float] | None:
     """The optimal segments of a quantised instance and their time, or ``None`` if none fits."""
     n, budget, ne = inst.length, inst.budget, inst.error_budget
-    shape = (2, budget + 1, ne + 1)
+    shape = (3, budget + 1, ne + 1)  # (what may follow, P, e)
     best = [np.full(shape, np.inf) for _ in range(n + 1)]
     parent = [np.full(shape, -1, dtype=np.int64) for _ in range(n + 1)]
     best[0][0, 0, 0] = 0.0
@@ -174,9 +180,10 @@ def solve_segments(inst: Instance) -> tuple[list[Segment], float] | None:
                 continue
             rows = budget - work + 1  # P in [0, budget - work]
             cols = ne - err + 1
-            flag = 1 if s == REVERSIBLE else 0
-            sources = (0,) if s.startswith(APPROX_PREFIX) else (0, 1)
-            for f in sources:
+            flag = inst.limits[idx] if inst.limits else 0
+            for f in range(3):
+                if not allowed_after(f, s):
+                    continue
                 cand = best[j][f, :rows, :cols] + time
                 target = best[k][flag, kept : kept + rows, err : err + cols]
                 rows_here = target.shape[0]
@@ -186,7 +193,7 @@ def solve_segments(inst: Instance) -> tuple[list[Segment], float] | None:
                     continue
                 target[better] = cand[better]
                 code = parent[k][flag, kept : kept + rows_here, err : err + cols]
-                code[better] = idx * 2 + f
+                code[better] = idx * 3 + f
     final = best[n]
     if not np.isfinite(final).any():
         return None
@@ -196,7 +203,7 @@ def solve_segments(inst: Instance) -> tuple[list[Segment], float] | None:
     k = n
     while k > 0:
         code = int(parent[k][flag, p, e])
-        idx, f = divmod(code, 2)
+        idx, f = divmod(code, 3)
         j, _, s, kept, _, err, _ = inst.candidates[idx]
         segments.append(Segment(j, k, s))
         k, flag, p, e = j, f, p - kept, e - err
@@ -212,26 +219,28 @@ def min_feasible_peak(blocks: Sequence[BlockCost], strategies: Sequence[str]) ->
     fronts: list[dict[tuple[int, int], int]] = [dict() for _ in range(n + 1)]
     fronts[0][(0, 0)] = 0  # (kept, flag) -> peak
     for j in range(n):
-        for (kept, _flag), peak in fronts[j].items():
+        for (kept, flag), peak in fronts[j].items():
             for s in usable:
+                if not allowed_after(flag, s):
+                    continue
                 for k in range(j + 1, n + 1):
                     if s == REVERSIBLE and not blocks[k - 1].invertible:
                         break
                     if s == STORE and k > j + 1:
                         break
                     cost = segment_cost(blocks, Segment(j, k, s))
-                    key = (kept + cost.kept, 1 if s == REVERSIBLE else 0)
+                    key = (kept + cost.kept, follow_limit(blocks, Segment(j, k, s)))
                     value = max(peak, kept + cost.work)
                     if value < fronts[k].get(key, math.inf):
                         fronts[k][key] = value
-        # prune: keep (kept, peak) pairs not dominated by a smaller kept with a smaller peak
+        # prune: per follow limit, keep (kept, peak) pairs not dominated by a smaller kept
+        # with a smaller peak
         for k in range(j + 1, n + 1):
-            items = sorted(fronts[k].items())
-            pruned, low = {}, math.inf
-            for key, value in items:
-                if value < low:
+            pruned, low = {}, {}
+            for key, value in sorted(fronts[k].items()):
+                if value < low.get(key[1], math.inf):
                     pruned[key] = value
-                    low = value
+                    low[key[1]] = value
             fronts[k] = pruned
     return min(fronts[n].values())
 
@@ -313,6 +322,15 @@ def solve(
     if unknown:
         raise InvalidArgumentError(
             f"strategies {unknown} are not available for this profile; choose from {available}"
+        )
+    if STORE in chosen and store_peak <= budget:  # nothing to recompute: optimal, no rounding
+        return _plan(
+            profile,
+            blocks,
+            [Segment(0, len(blocks), STORE)],
+            name="optimal",
+            budget=budget,
+            error_budget=error_budget,
         )
     inst = quantise(
         blocks,
