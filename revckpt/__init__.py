@@ -1,9 +1,10 @@
 """revckpt: train deeper and wider PyTorch models in the same memory, and know what it cost.
 
-Strategies that trade compute for activation memory (classic checkpoint segments today;
-reversible blocks in ``revckpt.layers``, approximate recompute in ``revckpt.approx`` and a
-scheduler that mixes them are the next milestones), with the measurement tools to prove what
-they save: :class:`MemoryMeter`, :func:`time_ratio`, :func:`gradient_error`.
+Strategies that trade compute for activation memory: classic checkpoint segments
+(:func:`checkpoint`, :func:`checkpoint_sequential`), reversible blocks (``revckpt.layers``),
+approximate recompute (``revckpt.approx``), and a scheduler that mixes them under a memory and
+an error budget (``revckpt.schedule``); with the measurement tools to prove what they save
+(:class:`MemoryMeter`, :func:`time_ratios`, :func:`gradient_error`, ``revckpt.report``).
 """
 
 from . import layers, measure, replay, testing

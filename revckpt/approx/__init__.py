@@ -5,10 +5,11 @@
 * :mod:`~revckpt.approx.recompute`: :func:`checkpoint` and the :class:`Approx` configuration
   taken by ``checkpoint_sequential(approx=...)`` and ``ReversibleSequential(approx=...)``.
 * :mod:`~revckpt.approx.bounds`: :func:`estimate_error`, a first-order hard bound and a cheap
-  random-probe estimate of the parameter-gradient error.
+  random-probe estimate of the parameter-gradient error; :func:`estimate_totals`, the estimate
+  alone for several codecs at once.
 """
 
-from .bounds import ErrorEstimate, estimate_error
+from .bounds import ErrorEstimate, estimate_error, estimate_totals
 from .formats import FORMATS, Codec, Encoded
 from .recompute import Approx, checkpoint
 
@@ -20,4 +21,5 @@ __all__ = [
     "ErrorEstimate",
     "checkpoint",
     "estimate_error",
+    "estimate_totals",
 ]

@@ -71,7 +71,13 @@ from ..replay import freeze_running_stats
 from .formats import Codec
 from .recompute import Approx
 
-__all__ = ["FIRST_ORDER_LIMIT", "ErrorEstimate", "NonSmoothWarning", "estimate_error"]
+__all__ = [
+    "FIRST_ORDER_LIMIT",
+    "ErrorEstimate",
+    "NonSmoothWarning",
+    "estimate_error",
+    "estimate_totals",
+]
 
 # A row whose codec error bound exceeds this fraction of the row is not a small perturbation:
 # the codec may lose it (e.g. tensor scaling over rows six decades apart flushes the small rows
@@ -213,6 +219,83 @@ def _worst_row_ratio(x: torch.Tensor, bound: torch.Tensor) -> float:
     return float(ratio.max()) if ratio.numel() else 0.0
 
 
+def _linearise(
+    chain: Sequence[nn.Module], x: torch.Tensor, cotangent: torch.Tensor | None
+) -> tuple[list[torch.Tensor], list[str], Any, tuple[torch.Tensor, ...], dict[str, float]]:
+    """The chain's boundaries ``x_k`` (working precision, statistics untouched), parameter
+    names, ``G`` as a function of the boundaries (float64 copies of the blocks), the float64
+    boundaries, and ``||G_p||`` per parameter."""
+    norms = [m for b in chain for m in b.modules() if isinstance(m, _NormBase)]
+    with torch.no_grad(), freeze_running_stats(norms):  # the model's statistics stay as they are
+        xs = [x.detach()]
+        for block in chain[:-1]:
+            xs.append(block(xs[-1]).detach())
+        out = chain[-1](xs[-1])
+    blocks64 = [copy.deepcopy(b).double() for b in chain]
+    for m in (m for b in blocks64 for m in b.modules()):
+        if isinstance(m, _NormBase) and m.training:
+            m.track_running_stats = False  # batch statistics, as in training, without updates
+    params = [{n: p.detach() for n, p in b.named_parameters() if p.requires_grad} for b in blocks64]
+    buffers = [{n: t.detach().clone() for n, t in b.named_buffers()} for b in blocks64]
+    names = [f"{k}.{n}" for k, p in enumerate(params) for n in p]
+    ct = (torch.ones_like(out) if cotangent is None else cotangent).detach().double()
+    grads_fn = _chain_gradients(blocks64, params, buffers, ct)
+    zs = tuple(z.double() for z in xs)
+    exact = grads_fn(zs)
+    grad_norm = {n: float(g.norm()) for n, g in zip(names, exact, strict=True)}
+    return xs, names, grads_fn, zs, grad_norm
+
+
+def estimate_totals(
+    blocks: Sequence[nn.Module] | nn.Sequential,
+    x: torch.Tensor,
+    codecs: Sequence[Codec | Approx | str],
+    *,
+    cotangent: torch.Tensor | None = None,
+    probes: int = 4,
+    seed: int = 0,
+) -> dict[str, float]:
+    """The random-sign estimate alone (``ErrorEstimate.total("estimate")``) for several codecs
+    at once: one linearisation, every codec's probes in one vectorised JVP, no power
+    iteration. What :func:`revckpt.schedule.profile` uses to price approx per block. A string
+    names a format with the default options (``Approx(store=name)``); keys are the strings
+    given, or ``str(codec)``."""
+    chain = list(blocks)
+    if not chain or not all(isinstance(b, nn.Module) for b in chain):
+        raise InvalidInputTypeError(
+            "estimate_totals needs a non-empty chain of nn.Modules (an nn.Sequential or a list)"
+        )
+    if probes < 1:
+        raise InvalidArgumentError(f"probes={probes}: must be >= 1")
+    resolved = [
+        (c, _codec_of(Approx(store=c))) if isinstance(c, str) else (str(c), _codec_of(c))
+        for c in codecs
+    ]
+    if not resolved:
+        return {}
+    with sdpa_kernel(SDPBackend.MATH):
+        xs, _, grads_fn, zs, grad_norm = _linearise(chain, x, cotangent)
+        gen = torch.Generator().manual_seed(seed)
+        tangents = []
+        for z in xs:
+            parts = []
+            for _, codec in resolved:
+                d = (codec.roundtrip(z).double() - z.double()).abs()
+                sign = torch.randint(0, 2, (probes, *d.shape), generator=gen).double()
+                parts.append(sign.mul_(2).sub_(1) * d)
+            tangents.append(torch.cat(parts))
+        probed = vmap(lambda v: jvp(grads_fn, (zs,), (v,))[1])(tuple(tangents))
+    norm = math.sqrt(sum(v * v for v in grad_norm.values()))
+    totals = {}
+    for i, (key, _) in enumerate(resolved):
+        sq = sum(
+            float(t[i * probes : (i + 1) * probes].reshape(probes, -1).pow(2).sum(1).mean())
+            for t in probed
+        )
+        totals[key] = math.sqrt(sq) / norm if norm > 0 else math.inf
+    return totals
+
+
 def estimate_error(
     blocks: Sequence[nn.Module] | nn.Sequential,
     x: torch.Tensor,
@@ -268,30 +351,11 @@ def _estimate_error(
             NonSmoothWarning,
             stacklevel=2,
         )
-    # Boundaries in the working precision, as the approximate path sees them.
-    norms = [m for b in chain for m in b.modules() if isinstance(m, _NormBase)]
-    with torch.no_grad(), freeze_running_stats(norms):  # the model's statistics stay as they are
-        xs = [x.detach()]
-        for block in chain[:-1]:
-            xs.append(block(xs[-1]).detach())
-        out = chain[-1](xs[-1])
+    xs, names, grads_fn, zs, grad_norm = _linearise(chain, x, cotangent)
     bound_vec = [codec.error_bound(z) for z in xs]
     dx = [(codec.roundtrip(z).double() - z.double()) for z in xs]
     boundary_bound_norm = math.sqrt(sum(float(b.pow(2).sum()) for b in bound_vec))
     worst_row = max(_worst_row_ratio(z, b) for z, b in zip(xs, bound_vec, strict=True))
-
-    blocks64 = [copy.deepcopy(b).double() for b in chain]
-    for m in (m for b in blocks64 for m in b.modules()):
-        if isinstance(m, _NormBase) and m.training:
-            m.track_running_stats = False  # batch statistics, as in training, without updates
-    params = [{n: p.detach() for n, p in b.named_parameters() if p.requires_grad} for b in blocks64]
-    buffers = [{n: t.detach().clone() for n, t in b.named_buffers()} for b in blocks64]
-    names = [f"{k}.{n}" for k, p in enumerate(params) for n in p]
-    ct = (torch.ones_like(out) if cotangent is None else cotangent).detach().double()
-    grads_fn = _chain_gradients(blocks64, params, buffers, ct)
-    zs = tuple(z.double() for z in xs)
-    exact = grads_fn(zs)
-    grad_norm = {n: float(g.norm()) for n, g in zip(names, exact, strict=True)}
 
     def push(v: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         return jvp(grads_fn, (zs,), (v,))[1]

@@ -14,12 +14,18 @@ reversible    nothing (the output is the next         re-run each block forward 
 ============  ======================================  ==========================  ===========
 
 Per block ``i`` the model uses (all measured by :func:`revckpt.schedule.profile`): forward and
-backward time ``f_i``, ``b_i``; input and output bytes ``x_i``, ``x_{i+1}``; bytes saved for
-backward apart from the input ``s_i``; the forward transient ``tf_i`` (peak live bytes during
-the block's forward above those alive before it and its input, with autograd recording) and
-``tn_i`` (the same without recording, as in a recompute-later forward); the backward transient
-``tb_i`` (peak during the block's backward above its saved tensors, its input and the gradient
-of its output).
+backward time ``f_i``, ``b_i``, and the extra time ``o_i(s)`` of a step of the block alone run
+with strategy ``s`` (see :func:`_segment_time`); input and output bytes ``x_i``, ``x_{i+1}``;
+bytes saved for backward apart from the input ``s_i``; the forward transient ``tf_i`` (peak
+live bytes during the block's forward above those alive before it and its input, with autograd
+recording) and ``tn_i`` (the same without recording, as in a recompute-later forward); the
+backward transients, each the peak above the level when the backward starts, metered together
+with the forward so that saved tensors freed during the backward count as freed: ``tb_i``
+(gradients accumulated into ``.grad``), ``tc_i`` (gradients returned and kept, as inside one
+approx or reversible node), ``tk_i`` (the block checkpointed: its recompute and backward) and
+``tr_i`` (an invertible block run reversibly). The chain input counts as held by the caller
+for the whole step (a leaf that requires grad is), so an approx or reversible first segment
+does not free it.
 
 Memory is simulated event by event. Let ``P`` be the bytes kept by the segments before the
 current one and ``O`` the chain's output (held by the caller from the end of the forward).
@@ -27,14 +33,20 @@ Forward, block ``i`` of a segment peaks at ``P + K_before_i + x_i + t_i`` (``t =
 block stores, ``tn`` otherwise). Backward walks the segments from the last; with ``g_i`` the
 gradient of block ``i``'s output (``x_{i+1}`` bytes), block ``i`` peaks at
 
-* store / checkpoint / approx: ``P + c + sum_{i' in [j, i]} (x_i' + s_i') + O + g_i + tb_i``
-  (the recomputed or stored activations of the segment up to ``i``; ``c`` is the compressed
-  input an approx segment still holds; an approx segment, one autograd node, also holds the
-  parameter gradients ``sum_{i' in [i, k)} p_i'`` it has computed until it returns them),
-  and a recomputing segment first peaks at
-  ``P + c + sum_{[j, i)} (x + s) + x_i + tf_i + O + g_k`` while re-running block ``i``;
-* reversible: ``P + O + x_{i+1} + g_i + x_i + p_i + max(s_i + tb_i, tf_i)`` (the value being
-  inverted, the rebuilt input, the block's parameter gradients and one block's activations).
+* store: ``P + A_i + O + g_i + tb_i`` with ``A_i = sum_{i' in [j, i]} (x_i' + s_i')``, the
+  stored activations of the segment up to ``i``;
+* checkpoint: while re-running block ``i < k-1``, ``P + A_{i-1} + x_i + tf_i + O + g_k``; the
+  last block's recompute and backward together, ``P + A_{k-2} + x_{k-1} + O + g_k + tk_{k-1}``
+  (the recompute stops after the last tensor the backward needs); then block ``i``'s backward
+  as for store;
+* approx:<c>: ``c_j`` (the compressed input; plus ``x_0`` when ``j = 0``) is held throughout;
+  the recompute as for checkpoint with ``tf``; the backward of block ``i`` at
+  ``P + c_j + A_i + O + 2 g_k + g_i + tc_i + sum_{i' in (i, k)} p_i'``: one autograd node,
+  so the rebuilt segment output (``g_k`` bytes) stays alive and the parameter gradients made
+  so far are kept until it returns them;
+* reversible: forward ``P + x_i + tn_i``; backward of block ``i``: ``P + O + g_{i+1} + tr_i``
+  (plus ``x_0`` throughout when ``j = 0``). Without ``tr`` measured, the bound
+  ``P + O + 2 x_{i+1} + x_i + max(s_i + tc_i, tf_i + p_i)``.
 
 Every segment's peak is ``P + W`` with ``W`` independent of what comes before it, so the peak of
 a plan is ``max_p (P_p + W_p)``: this decomposition is what makes an exact dynamic programme
@@ -91,6 +103,7 @@ class BlockCost:
     checkpoint_peak_bytes: int | None = None
     reversible_peak_bytes: int | None = None
     output_saved: bool = False
+    strategy_overhead_s: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def capture_peak(self) -> int:
@@ -184,6 +197,18 @@ def _check_strategy(blocks: Sequence[BlockCost], seg: Segment) -> None:
         )
 
 
+def _segment_time(part: Sequence[BlockCost], strategy: str) -> float:
+    """Extra seconds of a segment over storing it. With ``o_i(s)``, block ``i``'s measured
+    extra time of a step run alone with strategy ``s`` (``strategy_overhead_s``; it includes
+    one recompute and the strategy's fixed costs: RNG capture, codec, autograd node):
+    reversible ``sum_i o_i``; checkpoint / approx ``o_j + sum_{i > j} f_i`` (one call, one
+    compression of the segment input, every block recomputed). Unmeasured: ``sum_i f_i``."""
+    if strategy == REVERSIBLE:
+        return sum(b.strategy_overhead_s.get(REVERSIBLE, b.forward_s) for b in part)
+    head = part[0].strategy_overhead_s.get(strategy, part[0].forward_s)
+    return head + sum(b.forward_s for b in part[1:])
+
+
 def segment_cost(blocks: Sequence[BlockCost], seg: Segment) -> SegmentCost:
     """Kept bytes, working peak, recompute time and error of one segment (see module doc)."""
     _check_strategy(blocks, seg)
@@ -201,7 +226,7 @@ def segment_cost(blocks: Sequence[BlockCost], seg: Segment) -> SegmentCost:
             work = max(work, acc + out + b.output_bytes + b.backward_peak_bytes)
             acc -= b.input_bytes + b.saved_bytes
         return SegmentCost(kept, work, 0.0, 0.0)
-    recompute = sum(b.forward_s for b in part)
+    recompute = _segment_time(part, strategy)
     if strategy == REVERSIBLE:
         held = part[0].input_bytes if j == 0 else 0  # the caller's chain input, if ours
         work = 0

@@ -13,6 +13,7 @@ their accumulation allocates only temporaries, as from the second training step 
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 import warnings
@@ -24,12 +25,13 @@ import torch
 from torch import nn
 
 from ..approx import Approx
-from ..approx.bounds import estimate_error
+from ..approx import checkpoint as approx_checkpoint
+from ..approx.bounds import estimate_totals
 from ..checkpoint import checkpoint
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..layers import ReversibleSequential, ReversibleUnit
-from ..measure import MemoryMeter
-from .costs import BlockCost
+from ..measure import MemoryMeter, time_ratios
+from .costs import APPROX_PREFIX, CHECKPOINT, REVERSIBLE, STORE, BlockCost
 
 __all__ = ["Profile", "profile"]
 
@@ -133,6 +135,16 @@ def profile(
     return Profile(tuple(costs), names, _signature(x))
 
 
+def _approx_step(
+    block: nn.Module,
+    leaf: torch.Tensor,
+    grad_out: torch.Tensor,
+    fmt: str,
+    kwargs: dict[str, Any],
+) -> None:
+    approx_checkpoint(block, leaf, store=fmt, **kwargs).backward(grad_out)
+
+
 def _saves_own_output(block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> bool:
     """Whether the block's forward saves its own output for backward (e.g. a final ReLU)."""
     packed: set[int] = set()
@@ -215,19 +227,31 @@ def _profile_block(
 
     forward()
     f = _median_time(forward, repeats)
-    fb = _median_time(step, repeats)
+    # each strategy's step against the stored step, in rotated rounds (time_ratios)
+    steps: dict[str, Callable[[], Any]] = {STORE: step}
+    if wrt:
+        steps[CHECKPOINT] = lambda: checkpoint(block, leaf, **kwargs).backward(grad_out)
+        if isinstance(block, ReversibleUnit):
+            steps[REVERSIBLE] = lambda: reversible(leaf, **kwargs).backward(grad_out)
+        if x.is_floating_point():
+            for fmt in codecs:
+                steps[APPROX_PREFIX + fmt] = functools.partial(
+                    _approx_step, block, leaf, grad_out, fmt, kwargs
+                )
+    ratios = time_ratios(steps, baseline=STORE, repeats=repeats, warmup=1)
+    fb = ratios[STORE].baseline_seconds
+    overhead = {s: max(0.0, (r.ratio - 1.0) * fb) for s, r in ratios.items() if s != STORE}
     leaf.grad = None
     approx_bytes: dict[str, int] = {}
     approx_error: dict[str, float] = {}
-    if x.is_floating_point():
+    if x.is_floating_point() and codecs:
         for fmt in codecs:
-            cfg = Approx(store=fmt)
-            assert cfg.codec is not None
-            approx_bytes[fmt] = cfg.codec.encode(x).nbytes
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                est = estimate_error([block], x, cfg, probes=4, power_iterations=1)
-            approx_error[fmt] = est.total("estimate")
+            codec = Approx(store=fmt).codec
+            assert codec is not None
+            approx_bytes[fmt] = codec.encode(x).nbytes
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # kinks: the estimate is what the plan reports
+            approx_error = estimate_totals([block], x, list(codecs), probes=4)
     return BlockCost(
         forward_s=f,
         backward_s=max(fb - f, 0.0),
@@ -241,6 +265,7 @@ def _profile_block(
         checkpoint_peak_bytes=transients[2],
         reversible_peak_bytes=transients[3] if len(transients) > 3 else None,
         output_saved=output_saved,
+        strategy_overhead_s=overhead,
         invertible=isinstance(block, ReversibleUnit),
         param_bytes=sum(_nbytes(p) for p in params),
         approx_bytes=approx_bytes,

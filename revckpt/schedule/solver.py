@@ -332,21 +332,32 @@ def solve(
             budget=budget,
             error_budget=error_budget,
         )
-    inst = quantise(
-        blocks,
-        budget_bytes=budget,
-        error_budget=error_budget,
-        strategies=chosen,
-        slots=slots,
-        error_slots=error_slots,
-    )
-    result = solve_segments(inst)
+    smallest = None
+    resolution = slots
+    while True:
+        inst = quantise(
+            blocks,
+            budget_bytes=budget,
+            error_budget=error_budget,
+            strategies=chosen,
+            slots=resolution,
+            error_slots=error_slots,
+        )
+        result = solve_segments(inst)
+        if result is not None:
+            break
+        if smallest is None:
+            smallest = min_feasible_peak(blocks, chosen)
+        if smallest > budget or resolution >= 16 * slots:
+            break
+        # a plan fits in bytes but not after rounding up to slots: refine (at most 16x)
+        resolution *= 4
     if result is None:
-        smallest = min_feasible_peak(blocks, chosen)
+        assert smallest is not None
         if smallest <= budget:
             raise InvalidArgumentError(
-                f"a plan fits {budget:,} bytes only without the rounding of {slots} slots; "
-                f"raise slots (e.g. slots={slots * 10}) or the budget slightly"
+                f"a plan fits {budget:,} bytes only without the rounding of {resolution} "
+                f"slots; raise slots (e.g. slots={resolution * 4}) or the budget slightly"
             )
         raise InvalidArgumentError(
             f"no plan fits a memory budget of {_human(budget)} ({budget:,} bytes): the "

@@ -185,3 +185,29 @@ def test_growth_of_a_preexisting_tensor_is_counted():
 def test_cuda_meter_without_cuda_says_so():
     with pytest.raises(InvalidArgumentError, match="CUDA is not available"):
         MemoryMeter("cuda")
+
+
+def test_reset_peak_measures_a_phase():
+    with MemoryMeter("cpu") as m:
+        a = torch.empty(1000)  # 4000 B
+        b = torch.empty(1000)
+        del a
+        assert m.live_bytes == 4000
+        m.reset_peak()
+        c = torch.empty(100)
+        del b, c
+    assert m.peak_bytes == 8000  # the whole block
+    assert m.since_reset_peak_bytes == 4400  # from the reset on, frees of earlier tensors seen
+    assert m.end_bytes == 0
+
+
+def test_reset_peak_outside_the_block_and_without_reset():
+    m = MemoryMeter("cpu")
+    with pytest.raises(InvalidArgumentError, match="inside the `with` block"):
+        m.reset_peak()
+    with m:
+        torch.empty(10)
+    with pytest.raises(InvalidArgumentError, match="inside the `with` block"):
+        _ = m.live_bytes
+    with pytest.raises(InvalidArgumentError, match="reset_peak"):
+        _ = m.since_reset_peak_bytes

@@ -18,9 +18,22 @@ def _table(inst: Instance):
     }
 
 
-def brute_force(inst: Instance) -> float | None:
+def _forbidden(a, b, saved_outputs) -> bool:
+    """No approx after reversible; neither approx nor reversible after a store segment whose
+    last block saves its own output."""
+    if a[2] == REVERSIBLE and b[2].startswith(APPROX_PREFIX):
+        return True
+    return (
+        a[2] == "store"
+        and (a[1] - 1) in saved_outputs
+        and (b[2] == REVERSIBLE or b[2].startswith(APPROX_PREFIX))
+    )
+
+
+def brute_force(inst: Instance, saved_outputs=frozenset()) -> float | None:
     """Minimum time over every plan (every composition of the chain, every strategy per
-    segment), checked with the quantised peak and error; None when nothing fits."""
+    segment), checked with the quantised peak and error; None when nothing fits.
+    ``saved_outputs``: the blocks that save their own output."""
     table = _table(inst)
     n = inst.length
     best = math.inf
@@ -34,10 +47,7 @@ def brute_force(inst: Instance) -> float | None:
                 parts += [(i, i + 1, s) for i in range(j, k)] if s == "store" else [(j, k, s)]
             if any(p not in table for p in parts):
                 continue
-            if any(
-                a[2] == REVERSIBLE and b[2].startswith(APPROX_PREFIX)
-                for a, b in itertools.pairwise(parts)
-            ):
+            if any(_forbidden(a, b, saved_outputs) for a, b in itertools.pairwise(parts)):
                 continue
             prefix = peak = err = 0
             time = 0.0
@@ -52,9 +62,10 @@ def brute_force(inst: Instance) -> float | None:
     return None if math.isinf(best) else best
 
 
-def milp_optimum(inst: Instance) -> float | None:
+def milp_optimum(inst: Instance, saved_outputs=frozenset()) -> float | None:
     """The same problem as a MILP: one binary per candidate segment, a path from 0 to L, a
-    big-M peak constraint per candidate, the error budget, and no approx after reversible."""
+    big-M peak constraint per candidate, the error budget, and the adjacency rules (x_a + x_b
+    <= 1 for every forbidden pair meeting at a node)."""
     cands = inst.candidates
     m = len(cands)
     n = inst.length
@@ -88,14 +99,21 @@ def milp_optimum(inst: Instance) -> float | None:
         add(row, -np.inf, inst.budget + big)
     row = np.array([c[5] for c in cands], dtype=float)
     add(row, -np.inf, inst.error_budget)
+    # at node t one segment ends and one starts (flow), so "a forbids b" for every pair is:
+    # (ending segments forbidding kind K) + (starting segments of kind K) <= 1, per kind
     for node in range(1, n):
-        row = np.zeros(m)
-        for i, (j, k, s, *_rest) in enumerate(cands):
-            if k == node and s == REVERSIBLE:
-                row[i] = 1
-            if j == node and s.startswith(APPROX_PREFIX):
-                row[i] = 1
-        add(row, -np.inf, 1)
+        for kind in ("approx", REVERSIBLE):
+            row = np.zeros(m)
+            for i, c in enumerate(cands):
+                j, k, s = c[0], c[1], c[2]
+                probe = (0, 0, APPROX_PREFIX if kind == "approx" else REVERSIBLE)
+                if k == node and _forbidden(c, probe, saved_outputs):
+                    row[i] = 1
+                if j == node and (
+                    s.startswith(APPROX_PREFIX) if kind == "approx" else s == REVERSIBLE
+                ):
+                    row[i] = 1
+            add(row, -np.inf, 1)
     res = milp(
         cost,
         constraints=LinearConstraint(np.array(rows), lo, hi),

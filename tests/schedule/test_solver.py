@@ -19,6 +19,10 @@ def make_chain(n, seed):
     rng = random.Random(seed)
     width = rng.randint(20, 200)
     blocks = []
+
+    def measured(value):
+        return value if rng.random() < 0.5 else None
+
     for _ in range(n):
         x = rng.randint(width // 2, width)
         saved = rng.randint(0, 6 * width)
@@ -36,9 +40,18 @@ def make_chain(n, seed):
                 invertible=rng.random() < 0.5,
                 approx_bytes={"e4m3": x // 4 + 1},
                 approx_error={"e4m3": rng.uniform(1e-4, 5e-2)},
+                param_bytes=rng.randint(0, width),
+                output_saved=rng.random() < 0.3,
+                # measured transients on some blocks, the bounds on the others
+                checkpoint_peak_bytes=measured(saved + x + rng.randint(0, width)),
+                reversible_peak_bytes=measured(x + rng.randint(0, 2 * width)),
             )
         )
     return blocks
+
+
+def saved_outputs(blocks):
+    return frozenset(i for i, b in enumerate(blocks) if b.output_saved)
 
 
 def block_costs(max_len=7):
@@ -68,7 +81,7 @@ def _instance(blocks, fraction, error_budget, slots):
 def test_dynamic_programme_equals_brute_force(blocks, fraction, error_budget, slots):
     inst = _instance(blocks, fraction, error_budget, slots)
     result = solve_segments(inst)
-    expected = brute_force(inst)
+    expected = brute_force(inst, saved_outputs(blocks))
     if expected is None:
         assert result is None
     else:
@@ -85,7 +98,7 @@ def test_dynamic_programme_equals_brute_force(blocks, fraction, error_budget, sl
 def test_dynamic_programme_equals_milp(blocks, fraction, error_budget):
     inst = _instance(blocks, fraction, error_budget, 50)
     result = solve_segments(inst)
-    expected = milp_optimum(inst)
+    expected = milp_optimum(inst, saved_outputs(blocks))
     assert (result is None) == (expected is None)
     if result is not None:
         assert result[1] == pytest.approx(expected, rel=1e-7, abs=1e-7)
@@ -98,7 +111,7 @@ def test_dynamic_programme_equals_milp_at_32_blocks(error_budget, seed):
     for fraction in (0.2, 0.5):
         inst = _instance(chain, fraction, error_budget, 60)
         result = solve_segments(inst)
-        expected = milp_optimum(inst)
+        expected = milp_optimum(inst, saved_outputs(chain))
         assert (result is None) == (expected is None)
         if result is not None:
             assert result[1] == pytest.approx(expected, rel=1e-7, abs=1e-7)

@@ -1,0 +1,244 @@
+"""The scheduler against the usual recipes, all measured, on the built-in GPT-like and RevNet-like
+models at memory budgets of 75, 50, 25, 10 and 5% of the store-everything peak.
+
+For each model: ``revckpt.schedule.profile`` once, then for each budget the plans
+
+* ``uniform``: equal checkpoint segments (``every-k``) with the fewest segments that fit;
+* ``sqrt``: ``round(sqrt(L))`` equal segments; ``per-block``: every block checkpointed
+  (both fixed: they fit a budget or not);
+* ``greedy``: from store-all, checkpoint the block that lowers the predicted peak most per
+  second of recompute until the budget fits;
+* ``optimal``: ``schedule.solve`` with store and checkpoint only (exact, no error);
+* ``optimal+``: ``schedule.solve`` with every strategy (reversible, approx) and an error budget
+  of ``--error-budget``.
+
+Every distinct plan is then measured with ``revckpt.report.report`` in one run: peak bytes of
+a training step (``MemoryMeter``), step time over store-all's (rotated round-robin, median of
+per-round ratios, one thread) and the gradient error against a float64 copy. A second table
+puts each baseline next to the exact optimum solved for the baseline's own predicted peak
+(equal memory, +0.1% for the solver's rounding): the optimum's overhead is never higher by
+prediction; the measured times show what the noise of this machine does to that.
+
+Run ``python benchmarks/bench_schedule.py`` (about 3 minutes on 2 CPU cores); prints the tables
+and writes ``benchmarks/results/bench_schedule.json`` and one PNG plot per model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from _common import environment, write_json  # benchmarks/_common.py
+
+from revckpt import RevckptError
+from revckpt.models import gpt_like, revnet_like
+from revckpt.report import report
+from revckpt.schedule import Plan, baseline, profile, solve
+
+BUDGETS = (0.75, 0.5, 0.25, 0.1, 0.05)
+
+
+def models(quick: bool) -> dict[str, tuple[torch.nn.Sequential, torch.Tensor]]:
+    torch.manual_seed(0)
+    if quick:
+        return {
+            "GPT-like": (gpt_like(4, 32, 2), torch.randn(2, 16, 32)),
+            "RevNet-like": (revnet_like((2, 2), (8, 16)), torch.randn(2, 3, 16, 16)),
+        }
+    return {
+        # 16 blocks, dim 64, 4 heads, batch 4 x 64 tokens
+        "GPT-like": (gpt_like(16, 64, 4), torch.randn(4, 64, 64)),
+        # stem, 3 stages of 3 reversible units (16/32/64 channels), 2 downsamplings, head
+        "RevNet-like": (revnet_like((3, 3, 3), (16, 32, 64)), torch.randn(8, 3, 32, 32)),
+    }
+
+
+def _named(plan: Plan, name: str) -> Plan:
+    return dataclasses.replace(plan, name=name)
+
+
+def _uniform(prof: Any, budget: int) -> Plan | None:
+    n = len(prof.blocks)
+    for k in range(n, 0, -1):  # fewest segments first
+        plan = baseline(prof, f"every-{k}")
+        if plan.predicted_peak_bytes <= budget:
+            return plan
+    return None
+
+
+def plans_for(prof: Any, store_peak: int, error_budget: float) -> tuple[list[Plan], list[dict]]:
+    """Distinct plans to measure, and one record per (budget, method)."""
+    distinct: dict[tuple, Plan] = {}
+    records = []
+
+    def add(plan: Plan | None, budget_frac: float | None, method: str, note: str = "") -> None:
+        key = None
+        if plan is not None:
+            key = tuple((s.start, s.stop, s.strategy) for s in plan.segments)
+            if key not in distinct:
+                distinct[key] = _named(plan, f"p{len(distinct)}")
+        records.append(
+            {
+                "budget_fraction": budget_frac,
+                "method": method,
+                "plan": distinct[key].name if key is not None else None,
+                "note": note,
+            }
+        )
+
+    fixed = {name: baseline(prof, name) for name in ("per-block", "sqrt")}
+    for frac in BUDGETS:
+        budget = int(frac * store_peak)
+        for name, plan in fixed.items():
+            fits = plan.predicted_peak_bytes <= budget
+            add(plan if fits else None, frac, name, "" if fits else "does not fit")
+        uniform = _uniform(prof, budget)
+        add(uniform, frac, "uniform", "" if uniform else "no every-k fits")
+        try:
+            add(baseline(prof, "greedy", memory_budget=budget), frac, "greedy")
+        except RevckptError:
+            add(None, frac, "greedy", "cannot reach the budget")
+        for method, strategies, eb in (
+            ("optimal", ["store", "checkpoint"], 0.0),
+            ("optimal+", None, error_budget),
+        ):
+            try:
+                plan = solve(prof, memory_budget=budget, error_budget=eb, strategies=strategies)
+                add(plan, frac, method)
+            except RevckptError:
+                add(None, frac, method, "infeasible")
+    # equal memory: the exact optimum at each fixed baseline's own predicted peak
+    for name, plan in fixed.items():
+        # +0.1%: the solver rounds every byte count up to its slots, so a budget of exactly
+        # the baseline's peak may exclude the baseline itself
+        at_peak = int(plan.predicted_peak_bytes * 1.001)
+        opt = solve(prof, memory_budget=at_peak, strategies=["store", "checkpoint"])
+        add(plan, None, name)
+        add(opt, None, f"optimal at {name} peak")
+    return list(distinct.values()), records
+
+
+def run_model(name: str, chain: Any, x: torch.Tensor, args: argparse.Namespace) -> dict:
+    prof = profile(chain, x, repeats=args.profile_repeats)
+    store_peak = baseline(prof, "store").predicted_peak_bytes
+    plans, records = plans_for(prof, store_peak, args.error_budget)
+    rep = report(chain, x, plans, repeats=args.repeats, chosen=None)
+    rows = {r.name: r for r in rep.rows}
+    base = rep.store_all_peak_bytes
+    out_records = []
+    for rec in records:
+        r = rows.get(rec["plan"]) if rec["plan"] else None
+        entry = dict(rec)
+        if r is not None:
+            entry.update(
+                strategies=sorted(set(r.strategies)),
+                measured_peak_bytes=r.measured_peak_bytes,
+                predicted_peak_bytes=r.predicted_peak_bytes,
+                measured_over_predicted=r.peak_ratio,
+                memory_saved=1 - r.measured_peak_bytes / base,
+                time_ratio=r.time_ratio,
+                predicted_overhead=r.predicted_overhead,
+                gradient_error=r.gradient_error,
+                within_budget_plus_5pct=(
+                    None
+                    if rec["budget_fraction"] is None
+                    else r.measured_peak_bytes <= 1.05 * rec["budget_fraction"] * store_peak
+                ),
+            )
+        out_records.append(entry)
+    plot = args.out.parent / f"bench_schedule_{name.split('-')[0].lower()}.png"
+    rep.plot(plot, title=f"{name}: measured memory vs time, every plan of bench_schedule")
+    worst = max(abs(r.peak_ratio - 1) for r in rep.rows)
+    return {
+        "model": name,
+        "input_shape": list(x.shape),
+        "blocks": len(prof.blocks),
+        "store_all_measured_peak_bytes": base,
+        "store_all_predicted_peak_bytes": store_peak,
+        "worst_prediction_error": worst,
+        "store_all_gradient_error": rows["store-all"].gradient_error,
+        "plans": {r.name: list(r.strategies) for r in rep.rows},
+        "records": out_records,
+        "plot": str(plot),
+    }
+
+
+def _cell(v: Any, fmt: str) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
+
+
+def tables(result: dict) -> str:
+    out = []
+    for m in result["models"]:
+        out.append(
+            f"\n{m['model']} ({m['blocks']} blocks, input {m['input_shape']}): store-all "
+            f"{m['store_all_measured_peak_bytes'] / 2**20:.2f} MiB measured; worst "
+            f"|measured/predicted - 1| over all plans {m['worst_prediction_error']:.2%}; float32 "
+            f"store-all gradient error {m['store_all_gradient_error']:.1e}"
+        )
+        out.append(
+            "| budget | method | plan | memory saved | measured/predicted | within budget+5% | "
+            "time vs store-all | gradient error | strategies |"
+        )
+        out.append("|---|---|---|---|---|---|---|---|---|")
+        for r in m["records"]:
+            if r["budget_fraction"] is None:
+                continue
+            if r["plan"] is None:
+                out.append(
+                    f"| {r['budget_fraction']:.0%} | {r['method']} | - | {r['note']} | | | | | |"
+                )
+                continue
+            out.append(
+                f"| {r['budget_fraction']:.0%} | {r['method']} | {r['plan']} | "
+                f"{r['memory_saved']:.1%} | {r['measured_over_predicted']:.3f} | "
+                f"{'yes' if r['within_budget_plus_5pct'] else 'NO'} | {r['time_ratio']:.3f} | "
+                f"{_cell(r['gradient_error'], '.1e')} | {', '.join(r['strategies'])} |"
+            )
+        out.append("\nequal memory: each fixed baseline next to the exact optimum at its peak")
+        out.append(
+            "| plan | measured peak MiB | time vs store-all | predicted overhead | strategies |"
+        )
+        out.append("|---|---|---|---|---|")
+        for r in m["records"]:
+            if r["budget_fraction"] is not None or r["plan"] is None:
+                continue
+            out.append(
+                f"| {r['method']} ({r['plan']}) | {r['measured_peak_bytes'] / 2**20:.2f} | "
+                f"{r['time_ratio']:.3f} | {r['predicted_overhead']:.3f} | "
+                f"{', '.join(r['strategies'])} |"
+            )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny models (a smoke test)")
+    parser.add_argument("--repeats", type=int, default=9, help="timing rounds")
+    parser.add_argument("--profile-repeats", type=int, default=5)
+    parser.add_argument("--error-budget", type=float, default=0.01)
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "results" / "bench_schedule.json"
+    )
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = {
+        "benchmark": "bench_schedule",
+        "command": "python benchmarks/bench_schedule.py",
+        "environment": environment(),
+        "budgets": list(BUDGETS),
+        "error_budget": args.error_budget,
+        "models": [run_model(n, c, x, args) for n, (c, x) in models(args.quick).items()],
+    }
+    print(tables(result))
+    write_json(result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()

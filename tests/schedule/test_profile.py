@@ -1,0 +1,65 @@
+"""profile(): what it records, and that it leaves the model as it found it."""
+
+import pytest
+import torch
+from torch import nn
+
+from revckpt import InvalidArgumentError
+from revckpt.approx import Approx, estimate_error
+from revckpt.models import gpt_like, revnet_like
+from revckpt.schedule import Segment, evaluate, profile
+
+
+def _state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_profile_leaves_statistics_gradients_and_rng_alone():
+    torch.manual_seed(0)
+    chain, x = revnet_like((2,), (8,)), torch.randn(4, 3, 8, 8)
+    before = _state(chain)
+    rng = torch.random.get_rng_state()
+    prof = profile(chain, x, repeats=2)
+    after = chain.state_dict()
+    for k, v in before.items():
+        assert torch.equal(v, after[k]), k
+    assert all(p.grad is None for p in chain.parameters())
+    assert torch.equal(rng, torch.random.get_rng_state())
+    assert len(prof.blocks) == len(chain)
+
+
+def test_estimate_error_leaves_batchnorm_statistics_alone():
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.GELU())
+    before = _state(block)
+    estimate_error([block], torch.randn(16, 8), Approx(store="e4m3"), probes=2)
+    for k, v in before.items():
+        assert torch.equal(v, block.state_dict()[k]), k
+
+
+def test_blocks_that_save_their_own_output_are_flagged():
+    torch.manual_seed(0)
+    chain = nn.Sequential(
+        nn.Sequential(nn.Linear(8, 8), nn.ReLU()),  # ReLU saves its result: the output
+        nn.Sequential(nn.Linear(8, 8), nn.GELU()),  # GELU saves its input
+        gpt_like(1, 8, 2)[0],
+    )
+    x = torch.randn(2, 4, 8)
+    prof = profile(chain, x, repeats=1, codecs=("e4m3",))
+    assert [b.output_saved for b in prof.blocks] == [True, False, False]
+    # compressing the ReLU's output after storing that block would save nothing: refused
+    with pytest.raises(InvalidArgumentError, match="saves its output"):
+        evaluate(prof.blocks, [Segment(0, 1, "store"), Segment(1, 3, "approx:e4m3")])
+    evaluate(prof.blocks, [Segment(0, 1, "checkpoint"), Segment(1, 3, "approx:e4m3")])
+    evaluate(prof.blocks, [Segment(0, 2, "store"), Segment(2, 3, "approx:e4m3")])
+
+
+def test_measured_transients_recorded():
+    torch.manual_seed(0)
+    chain, x = revnet_like((1,), (8,)), torch.randn(2, 3, 8, 8)
+    prof = profile(chain, x, repeats=1, codecs=())
+    stem, unit, head = prof.blocks
+    for b in prof.blocks:
+        assert b.checkpoint_peak_bytes is not None and b.backward_capture_peak_bytes is not None
+    assert unit.invertible and unit.reversible_peak_bytes is not None
+    assert stem.reversible_peak_bytes is None and head.reversible_peak_bytes is None

@@ -1,0 +1,120 @@
+"""revckpt.report: the scheduler's predicted peak against the measured one on the built-in
+models, and the Report's table, JSON and plot."""
+
+import contextlib
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from revckpt import InvalidArgumentError
+from revckpt.models import gpt_like, mlp_chain, revnet_like
+from revckpt.report import measure_peak, report
+from revckpt.schedule import apply, baseline, profile, solve
+
+
+def _plans(prof):
+    plans = [baseline(prof, name) for name in ("per-block", "sqrt", "every-2")]
+    for fraction in (0.75, 0.5, 0.3):
+        for error_budget in (0.0, 0.02):
+            with contextlib.suppress(InvalidArgumentError):  # below what any plan reaches
+                plans.append(solve(prof, memory_budget=fraction, error_budget=error_budget))
+    return plans
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: (gpt_like(6, 32, 2), torch.randn(2, 32, 32)),
+        lambda: (revnet_like((2, 2), (8, 16)), torch.randn(4, 3, 16, 16)),
+        lambda: (mlp_chain(6, 64, 256), torch.randn(64, 64)),
+    ],
+    ids=["gpt", "revnet", "mlp"],
+)
+def test_measured_peak_within_five_percent_of_prediction_and_budget(make):
+    torch.manual_seed(0)
+    chain, x = make()
+    prof = profile(chain, x, repeats=1)
+    plans = _plans(prof)
+    used = {s for p in plans for s in p.strategies}
+    assert {"checkpoint", "store"} <= used
+    for plan in plans:
+        peak = measure_peak(apply(chain, plan), x)
+        ratio = peak / plan.predicted_peak_bytes
+        assert 0.95 <= ratio <= 1.05, (plan.name, plan.strategies, ratio)
+        if plan.memory_budget_bytes is not None:
+            assert peak <= 1.05 * plan.memory_budget_bytes, (plan.strategies, peak)
+
+
+def test_revnet_plans_use_reversible_units_and_fit():
+    torch.manual_seed(0)
+    chain, x = revnet_like((3,), (16,)), torch.randn(4, 3, 16, 16)
+    prof = profile(chain, x, repeats=1, codecs=())
+    assert [b.invertible for b in prof.blocks] == [False, True, True, True, False]
+    plan = solve(prof, memory_budget=min_reversible_fraction(prof), strategies=None)
+    assert "reversible" in plan.strategies
+    peak = measure_peak(apply(chain, plan), x)
+    assert abs(peak / plan.predicted_peak_bytes - 1) <= 0.05
+
+
+def min_reversible_fraction(prof):
+    """A budget below what checkpointing alone reaches."""
+    per_block = baseline(prof, "per-block").predicted_peak_bytes
+    return int(0.97 * per_block)
+
+
+def test_measure_peak_restores_gradients():
+    chain, x = mlp_chain(2, 16, 32), torch.randn(8, 16)
+    assert all(p.grad is None for p in chain.parameters())
+    measure_peak(chain, x)
+    assert all(p.grad is None for p in chain.parameters())
+    g = torch.ones_like(chain[0].fc1.weight)
+    chain[0].fc1.weight.grad = g
+    measure_peak(chain, x)
+    assert chain[0].fc1.weight.grad is g
+
+
+def test_report_table_json_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    torch.manual_seed(0)
+    chain, x = mlp_chain(4, 32, 128, norm="layer"), torch.randn(32, 32)
+    prof = profile(chain, x, repeats=1, codecs=("e4m3",))
+    plans = [
+        solve(prof, memory_budget=0.6, error_budget=0.05),
+        baseline(prof, "per-block"),
+        baseline(prof, "sqrt"),
+    ]
+    rep = report(chain, x, plans, repeats=2)
+    assert rep.names == ["store-all", "optimal", "per-block", "sqrt"]
+    assert rep.chosen == "optimal"
+    store = rep.row("store-all")
+    assert store.time_ratio == 1.0
+    assert store.gradient_error < 1e-5  # float32 round-off against float64
+    assert rep.row("per-block").measured_peak_bytes < store.measured_peak_bytes
+    assert rep.row("per-block").gradient_error < 1e-5  # exact strategy
+    if "approx:e4m3" in rep.row("optimal").strategies:
+        assert rep.row("optimal").gradient_error > 1e-4
+    assert "| optimal (chosen) |" in rep.table()
+    data = json.loads(rep.to_json(tmp_path / "r.json"))
+    assert data["format"] == "revckpt.Report/1"
+    assert [r["name"] for r in data["rows"]] == rep.names
+    assert json.loads((tmp_path / "r.json").read_text()) == data
+    assert set(rep.pareto()) <= set(rep.names) and rep.pareto()
+    png = rep.plot(tmp_path / "front.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.stat().st_size > 10_000
+
+
+def test_report_bad_input():
+    chain, x = mlp_chain(2, 8, 16), torch.randn(4, 8)
+    prof = profile(chain, x, repeats=1, codecs=())
+    plan = baseline(prof, "per-block")
+    with pytest.raises(InvalidArgumentError, match="at least one plan"):
+        report(chain, x, [])
+    with pytest.raises(InvalidArgumentError, match="distinct"):
+        report(chain, x, [plan, plan])
+    with pytest.raises(InvalidArgumentError, match="distinct"):
+        report(chain, x, [dataclasses.replace(plan, name="store-all")])
+    with pytest.raises(InvalidArgumentError, match="non-empty"):
+        report([], x, [plan])
