@@ -50,10 +50,10 @@ def models(quick: bool) -> dict[str, tuple[torch.nn.Sequential, torch.Tensor]]:
             "RevNet-like": (revnet_like((2, 2), (8, 16)), torch.randn(2, 3, 16, 16)),
         }
     return {
-        # 16 blocks, dim 64, 4 heads, batch 4 x 64 tokens
-        "GPT-like": (gpt_like(16, 64, 4), torch.randn(4, 64, 64)),
-        # stem, 3 stages of 3 reversible units (16/32/64 channels), 2 downsamplings, head
-        "RevNet-like": (revnet_like((3, 3, 3), (16, 32, 64)), torch.randn(8, 3, 32, 32)),
+        # 24 blocks, dim 64, 4 heads, batch 4 x 128 tokens
+        "GPT-like": (gpt_like(24, 64, 4), torch.randn(4, 128, 64)),
+        # stem, 3 stages of 6 reversible units (16/32/64 channels), 2 downsamplings, head
+        "RevNet-like": (revnet_like((6, 6, 6), (16, 32, 64)), torch.randn(8, 3, 32, 32)),
     }
 
 

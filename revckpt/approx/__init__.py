@@ -9,7 +9,7 @@
   alone for several codecs at once.
 """
 
-from .bounds import ErrorEstimate, estimate_error, estimate_totals
+from .bounds import ErrorEstimate, TotalEstimate, estimate_error, estimate_totals
 from .formats import FORMATS, Codec, Encoded
 from .recompute import Approx, checkpoint
 
@@ -19,6 +19,7 @@ __all__ = [
     "Codec",
     "Encoded",
     "ErrorEstimate",
+    "TotalEstimate",
     "checkpoint",
     "estimate_error",
     "estimate_totals",

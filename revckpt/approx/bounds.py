@@ -75,6 +75,7 @@ __all__ = [
     "FIRST_ORDER_LIMIT",
     "ErrorEstimate",
     "NonSmoothWarning",
+    "TotalEstimate",
     "estimate_error",
     "estimate_totals",
 ]
@@ -190,9 +191,11 @@ def _chain_gradients(
     params: list[dict[str, torch.Tensor]],
     buffers: list[dict[str, torch.Tensor]],
     cotangent: torch.Tensor,
+    with_input: bool = False,
 ) -> Any:
     """``G(z_0, ..., z_{B-1})``: the chain's parameter gradients with block ``k``'s backward
-    recomputed from ``z_k`` (flat tuple, blocks in order)."""
+    recomputed from ``z_k`` (flat tuple, blocks in order; with ``with_input``, the gradient
+    with respect to ``z_0`` last)."""
 
     def grads(zs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         ct = cotangent
@@ -206,7 +209,8 @@ def _chain_gradients(
             dz, dp = pullback(ct)
             per_block[k] = tuple(dp[name] for name in params[k])
             ct = dz
-        return tuple(g for block in per_block for g in block)
+        flat = tuple(g for block in per_block for g in block)
+        return (*flat, ct) if with_input else flat
 
     return grads
 
@@ -220,11 +224,14 @@ def _worst_row_ratio(x: torch.Tensor, bound: torch.Tensor) -> float:
 
 
 def _linearise(
-    chain: Sequence[nn.Module], x: torch.Tensor, cotangent: torch.Tensor | None
+    chain: Sequence[nn.Module],
+    x: torch.Tensor,
+    cotangent: torch.Tensor | None,
+    with_input: bool = False,
 ) -> tuple[list[torch.Tensor], list[str], Any, tuple[torch.Tensor, ...], dict[str, float]]:
     """The chain's boundaries ``x_k`` (working precision, statistics untouched), parameter
-    names, ``G`` as a function of the boundaries (float64 copies of the blocks), the float64
-    boundaries, and ``||G_p||`` per parameter."""
+    names (and ``INPUT`` last, with ``with_input``), ``G`` as a function of the boundaries
+    (float64 copies of the blocks), the float64 boundaries, and ``||G_p||`` per name."""
     norms = [m for b in chain for m in b.modules() if isinstance(m, _NormBase)]
     with torch.no_grad(), freeze_running_stats(norms):  # the model's statistics stay as they are
         xs = [x.detach()]
@@ -238,12 +245,27 @@ def _linearise(
     params = [{n: p.detach() for n, p in b.named_parameters() if p.requires_grad} for b in blocks64]
     buffers = [{n: t.detach().clone() for n, t in b.named_buffers()} for b in blocks64]
     names = [f"{k}.{n}" for k, p in enumerate(params) for n in p]
+    if with_input:
+        names.append(INPUT)
     ct = (torch.ones_like(out) if cotangent is None else cotangent).detach().double()
-    grads_fn = _chain_gradients(blocks64, params, buffers, ct)
+    grads_fn = _chain_gradients(blocks64, params, buffers, ct, with_input)
     zs = tuple(z.double() for z in xs)
     exact = grads_fn(zs)
     grad_norm = {n: float(g.norm()) for n, g in zip(names, exact, strict=True)}
     return xs, names, grads_fn, zs, grad_norm
+
+
+INPUT = "<input>"
+
+
+@dataclass(frozen=True)
+class TotalEstimate:
+    """Random-sign estimates of relative gradient errors: ``parameters``, of all parameter
+    gradients together (``sqrt(sum_p e_p^2) / ||G||``); ``input``, of the gradient with respect
+    to the chain input (what flows on to the layers before it)."""
+
+    parameters: float
+    input: float
 
 
 def estimate_totals(
@@ -254,12 +276,13 @@ def estimate_totals(
     cotangent: torch.Tensor | None = None,
     probes: int = 4,
     seed: int = 0,
-) -> dict[str, float]:
-    """The random-sign estimate alone (``ErrorEstimate.total("estimate")``) for several codecs
-    at once: one linearisation, every codec's probes in one vectorised JVP, no power
-    iteration. What :func:`revckpt.schedule.profile` uses to price approx per block. A string
-    names a format with the default options (``Approx(store=name)``); keys are the strings
-    given, or ``str(codec)``."""
+) -> dict[str, TotalEstimate]:
+    """The random-sign estimate alone, for several codecs at once: one linearisation, every
+    codec's probes in one vectorised JVP, no power iteration; for the parameter gradients
+    together (``ErrorEstimate.total("estimate")``) and for the input gradient. What
+    :func:`revckpt.schedule.profile` uses to price approx per block. A string names a format
+    with the default options (``Approx(store=name)``); keys are the strings given, or
+    ``str(codec)``."""
     chain = list(blocks)
     if not chain or not all(isinstance(b, nn.Module) for b in chain):
         raise InvalidInputTypeError(
@@ -274,7 +297,7 @@ def estimate_totals(
     if not resolved:
         return {}
     with sdpa_kernel(SDPBackend.MATH):
-        xs, _, grads_fn, zs, grad_norm = _linearise(chain, x, cotangent)
+        xs, _, grads_fn, zs, grad_norm = _linearise(chain, x, cotangent, with_input=True)
         gen = torch.Generator().manual_seed(seed)
         tangents = []
         for z in xs:
@@ -285,15 +308,25 @@ def estimate_totals(
                 parts.append(sign.mul_(2).sub_(1) * d)
             tangents.append(torch.cat(parts))
         probed = vmap(lambda v: jvp(grads_fn, (zs,), (v,))[1])(tuple(tangents))
-    norm = math.sqrt(sum(v * v for v in grad_norm.values()))
+    param_norm = math.sqrt(sum(v * v for n, v in grad_norm.items() if n != INPUT))
     totals = {}
     for i, (key, _) in enumerate(resolved):
-        sq = sum(
+        sq = [
             float(t[i * probes : (i + 1) * probes].reshape(probes, -1).pow(2).sum(1).mean())
             for t in probed
+        ]
+        params_sq, input_sq = sum(sq[:-1]), sq[-1]
+        totals[key] = TotalEstimate(
+            parameters=_ratio(math.sqrt(params_sq), param_norm),
+            input=_ratio(math.sqrt(input_sq), grad_norm[INPUT]),
         )
-        totals[key] = math.sqrt(sq) / norm if norm > 0 else math.inf
     return totals
+
+
+def _ratio(err: float, norm: float) -> float:
+    if norm > 0:
+        return err / norm
+    return 0.0 if err == 0 else math.inf
 
 
 def estimate_error(

@@ -11,6 +11,9 @@ checkpoint    the segment input ``x_j``               re-run the segment forward
 approx:<c>    ``x_j`` compressed by codec ``c``       re-run the segment forward  ``e_j(c)``
 reversible    nothing (the output is the next         re-run each block forward   0
               segment's input, or the caller's)       once (inverse + reforward)
+selective:<p> one block: its input and the outputs    re-run the other ops of     0
+              of the ops policy ``p`` keeps (matmul,  the block (norms,
+              attention; ``revckpt.POLICY_PRESETS``)  activations, softmax)
 ============  ======================================  ==========================  ===========
 
 Per block ``i`` the model uses (all measured by :func:`revckpt.schedule.profile`): forward and
@@ -44,6 +47,9 @@ gradient of block ``i``'s output (``x_{i+1}`` bytes), block ``i`` peaks at
   ``P + c_j + A_i + O + 2 g_k + g_i + tc_i + sum_{i' in (i, k)} p_i'``: one autograd node,
   so the rebuilt segment output (``g_k`` bytes) stays alive and the parameter gradients made
   so far are kept until it returns them;
+* selective:<p> (one block ``j``): keeps ``x_j + c_j(p)`` (the outputs the policy keeps);
+  forward ``P + x_j + tf_j(p)``, backward ``P + x_j + c_j(p) + O + g_j + ts_j(p)`` (its
+  recompute and backward measured together, as ``tk``);
 * reversible: forward ``P + x_i + tn_i``; backward of block ``i``: ``P + O + g_{i+1} + tr_i``
   (plus ``x_0`` throughout when ``j = 0``). Without ``tr`` measured, the bound
   ``P + O + 2 x_{i+1} + x_i + max(s_i + tc_i, tf_i + p_i)``.
@@ -64,6 +70,7 @@ from dataclasses import dataclass, field
 from ..errors import InvalidArgumentError
 
 __all__ = [
+    "SELECTIVE_PREFIX",
     "BlockCost",
     "Evaluation",
     "Segment",
@@ -78,6 +85,7 @@ __all__ = [
 
 STORE, CHECKPOINT, REVERSIBLE = "store", "checkpoint", "reversible"
 APPROX_PREFIX = "approx:"
+SELECTIVE_PREFIX = "selective:"
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,15 @@ class BlockCost:
     reversible_peak_bytes: int | None = None
     output_saved: bool = False
     strategy_overhead_s: Mapping[str, float] = field(default_factory=dict)
+    selective_bytes: Mapping[str, int] = field(default_factory=dict)
+    selective_forward_peak_bytes: Mapping[str, int] = field(default_factory=dict)
+    selective_backward_peak_bytes: Mapping[str, int] = field(default_factory=dict)
+    approx_input_error: Mapping[str, float] = field(default_factory=dict)
+    approx_perturbation: Mapping[str, float] = field(default_factory=dict)
+    approx_amplification: Mapping[str, float] = field(default_factory=dict)
+    grad_sq: float | None = None
+    upstream_grad_sq: float | None = None
+    chain_grad_sq: float | None = None
 
     @property
     def capture_peak(self) -> int:
@@ -137,12 +154,15 @@ class SegmentCost:
 
 def strategy_names(blocks: Sequence[BlockCost]) -> list[str]:
     """Every strategy some block supports: store, checkpoint, reversible (if any block is
-    invertible) and ``approx:<codec>`` for every codec profiled."""
+    invertible), ``approx:<codec>`` for every codec profiled and ``selective:<policy>`` for
+    every selective-recompute policy profiled."""
     names = [STORE, CHECKPOINT]
     if any(b.invertible for b in blocks):
         names.append(REVERSIBLE)
     codecs = sorted({c for b in blocks for c in b.approx_bytes})
     names += [APPROX_PREFIX + c for c in codecs]
+    policies = sorted({p for b in blocks for p in b.selective_bytes})
+    names += [SELECTIVE_PREFIX + p for p in policies]
     return names
 
 
@@ -190,10 +210,22 @@ def _check_strategy(blocks: Sequence[BlockCost], seg: Segment) -> None:
                 "(schedule.profile(..., codecs=[...])) or choose one of "
                 f"{sorted(blocks[seg.start].approx_bytes)}"
             )
+    elif seg.strategy.startswith(SELECTIVE_PREFIX):
+        policy = seg.strategy[len(SELECTIVE_PREFIX) :]
+        if seg.stop != seg.start + 1:
+            raise InvalidArgumentError(
+                f"a selective segment covers one block, got [{seg.start}, {seg.stop}); split it"
+            )
+        if policy not in blocks[seg.start].selective_bytes:
+            raise InvalidArgumentError(
+                f"policy {policy!r} was not profiled for block {seg.start}; profile it "
+                "(schedule.profile(..., policies=[...])) or choose one of "
+                f"{sorted(blocks[seg.start].selective_bytes)}"
+            )
     elif seg.strategy not in (STORE, CHECKPOINT):
         raise InvalidArgumentError(
-            f"unknown strategy {seg.strategy!r}; use 'store', 'checkpoint', 'reversible' or "
-            "'approx:<codec>'"
+            f"unknown strategy {seg.strategy!r}; use 'store', 'checkpoint', 'reversible', "
+            "'approx:<codec>' or 'selective:<policy>'"
         )
 
 
@@ -207,6 +239,45 @@ def _segment_time(part: Sequence[BlockCost], strategy: str) -> float:
         return sum(b.strategy_overhead_s.get(REVERSIBLE, b.forward_s) for b in part)
     head = part[0].strategy_overhead_s.get(strategy, part[0].forward_s)
     return head + sum(b.forward_s for b in part[1:])
+
+
+def _approx_error(part: Sequence[BlockCost], codec: str) -> float:
+    """Estimated relative error of all the chain's gradients when the segment's input is
+    compressed by ``codec``, from per-block measurements (:func:`revckpt.schedule.profile`):
+    ``r_i``, ``q_i``, the relative errors of block ``i``'s parameter and input gradients when
+    its input goes through the codec; ``d_i``, how far the codec moves that input; ``A_i``,
+    how much a perturbation of its input grows through it; ``N_i^2``, the squared norm of its
+    parameter gradients in the chain, ``U_j = sum_{i<j} N_i^2`` and ``N^2`` their total. The
+    compressed ``x_j`` moves block ``i``'s input by ``m_i = d_j prod_{j<=l<i} A_l``, scaling
+    its errors by ``s_i = m_i / d_i`` (first order), so::
+
+        e^2 = (sum_{i in [j, k)} (r_i s_i N_i)^2 + U_j sum_{i in [j, k)} (q_i s_i)^2) / N^2
+
+    (the input-gradient error reaches every earlier block with its relative size). Without
+    the chain norms: ``r_j``. Segments combine by root-sum-square (independent rounding):
+    :func:`evaluate` adds ``e^2``."""
+    head = part[0]
+    r0 = head.approx_error.get(codec, 0.0)
+    if head.chain_grad_sq is None or head.upstream_grad_sq is None:
+        return r0
+    if head.chain_grad_sq <= 0:
+        return 0.0
+    d_j = head.approx_perturbation.get(codec)
+    own = upstream = 0.0
+    moved = d_j
+    for b in part:
+        r, q = b.approx_error.get(codec), b.approx_input_error.get(codec)
+        d, amp = b.approx_perturbation.get(codec), b.approx_amplification.get(codec)
+        n2 = b.grad_sq
+        if None in (r, q, d, amp, n2, moved):
+            return r0
+        assert r is not None and q is not None and d is not None and amp is not None
+        assert n2 is not None and moved is not None and d_j is not None
+        scale = moved / d if d > 0 else 1.0
+        own += (r * scale) ** 2 * n2
+        upstream += (q * scale) ** 2
+        moved *= amp
+    return math.sqrt(own + head.upstream_grad_sq * upstream) / math.sqrt(head.chain_grad_sq)
 
 
 def segment_cost(blocks: Sequence[BlockCost], seg: Segment) -> SegmentCost:
@@ -227,6 +298,14 @@ def segment_cost(blocks: Sequence[BlockCost], seg: Segment) -> SegmentCost:
             acc -= b.input_bytes + b.saved_bytes
         return SegmentCost(kept, work, 0.0, 0.0)
     recompute = _segment_time(part, strategy)
+    if strategy.startswith(SELECTIVE_PREFIX):
+        b, policy = part[0], strategy[len(SELECTIVE_PREFIX) :]
+        kept = b.input_bytes + b.selective_bytes[policy]
+        work = max(
+            b.input_bytes + b.selective_forward_peak_bytes[policy],
+            kept + out + b.output_bytes + b.selective_backward_peak_bytes[policy],
+        )
+        return SegmentCost(kept, work, recompute, 0.0)
     if strategy == REVERSIBLE:
         held = part[0].input_bytes if j == 0 else 0  # the caller's chain input, if ours
         work = 0
@@ -252,7 +331,7 @@ def segment_cost(blocks: Sequence[BlockCost], seg: Segment) -> SegmentCost:
     else:
         codec = strategy[len(APPROX_PREFIX) :]
         kept = held = part[0].approx_bytes[codec]
-        error = part[0].approx_error.get(codec, 0.0)
+        error = _approx_error(part, codec)
         if j == 0:  # the caller's chain input stays alive next to its compressed copy
             kept += part[0].input_bytes
             held += part[0].input_bytes
@@ -306,7 +385,8 @@ class Evaluation:
 
 def evaluate(blocks: Sequence[BlockCost], segments: Sequence[Segment]) -> Evaluation:
     """Predicted peak, recompute overhead and error of a plan (segments in order, covering the
-    chain). The peak is ``max_p (P_p + W_p)`` over segments ``p`` (see the module docstring)."""
+    chain). The peak is ``max_p (P_p + W_p)`` over segments ``p`` (see the module docstring);
+    the error ``sqrt(sum_p e_p^2)``."""
     if not segments or segments[0].start != 0 or segments[-1].stop != len(blocks):
         raise InvalidArgumentError("a plan's segments must cover the chain from block 0 to the end")
     for a, b in itertools.pairwise(segments):
@@ -325,14 +405,16 @@ def evaluate(blocks: Sequence[BlockCost], segments: Sequence[Segment]) -> Evalua
                     "anyway; checkpoint that block or store the next one"
                 )
             )
-    prefix, peak, time, error = 0, 0, 0.0, 0.0
+    prefix, peak, time, error_sq = 0, 0, 0.0, 0.0
     for seg in segments:
         cost = segment_cost(blocks, seg)
         peak = max(peak, prefix + cost.work)
         prefix += cost.kept
         time += cost.time
-        error += cost.error
-    return Evaluation(peak_bytes=peak, overhead_s=time, error=error, kept_bytes=prefix)
+        error_sq += cost.error**2
+    return Evaluation(
+        peak_bytes=peak, overhead_s=time, error=math.sqrt(error_sq), kept_bytes=prefix
+    )
 
 
 def chain_totals(blocks: Sequence[BlockCost]) -> tuple[float, int]:

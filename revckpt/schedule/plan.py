@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from ..approx import Approx
-from ..checkpoint import checkpoint_sequential
+from ..checkpoint import checkpoint, checkpoint_sequential
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..layers import ReversibleSequential, ReversibleUnit
-from .costs import APPROX_PREFIX, CHECKPOINT, REVERSIBLE, STORE, Segment
+from .costs import APPROX_PREFIX, CHECKPOINT, REVERSIBLE, SELECTIVE_PREFIX, STORE, Segment
 
 __all__ = ["Plan", "Scheduled", "apply"]
 
@@ -186,6 +186,8 @@ class Scheduled(nn.Module):
                 x = checkpoint_sequential(run, 1, x, **kwargs)
             elif strategy == REVERSIBLE:
                 x = run(x, **kwargs)
+            elif strategy.startswith(SELECTIVE_PREFIX):
+                x = checkpoint(run[0], x, policy=strategy[len(SELECTIVE_PREFIX) :], **kwargs)
             else:
                 fmt = strategy[len(APPROX_PREFIX) :]
                 x = checkpoint_sequential(run, 1, x, approx=Approx(store=fmt), **kwargs)

@@ -13,29 +13,33 @@ their accumulation allocates only temporaries, as from the second training step 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
+import math
 import statistics
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.modules.batchnorm import _NormBase
 
 from ..approx import Approx
 from ..approx import checkpoint as approx_checkpoint
-from ..approx.bounds import estimate_totals
-from ..checkpoint import checkpoint
+from ..checkpoint import POLICY_PRESETS, checkpoint
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..layers import ReversibleSequential, ReversibleUnit
 from ..measure import MemoryMeter, time_ratios
-from .costs import APPROX_PREFIX, CHECKPOINT, REVERSIBLE, STORE, BlockCost
+from .costs import APPROX_PREFIX, CHECKPOINT, REVERSIBLE, SELECTIVE_PREFIX, STORE, BlockCost
 
 __all__ = ["Profile", "profile"]
 
 DEFAULT_CODECS = ("bf16", "e4m3", "e5m2")
+DEFAULT_POLICIES = ("matmul+attention",)
 
 
 def _signature(x: torch.Tensor) -> tuple[tuple[int, ...], str, str]:
@@ -88,14 +92,17 @@ def profile(
     x: torch.Tensor,
     *,
     codecs: Sequence[str] = DEFAULT_CODECS,
+    policies: Sequence[str] = DEFAULT_POLICIES,
     repeats: int = 5,
     device: str | torch.device | None = None,
     **kwargs: Any,
 ) -> Profile:
     """Profile the chain ``blocks`` on input ``x`` (keyword arguments reach every block).
 
-    ``codecs``: the approx formats to price (``()`` for none). ``repeats``: timing repeats
-    (median). ``device``: where memory is metered (default: ``x``'s device).
+    ``codecs``: the approx formats to price (``()`` for none). ``policies``: the selective
+    recompute presets to price (names in :data:`revckpt.POLICY_PRESETS`; ``()`` for none).
+    ``repeats``: timing repeats (median). ``device``: where memory is metered (default:
+    ``x``'s device).
     """
     chain = list(blocks)
     if not chain:
@@ -106,6 +113,11 @@ def profile(
         raise InvalidInputTypeError(f"profile(blocks, x): x must be a tensor, got {type(x)}")
     if repeats < 1:
         raise InvalidArgumentError(f"repeats={repeats}: pass at least 1")
+    unknown = [p for p in policies if p not in POLICY_PRESETS]
+    if unknown:
+        raise InvalidArgumentError(
+            f"unknown selective-recompute policies {unknown}; choose from {sorted(POLICY_PRESETS)}"
+        )
     names = (
         tuple(n for n, _ in blocks.named_children())
         if isinstance(blocks, nn.Sequential)
@@ -119,10 +131,20 @@ def profile(
     costs = []
     current = x.detach()
     try:
+        cotangents, grad_sq = _sensitivities(chain, x, kwargs)
         for p in params:  # steady state: gradients exist
             p.grad = torch.zeros_like(p)
-        for block in chain:
-            costs.append(_profile_block(block, current, codecs, repeats, meter_device, kwargs))
+        upstream = 0.0
+        for block, ct, sq in zip(chain, cotangents, grad_sq, strict=True):
+            cost = _profile_block(
+                block, current, codecs, policies, repeats, meter_device, kwargs, ct
+            )
+            costs.append(
+                dataclasses.replace(
+                    cost, grad_sq=sq, upstream_grad_sq=upstream, chain_grad_sq=sum(grad_sq)
+                )
+            )
+            upstream += sq
             with torch.no_grad():
                 current = block(current, **kwargs).detach()
     finally:  # leave the model as it was: gradients, running statistics, RNG
@@ -135,6 +157,99 @@ def profile(
     return Profile(tuple(costs), names, _signature(x))
 
 
+def _sensitivities(
+    chain: Sequence[nn.Module], x: torch.Tensor, kwargs: dict[str, Any]
+) -> tuple[list[torch.Tensor | None], list[float]]:
+    """For a seeded random projection loss ``<w, y>`` of the chain output: the gradient with
+    respect to every block's output (the cotangent block ``j`` sees in the chain) and the
+    squared norm of every block's parameter gradients."""
+    h = x.detach()
+    outs = []
+    for block in chain:
+        h = block(h, **kwargs)
+        outs.append(h)
+    w = torch.randn(h.shape, generator=torch.Generator().manual_seed(0)).to(h.device, h.dtype)
+    per_block = [[p for p in b.parameters() if p.requires_grad] for b in chain]
+    flat = [p for ps in per_block for p in ps]
+    wrt = [o for o in outs[:-1] if o.requires_grad] + flat
+    if not h.requires_grad or not wrt:
+        return [None] * len(chain), [0.0] * len(chain)
+    grads = torch.autograd.grad((h * w).sum(), wrt, allow_unused=True)
+    by_id = {id(t): g for t, g in zip(wrt, grads, strict=True)}
+    cotangents = [by_id.get(id(o)) for o in outs[:-1]] + [w]
+    grad_sq = [
+        sum(float(by_id[id(p)].double().pow(2).sum()) for p in ps if by_id[id(p)] is not None)
+        for ps in per_block
+    ]
+    return [None if c is None else c.detach() for c in cotangents], grad_sq
+
+
+@dataclass(frozen=True)
+class CodecErrors:
+    """Per codec, measured on one block: relative errors of its parameter gradients and of its
+    input gradient, how far the codec moves its input (relative), and how much a perturbation
+    of its input grows through it (relative output change over relative input change)."""
+
+    parameters: dict[str, float]
+    input_gradient: dict[str, float]
+    perturbation: dict[str, float]
+    amplification: dict[str, float]
+
+
+def _codec_errors(
+    block: nn.Module,
+    x: torch.Tensor,
+    codecs: Sequence[str],
+    cotangent: torch.Tensor | None,
+    kwargs: dict[str, Any],
+) -> CodecErrors:
+    """Measured, per codec (see :class:`CodecErrors`), in float64 so that only the codec's
+    error is seen, with the chain's cotangent. A direct measurement, not a linearisation: it
+    sees ReLU kinks and saturation too."""
+    block64 = copy.deepcopy(block).double()
+    for m in block64.modules():
+        if isinstance(m, _NormBase) and m.training:
+            m.track_running_stats = False  # batch statistics, as in training, no updates
+    params = [p for p in block64.parameters() if p.requires_grad]
+    kw = {
+        k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        for k, v in kwargs.items()
+    }
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+
+    def grads(z: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        leaf = z.detach().double().requires_grad_(True)
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)  # the same dropout masks for every codec
+            y = block64(leaf, **kw)
+        ct = torch.ones_like(y) if cotangent is None else cotangent.detach().double()
+        got = torch.autograd.grad(y, [leaf, *params], ct, allow_unused=True)
+        flat = [g.reshape(-1) for g in got[1:] if g is not None]
+        par = torch.cat(flat) if flat else torch.zeros(0, dtype=y.dtype)
+        return got[0].reshape(-1), par, y.detach().reshape(-1), leaf.detach().reshape(-1)
+
+    errors = CodecErrors({}, {}, {}, {})
+    with sdpa_kernel(SDPBackend.MATH):
+        exact_in, exact_par, exact_y, exact_x = grads(x)
+        for fmt in codecs:
+            codec = Approx(store=fmt).codec
+            assert codec is not None
+            got_in, got_par, got_y, got_x = grads(codec.roundtrip(x))
+            errors.parameters[fmt] = _relative(got_par, exact_par)
+            errors.input_gradient[fmt] = _relative(got_in, exact_in)
+            moved = _relative(got_x, exact_x)
+            errors.perturbation[fmt] = moved
+            errors.amplification[fmt] = _relative(got_y, exact_y) / moved if moved > 0 else 1.0
+    return errors
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    num, den = float((a - b).norm()), float(b.norm())
+    if den > 0:
+        return num / den
+    return 0.0 if num == 0 else math.inf
+
+
 def _approx_step(
     block: nn.Module,
     leaf: torch.Tensor,
@@ -143,6 +258,16 @@ def _approx_step(
     kwargs: dict[str, Any],
 ) -> None:
     approx_checkpoint(block, leaf, store=fmt, **kwargs).backward(grad_out)
+
+
+def _selective_step(
+    block: nn.Module,
+    leaf: torch.Tensor,
+    grad_out: torch.Tensor,
+    policy: str,
+    kwargs: dict[str, Any],
+) -> None:
+    checkpoint(block, leaf, policy=policy, **kwargs).backward(grad_out)
 
 
 def _saves_own_output(block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> bool:
@@ -162,9 +287,11 @@ def _profile_block(
     block: nn.Module,
     x: torch.Tensor,
     codecs: Sequence[str],
+    policies: Sequence[str],
     repeats: int,
     device: Any,
     kwargs: dict[str, Any],
+    cotangent: torch.Tensor | None = None,
 ) -> BlockCost:
     leaf = x.detach().requires_grad_(x.is_floating_point())
     with MemoryMeter(device) as fwd:
@@ -186,10 +313,10 @@ def _profile_block(
     # (saved tensors, the output, its gradient alive). ``tb`` accumulates into ``.grad`` (the
     # steady state), ``tc`` returns the gradients (kept, as inside one approx/reversible node).
     # ``tk``: the same for the block checkpointed (its recompute and backward together).
-    transients = []
+    transients: dict[str, int] = {}
     # ``tr``: the same for an invertible block run reversibly (nothing stored; the input is
     # rebuilt from the output in backward).
-    modes = ["accumulate", "capture", "checkpoint"]
+    modes = ["accumulate", "capture", "checkpoint"] + [SELECTIVE_PREFIX + p for p in policies]
     if isinstance(block, ReversibleUnit):
         modes.append("reversible")
         reversible = ReversibleSequential(block.block, split_dim=block.split_dim)
@@ -198,6 +325,8 @@ def _profile_block(
         with MemoryMeter(device) as meter:
             if mode == "checkpoint":
                 y = checkpoint(block, leaf, **kwargs)
+            elif mode.startswith(SELECTIVE_PREFIX):
+                y = checkpoint(block, leaf, policy=mode[len(SELECTIVE_PREFIX) :], **kwargs)
             elif mode == "reversible":
                 y = reversible(leaf, **kwargs)
             else:
@@ -213,8 +342,15 @@ def _profile_block(
             else:
                 y.backward(g)
             del y, g
-        transients.append(max(0, meter.since_reset_peak_bytes - start))
+        transients[mode] = max(0, meter.since_reset_peak_bytes - start)
     leaf.grad = None
+    selective_bytes, selective_fwd = {}, {}
+    for policy in policies:  # the forward alone: what the policy keeps, and its peak
+        with MemoryMeter(device) as meter:
+            y = checkpoint(block, leaf, policy=policy, **kwargs)
+        selective_bytes[policy] = max(0, meter.end_bytes - out_bytes)
+        selective_fwd[policy] = meter.peak_bytes
+        del y
     with torch.no_grad(), MemoryMeter(device) as nograd:
         z = block(leaf.detach(), **kwargs)
     del z
@@ -233,6 +369,10 @@ def _profile_block(
         steps[CHECKPOINT] = lambda: checkpoint(block, leaf, **kwargs).backward(grad_out)
         if isinstance(block, ReversibleUnit):
             steps[REVERSIBLE] = lambda: reversible(leaf, **kwargs).backward(grad_out)
+        for policy in policies:
+            steps[SELECTIVE_PREFIX + policy] = functools.partial(
+                _selective_step, block, leaf, grad_out, policy, kwargs
+            )
         if x.is_floating_point():
             for fmt in codecs:
                 steps[APPROX_PREFIX + fmt] = functools.partial(
@@ -244,14 +384,17 @@ def _profile_block(
     leaf.grad = None
     approx_bytes: dict[str, int] = {}
     approx_error: dict[str, float] = {}
+    approx_input_error: dict[str, float] = {}
+    perturbation: dict[str, float] = {}
+    amplification: dict[str, float] = {}
     if x.is_floating_point() and codecs:
         for fmt in codecs:
             codec = Approx(store=fmt).codec
             assert codec is not None
             approx_bytes[fmt] = codec.encode(x).nbytes
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # kinks: the estimate is what the plan reports
-            approx_error = estimate_totals([block], x, list(codecs), probes=4)
+        measured = _codec_errors(block, x, codecs, cotangent, kwargs)
+        approx_error, approx_input_error = measured.parameters, measured.input_gradient
+        perturbation, amplification = measured.perturbation, measured.amplification
     return BlockCost(
         forward_s=f,
         backward_s=max(fb - f, 0.0),
@@ -260,14 +403,20 @@ def _profile_block(
         saved_bytes=saved,
         forward_peak_bytes=fwd.peak_bytes,
         forward_peak_nograd_bytes=nograd.peak_bytes,
-        backward_peak_bytes=transients[0],
-        backward_capture_peak_bytes=transients[1],
-        checkpoint_peak_bytes=transients[2],
-        reversible_peak_bytes=transients[3] if len(transients) > 3 else None,
+        backward_peak_bytes=transients["accumulate"],
+        backward_capture_peak_bytes=transients["capture"],
+        checkpoint_peak_bytes=transients["checkpoint"],
+        reversible_peak_bytes=transients.get("reversible"),
+        selective_bytes=selective_bytes,
+        selective_forward_peak_bytes=selective_fwd,
+        selective_backward_peak_bytes={p: transients[SELECTIVE_PREFIX + p] for p in policies},
         output_saved=output_saved,
         strategy_overhead_s=overhead,
         invertible=isinstance(block, ReversibleUnit),
         param_bytes=sum(_nbytes(p) for p in params),
         approx_bytes=approx_bytes,
         approx_error=approx_error,
+        approx_input_error=approx_input_error,
+        approx_perturbation=perturbation,
+        approx_amplification=amplification,
     )

@@ -3,11 +3,12 @@
 The problem (see :mod:`revckpt.schedule.costs`): choose segments ``[j, k)`` and a strategy for
 each, covering the chain, to minimise the total recompute time subject to
 
-    max_p (P_p + W_p) <= budget,       sum_p e_p <= error_budget,
+    max_p (P_p + W_p) <= budget,       sum_p e_p^2 <= error_budget^2,
 
 where ``P_p`` is the sum of the bytes kept by the segments before ``p`` and ``W_p`` the working
 peak of segment ``p``. Bytes are counted in ``slots`` of ``budget / slots`` bytes and errors in
-``error_slots`` of ``error_budget / error_slots``, each quantity rounded **up**, so a plan
+``error_slots`` of ``error_budget^2 / error_slots`` (errors of independent roundings add in
+quadrature, so the resource is ``e^2``), each quantity rounded **up**, so a plan
 feasible in slots is feasible in bytes and errors.
 
 Dynamic programme over the quantised instance (exact for it)::
@@ -36,6 +37,7 @@ from .costs import (
     APPROX_PREFIX,
     CHECKPOINT,
     REVERSIBLE,
+    SELECTIVE_PREFIX,
     STORE,
     BlockCost,
     Segment,
@@ -130,7 +132,7 @@ def quantise(
     error_slots: int,
 ) -> Instance:
     slot = budget_bytes / slots
-    err_slot = error_budget / error_slots if error_budget > 0 else 0.0
+    err_slot = error_budget**2 / error_slots if error_budget > 0 else 0.0
     cands = []
     limits: list[int] = []
     n = len(blocks)
@@ -145,10 +147,14 @@ def quantise(
                     break
                 if s == STORE and k > j + 1:
                     break  # a store segment of n blocks = n store segments of one
+                if s.startswith(SELECTIVE_PREFIX) and (
+                    k > j + 1 or s[len(SELECTIVE_PREFIX) :] not in blocks[j].selective_bytes
+                ):
+                    break  # one block per selective segment, and only where profiled
                 cost = segment_cost(blocks, Segment(j, k, s))
                 if cost.error > 0 and err_slot == 0:
                     break  # no error budget: approx is not allowed (same error for every k)
-                e = math.ceil(cost.error / err_slot - 1e-12) if cost.error > 0 else 0
+                e = math.ceil(cost.error**2 / err_slot - 1e-12) if cost.error > 0 else 0
                 cands.append(
                     (j, k, s, slots_of(cost.kept, slot), slots_of(cost.work, slot), e, cost.time)
                 )
@@ -170,6 +176,8 @@ def solve_segments(inst: Instance) -> tuple[list[Segment], float] | None:
     best = [np.full(shape, np.inf) for _ in range(n + 1)]
     parent = [np.full(shape, -1, dtype=np.int64) for _ in range(n + 1)]
     best[0][0, 0, 0] = 0.0
+    reached = [set() for _ in range(n + 1)]  # follow limits with a finite entry, per position
+    reached[0].add(0)
     by_start: dict[int, list[int]] = {}
     for idx, c in enumerate(inst.candidates):
         by_start.setdefault(c[0], []).append(idx)
@@ -181,7 +189,7 @@ def solve_segments(inst: Instance) -> tuple[list[Segment], float] | None:
             rows = budget - work + 1  # P in [0, budget - work]
             cols = ne - err + 1
             flag = inst.limits[idx] if inst.limits else 0
-            for f in range(3):
+            for f in sorted(reached[j]):
                 if not allowed_after(f, s):
                     continue
                 cand = best[j][f, :rows, :cols] + time
@@ -192,6 +200,7 @@ def solve_segments(inst: Instance) -> tuple[list[Segment], float] | None:
                 if not better.any():
                     continue
                 target[better] = cand[better]
+                reached[k].add(flag)
                 code = parent[k][flag, kept : kept + rows_here, err : err + cols]
                 code[better] = idx * 3 + f
     final = best[n]
@@ -227,6 +236,10 @@ def min_feasible_peak(blocks: Sequence[BlockCost], strategies: Sequence[str]) ->
                     if s == REVERSIBLE and not blocks[k - 1].invertible:
                         break
                     if s == STORE and k > j + 1:
+                        break
+                    if s.startswith(SELECTIVE_PREFIX) and (
+                        k > j + 1 or s[len(SELECTIVE_PREFIX) :] not in blocks[j].selective_bytes
+                    ):
                         break
                     cost = segment_cost(blocks, Segment(j, k, s))
                     key = (kept + cost.kept, follow_limit(blocks, Segment(j, k, s)))
@@ -294,16 +307,16 @@ def solve(
     error_slots: int = 32,
 ) -> Plan:
     """The plan of least predicted recompute time whose predicted peak fits ``memory_budget``
-    and whose summed error fits ``error_budget``.
+    and whose total error ``sqrt(sum_p e_p^2)`` fits ``error_budget``.
 
     Args:
         profile: a :class:`~revckpt.schedule.Profile` (or a list of ``BlockCost``).
         memory_budget: bytes (int), a string such as ``"2GiB"``, or a fraction (float in
             ``(0, 1]``) of the store-everything peak.
-        error_budget: the largest summed relative gradient error of approx segments (0: no
+        error_budget: the largest total relative gradient error of approx segments (0: no
             approx).
         strategies: subset of ``"store"``, ``"checkpoint"``, ``"reversible"``,
-            ``"approx:<codec>"`` (default: all the profile supports).
+            ``"approx:<codec>"``, ``"selective:<policy>"`` (default: all the profile supports).
         slots, error_slots: resolution of the exact programme (see the module docstring).
 
     Raises :class:`~revckpt.InvalidArgumentError` when no plan fits, naming the smallest

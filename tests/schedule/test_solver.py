@@ -23,6 +23,7 @@ def make_chain(n, seed):
     def measured(value):
         return value if rng.random() < 0.5 else None
 
+    selective = rng.random() < 0.3  # some chains also offer selective recompute
     for _ in range(n):
         x = rng.randint(width // 2, width)
         saved = rng.randint(0, 6 * width)
@@ -45,6 +46,18 @@ def make_chain(n, seed):
                 # measured transients on some blocks, the bounds on the others
                 checkpoint_peak_bytes=measured(saved + x + rng.randint(0, width)),
                 reversible_peak_bytes=measured(x + rng.randint(0, 2 * width)),
+                strategy_overhead_s=(
+                    {"checkpoint": fwd * rng.uniform(1.0, 1.5)} if rng.random() < 0.5 else {}
+                ),
+                **(
+                    {
+                        "selective_bytes": {"matmul": rng.randint(0, saved)},
+                        "selective_forward_peak_bytes": {"matmul": saved + rng.randint(0, width)},
+                        "selective_backward_peak_bytes": {"matmul": x + rng.randint(0, width)},
+                    }
+                    if selective and rng.random() < 0.7
+                    else {}
+                ),
             )
         )
     return blocks
