@@ -26,6 +26,7 @@ and writes ``benchmarks/results/bench_schedule.json`` and one PNG plot per model
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 from pathlib import Path
@@ -52,8 +53,8 @@ def models(quick: bool) -> dict[str, tuple[torch.nn.Sequential, torch.Tensor]]:
     return {
         # 24 blocks, dim 64, 4 heads, batch 4 x 128 tokens
         "GPT-like": (gpt_like(24, 64, 4), torch.randn(4, 128, 64)),
-        # stem, 3 stages of 6 reversible units (16/32/64 channels), 2 downsamplings, head
-        "RevNet-like": (revnet_like((6, 6, 6), (16, 32, 64)), torch.randn(8, 3, 32, 32)),
+        # stem, 3 stages of 8 reversible units (16/32/64 channels), 2 downsamplings, head
+        "RevNet-like": (revnet_like((8, 8, 8), (16, 32, 64)), torch.randn(8, 3, 32, 32)),
     }
 
 
@@ -111,8 +112,13 @@ def plans_for(prof: Any, store_peak: int, error_budget: float) -> tuple[list[Pla
                 add(plan, frac, method)
             except RevckptError:
                 add(None, frac, method, "infeasible")
-    # equal memory: the exact optimum at each fixed baseline's own predicted peak
-    for name, plan in fixed.items():
+    # equal memory: the exact optimum at each baseline's own predicted peak (the fixed ones,
+    # and uniform and greedy at the 50% budget)
+    half = int(0.5 * store_peak)
+    others = {"uniform at 50%": _uniform(prof, half)}
+    with contextlib.suppress(RevckptError):  # greedy may not reach it
+        others["greedy at 50%"] = baseline(prof, "greedy", memory_budget=half)
+    for name, plan in [*fixed.items(), *((n, p) for n, p in others.items() if p is not None)]:
         # +0.1%: the solver rounds every byte count up to its slots, so a budget of exactly
         # the baseline's peak may exclude the baseline itself
         at_peak = int(plan.predicted_peak_bytes * 1.001)
@@ -143,6 +149,7 @@ def run_model(name: str, chain: Any, x: torch.Tensor, args: argparse.Namespace) 
                 time_ratio=r.time_ratio,
                 predicted_overhead=r.predicted_overhead,
                 gradient_error=r.gradient_error,
+                predicted_error=r.predicted_error,
                 within_budget_plus_5pct=(
                     None
                     if rec["budget_fraction"] is None
@@ -150,6 +157,23 @@ def run_model(name: str, chain: Any, x: torch.Tensor, args: argparse.Namespace) 
                 ),
             )
         out_records.append(entry)
+    pairs = [r for r in out_records if r["budget_fraction"] is None]
+    equal_memory = [
+        {
+            "baseline": base_rec["method"],
+            "baseline_peak_bytes": base_rec["measured_peak_bytes"],
+            "optimal_peak_bytes": opt_rec["measured_peak_bytes"],
+            "baseline_time_ratio": base_rec["time_ratio"],
+            "optimal_time_ratio": opt_rec["time_ratio"],
+            "baseline_predicted_overhead": base_rec["predicted_overhead"],
+            "optimal_predicted_overhead": opt_rec["predicted_overhead"],
+        }
+        for base_rec, opt_rec in zip(pairs[::2], pairs[1::2], strict=True)
+    ]
+    fixed = {r["method"]: r for r in pairs}
+    sqrt_over_per_block = (
+        fixed["sqrt"]["measured_peak_bytes"] / fixed["per-block"]["measured_peak_bytes"]
+    )
     plot = args.out.parent / f"bench_schedule_{name.split('-')[0].lower()}.png"
     rep.plot(plot, title=f"{name}: measured memory vs time, every plan of bench_schedule")
     worst = max(abs(r.peak_ratio - 1) for r in rep.rows)
@@ -163,6 +187,8 @@ def run_model(name: str, chain: Any, x: torch.Tensor, args: argparse.Namespace) 
         "store_all_gradient_error": rows["store-all"].gradient_error,
         "plans": {r.name: list(r.strategies) for r in rep.rows},
         "records": out_records,
+        "equal_memory": equal_memory,
+        "sqrt_peak_over_per_block_peak": sqrt_over_per_block,
         "plot": str(plot),
     }
 
@@ -182,7 +208,7 @@ def tables(result: dict) -> str:
         )
         out.append(
             "| budget | method | plan | memory saved | measured/predicted | within budget+5% | "
-            "time vs store-all | gradient error | strategies |"
+            "time vs store-all | gradient error (predicted) | strategies |"
         )
         out.append("|---|---|---|---|---|---|---|---|---|")
         for r in m["records"]:
@@ -197,20 +223,25 @@ def tables(result: dict) -> str:
                 f"| {r['budget_fraction']:.0%} | {r['method']} | {r['plan']} | "
                 f"{r['memory_saved']:.1%} | {r['measured_over_predicted']:.3f} | "
                 f"{'yes' if r['within_budget_plus_5pct'] else 'NO'} | {r['time_ratio']:.3f} | "
-                f"{_cell(r['gradient_error'], '.1e')} | {', '.join(r['strategies'])} |"
-            )
-        out.append("\nequal memory: each fixed baseline next to the exact optimum at its peak")
-        out.append(
-            "| plan | measured peak MiB | time vs store-all | predicted overhead | strategies |"
-        )
-        out.append("|---|---|---|---|---|")
-        for r in m["records"]:
-            if r["budget_fraction"] is not None or r["plan"] is None:
-                continue
-            out.append(
-                f"| {r['method']} ({r['plan']}) | {r['measured_peak_bytes'] / 2**20:.2f} | "
-                f"{r['time_ratio']:.3f} | {r['predicted_overhead']:.3f} | "
+                f"{_cell(r['gradient_error'], '.1e')} ({r['predicted_error']:.1e}) | "
                 f"{', '.join(r['strategies'])} |"
+            )
+        out.append(
+            f"\nsqrt vs per-block (both recompute every block once): sqrt's measured peak is "
+            f"{m['sqrt_peak_over_per_block_peak']:.2f}x per-block's"
+        )
+        out.append("\nequal memory: each baseline next to the exact optimum at its peak")
+        out.append(
+            "| baseline | peak MiB | time vs store-all | optimal: peak MiB | time vs store-all "
+            "| predicted overhead baseline / optimal |"
+        )
+        out.append("|---|---|---|---|---|---|")
+        for e in m["equal_memory"]:
+            out.append(
+                f"| {e['baseline']} | {e['baseline_peak_bytes'] / 2**20:.2f} | "
+                f"{e['baseline_time_ratio']:.3f} | {e['optimal_peak_bytes'] / 2**20:.2f} | "
+                f"{e['optimal_time_ratio']:.3f} | {e['baseline_predicted_overhead']:.3f} / "
+                f"{e['optimal_predicted_overhead']:.3f} |"
             )
     return "\n".join(out)
 

@@ -73,3 +73,19 @@ def test_bench_solver_small(tmp_path):
     result = load("bench_solver").main(["--lengths", "8", "--out", str(tmp_path / "s.json")])
     assert {r["blocks"] for r in result["rows"]} == {8}
     assert all(r["seconds_median"] > 0 for r in result["rows"])
+
+
+def test_bench_schedule_quick(tmp_path):
+    out = tmp_path / "sched.json"
+    result = load("bench_schedule").main(
+        ["--quick", "--repeats", "1", "--profile-repeats", "1", "--out", str(out)]
+    )
+    assert json.loads(out.read_text())["benchmark"] == "bench_schedule"
+    for model in result["models"]:
+        assert model["worst_prediction_error"] <= 0.05
+        measured = [r for r in model["records"] if r["plan"] is not None]
+        assert {r["method"] for r in measured} >= {"per-block", "optimal"}
+        for r in measured:
+            if r["budget_fraction"] is not None:
+                assert r["within_budget_plus_5pct"]
+        assert pathlib.Path(model["plot"]).stat().st_size > 10_000

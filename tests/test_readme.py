@@ -27,7 +27,7 @@ def test_readme_snippets_run():
     namespace["test_checkpointed_model_is_exact"]()
 
 
-@pytest.mark.parametrize("guide", ["approx.md", "reversible.md"])
+@pytest.mark.parametrize("guide", ["approx.md", "reversible.md", "schedule.md"])
 def test_guide_snippets_run(guide):
     path = README.parent / "docs" / guide
     blocks = re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)

@@ -118,3 +118,44 @@ def test_report_bad_input():
         report(chain, x, [dataclasses.replace(plan, name="store-all")])
     with pytest.raises(InvalidArgumentError, match="non-empty"):
         report([], x, [plan])
+
+
+def _segment_plans(prof, n):
+    from revckpt.schedule import Segment
+    from revckpt.schedule.solver import _plan
+
+    plans = []
+    for codec in ("bf16", "e4m3", "e5m2"):
+        s = "approx:" + codec
+        for name, segs in (
+            ("every", [Segment(i, i + 1, s) for i in range(n)]),
+            ("first-half", [Segment(0, n // 2, s), Segment(n // 2, n, "store")]),
+            ("second-half", [Segment(0, n // 2, "store"), Segment(n // 2, n, s)]),
+        ):
+            plans.append(
+                _plan(prof, prof.blocks, segs, name=f"{name}-{codec}", budget=None, error_budget=1)
+            )
+    return plans
+
+
+@pytest.mark.parametrize(
+    ("make", "low", "high"),
+    [
+        (lambda: (gpt_like(8, 32, 2), torch.randn(4, 32, 32)), 0.8, 1.25),
+        # ReLU kinks in the RevNet branches: long compressed segments are underestimated
+        (lambda: (revnet_like((3, 3), (8, 16)), torch.randn(8, 3, 16, 16)), 0.4, 2.0),
+    ],
+    ids=["gpt", "revnet"],
+)
+def test_predicted_gradient_error_of_approx_plans_matches_measured(make, low, high, capsys):
+    torch.manual_seed(0)
+    chain, x = make()
+    prof = profile(chain, x, repeats=1, policies=())
+    rep = report(chain, x, _segment_plans(prof, len(chain)), repeats=1)
+    ratios = {
+        r.name: r.predicted_error / r.gradient_error for r in rep.rows if r.name != "store-all"
+    }
+    with capsys.disabled():
+        print(f"\npredicted/measured error: {min(ratios.values()):.2f}-{max(ratios.values()):.2f}")
+    for name, ratio in ratios.items():
+        assert low <= ratio <= high, (name, ratio)
