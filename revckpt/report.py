@@ -36,7 +36,7 @@ from .errors import InvalidArgumentError, InvalidInputTypeError
 from .measure import MemoryMeter, gradient_error, time_ratios
 from .schedule import Plan, apply
 
-__all__ = ["PlanMeasurement", "Report", "measure_peak", "report"]
+__all__ = ["PlanMeasurement", "Report", "StepMemory", "measure_peak", "measure_step", "report"]
 
 STORE_ALL = "store-all"
 
@@ -46,14 +46,24 @@ def _restore_grads(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor 
         p.grad = g
 
 
-def measure_peak(
+@dataclass(frozen=True)
+class StepMemory:
+    """One training step: ``peak_bytes`` (see :func:`measure_peak`) and ``retained_bytes``, the
+    bytes alive between forward and backward apart from the input and the output (what the
+    strategy keeps for backward)."""
+
+    peak_bytes: int
+    retained_bytes: int
+
+
+def measure_step(
     model: nn.Module,
     x: torch.Tensor,
     *,
     kwargs: Mapping[str, Any] | None = None,
     device: str | torch.device | None = None,
-) -> int:
-    """Peak live bytes of one training step of ``model`` on ``x`` (see the module docstring).
+) -> StepMemory:
+    """Peak and retained bytes of one training step of ``model`` on ``x``.
 
     One warm-up step runs first; the measured step then counts the input copy, the activations,
     the output (held until the step ends, as a loss head that saves its input holds it), its
@@ -65,31 +75,51 @@ def measure_peak(
     kw = dict(kwargs or {})
     params = [p for p in model.parameters() if p.requires_grad]
     before = [p.grad for p in params]
+    retained: list[int] = []
+    weight: list[torch.Tensor] = []
+    meter: MemoryMeter | None = None
+
+    def step() -> None:
+        leaf = x.detach().clone().requires_grad_(x.is_floating_point())
+        y = model(leaf, **kw)
+        if not isinstance(y, torch.Tensor):
+            raise InvalidInputTypeError(
+                f"measure_step needs a model returning one tensor, got {type(y).__name__}"
+            )
+        if meter is not None:
+            retained.append(meter.live_bytes - _nbytes(y) - _nbytes(leaf))
+        if not weight:  # allocated in the warm-up step, outside the meter
+            weight.append(torch.ones_like(y))
+        # a loss whose gradient with respect to y is a full tensor made (and freed) by the
+        # engine, as a real loss head's is; y stays alive (a head saves its input)
+        (y * weight[0]).sum().backward()
+
     try:
         for p in params:
             p.grad = torch.zeros_like(p)
-
-        weight: list[torch.Tensor] = []
-
-        def step() -> None:
-            leaf = x.detach().clone().requires_grad_(x.is_floating_point())
-            y = model(leaf, **kw)
-            if not isinstance(y, torch.Tensor):
-                raise InvalidInputTypeError(
-                    f"measure_peak needs a model returning one tensor, got {type(y).__name__}"
-                )
-            if not weight:  # allocated in the warm-up step, outside the meter
-                weight.append(torch.ones_like(y))
-            # a loss whose gradient with respect to y is a full tensor made (and freed) by the
-            # engine, as a real loss head's is; y stays alive (a head saves its input)
-            (y * weight[0]).sum().backward()
-
         step()
-        with MemoryMeter(device if device is not None else x.device) as meter:
+        meter = MemoryMeter(device if device is not None else x.device)
+        with meter:
             step()
     finally:
         _restore_grads(params, before)
-    return meter.peak_bytes
+    return StepMemory(peak_bytes=meter.peak_bytes, retained_bytes=max(0, retained[0]))
+
+
+def measure_peak(
+    model: nn.Module,
+    x: torch.Tensor,
+    *,
+    kwargs: Mapping[str, Any] | None = None,
+    device: str | torch.device | None = None,
+) -> int:
+    """Peak live bytes of one training step (see :func:`measure_step`): what the scheduler's
+    cost model predicts as ``Plan.predicted_peak_bytes``."""
+    return measure_step(model, x, kwargs=kwargs, device=device).peak_bytes
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
 
 
 class _Chain(nn.Module):
@@ -123,6 +153,7 @@ class PlanMeasurement:
     name: str
     strategies: tuple[str, ...]
     measured_peak_bytes: int
+    measured_retained_bytes: int
     predicted_peak_bytes: int
     memory_budget_bytes: int | None
     time_ratio: float
@@ -165,10 +196,10 @@ class Report:
     def table(self) -> str:
         """Markdown: measured and predicted peak, time ratio, gradient error per plan."""
         lines = [
-            "| plan | measured peak MiB | % of store-all | predicted MiB | measured/predicted | "
-            "budget MiB | time vs store-all | predicted overhead | gradient error | "
-            "predicted error |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| plan | measured peak MiB | % of store-all | retained MiB | predicted MiB | "
+            "measured/predicted | budget MiB | time vs store-all | predicted overhead | "
+            "gradient error | predicted error |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in self.rows:
             budget = (
@@ -178,6 +209,7 @@ class Report:
             lines.append(
                 f"| {r.name}{mark} | {r.measured_peak_bytes / 2**20:.2f} | "
                 f"{r.measured_peak_bytes / self.store_all_peak_bytes:.1%} | "
+                f"{r.measured_retained_bytes / 2**20:.2f} | "
                 f"{r.predicted_peak_bytes / 2**20:.2f} | {r.peak_ratio:.3f} | {budget} | "
                 f"{r.time_ratio:.3f} | {1 + r.predicted_overhead:.3f} | "
                 f"{r.gradient_error:.1e} | {r.predicted_error:.1e} |"
@@ -286,6 +318,36 @@ class Report:
         plt.close(fig)
         return out
 
+    def plot_errors(self, path: str | Path, *, title: str | None = None) -> Path:
+        """Measured gradient error against float64 per plan (log scale), with store-all's
+        (the float32 round-off floor of the model) as a dashed line; PNG or any format
+        matplotlib infers from ``path``."""
+        plt = _pyplot()
+        rows = [r for r in self.rows if math.isfinite(r.gradient_error)]
+        if not rows:
+            raise InvalidArgumentError(
+                "no gradient errors in this report: measure them with report(..., errors=True)"
+            )
+        fig, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.5), dpi=120)
+        names = [r.name for r in rows]
+        values = [max(r.gradient_error, 1e-12) for r in rows]
+        colors = ["tab:red" if r.name == self.chosen else "tab:blue" for r in rows]
+        ax.barh(names, values, color=colors)
+        ax.set_xscale("log")
+        floor = next((r.gradient_error for r in rows if r.name == STORE_ALL), None)
+        if floor is not None and floor > 0:
+            ax.axvline(floor, color="tab:gray", linestyle="--", label="float32 store-all")
+            ax.legend(fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("relative L2 error of all gradients against float64 (measured)")
+        ax.set_title(title or "gradient error per plan")
+        ax.grid(True, axis="x", alpha=0.3)
+        fig.tight_layout()
+        out = Path(path)
+        fig.savefig(out)
+        plt.close(fig)
+        return out
+
 
 def _pyplot() -> Any:
     try:
@@ -366,7 +428,7 @@ def report(
     params = [p for p in plain.parameters() if p.requires_grad]
     before = [p.grad for p in params]
     try:
-        peaks = {name: measure_peak(m, x, kwargs=kw) for name, m in models.items()}
+        steps = {name: measure_step(m, x, kwargs=kw) for name, m in models.items()}
         ratios = time_ratios(
             {name: stepper(m) for name, m in models.items()},
             baseline=STORE_ALL,
@@ -388,7 +450,8 @@ def report(
         PlanMeasurement(
             name=STORE_ALL,
             strategies=("store",) * len(named),
-            measured_peak_bytes=peaks[STORE_ALL],
+            measured_peak_bytes=steps[STORE_ALL].peak_bytes,
+            measured_retained_bytes=steps[STORE_ALL].retained_bytes,
             predicted_peak_bytes=first.store_all_peak_bytes,
             memory_budget_bytes=None,
             time_ratio=ratios[STORE_ALL].ratio,
@@ -403,7 +466,8 @@ def report(
             PlanMeasurement(
                 name=p.name,
                 strategies=tuple(p.strategies),
-                measured_peak_bytes=peaks[p.name],
+                measured_peak_bytes=steps[p.name].peak_bytes,
+                measured_retained_bytes=steps[p.name].retained_bytes,
                 predicted_peak_bytes=p.predicted_peak_bytes,
                 memory_budget_bytes=p.memory_budget_bytes,
                 time_ratio=ratios[p.name].ratio,
@@ -415,7 +479,7 @@ def report(
         )
     return Report(
         rows=tuple(rows),
-        store_all_peak_bytes=peaks[STORE_ALL],
+        store_all_peak_bytes=steps[STORE_ALL].peak_bytes,
         input_shape=tuple(x.shape),
         chosen=chosen if chosen in names else None,
     )

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["TransformerBlock", "gpt_like", "transformer_chain"]
+__all__ = ["TransformerBlock", "gpt_like", "rev_gpt_like", "transformer_chain"]
 
 
 class TransformerBlock(nn.Module):
@@ -90,3 +90,29 @@ def gpt_like(
     scheduler plans."""
     chain = transformer_chain(depth, dim, heads, mlp_ratio=mlp_ratio, dropout=dropout)
     return nn.Sequential(OrderedDict((f"layer{i}", block) for i, block in enumerate(chain)))
+
+
+def rev_gpt_like(
+    depth: int = 8, dim: int = 128, heads: int = 4, *, mlp_ratio: int = 4
+) -> nn.Sequential:
+    """A reversible counterpart of :func:`gpt_like` of the same depth and width: ``depth``
+    :class:`~revckpt.layers.ReversibleUnit` blocks whose two streams (``dim / 2`` each) are
+    updated by causal attention (``F``) and an MLP (``G``). A different model (RevViT-style),
+    not a drop-in for trained GPT weights; the scheduler can run all of it reversibly."""
+    from ..layers import ReversibleUnit, reversible_transformer_block
+
+    if dim % 2 or (dim // 2) % heads:
+        raise InvalidArgumentError(
+            f"dim={dim} must split into two streams divisible by heads={heads}"
+        )
+    return nn.Sequential(
+        OrderedDict(
+            (
+                f"layer{i}",
+                ReversibleUnit(
+                    reversible_transformer_block(dim // 2, heads, mlp_ratio=mlp_ratio, causal=True)
+                ),
+            )
+            for i in range(depth)
+        )
+    )

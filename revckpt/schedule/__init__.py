@@ -2,7 +2,8 @@
 an error budget, and apply the plan.
 
 * :mod:`~revckpt.schedule.costs`: the cost model (memory peak, recompute time, error).
-* :mod:`~revckpt.schedule.solver`: :func:`solve` (exact dynamic programme) and baselines.
+* :mod:`~revckpt.schedule.solver`: :func:`solve` (exact dynamic programme), baselines and
+  :func:`make_plan` (a plan you choose, with its predictions).
 * :mod:`~revckpt.schedule.profile`: :func:`profile` (per-block measurements).
 * :mod:`~revckpt.schedule.plan`: :class:`Plan` (table, JSON round trip) and :func:`apply`.
 """
@@ -10,7 +11,7 @@ an error budget, and apply the plan.
 from .costs import BlockCost, Segment, evaluate
 from .plan import Plan, Scheduled, apply
 from .profile import Profile, profile
-from .solver import baseline, parse_budget, solve
+from .solver import baseline, make_plan, parse_budget, solve
 
 __all__ = [
     "BlockCost",
@@ -21,6 +22,7 @@ __all__ = [
     "apply",
     "baseline",
     "evaluate",
+    "make_plan",
     "parse_budget",
     "profile",
     "solve",

@@ -69,7 +69,8 @@ class Plan:
             f"plan {self.name!r}: predicted peak {_mib(self.predicted_peak_bytes)} "
             f"({self.predicted_peak_fraction:.1%} of store-all {_mib(self.store_all_peak_bytes)},"
             f" budget {budget}), overhead +{self.predicted_overhead:.1%} of a plain step, "
-            f"gradient error {self.predicted_error:.2e} (budget {self.error_budget:g})",
+            f"gradient error {self.predicted_error:.2e}"
+            + ("" if self.memory_budget_bytes is None else f" (budget {self.error_budget:g})"),
             "| blocks | strategy |",
             "|---|---|",
         ]

@@ -54,6 +54,7 @@ from .plan import Plan
 __all__ = [
     "Instance",
     "baseline",
+    "make_plan",
     "min_feasible_peak",
     "parse_budget",
     "quantise",
@@ -76,7 +77,8 @@ _UNITS = {
 
 def parse_budget(budget: Any, store_all_peak: int) -> int:
     """A memory budget in bytes from an int (bytes), a string (``"2GiB"``, ``"500 MB"``,
-    ``"1.5e9"``) or a float in ``(0, 1]`` (a fraction of the store-everything peak)."""
+    ``"1.5e9"`` bytes; ``"30%"``, or a number up to 1 such as ``"0.3"``, a fraction) or a float
+    in ``(0, 1]`` (a fraction of the store-everything peak)."""
     if isinstance(budget, bool):
         raise InvalidArgumentError(f"memory_budget={budget!r}: pass bytes, '2GiB' or a fraction")
     if isinstance(budget, (int, np.integer)):
@@ -92,14 +94,17 @@ def parse_budget(budget: Any, store_all_peak: int) -> int:
             )
         return max(1, math.floor(budget * store_all_peak))
     if isinstance(budget, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", budget)
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z%]*)\s*", budget)
         unit = m.group(2).lower() if m else ""
-        if m is None or unit not in (*_UNITS, ""):
+        if m is None or unit not in (*_UNITS, "", "%"):
             raise InvalidArgumentError(
                 f"cannot read the memory budget {budget!r}: write a number and a unit, e.g. "
-                "'2GiB', '512MiB', '8 GB' or '1.5e9' (bytes)"
+                "'2GiB', '512MiB', '8 GB', '1.5e9' (bytes), '30%' or '0.3' (of store-all)"
             )
-        value = float(m.group(1)) * _UNITS.get(unit, 1)
+        number = float(m.group(1))
+        if unit == "%" or (unit == "" and number <= 1):  # a fraction of the store-all peak
+            return parse_budget(number / 100 if unit == "%" else number, store_all_peak)
+        value = number * _UNITS.get(unit, 1)
         if value < 1:
             raise InvalidArgumentError(f"memory budget {budget!r} is less than one byte")
         return int(value)
@@ -372,17 +377,37 @@ def solve(
                 f"a plan fits {budget:,} bytes only without the rounding of {resolution} "
                 f"slots; raise slots (e.g. slots={resolution * 4}) or the budget slightly"
             )
+        exact = [s for s in chosen if not s.startswith(APPROX_PREFIX)]
+        approx_note = (
+            ""
+            if len(exact) == len(chosen)
+            else f" (approx segments within error_budget={error_budget:g} do not reach it)"
+        )
         raise InvalidArgumentError(
             f"no plan fits a memory budget of {_human(budget)} ({budget:,} bytes): the "
-            f"smallest predicted peak with strategies {chosen} is {_human(smallest)} "
-            f"({smallest:,} bytes, {smallest / store_peak:.1%} of store-all). Raise the budget "
-            "to at least that, allow more strategies (reversible blocks, approx with an "
+            f"smallest predicted peak with {exact} is {_human(smallest)} ({smallest:,} bytes, "
+            f"{smallest / store_peak:.1%} of store-all){approx_note}. Raise the budget to at "
+            "least that, allow more strategies (reversible blocks; approx with a larger "
             "error_budget), or use a smaller batch"
         )
     segments, _ = result
     return _plan(
         profile, blocks, segments, name="optimal", budget=budget, error_budget=error_budget
     )
+
+
+def make_plan(profile: Any, segments: Sequence[Segment], *, name: str = "custom") -> Plan:
+    """A plan you choose (segments in order, covering the chain), with the cost model's
+    predictions, e.g. ``make_plan(prof, [Segment(0, 4, "approx:e4m3"), Segment(4, 8,
+    "checkpoint")])``; raises :class:`~revckpt.InvalidArgumentError` for segments that do not
+    cover the chain or break a rule of the cost model."""
+    blocks = _blocks_of(profile)
+    segs = list(segments)
+    if not all(isinstance(s, Segment) for s in segs):
+        raise InvalidArgumentError(
+            "make_plan takes revckpt.schedule.Segment(start, stop, strategy) objects"
+        )
+    return _plan(profile, blocks, segs, name=name, budget=None, error_budget=0.0)
 
 
 def _human(n: int) -> str:

@@ -1,0 +1,450 @@
+"""The ``revckpt`` command: ``demo``, ``plan`` and ``bench``.
+
+``revckpt demo`` measures every strategy on a built-in GPT-like model and writes a report;
+``revckpt plan MODULE:FACTORY --budget 2GiB`` plans for your own model; ``revckpt bench`` runs
+the benchmark scripts of a source checkout. Bad input ends with one line on stderr that says
+what to do, and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from .errors import RevckptError
+
+__all__ = ["main"]
+
+EXIT_USAGE = 2
+
+
+class _UsageError(Exception):
+    """Bad command-line input: reported on one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments"):
+            message += "; quote values that contain spaces, e.g. --budget '2 GiB'"
+        raise _UsageError(f"{message} (see '{self.prog} --help')")
+
+
+_OPEN_LINE = [False]  # a progress bar left the cursor mid-line on stderr
+
+
+class _Progress:
+    """A one-line progress bar on stderr: ``[#####-----] 3/6 profiling``."""
+
+    def __init__(self, total: int, *, enabled: bool = True, width: int = 24) -> None:
+        self.total, self.done, self.width = total, 0, width
+        self.enabled = enabled
+        self.start = time.perf_counter()
+
+    def step(self, label: str) -> None:
+        if not self.enabled:
+            return
+        filled = self.width * self.done // self.total
+        bar = "#" * filled + "-" * (self.width - filled)
+        elapsed = time.perf_counter() - self.start
+        sys.stderr.write(f"\r[{bar}] {self.done}/{self.total} {label:<52} {elapsed:5.0f} s")
+        sys.stderr.flush()
+        _OPEN_LINE[0] = True
+        self.done += 1
+
+    def finish(self) -> None:
+        if self.enabled:
+            elapsed = time.perf_counter() - self.start
+            bar = "#" * self.width
+            sys.stderr.write(f"\r[{bar}] {self.total}/{self.total} {'done':<52} {elapsed:5.0f} s\n")
+            sys.stderr.flush()
+            _OPEN_LINE[0] = False
+
+
+# -- demo ----------------------------------------------------------------------------------
+
+DEMO_SIZES = {
+    # depth, dim, heads, batch, sequence
+    "tiny": (2, 32, 2, 2, 16),  # seconds: a smoke test
+    # about 20 s on 2 CPU cores
+    "cpu": (12, 128, 4, 4, 128),
+    # a GPU-sized model
+    "gpu": (24, 1024, 16, 8, 1024),
+}
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from .models import gpt_like, rev_gpt_like
+    from .report import report
+    from .schedule import Segment, baseline, make_plan, parse_budget, profile, solve
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise _UsageError("--device cuda: CUDA is not available here; use --device cpu")
+    size = args.size or ("gpu" if device.type == "cuda" else "cpu")
+    depth, dim, heads, batch, seq = DEMO_SIZES[size]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    progress = _Progress(6, enabled=not args.no_progress)
+
+    progress.step(f"building a GPT-like model ({depth} blocks, dim {dim})")
+    chain = gpt_like(depth, dim, heads).to(device)
+    x = torch.randn(batch, seq, dim, device=device)
+
+    progress.step("profiling every block")
+    prof = profile(chain, x, repeats=args.repeats)
+    store_peak = baseline(prof, "store").predicted_peak_bytes
+    budget = parse_budget(args.budget, store_peak)
+
+    progress.step(f"solving for {budget / 2**20:.1f} MiB, error <= {args.error_budget:g}")
+    n = len(prof.blocks)
+    plans = [
+        dataclasses.replace(baseline(prof, "per-block"), name="checkpoint per block"),
+        dataclasses.replace(baseline(prof, "sqrt"), name="checkpoint sqrt"),
+        make_plan(prof, [Segment(i, i + 1, "approx:bf16") for i in range(n)], name="approx bf16"),
+        make_plan(prof, [Segment(i, i + 1, "approx:e4m3") for i in range(n)], name="approx e4m3"),
+    ]
+    try:
+        chosen = solve(prof, memory_budget=budget, error_budget=args.error_budget)
+        plans.append(dataclasses.replace(chosen, name="scheduler"))
+    except RevckptError as err:
+        raise _UsageError(f"--budget {args.budget}: {err}") from err
+
+    progress.step("measuring the plans (memory, time, gradient error)")
+    rep = report(chain, x, plans, chosen="scheduler", repeats=args.repeats)
+
+    progress.step("measuring a reversible GPT-like model of the same size")
+    rev_chain = rev_gpt_like(depth, dim, heads).to(device)
+    rev_prof = profile(rev_chain, x, codecs=(), policies=(), repeats=args.repeats)
+    rev_plan = make_plan(rev_prof, [Segment(0, n, "reversible")], name="reversible")
+    rev = report(rev_chain, x, [rev_plan], chosen=None, repeats=args.repeats)
+
+    progress.step("writing the report")
+    rows = [dataclasses.asdict(r) for r in rep.rows]
+    rev_row = dataclasses.asdict(rev.row("reversible"))
+    rev_row["name"] = "reversible (RevGPT variant)"
+    rev_row["note"] = (
+        "a different model (reversible blocks, same depth and width); peak and time are "
+        "relative to that model's own store-all"
+    )
+    rev_row["fraction_of_own_store_all"] = (
+        rev.row("reversible").measured_peak_bytes / rev.store_all_peak_bytes
+    )
+    data = {
+        "format": "revckpt.Demo/1",
+        "model": {"depth": depth, "dim": dim, "heads": heads, "input": [batch, seq, dim]},
+        "device": str(device),
+        "torch": torch.__version__,
+        "budget_bytes": budget,
+        "error_budget": args.error_budget,
+        "store_all_peak_bytes": rep.store_all_peak_bytes,
+        "rows": rows,
+        "reversible": rev_row,
+        "plan": chosen.to_dict(),
+    }
+    (out / "report.json").write_text(json.dumps(_finite(data), indent=2) + "\n")
+    chosen.to_json(out / "plan.json")
+    plots = []
+    try:
+        plots.append(rep.plot(out / "memory_vs_overhead.png", title="GPT-like: memory vs time"))
+        plots.append(rep.plot_errors(out / "gradient_error.png", title="gradient error per plan"))
+    except RevckptError as err:  # matplotlib missing
+        print(f"note: no plots: {err}", file=sys.stderr)
+    progress.finish()
+
+    print(_demo_table(rep, rev))
+    print()
+    print(chosen.table())
+    print()
+    written = ["report.json", "plan.json", *(p.name for p in plots)]
+    print(f"wrote {', '.join(written)} to {out.resolve()}")
+    return 0
+
+
+def _finite(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _finite(u) for k, u in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(u) for u in v]
+    return v
+
+
+def _demo_table(rep: Any, rev: Any) -> str:
+    base = rep.store_all_peak_bytes
+    lines = [
+        "| strategy | peak MiB | % of store-all | retained MiB | time vs store-all | "
+        "gradient error vs float64 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rep.rows:
+        mark = " *" if r.name == rep.chosen else ""
+        lines.append(
+            f"| {r.name}{mark} | {r.measured_peak_bytes / 2**20:.2f} | "
+            f"{r.measured_peak_bytes / base:.1%} | {r.measured_retained_bytes / 2**20:.2f} | "
+            f"{r.time_ratio:.2f} | {r.gradient_error:.1e} |"
+        )
+    r = rev.row("reversible")
+    lines.append(
+        f"| reversible (RevGPT variant) | {r.measured_peak_bytes / 2**20:.2f} | "
+        f"{r.measured_peak_bytes / rev.store_all_peak_bytes:.1%} of its own | "
+        f"{r.measured_retained_bytes / 2**20:.2f} | {r.time_ratio:.2f} | "
+        f"{r.gradient_error:.1e} |"
+    )
+    lines.append(
+        "\n* the scheduler's plan. Peak: one training step (MemoryMeter); retained: kept "
+        "between forward and backward; time: median of interleaved rounds against store-all."
+    )
+    return "\n".join(lines)
+
+
+# -- plan ----------------------------------------------------------------------------------
+
+
+def _load_factory(spec: str) -> Any:
+    if ":" not in spec:
+        raise _UsageError(
+            f"{spec!r} is not MODULE:FACTORY; write e.g. examples.user_model:build "
+            "(a function returning (blocks, example_input))"
+        )
+    module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # modules of the directory you run it from
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise _UsageError(
+            f"cannot import module {module_name!r} ({err}); run from the directory that "
+            "contains it or put it on PYTHONPATH"
+        ) from err
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise _UsageError(
+            f"module {module_name!r} has no function {attr!r}; define {attr}() returning "
+            "(blocks, example_input)"
+        )
+    return factory
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from .report import measure_peak
+    from .schedule import apply, parse_budget, profile, solve
+
+    factory = _load_factory(args.factory)
+    result = factory()
+    if not (isinstance(result, tuple) and len(result) in (2, 3)):
+        raise _UsageError(
+            f"{args.factory} returned {type(result).__name__}; return (blocks, example_input) "
+            "or (blocks, example_input, kwargs)"
+        )
+    blocks, x = result[0], result[1]
+    kwargs = dict(result[2]) if len(result) == 3 else {}
+    if not isinstance(x, torch.Tensor):
+        raise _UsageError(
+            f"{args.factory} returned an example input of type {type(x).__name__}; return a "
+            "tensor (the chain's input)"
+        )
+    store_peak = None
+    try:
+        prof = profile(blocks, x, repeats=args.repeats, **kwargs)
+        from .schedule import baseline
+
+        store_peak = baseline(prof, "store").predicted_peak_bytes
+        budget = parse_budget(args.budget, store_peak)
+        plan = solve(
+            prof,
+            memory_budget=budget,
+            error_budget=args.error_budget,
+            strategies=args.strategies,
+        )
+    except RevckptError as err:
+        raise _UsageError(str(err)) from err
+    print(prof.table() if args.verbose else f"profiled {len(prof.blocks)} blocks")
+    print(plan.table())
+    if args.out:
+        plan.to_json(args.out)
+        print(f"wrote {Path(args.out).resolve()}")
+    if args.measure:
+        peak = measure_peak(apply(blocks, plan), x, kwargs=kwargs)
+        verdict = "within" if peak <= budget else "OVER"
+        print(
+            f"measured peak {peak / 2**20:.2f} MiB: {verdict} the budget of "
+            f"{budget / 2**20:.2f} MiB ({peak / plan.predicted_peak_bytes:.3f} of predicted)"
+        )
+        if peak > budget:
+            return 1
+    return 0
+
+
+# -- bench ---------------------------------------------------------------------------------
+
+
+def _benchmarks_dir() -> Path:
+    here = Path(__file__).resolve().parent.parent / "benchmarks"
+    if not here.is_dir():
+        raise _UsageError(
+            "the benchmark scripts live in a source checkout (benchmarks/): clone the "
+            "repository and install it with pip install -e ."
+        )
+    return here
+
+
+BENCHES = ("bench_checkpoint", "bench_reversible", "bench_approx", "bench_solver", "bench_schedule")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    folder = _benchmarks_dir()
+    names = args.only or list(BENCHES)
+    unknown = [n for n in names if n not in BENCHES]
+    if unknown:
+        raise _UsageError(f"unknown benchmark {unknown}; choose from {list(BENCHES)}")
+    for peer, hint in (
+        ("revlib", "pip install -e '.[bench]'"),
+        ("revtorch", "pip install -e '.[bench]'"),
+        ("memcnn", "pip install --no-deps memcnn==1.5.2"),
+    ):
+        if importlib.util.find_spec(peer) is None:
+            print(f"note: {peer} is not installed: its rows are skipped ({hint})")
+    failed = []
+    scratch = Path(tempfile.mkdtemp(prefix="revckpt-bench-")) if args.quick else None
+    for name in names:
+        cmd = [sys.executable, str(folder / f"{name}.py")]
+        if args.quick:  # reduced sizes, written outside benchmarks/results
+            cmd += ["--lengths", "32"] if name == "bench_solver" else ["--quick"]
+            assert scratch is not None
+            cmd += ["--out", str(scratch / f"{name}.json")]
+        print(f"\n$ {' '.join(cmd[1:])}", flush=True)
+        if subprocess.run(cmd, check=False).returncode != 0:
+            failed.append(name)
+    if scratch is not None:
+        print(f"\nquick results in {scratch} (benchmarks/results/ untouched)")
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# -- entry point ---------------------------------------------------------------------------
+
+
+def _parser() -> _Parser:
+    parser = _Parser(
+        prog="revckpt",
+        description="Train deeper and wider models in the same memory, and see what it costs.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    demo = sub.add_parser(
+        "demo",
+        help="measure every strategy on a built-in GPT-like model",
+        description=(
+            "Measure store, checkpoint (per block, sqrt), approx (bf16, e4m3), reversible and "
+            "the scheduler's plan on a built-in GPT-like model: peak and retained memory, time "
+            "against store-all, gradient error against float64. Writes report.json, plan.json "
+            "and two PNG plots to --out."
+        ),
+    )
+    demo.add_argument("--out", default="revckpt-demo", help="output folder (default: %(default)s)")
+    demo.add_argument(
+        "--budget",
+        default="0.3",
+        help="the scheduler's memory budget: bytes, '2GiB', or a fraction of the store-all "
+        "peak (default: %(default)s)",
+    )
+    demo.add_argument("--error-budget", type=float, default=1e-2, help="default: %(default)s")
+    demo.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    demo.add_argument(
+        "--size", choices=sorted(DEMO_SIZES), help="model size (default: cpu, or gpu on CUDA)"
+    )
+    demo.add_argument("--repeats", type=int, default=5, help="timing rounds (default: 5)")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.set_defaults(run=_demo)
+
+    plan = sub.add_parser(
+        "plan",
+        help="plan for your own model under a memory budget",
+        description=(
+            "Import FACTORY from MODULE (MODULE:FACTORY, e.g. examples.user_model:build), call "
+            "it to get (blocks, example_input) or (blocks, example_input, kwargs), profile the "
+            "blocks, and print the cheapest plan that fits the budget."
+        ),
+    )
+    plan.add_argument("factory", metavar="MODULE:FACTORY")
+    plan.add_argument(
+        "--budget",
+        required=True,
+        help="memory budget: bytes, a string like '2GiB' or '512MiB', or a fraction like 0.3",
+    )
+    plan.add_argument(
+        "--error-budget",
+        type=float,
+        default=0.0,
+        help="largest relative gradient error for approx blocks (default: 0, exact only)",
+    )
+    plan.add_argument(
+        "--strategies",
+        nargs="+",
+        help="restrict to these strategies (store checkpoint reversible approx:<codec> "
+        "selective:<policy>)",
+    )
+    plan.add_argument("--out", help="write the plan as JSON to this file")
+    plan.add_argument("--measure", action="store_true", help="apply the plan and measure its peak")
+    plan.add_argument("--repeats", type=int, default=5, help="timing rounds (default: 5)")
+    plan.add_argument("-v", "--verbose", action="store_true", help="print the profile table")
+    plan.set_defaults(run=_plan)
+
+    bench = sub.add_parser(
+        "bench",
+        help="run the benchmark suite (source checkout)",
+        description="Run the scripts in benchmarks/; peers that are not installed are skipped.",
+    )
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="reduced sizes, results written to a temporary folder (a smoke run)",
+    )
+    bench.add_argument("--only", nargs="+", metavar="NAME", help=f"any of {', '.join(BENCHES)}")
+    bench.set_defaults(run=_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``revckpt`` command; returns the exit status."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+        if getattr(args, "run", None) is None:
+            parser.print_help()
+            return EXIT_USAGE
+        return int(args.run(args))
+    except (_UsageError, RevckptError) as err:
+        if _OPEN_LINE[0]:
+            sys.stderr.write("\n")
+            _OPEN_LINE[0] = False
+        print(f"revckpt: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("revckpt: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

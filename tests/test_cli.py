@@ -1,0 +1,88 @@
+"""The revckpt command: demo, plan and bench, and one-line errors with exit status 2."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from revckpt.cli import main
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_demo_writes_report_plots_and_table(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "demo"
+    args = ["demo", "--size", "tiny", "--budget", "0.9", "--out", str(out), "--repeats", "2"]
+    assert main(args) == 0
+    text = capsys.readouterr()
+    for name in ("store-all", "checkpoint per block", "checkpoint sqrt", "approx bf16"):
+        assert f"| {name}" in text.out
+    assert "reversible (RevGPT variant)" in text.out and "scheduler *" in text.out
+    assert str(out.resolve()) in text.out
+    data = json.loads((out / "report.json").read_text())
+    assert data["format"] == "revckpt.Demo/1"
+    names = [r["name"] for r in data["rows"]]
+    assert names[0] == "store-all" and "scheduler" in names
+    for row in data["rows"]:
+        assert row["measured_peak_bytes"] > 0 and row["time_ratio"] > 0
+    assert data["reversible"]["measured_retained_bytes"] == 0  # nothing kept for backward
+    for png in ("memory_vs_overhead.png", "gradient_error.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((out / "plan.json").read_text())["format"] == "revckpt.Plan/1"
+
+
+def test_plan_on_the_example_model_measures_within_budget(monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "plan.json"
+    args = ["plan", "examples.user_model:build", "--budget", "0.3", "--measure", "--out", str(out)]
+    assert main([*args, "--repeats", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "within the budget" in text
+    assert json.loads(out.read_text())["format"] == "revckpt.Plan/1"
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["plan", "no_such_module:build", "--budget", "1GiB"], "cannot import module"),
+        (["plan", "examples.user_model", "--budget", "1GiB"], "is not MODULE:FACTORY"),
+        (["plan", "examples.user_model:nope", "--budget", "1GiB"], "has no function 'nope'"),
+        (["plan", "examples.user_model:build", "--budget", "lots"], "cannot read the memory"),
+        (["plan", "examples.user_model:build", "--budget", "0.01"], "no plan fits"),
+        (["plan", "examples.user_model:build", "--budget", "2", "GiB"], "quote values"),
+        (["plan", "examples.user_model:build"], "--budget"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_bad_input_is_one_line_with_exit_status_2(monkeypatch, capsys, args, expected):
+    monkeypatch.chdir(ROOT)
+    assert main([*args, "--repeats", "1"] if args[0] == "plan" and len(args) > 3 else args) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("revckpt: error: ") and expected in lines[0]
+    assert "Traceback" not in err
+
+
+def test_module_entry_point_and_help():
+    done = subprocess.run(
+        [sys.executable, "-m", "revckpt", "plan", "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0
+    assert "MODULE:FACTORY" in done.stdout and "--budget" in done.stdout
+
+
+def test_bench_runs_a_script_without_touching_the_results(capfd):
+    results = ROOT / "benchmarks" / "results" / "bench_solver.json"
+    before = results.read_bytes() if results.exists() else None
+    assert main(["bench", "--quick", "--only", "bench_solver"]) == 0
+    out = capfd.readouterr().out
+    assert "bench_solver.py" in out and "| blocks |" in out
+    assert (results.read_bytes() if results.exists() else None) == before  # quick: elsewhere
+    assert main(["bench", "--only", "bench_nothing"]) == 2
