@@ -189,7 +189,7 @@ def run_model(name: str, chain: Any, x: torch.Tensor, args: argparse.Namespace) 
         "records": out_records,
         "equal_memory": equal_memory,
         "sqrt_peak_over_per_block_peak": sqrt_over_per_block,
-        "plot": str(plot),
+        "plot": plot.name,  # next to the JSON
     }
 
 

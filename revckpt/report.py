@@ -41,6 +41,13 @@ __all__ = ["PlanMeasurement", "Report", "StepMemory", "measure_peak", "measure_s
 STORE_ALL = "store-all"
 
 
+def _restore_buffers(saved: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Put running statistics (and other buffers) back as they were before a measurement."""
+    with torch.no_grad():
+        for b, value in saved:
+            b.copy_(value)
+
+
 def _restore_grads(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
     for p, g in zip(params, grads, strict=True):
         p.grad = g
@@ -70,11 +77,13 @@ def measure_step(
     gradient (a full tensor made during backward, as a real loss produces) and the input
     gradient, and not the parameters nor their gradients (allocated before the meter starts).
     The chain input counts from the start: a leaf that requires grad stays alive to the end of
-    the step. The parameters' ``.grad`` are restored afterwards.
+    the step. The parameters' ``.grad`` and the buffers (BatchNorm statistics) are restored
+    afterwards.
     """
     kw = dict(kwargs or {})
     params = [p for p in model.parameters() if p.requires_grad]
     before = [p.grad for p in params]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
     retained: list[int] = []
     weight: list[torch.Tensor] = []
     meter: MemoryMeter | None = None
@@ -103,6 +112,7 @@ def measure_step(
             step()
     finally:
         _restore_grads(params, before)
+        _restore_buffers(buffers)
     return StepMemory(peak_bytes=meter.peak_bytes, retained_bytes=max(0, retained[0]))
 
 
@@ -134,7 +144,7 @@ class _Chain(nn.Module):
 
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         if self._dtype is not None:
-            x = x.to(self._dtype)
+            x = x.to(self._dtype) if x.is_floating_point() else x
             kwargs = {
                 k: v.to(self._dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
                 for k, v in kwargs.items()
@@ -427,6 +437,7 @@ def report(
 
     params = [p for p in plain.parameters() if p.requires_grad]
     before = [p.grad for p in params]
+    buffers = [(b, b.detach().clone()) for b in plain.buffers()]
     try:
         steps = {name: measure_step(m, x, kwargs=kw) for name, m in models.items()}
         ratios = time_ratios(
@@ -437,6 +448,7 @@ def report(
         )
     finally:
         _restore_grads(params, before)
+        _restore_buffers(buffers)
     errs: dict[str, float] = {}
     for name, m in models.items():
         if errors:

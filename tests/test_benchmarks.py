@@ -88,4 +88,4 @@ def test_bench_schedule_quick(tmp_path):
         for r in measured:
             if r["budget_fraction"] is not None:
                 assert r["within_budget_plus_5pct"]
-        assert pathlib.Path(model["plot"]).stat().st_size > 10_000
+        assert (out.parent / model["plot"]).stat().st_size > 10_000

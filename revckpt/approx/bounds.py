@@ -279,9 +279,8 @@ def estimate_totals(
 ) -> dict[str, TotalEstimate]:
     """The random-sign estimate alone, for several codecs at once: one linearisation, every
     codec's probes in one vectorised JVP, no power iteration; for the parameter gradients
-    together (``ErrorEstimate.total("estimate")``) and for the input gradient. What
-    :func:`revckpt.schedule.profile` uses to price approx per block. A string names a format
-    with the default options (``Approx(store=name)``); keys are the strings given, or
+    together (``ErrorEstimate.total("estimate")``) and for the input gradient. A string names a
+    format with the default options (``Approx(store=name)``); keys are the strings given, or
     ``str(codec)``."""
     chain = list(blocks)
     if not chain or not all(isinstance(b, nn.Module) for b in chain):

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["TimeRatio", "time_ratio", "time_ratios"]
+__all__ = ["TimeRatio", "time_ratio", "time_ratios", "wall_time"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,11 @@ class TimeRatio:
 def _sync() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+
+
+def wall_time(fn: Callable[[], Any]) -> float:
+    """Seconds one call of ``fn()`` takes, CUDA work synchronised before and after."""
+    return _once(fn)
 
 
 def _once(fn: Callable[[], Any]) -> float:

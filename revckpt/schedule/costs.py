@@ -44,14 +44,16 @@ gradient of block ``i``'s output (``x_{i+1}`` bytes), block ``i`` peaks at
   as for store;
 * approx:<c>: ``c_j`` (the compressed input; plus ``x_0`` when ``j = 0``) is held throughout;
   the recompute as for checkpoint with ``tf``; the backward of block ``i`` at
-  ``P + c_j + A_i + O + 2 g_k + g_i + tc_i + sum_{i' in (i, k)} p_i'``: one autograd node,
+  ``P + c_j + A_i + O + 2 g_k + [i < k-1] g_i + tc_i + sum_{i' in (i, k)} p_i'``: one node,
   so the rebuilt segment output (``g_k`` bytes) stays alive and the parameter gradients made
   so far are kept until it returns them;
 * selective:<p> (one block ``j``): keeps ``x_j + c_j(p)`` (the outputs the policy keeps);
   forward ``P + x_j + tf_j(p)``, backward ``P + x_j + c_j(p) + O + g_j + ts_j(p)`` (its
   recompute and backward measured together, as ``tk``);
-* reversible: forward ``P + x_i + tn_i``; backward of block ``i``: ``P + O + g_{i+1} + tr_i``
-  (plus ``x_0`` throughout when ``j = 0``). Without ``tr`` measured, the bound
+* reversible: forward ``P + x_i + tn_i``; backward of block ``i``:
+  ``P + x_k + O + g_{i+1} + tr_i`` (the stack keeps its output ``x_k`` while it rebuilds from
+  it; not counted twice when ``k = L``, where it is ``O``; plus ``x_0`` throughout when
+  ``j = 0``). Without ``tr`` measured, the bound
   ``P + O + 2 x_{i+1} + x_i + max(s_i + tc_i, tf_i + p_i)``.
 
 Every segment's peak is ``P + W`` with ``W`` independent of what comes before it, so the peak of
@@ -115,6 +117,7 @@ class BlockCost:
     selective_bytes: Mapping[str, int] = field(default_factory=dict)
     selective_forward_peak_bytes: Mapping[str, int] = field(default_factory=dict)
     selective_backward_peak_bytes: Mapping[str, int] = field(default_factory=dict)
+    selective_output_kept: Mapping[str, bool] = field(default_factory=dict)
     approx_input_error: Mapping[str, float] = field(default_factory=dict)
     approx_perturbation: Mapping[str, float] = field(default_factory=dict)
     approx_amplification: Mapping[str, float] = field(default_factory=dict)
@@ -170,14 +173,20 @@ NO_LIMIT, NO_APPROX, NO_APPROX_OR_REVERSIBLE = 0, 1, 2
 
 
 def follow_limit(blocks: Sequence[BlockCost], seg: Segment) -> int:
-    """What may follow ``seg``: after a reversible segment no approx segment (the reversible
-    output would be kept in full next to its compressed copy); after a store segment whose last
-    block saves its own output for backward (e.g. it ends with a ReLU) neither approx nor
-    reversible (that output stays alive in the stored block, so compressing or dropping it
-    saves nothing)."""
+    """What may follow ``seg``. After a reversible segment neither approx (its output would be
+    kept in full next to the compressed copy) nor another reversible segment (the first stack
+    keeps the boundary alive: one merged segment is never worse). After a store segment whose
+    last block saves its own output for backward (e.g. it ends with a ReLU), or a selective
+    segment whose policy keeps the block's output (a block ending in a matmul), neither approx
+    nor reversible: that output stays alive, so compressing or dropping it saves nothing."""
+    last = blocks[seg.stop - 1]
     if seg.strategy == REVERSIBLE:
-        return NO_APPROX
-    if seg.strategy == STORE and blocks[seg.stop - 1].output_saved:
+        return NO_APPROX_OR_REVERSIBLE
+    if seg.strategy == STORE and last.output_saved:
+        return NO_APPROX_OR_REVERSIBLE
+    if seg.strategy.startswith(SELECTIVE_PREFIX) and last.selective_output_kept.get(
+        seg.strategy[len(SELECTIVE_PREFIX) :], False
+    ):
         return NO_APPROX_OR_REVERSIBLE
     return NO_LIMIT
 
@@ -260,8 +269,8 @@ def _approx_error(part: Sequence[BlockCost], codec: str) -> float:
     r0 = head.approx_error.get(codec, 0.0)
     if head.chain_grad_sq is None or head.upstream_grad_sq is None:
         return r0
-    if head.chain_grad_sq <= 0:
-        return 0.0
+    if head.chain_grad_sq <= 0:  # no gradient in the chain itself: what flows out of it
+        return max(r0, head.approx_input_error.get(codec, 0.0))
     d_j = head.approx_perturbation.get(codec)
     own = upstream = 0.0
     moved = d_j
@@ -308,16 +317,22 @@ def segment_cost(blocks: Sequence[BlockCost], seg: Segment) -> SegmentCost:
         return SegmentCost(kept, work, recompute, 0.0)
     if strategy == REVERSIBLE:
         held = part[0].input_bytes if j == 0 else 0  # the caller's chain input, if ours
+        # the stack keeps its output x_k for its whole backward (it rebuilds from it); the
+        # chain's own output is O, counted already
+        kept_output = part[-1].output_bytes if k < len(blocks) else 0
         work = 0
         for i, b in enumerate(part):
             current = b.input_bytes if (i > 0 or j > 0) else 0
             work = max(work, held + current + b.forward_peak_nograd_bytes)
             if b.reversible_peak_bytes is not None:  # tr, measured: rebuild and backward
-                work = max(work, held + out + b.output_bytes + b.reversible_peak_bytes)
+                work = max(
+                    work, held + kept_output + out + b.output_bytes + b.reversible_peak_bytes
+                )
                 continue
             work = max(  # an upper bound when tr was not measured
                 work,
                 held
+                + kept_output
                 + out
                 + 2 * b.output_bytes
                 + b.input_bytes

@@ -129,6 +129,17 @@ class Plan:
         return cls.from_dict(json.loads(text))
 
 
+def _fits_signature(x: torch.Tensor, sig: tuple[Any, ...]) -> bool:
+    """The profiled input, or the same with a smaller first (batch) dimension, which the
+    predictions bound from above (a last, smaller batch)."""
+    shape, dtype, device = sig
+    if (str(x.dtype), x.device.type) != (dtype, device) or x.dim() != len(shape):
+        return False
+    if tuple(x.shape) == tuple(shape):
+        return True
+    return x.dim() > 0 and tuple(x.shape[1:]) == tuple(shape[1:]) and x.shape[0] <= shape[0]
+
+
 class Scheduled(nn.Module):
     """A chain run by a :class:`Plan`. The blocks are registered under the names they had in
     the original container (``state_dict`` keys unchanged) and shared, not copied."""
@@ -172,12 +183,17 @@ class Scheduled(nn.Module):
 
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         sig = self.plan.input_signature
-        if sig is not None and (tuple(x.shape), str(x.dtype), x.device.type) != tuple(sig):
+        if (
+            sig is not None
+            and torch.is_grad_enabled()  # without a backward the predictions do not matter
+            and not _fits_signature(x, sig)
+        ):
             raise InvalidArgumentError(
                 f"this plan was profiled on inputs of shape {list(sig[0])}, {sig[1]} on "
                 f"{sig[2]}, but got shape {list(x.shape)}, {x.dtype} on {x.device.type}: its "
-                "memory predictions do not hold for other inputs. Profile and solve again "
-                "for this input (schedule.profile(blocks, x))"
+                "memory predictions do not hold for larger or other inputs (a smaller batch, "
+                "or no grad, is fine). Profile and solve again for this input "
+                "(schedule.profile(blocks, x))"
             )
         for strategy, run in self._runs:
             if strategy == STORE:

@@ -1,14 +1,18 @@
 """Measure what the scheduler needs about each block of a chain.
 
 :func:`profile` runs the chain block by block on example inputs and records, per block (see
-:class:`~revckpt.schedule.costs.BlockCost`): forward and backward time (median of ``repeats``),
-the bytes its forward saves for backward apart from its input, its input and output bytes, the
-transient peaks of its forward (recording and not) and of its backward (all from
-:class:`~revckpt.MemoryMeter`), whether it is invertible (a
-:class:`~revckpt.layers.ReversibleUnit`), and per codec the compressed size of its input and
-the estimated relative gradient error of compressing it (``revckpt.approx.estimate_error`` on
-the block alone). Backward is measured in steady state: parameter gradients already exist, so
-their accumulation allocates only temporaries, as from the second training step on.
+:class:`~revckpt.schedule.costs.BlockCost`): forward and backward time (median of ``repeats``)
+and each strategy's extra time over storing (:func:`~revckpt.time_ratios`); the bytes its
+forward saves for backward apart from its input, its input and output bytes, whether it saves
+its own output; the transient peaks of its forward (recording and not) and of its backward in
+every mode a plan can run it in (all from :class:`~revckpt.MemoryMeter`); whether it is
+invertible (a :class:`~revckpt.layers.ReversibleUnit`); per selective policy what it keeps;
+and per codec the compressed size of its input and, measured in float64 with the chain's
+cotangent, the relative errors of its parameter and input gradients when that input goes
+through the codec. One backward of the whole chain gives every block's gradient norm (the
+weights of the errors). Backward is measured in steady state: parameter gradients already
+exist, so their accumulation allocates only temporaries, as from the second training step on.
+The model's gradients, buffers (BatchNorm statistics) and RNG state are left as they were.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ import dataclasses
 import functools
 import math
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +30,8 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.modules.batchnorm import _NormBase
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from ..approx import Approx
 from ..approx import checkpoint as approx_checkpoint
@@ -34,6 +39,7 @@ from ..checkpoint import POLICY_PRESETS, checkpoint
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..layers import ReversibleSequential, ReversibleUnit
 from ..measure import MemoryMeter, time_ratios
+from ..measure.timing import wall_time
 from .costs import APPROX_PREFIX, CHECKPOINT, REVERSIBLE, SELECTIVE_PREFIX, STORE, BlockCost
 
 __all__ = ["Profile", "profile"]
@@ -75,12 +81,7 @@ class Profile:
 
 
 def _median_time(fn: Callable[[], Any], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(wall_time(fn) for _ in range(repeats))
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -127,61 +128,84 @@ def profile(
     params = [p for b in chain for p in b.parameters() if p.requires_grad]
     grads = [p.grad for p in params]
     buffers = [(b, b.detach().clone()) for blk in chain for b in blk.buffers()]
-    rng = torch.random.get_rng_state()
+    rng_devices = [x.device] if x.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=rng_devices), torch.enable_grad():
+        try:
+            costs = _profile_chain(chain, x, codecs, policies, repeats, meter_device, kwargs)
+        finally:  # leave the model as it was: gradients, running statistics
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+    return Profile(tuple(costs), names, _signature(x))
+
+
+def _profile_chain(
+    chain: Sequence[nn.Module],
+    x: torch.Tensor,
+    codecs: Sequence[str],
+    policies: Sequence[str],
+    repeats: int,
+    meter_device: Any,
+    kwargs: dict[str, Any],
+) -> list[BlockCost]:
+    params = [p for b in chain for p in b.parameters() if p.requires_grad]
     costs = []
     current = x.detach()
-    try:
-        cotangents, grad_sq = _sensitivities(chain, x, kwargs)
-        for p in params:  # steady state: gradients exist
-            p.grad = torch.zeros_like(p)
-        upstream = 0.0
-        for block, ct, sq in zip(chain, cotangents, grad_sq, strict=True):
-            cost = _profile_block(
-                block, current, codecs, policies, repeats, meter_device, kwargs, ct
-            )
-            costs.append(
-                dataclasses.replace(
-                    cost, grad_sq=sq, upstream_grad_sq=upstream, chain_grad_sq=sum(grad_sq)
-                )
-            )
-            upstream += sq
-            with torch.no_grad():
-                current = block(current, **kwargs).detach()
-    finally:  # leave the model as it was: gradients, running statistics, RNG
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
+    cotangents, grad_sq, input_sq = _sensitivities(chain, x, kwargs)
+    for p in params:  # steady state: gradients exist
+        p.grad = torch.zeros_like(p)
+    # the chain input's gradient flows on to what comes before the chain: it counts among the
+    # gradients an approx segment can perturb (U_0 = ||dL/dx||^2)
+    upstream = input_sq
+    total = input_sq + sum(grad_sq)
+    for block, ct, sq in zip(chain, cotangents, grad_sq, strict=True):
+        cost = _profile_block(block, current, codecs, policies, repeats, meter_device, kwargs, ct)
+        costs.append(
+            dataclasses.replace(cost, grad_sq=sq, upstream_grad_sq=upstream, chain_grad_sq=total)
+        )
+        upstream += sq
         with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        torch.random.set_rng_state(rng)
-    return Profile(tuple(costs), names, _signature(x))
+            current = block(current, **kwargs).detach()
+    return costs
 
 
 def _sensitivities(
     chain: Sequence[nn.Module], x: torch.Tensor, kwargs: dict[str, Any]
-) -> tuple[list[torch.Tensor | None], list[float]]:
+) -> tuple[list[torch.Tensor | None], list[float], float]:
     """For a seeded random projection loss ``<w, y>`` of the chain output: the gradient with
-    respect to every block's output (the cotangent block ``j`` sees in the chain) and the
-    squared norm of every block's parameter gradients."""
-    h = x.detach()
+    respect to every block's output (the cotangent block ``j`` sees in the chain), the squared
+    norm of every block's parameter gradients, and that of the chain input's gradient."""
+    leaf = x.detach().requires_grad_(x.is_floating_point())
+    h = leaf
     outs = []
     for block in chain:
         h = block(h, **kwargs)
+        if not isinstance(h, torch.Tensor):
+            raise InvalidInputTypeError(
+                "the scheduler handles chains of blocks returning one tensor; "
+                f"{type(block).__name__} returned {type(h).__name__}"
+            )
         outs.append(h)
-    w = torch.randn(h.shape, generator=torch.Generator().manual_seed(0)).to(h.device, h.dtype)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(h.shape, generator=gen).to(h.device, h.dtype if h.is_floating_point() else None)
     per_block = [[p for p in b.parameters() if p.requires_grad] for b in chain]
     flat = [p for ps in per_block for p in ps]
-    wrt = [o for o in outs[:-1] if o.requires_grad] + flat
+    inputs = [leaf] if leaf.requires_grad else []
+    wrt = inputs + [o for o in outs[:-1] if o.requires_grad] + flat
     if not h.requires_grad or not wrt:
-        return [None] * len(chain), [0.0] * len(chain)
+        return [None] * len(chain), [0.0] * len(chain), 0.0
     grads = torch.autograd.grad((h * w).sum(), wrt, allow_unused=True)
     by_id = {id(t): g for t, g in zip(wrt, grads, strict=True)}
+
+    def sq(g: torch.Tensor | None) -> float:
+        return 0.0 if g is None else float(g.double().pow(2).sum())
+
     cotangents = [by_id.get(id(o)) for o in outs[:-1]] + [w]
-    grad_sq = [
-        sum(float(by_id[id(p)].double().pow(2).sum()) for p in ps if by_id[id(p)] is not None)
-        for ps in per_block
-    ]
-    return [None if c is None else c.detach() for c in cotangents], grad_sq
+    grad_sq = [sum(sq(by_id[id(p)]) for p in ps) for ps in per_block]
+    input_sq = sq(by_id.get(id(leaf))) if leaf.requires_grad else 0.0
+    return [None if c is None else c.detach() for c in cotangents], grad_sq, input_sq
 
 
 @dataclass(frozen=True)
@@ -219,7 +243,8 @@ def _codec_errors(
 
     def grads(z: torch.Tensor) -> tuple[torch.Tensor, ...]:
         leaf = z.detach().double().requires_grad_(True)
-        with torch.random.fork_rng():
+        devices = [z.device] if z.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)  # the same dropout masks for every codec
             y = block64(leaf, **kw)
         ct = torch.ones_like(y) if cotangent is None else cotangent.detach().double()
@@ -268,6 +293,29 @@ def _selective_step(
     kwargs: dict[str, Any],
 ) -> None:
     checkpoint(block, leaf, policy=policy, **kwargs).backward(grad_out)
+
+
+class _LastWriter(TorchDispatchMode):
+    """Records, per output storage, the aten operation that produced it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.producer: dict[int, Any] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                key = t.untyped_storage()._cdata
+                self.producer.setdefault(key, func.overloadpacket)
+        return out
+
+
+def _output_op(block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+    """The aten operation whose result holds the block's output (its storage)."""
+    with torch.no_grad(), _LastWriter() as mode:
+        y = block(x, **kwargs)
+    return mode.producer.get(y.untyped_storage()._cdata)
 
 
 def _saves_own_output(block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> bool:
@@ -345,6 +393,9 @@ def _profile_block(
         transients[mode] = max(0, meter.since_reset_peak_bytes - start)
     leaf.grad = None
     selective_bytes, selective_fwd = {}, {}
+    output_op = _output_op(block, leaf.detach(), kwargs) if policies else None
+    # a policy that keeps the operation producing the output keeps the output itself
+    selective_kept = {p: output_op in POLICY_PRESETS[p] for p in policies}
     for policy in policies:  # the forward alone: what the policy keeps, and its peak
         with MemoryMeter(device) as meter:
             y = checkpoint(block, leaf, policy=policy, **kwargs)
@@ -410,6 +461,7 @@ def _profile_block(
         selective_bytes=selective_bytes,
         selective_forward_peak_bytes=selective_fwd,
         selective_backward_peak_bytes={p: transients[SELECTIVE_PREFIX + p] for p in policies},
+        selective_output_kept=selective_kept,
         output_saved=output_saved,
         strategy_overhead_s=overhead,
         invertible=isinstance(block, ReversibleUnit),

@@ -13,13 +13,16 @@ feasible in slots is feasible in bytes and errors.
 
 Dynamic programme over the quantised instance (exact for it)::
 
-    T[k, P', e', r'] = min over j < k, strategy s, with P + W(j,k,s) <= B:
-                       T[j, P, e, r] + time(j, k, s)
-    P' = P + K(j,k,s),  e' = e + E(j,k,s),  r' = [s is reversible]
+    T[k, P', e', f'] = min over j < k, strategy s allowed after f, with P + W(j,k,s) <= B:
+                       T[j, P, e, f] + time(j, k, s)
+    P' = P + K(j,k,s),  e' = e + E(j,k,s)^2,  f' = follow_limit(j, k, s)
 
-(``r`` forbids an approx segment right after a reversible one.) Each transition is a vectorised
-``numpy`` update over all ``(P, e)`` at once: ``O(L^2 S)`` array operations for ``L`` blocks and
-``S`` strategies.
+(``f``, what may follow the last segment: :func:`~revckpt.schedule.costs.follow_limit`; no
+approx or reversible segment right after a reversible one, nor after a stored block that
+saves its own output.) Each transition is a vectorised ``numpy`` update over all ``(P, e)`` at
+once: ``O(L^2 S)`` array operations for ``L`` blocks and ``S`` strategies. An infeasible
+budget is answered with the smallest budget that works, from the same programme minimising
+the peak instead of the time.
 """
 
 from __future__ import annotations
@@ -55,7 +58,6 @@ __all__ = [
     "Instance",
     "baseline",
     "make_plan",
-    "min_feasible_peak",
     "parse_budget",
     "quantise",
     "solve",
@@ -225,42 +227,18 @@ def solve_segments(inst: Instance) -> tuple[list[Segment], float] | None:
     return segments, total
 
 
-def min_feasible_peak(blocks: Sequence[BlockCost], strategies: Sequence[str]) -> int:
-    """The smallest predicted peak (bytes) of any plan using ``strategies`` without approx
-    (exact: a Pareto front of (kept, peak) per position)."""
-    usable = [s for s in strategies if not s.startswith(APPROX_PREFIX)] or [CHECKPOINT]
-    n = len(blocks)
-    fronts: list[dict[tuple[int, int], int]] = [dict() for _ in range(n + 1)]
-    fronts[0][(0, 0)] = 0  # (kept, flag) -> peak
-    for j in range(n):
-        for (kept, flag), peak in fronts[j].items():
-            for s in usable:
-                if not allowed_after(flag, s):
-                    continue
-                for k in range(j + 1, n + 1):
-                    if s == REVERSIBLE and not blocks[k - 1].invertible:
-                        break
-                    if s == STORE and k > j + 1:
-                        break
-                    if s.startswith(SELECTIVE_PREFIX) and (
-                        k > j + 1 or s[len(SELECTIVE_PREFIX) :] not in blocks[j].selective_bytes
-                    ):
-                        break
-                    cost = segment_cost(blocks, Segment(j, k, s))
-                    key = (kept + cost.kept, follow_limit(blocks, Segment(j, k, s)))
-                    value = max(peak, kept + cost.work)
-                    if value < fronts[k].get(key, math.inf):
-                        fronts[k][key] = value
-        # prune: per follow limit, keep (kept, peak) pairs not dominated by a smaller kept
-        # with a smaller peak
-        for k in range(j + 1, n + 1):
-            pruned, low = {}, {}
-            for key, value in sorted(fronts[k].items()):
-                if value < low.get(key[1], math.inf):
-                    pruned[key] = value
-                    low[key[1]] = value
-            fronts[k] = pruned
-    return min(fronts[n].values())
+def _can_run(block: BlockCost, strategies: Sequence[str]) -> bool:
+    """Whether some segment with one of ``strategies`` can contain ``block``."""
+    for s in strategies:
+        if s in (STORE, CHECKPOINT):
+            return True
+        if s == REVERSIBLE and block.invertible:
+            return True
+        if s.startswith(SELECTIVE_PREFIX) and s[len(SELECTIVE_PREFIX) :] in block.selective_bytes:
+            return True
+        if s.startswith(APPROX_PREFIX):
+            return True  # inside a segment whose first block has the codec
+    return False
 
 
 def _blocks_of(profile: Any) -> list[BlockCost]:
@@ -341,6 +319,15 @@ def solve(
         raise InvalidArgumentError(
             f"strategies {unknown} are not available for this profile; choose from {available}"
         )
+    if not chosen:
+        raise InvalidArgumentError(f"strategies=[]: choose at least one of {available}")
+    uncovered = [i for i, b in enumerate(blocks) if not _can_run(b, chosen)]
+    if uncovered:
+        raise InvalidArgumentError(
+            f"blocks {uncovered[:8]} cannot run with strategies {chosen} (reversible needs "
+            "invertible blocks; approx and selective need a profiled codec or policy); add "
+            "'checkpoint' or 'store'"
+        )
     if STORE in chosen and store_peak <= budget:  # nothing to recompute: optimal, no rounding
         return _plan(
             profile,
@@ -350,45 +337,29 @@ def solve(
             budget=budget,
             error_budget=error_budget,
         )
-    smallest = None
-    resolution = slots
-    while True:
+
+    def feasible(nbytes: int, resolution: int, err_resolution: int) -> Any:
         inst = quantise(
             blocks,
-            budget_bytes=budget,
+            budget_bytes=nbytes,
             error_budget=error_budget,
             strategies=chosen,
             slots=resolution,
-            error_slots=error_slots,
+            error_slots=err_resolution,
         )
-        result = solve_segments(inst)
-        if result is not None:
-            break
-        if smallest is None:
-            smallest = min_feasible_peak(blocks, chosen)
-        if smallest > budget or resolution >= 16 * slots:
-            break
-        # a plan fits in bytes but not after rounding up to slots: refine (at most 16x)
-        resolution *= 4
+        return solve_segments(inst)
+
+    result = feasible(budget, slots, error_slots)
     if result is None:
-        assert smallest is not None
-        if smallest <= budget:
-            raise InvalidArgumentError(
-                f"a plan fits {budget:,} bytes only without the rounding of {resolution} "
-                f"slots; raise slots (e.g. slots={resolution * 4}) or the budget slightly"
-            )
-        exact = [s for s in chosen if not s.startswith(APPROX_PREFIX)]
-        approx_note = (
-            ""
-            if len(exact) == len(chosen)
-            else f" (approx segments within error_budget={error_budget:g} do not reach it)"
+        smallest = _smallest_budget(
+            blocks, feasible, store_peak, chosen, error_budget, slots, error_slots
         )
         raise InvalidArgumentError(
-            f"no plan fits a memory budget of {_human(budget)} ({budget:,} bytes): the "
-            f"smallest predicted peak with {exact} is {_human(smallest)} ({smallest:,} bytes, "
-            f"{smallest / store_peak:.1%} of store-all){approx_note}. Raise the budget to at "
-            "least that, allow more strategies (reversible blocks; approx with a larger "
-            "error_budget), or use a smaller batch"
+            f"no plan fits a memory budget of {_human(budget)} ({budget:,} bytes) with "
+            f"strategies {chosen} and error_budget={error_budget:g}: the smallest budget a plan "
+            f"fits is {_human(smallest)} ({smallest:,} bytes, {smallest / store_peak:.1%} of "
+            "store-all). Raise the budget to at least that, allow more strategies (reversible "
+            "blocks; approx with an error_budget), or use a smaller batch"
         )
     segments, _ = result
     return _plan(
@@ -408,6 +379,76 @@ def make_plan(profile: Any, segments: Sequence[Segment], *, name: str = "custom"
             "make_plan takes revckpt.schedule.Segment(start, stop, strategy) objects"
         )
     return _plan(profile, blocks, segs, name=name, budget=None, error_budget=0.0)
+
+
+def _min_peak(inst: Instance) -> int | None:
+    """The smallest quantised peak of any plan of ``inst`` within its error budget, in slots:
+    the programme of :func:`solve_segments` minimising ``max_p (P_p + W_p)`` instead of time."""
+    n, budget, ne = inst.length, inst.budget, inst.error_budget
+    shape = (3, budget + 1, ne + 1)
+    peak = [np.full(shape, np.inf) for _ in range(n + 1)]
+    peak[0][0, 0, 0] = 0.0
+    reached = [set() for _ in range(n + 1)]
+    reached[0].add(0)
+    by_start: dict[int, list[int]] = {}
+    for idx, c in enumerate(inst.candidates):
+        by_start.setdefault(c[0], []).append(idx)
+    for j in range(n):
+        for idx in by_start.get(j, ()):
+            _, k, s, kept, work, err, _ = inst.candidates[idx]
+            rows = min(budget - kept, budget - work) + 1
+            cols = ne - err + 1
+            if rows <= 0 or cols <= 0:
+                continue
+            flag = inst.limits[idx] if inst.limits else 0
+            here = (np.arange(rows, dtype=float) + work)[:, None]
+            for f in sorted(reached[j]):
+                if not allowed_after(f, s):
+                    continue
+                cand = np.maximum(peak[j][f, :rows, :cols], here)
+                target = peak[k][flag, kept : kept + rows, err : err + cols]
+                np.minimum(target, cand, out=target)
+                reached[k].add(flag)
+    best = float(peak[n].min())
+    return None if not math.isfinite(best) else int(best)
+
+
+def _smallest_budget(
+    blocks: Sequence[BlockCost],
+    feasible: Any,
+    store_peak: int,
+    strategies: Sequence[str],
+    error_budget: float,
+    slots: int,
+    error_slots: int,
+) -> int:
+    """The smallest budget at which ``solve`` finds a plan at the given resolution, to about
+    a slot: a peak-minimising programme at slots of ``2 store_peak / slots``, again at slots of
+    the answer over ``slots`` (the resolution ``solve`` uses there), then confirmed, and raised
+    by 0.5% steps if the rounding needs it."""
+    nbytes = 2 * store_peak
+    for _ in range(2):  # the second pass at the resolution the answer itself gives
+        span = nbytes
+        inst = quantise(
+            blocks,
+            budget_bytes=span,
+            error_budget=error_budget,
+            strategies=strategies,
+            slots=slots,
+            error_slots=max(1, error_slots // 4),  # coarser errors: what fits there fits finer
+        )
+        best = _min_peak(inst)
+        if best is None:
+            raise InvalidArgumentError(
+                f"no plan with strategies {list(strategies)} fits even twice the store-all "
+                "peak; allow 'store' or 'checkpoint'"
+            )
+        nbytes = max(1, math.ceil(best * span / slots))
+    for _ in range(40):
+        if feasible(nbytes, slots, error_slots) is not None:
+            return nbytes
+        nbytes = math.ceil(nbytes * 1.005) + 1
+    return nbytes
 
 
 def _human(n: int) -> str:

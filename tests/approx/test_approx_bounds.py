@@ -130,3 +130,19 @@ def test_bad_input():
         estimate_error(chain, x, Approx(store="bf16", recompute_dtype=torch.bfloat16))
     with pytest.raises(InvalidArgumentError, match="probes"):
         estimate_error(chain, x, Codec("e4m3"), probes=0)
+
+
+def test_estimate_totals_matches_estimate_error_for_every_codec():
+    from revckpt.approx import Approx, estimate_error, estimate_totals
+    from revckpt.models import gpt_like
+
+    torch.manual_seed(0)
+    blocks, x = gpt_like(2, 16, 2), torch.randn(2, 8, 16)
+    totals = estimate_totals(blocks, x, ["bf16", "e4m3"], probes=8)
+    assert set(totals) == {"bf16", "e4m3"}
+    for fmt, got in totals.items():
+        single = estimate_error(blocks, x, Approx(store=fmt), probes=8, power_iterations=1)
+        # different random signs, same expectation: within a factor of 1.5
+        assert 1 / 1.5 < got.parameters / single.total("estimate") < 1.5
+        assert got.input > 0
+    assert totals["e4m3"].parameters > 5 * totals["bf16"].parameters

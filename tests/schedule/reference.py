@@ -18,19 +18,21 @@ def _table(inst: Instance):
     }
 
 
-def _forbidden(a, b, saved_outputs) -> bool:
-    """No approx after reversible; neither approx nor reversible after a store segment whose
-    last block saves its own output."""
-    if a[2] == REVERSIBLE and b[2].startswith(APPROX_PREFIX):
+def _forbidden(a, b, saved_outputs, selective_kept=frozenset()) -> bool:
+    """After reversible: neither approx nor reversible. After a store segment whose last block
+    saves its own output, or a selective one whose policy keeps it: neither either."""
+    if not (b[2] == REVERSIBLE or b[2].startswith(APPROX_PREFIX)):
+        return False
+    if a[2] == REVERSIBLE:
         return True
-    return (
-        a[2] == "store"
-        and (a[1] - 1) in saved_outputs
-        and (b[2] == REVERSIBLE or b[2].startswith(APPROX_PREFIX))
-    )
+    if a[2] == "store" and (a[1] - 1) in saved_outputs:
+        return True
+    return a[2].startswith("selective:") and (a[1] - 1, a[2]) in selective_kept
 
 
-def brute_force(inst: Instance, saved_outputs=frozenset()) -> float | None:
+def brute_force(
+    inst: Instance, saved_outputs=frozenset(), selective_kept=frozenset()
+) -> float | None:
     """Minimum time over every plan (every composition of the chain, every strategy per
     segment), checked with the quantised peak and error; None when nothing fits.
     ``saved_outputs``: the blocks that save their own output."""
@@ -47,7 +49,10 @@ def brute_force(inst: Instance, saved_outputs=frozenset()) -> float | None:
                 parts += [(i, i + 1, s) for i in range(j, k)] if s == "store" else [(j, k, s)]
             if any(p not in table for p in parts):
                 continue
-            if any(_forbidden(a, b, saved_outputs) for a, b in itertools.pairwise(parts)):
+            if any(
+                _forbidden(a, b, saved_outputs, selective_kept)
+                for a, b in itertools.pairwise(parts)
+            ):
                 continue
             prefix = peak = err = 0
             time = 0.0
@@ -62,7 +67,9 @@ def brute_force(inst: Instance, saved_outputs=frozenset()) -> float | None:
     return None if math.isinf(best) else best
 
 
-def milp_optimum(inst: Instance, saved_outputs=frozenset()) -> float | None:
+def milp_optimum(
+    inst: Instance, saved_outputs=frozenset(), selective_kept=frozenset()
+) -> float | None:
     """The same problem as a MILP: one binary per candidate segment, a path from 0 to L, a
     big-M peak constraint per candidate, the error budget, and the adjacency rules (x_a + x_b
     <= 1 for every forbidden pair meeting at a node)."""
@@ -107,7 +114,7 @@ def milp_optimum(inst: Instance, saved_outputs=frozenset()) -> float | None:
             for i, c in enumerate(cands):
                 j, k, s = c[0], c[1], c[2]
                 probe = (0, 0, APPROX_PREFIX if kind == "approx" else REVERSIBLE)
-                if k == node and _forbidden(c, probe, saved_outputs):
+                if k == node and _forbidden(c, probe, saved_outputs, selective_kept):
                     row[i] = 1
                 if j == node and (
                     s.startswith(APPROX_PREFIX) if kind == "approx" else s == REVERSIBLE

@@ -80,7 +80,12 @@ def test_input_signature_mismatch_raises():
     prof = profile(chain, torch.randn(8, 16), repeats=1, codecs=())
     model = apply(chain, solve(prof, memory_budget=1.0))
     with pytest.raises(InvalidArgumentError, match="profiled on inputs of shape"):
-        model(torch.randn(4, 16))
+        model(torch.randn(16, 16))  # a larger batch: the predictions would not hold
+    with pytest.raises(InvalidArgumentError, match="profiled on inputs of shape"):
+        model(torch.randn(8, 16).double())
+    model(torch.randn(4, 16))  # a smaller (last) batch is fine
+    with torch.no_grad():
+        model(torch.randn(32, 16))  # so is any input without a backward (evaluation)
 
 
 def test_bad_plans_and_inputs():

@@ -54,6 +54,7 @@ def make_chain(n, seed):
                         "selective_bytes": {"matmul": rng.randint(0, saved)},
                         "selective_forward_peak_bytes": {"matmul": saved + rng.randint(0, width)},
                         "selective_backward_peak_bytes": {"matmul": x + rng.randint(0, width)},
+                        "selective_output_kept": {"matmul": rng.random() < 0.3},
                     }
                     if selective and rng.random() < 0.7
                     else {}
@@ -65,6 +66,15 @@ def make_chain(n, seed):
 
 def saved_outputs(blocks):
     return frozenset(i for i, b in enumerate(blocks) if b.output_saved)
+
+
+def selective_kept(blocks):
+    return frozenset(
+        (i, "selective:" + p)
+        for i, b in enumerate(blocks)
+        for p, kept in b.selective_output_kept.items()
+        if kept
+    )
 
 
 def block_costs(max_len=7):
@@ -94,7 +104,7 @@ def _instance(blocks, fraction, error_budget, slots):
 def test_dynamic_programme_equals_brute_force(blocks, fraction, error_budget, slots):
     inst = _instance(blocks, fraction, error_budget, slots)
     result = solve_segments(inst)
-    expected = brute_force(inst, saved_outputs(blocks))
+    expected = brute_force(inst, saved_outputs(blocks), selective_kept(blocks))
     if expected is None:
         assert result is None
     else:
@@ -111,7 +121,7 @@ def test_dynamic_programme_equals_brute_force(blocks, fraction, error_budget, sl
 def test_dynamic_programme_equals_milp(blocks, fraction, error_budget):
     inst = _instance(blocks, fraction, error_budget, 50)
     result = solve_segments(inst)
-    expected = milp_optimum(inst, saved_outputs(blocks))
+    expected = milp_optimum(inst, saved_outputs(blocks), selective_kept(blocks))
     assert (result is None) == (expected is None)
     if result is not None:
         assert result[1] == pytest.approx(expected, rel=1e-7, abs=1e-7)
@@ -124,7 +134,7 @@ def test_dynamic_programme_equals_milp_at_32_blocks(error_budget, seed):
     for fraction in (0.2, 0.5):
         inst = _instance(chain, fraction, error_budget, 60)
         result = solve_segments(inst)
-        expected = milp_optimum(inst, saved_outputs(chain))
+        expected = milp_optimum(inst, saved_outputs(chain), selective_kept(chain))
         assert (result is None) == (expected is None)
         if result is not None:
             assert result[1] == pytest.approx(expected, rel=1e-7, abs=1e-7)
@@ -180,13 +190,28 @@ def test_parse_budget():
             parse_budget(bad, 1000)
 
 
-def test_infeasible_budget_names_the_smallest_feasible_one():
-    blocks = [BlockCost(1.0, 2.0, 100, 100, 400, 520, 150, 200, invertible=False) for _ in range(4)]
-    with pytest.raises(InvalidArgumentError, match=r"smallest predicted peak") as info:
-        solve(blocks, memory_budget=100)
-    smallest = int(info.value.args[0].split("(")[2].split(" bytes")[0].replace(",", ""))
-    plan = solve(blocks, memory_budget=smallest, slots=smallest)
-    assert plan.predicted_peak_bytes == smallest
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("error_budget", [0.0, 0.05])
+def test_infeasible_budget_names_the_smallest_budget_that_works(seed, error_budget):
+    blocks = make_chain(10, seed)
+    with pytest.raises(InvalidArgumentError, match=r"smallest budget a plan fits") as info:
+        solve(blocks, memory_budget=1, error_budget=error_budget)
+    named = int(
+        info.value.args[0].split("fits is ")[1].split("(")[1].split(" bytes")[0].replace(",", "")
+    )
+    plan = solve(blocks, memory_budget=named, error_budget=error_budget)  # the advice works
+    assert plan.predicted_peak_bytes <= named
+    with pytest.raises(InvalidArgumentError):  # and it is the smallest, to 2%
+        solve(blocks, memory_budget=int(named * 0.98), error_budget=error_budget)
+
+
+def test_strategies_that_cannot_cover_the_chain():
+    blocks = make_chain(6, 3)
+    with pytest.raises(InvalidArgumentError, match="choose at least one"):
+        solve(blocks, memory_budget=1.0, strategies=[])
+    if not all(b.invertible for b in blocks):
+        with pytest.raises(InvalidArgumentError, match="cannot run with strategies"):
+            solve(blocks, memory_budget=1.0, strategies=["reversible"])
 
 
 def test_bad_input():
