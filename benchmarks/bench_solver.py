@@ -4,7 +4,8 @@ Profiles are synthetic (seeded random per-block times and byte counts of the sha
 profile has, a third of the blocks invertible, three codecs), so the figure is the solver's own
 cost, independent of any model. For each length: median wall time of 3 solves at 1000 memory
 slots, without and with an error budget (32 error slots), at a budget of 30% of the
-store-everything peak (or the per-block checkpoint peak, if that is higher).
+store-everything peak (or the per-block checkpoint peak, if that is higher); and once at a
+budget of one byte, which no plan meets (the error names the smallest budget that works).
 
 Run ``python benchmarks/bench_solver.py``; prints a table and writes
 ``benchmarks/results/bench_solver.json``.
@@ -13,6 +14,7 @@ Run ``python benchmarks/bench_solver.py``; prints a table and writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import time
@@ -21,6 +23,7 @@ from typing import Any
 
 from _common import environment, write_json  # benchmarks/_common.py
 
+from revckpt import RevckptError
 from revckpt.schedule import BlockCost, baseline, solve
 
 
@@ -75,24 +78,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 start = time.perf_counter()
                 plan = solve(chain, memory_budget=budget, error_budget=error_budget, slots=1000)
                 times.append(time.perf_counter() - start)
+            # an infeasible budget: the answer names the smallest budget that works (a second
+            # programme), timed once
+            start = time.perf_counter()
+            with contextlib.suppress(RevckptError):
+                solve(chain, memory_budget=1, error_budget=error_budget, slots=1000)
+            infeasible = time.perf_counter() - start
             rows.append(
                 {
                     "blocks": n,
                     "slots": 1000,
                     "error_budget": error_budget,
                     "seconds_median": statistics.median(times),
+                    "infeasible_seconds": infeasible,
                     "predicted_overhead": plan.predicted_overhead,
                     "strategies": sorted(set(plan.strategies)),
                 }
             )
     lines = [
-        "| blocks | slots | error budget | solve s (median of 3) | plan overhead | strategies |",
-        "|---|---|---|---|---|---|",
+        "| blocks | slots | error budget | solve s (median of 3) | infeasible budget s | "
+        "plan overhead | strategies |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['blocks']} | {r['slots']} | {r['error_budget']:g} | "
-            f"{r['seconds_median']:.2f} | {r['predicted_overhead']:.3f} | "
+            f"{r['seconds_median']:.2f} | {r['infeasible_seconds']:.2f} | "
+            f"{r['predicted_overhead']:.3f} | "
             f"{', '.join(r['strategies'])} |"
         )
     print("\n".join(lines))

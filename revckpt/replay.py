@@ -143,6 +143,7 @@ class AutocastState:
 
     @classmethod
     def capture(cls, device_type: str) -> AutocastState:
+        """The autocast settings now in effect for ``device_type``."""
         return cls(
             device_type=device_type,
             enabled=torch.is_autocast_enabled(device_type),

@@ -179,6 +179,7 @@ class PlanMeasurement:
 
     @property
     def within_budget(self) -> bool | None:
+        """Whether the measured peak fits the plan's budget (``None``: no budget)."""
         if self.memory_budget_bytes is None:
             return None
         return self.measured_peak_bytes <= self.memory_budget_bytes
@@ -194,6 +195,7 @@ class Report:
     chosen: str | None = None
 
     def row(self, name: str) -> PlanMeasurement:
+        """The measurement of the plan named ``name``."""
         for r in self.rows:
             if r.name == name:
                 return r
@@ -201,6 +203,7 @@ class Report:
 
     @property
     def names(self) -> list[str]:
+        """Plan names, store-all first."""
         return [r.name for r in self.rows]
 
     def table(self) -> str:
@@ -230,6 +233,7 @@ class Report:
         return self.table()
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as plain data (format ``revckpt.Report/1``)."""
         return {
             "format": "revckpt.Report/1",
             "store_all_peak_bytes": self.store_all_peak_bytes,

@@ -149,6 +149,7 @@ class StackSpec:
         return model.to(self.dtype).train()
 
     def make_input(self, *, requires_grad: bool = True) -> torch.Tensor:
+        """A random input for the stack (seeded by the spec)."""
         gen = torch.Generator().manual_seed(self.seed + 1)
         x = torch.randn(self.batch, self.width, generator=gen, dtype=torch.float64)
         return x.to(self.dtype).requires_grad_(requires_grad)
@@ -222,14 +223,17 @@ class ErrorCheck:
 
     @property
     def allowed(self) -> dict[str, float]:
+        """Per parameter: the bound plus the exact float32 path's own error."""
         return {n: self.bound[n] + self.exact[n] for n in self.bound}
 
     @property
     def violations(self) -> list[str]:
+        """Parameters whose measured error exceeds what is allowed."""
         allowed = self.allowed
         return [n for n, m in self.measured.items() if not m <= allowed[n]]
 
     def table(self) -> str:
+        """Markdown: measured error, bound, estimate and float32 error per parameter."""
         lines = [
             f"gradient error of {self.config} against float64, relative to ||grad||",
             "| parameter | measured | bound | estimate | exact fp32 |",

@@ -147,6 +147,7 @@ class ErrorEstimate:
         return err / norm if norm > 0 else math.inf
 
     def table(self) -> str:
+        """Markdown: relative bound, estimate and linearised error per parameter."""
         lines = [
             f"gradient error of approximate recompute ({self.codec}), relative to ||grad||",
             "| parameter | bound | estimate | linearised |",

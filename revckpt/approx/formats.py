@@ -101,6 +101,7 @@ class Encoded:
         return n
 
     def decode(self) -> torch.Tensor:
+        """The tensor back in its original dtype (scales applied)."""
         return self.codec.decode(self)
 
 
@@ -165,6 +166,7 @@ class Codec:
 
     @property
     def spec(self) -> FormatSpec:
+        """The format's constants (dtype, largest value, unit roundoff)."""
         return FORMATS[self.format]
 
     @property

@@ -43,9 +43,11 @@ class Coupling:
     """Base class: an invertible elementwise map ``y = combine(x, h)`` in ``x``, given ``h``."""
 
     def combine(self, x: torch.Tensor, h: Any) -> torch.Tensor:
+        """``y = combine(x, h)``: update stream ``x`` with the branch output ``h``."""
         raise NotImplementedError
 
     def separate(self, y: torch.Tensor, h: Any) -> torch.Tensor:
+        """``x = separate(y, h)``: undo :meth:`combine` (``separate(combine(x, h), h) == x``)."""
         raise NotImplementedError
 
     def check(self, x: torch.Tensor, h: Any, *, branch: str) -> None:
@@ -63,9 +65,11 @@ class AdditiveCoupling(Coupling):
     """
 
     def combine(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """``y = x + h``."""
         return x + h
 
     def separate(self, y: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """``x = y - h``."""
         return y - h
 
     def check(self, x: torch.Tensor, h: Any, *, branch: str) -> None:

@@ -50,6 +50,7 @@ class TensorError:
 
     @classmethod
     def between(cls, g: torch.Tensor, r: torch.Tensor) -> TensorError:
+        """Errors of ``g`` against the reference ``r``."""
         g, r = g.detach().double().flatten(), r.detach().double().flatten()
         d = g - r
         dn, rn, gn = d.norm().item(), r.norm().item(), g.norm().item()
@@ -100,6 +101,7 @@ class GradientError:
         return sorted(self.per_tensor.items(), key=lambda kv: -getattr(kv[1], by))[:k]
 
     def table(self, k: int | None = None) -> str:
+        """The ``k`` worst tensors and the overall error, as a text table."""
         rows = self.worst(k or len(self.per_tensor))
         width = max([len(n) for n, _ in rows] + [7])
         lines = [f"{'tensor':<{width}}  {'rel_l2':>10}  {'1-cos':>10}  {'max_abs_rel':>11}"]

@@ -273,6 +273,7 @@ class MemoryMeter:
 
     @property
     def stats(self) -> MemoryStats:
+        """Peak and end bytes as a :class:`MemoryStats` (after the block)."""
         if self._stats is None:
             raise InvalidArgumentError(
                 "MemoryMeter figures exist after the `with` block has finished; read them there"

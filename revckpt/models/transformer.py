@@ -49,6 +49,7 @@ class TransformerBlock(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def attention(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``W_o SDPA(W_q x, W_k x, W_v x)`` over the heads (causal unless a mask is given)."""
         b, s, d = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         out = F.scaled_dot_product_attention(
@@ -62,6 +63,7 @@ class TransformerBlock(nn.Module):
         return self.drop(self.proj(out.transpose(1, 2).reshape(b, s, d)))
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """``W_2 GELU(W_1 x)``."""
         return self.drop(self.fc2(F.gelu(self.fc1(x))))
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -48,6 +48,7 @@ class Plan:
 
     @property
     def length(self) -> int:
+        """Number of blocks the plan covers."""
         return self.segments[-1].stop
 
     @property
@@ -60,6 +61,7 @@ class Plan:
 
     @property
     def predicted_peak_fraction(self) -> float:
+        """Predicted peak over the store-all peak."""
         return self.predicted_peak_bytes / self.store_all_peak_bytes
 
     def table(self) -> str:
@@ -90,6 +92,7 @@ class Plan:
     # -- JSON -------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
+        """The plan as plain data (format ``revckpt.Plan/1``)."""
         d = asdict(self)
         d["segments"] = [[s.start, s.stop, s.strategy] for s in self.segments]
         d["block_names"] = list(self.block_names)
@@ -108,6 +111,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
+        """The plan :meth:`to_dict` wrote."""
         if d.get("format") != "revckpt.Plan/1":
             raise InvalidArgumentError(
                 "not a revckpt plan (missing format 'revckpt.Plan/1'); write plans with "

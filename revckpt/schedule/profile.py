@@ -61,6 +61,7 @@ class Profile:
     input_signature: tuple[tuple[int, ...], str, str]
 
     def table(self) -> str:
+        """Markdown: per block times, bytes, transient peaks, invertibility, codec errors."""
         lines = [
             "| block | fwd ms | bwd ms | input MB | saved MB | fwd peak MB | bwd peak MB | "
             "invertible | approx error (est.) |",
