@@ -36,9 +36,14 @@ class _UsageError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        if message.startswith("unrecognized arguments"):
+        if message.startswith("unrecognized arguments") and any(
+            unit in message.split(":", 1)[1].split() for unit in _UNIT_WORDS
+        ):
             message += "; quote values that contain spaces, e.g. --budget '2 GiB'"
         raise _UsageError(f"{message} (see '{self.prog} --help')")
+
+
+_UNIT_WORDS = ("B", "KB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB", "%")
 
 
 _OPEN_LINE = [False]  # a progress bar left the cursor mid-line on stderr
@@ -100,8 +105,10 @@ def _demo(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     if device.type == "cpu":
-        torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    progress = _Progress(6, enabled=not args.no_progress)
+        # one thread by default: the timings compare strategies, and intra-op threads on small
+        # tensors (or a busy machine) make them slow and noisy
+        torch.set_num_threads(args.threads)
+    progress = _Progress(6, enabled=not args.no_progress and sys.stderr.isatty())
 
     progress.step(f"building a GPT-like model ({depth} blocks, dim {dim})")
     chain = gpt_like(depth, dim, heads).to(device)
@@ -245,12 +252,21 @@ def _load_factory(spec: str) -> Any:
 
 def _plan(args: argparse.Namespace) -> int:
     import torch
+    from torch import nn
 
     from .report import measure_peak
     from .schedule import apply, parse_budget, profile, solve
 
     factory = _load_factory(args.factory)
-    result = factory()
+    try:
+        result = factory()
+    except TypeError as err:
+        if "argument" not in str(err):
+            raise
+        raise _UsageError(
+            f"{args.factory}() cannot be called without arguments ({err}); give every "
+            "argument a default"
+        ) from err
     if not (isinstance(result, tuple) and len(result) in (2, 3)):
         raise _UsageError(
             f"{args.factory} returned {type(result).__name__}; return (blocks, example_input) "
@@ -258,14 +274,23 @@ def _plan(args: argparse.Namespace) -> int:
         )
     blocks, x = result[0], result[1]
     kwargs = dict(result[2]) if len(result) == 3 else {}
+    if not isinstance(blocks, (nn.Sequential, list, tuple)):
+        raise _UsageError(
+            f"{args.factory} returned blocks of type {type(blocks).__name__}; return the chain "
+            "as an nn.Sequential or a list of modules (one tensor in, one out), e.g. "
+            "nn.Sequential(*model.layers)"
+        )
     if not isinstance(x, torch.Tensor):
         raise _UsageError(
             f"{args.factory} returned an example input of type {type(x).__name__}; return a "
             "tensor (the chain's input)"
         )
-    store_peak = None
     try:
         prof = profile(blocks, x, repeats=args.repeats, **kwargs)
+    except RevckptError as err:
+        raise _UsageError(str(err)) from err
+    print(prof.table() if args.verbose else f"profiled {len(prof.blocks)} blocks")
+    try:
         from .schedule import baseline
 
         store_peak = baseline(prof, "store").predicted_peak_bytes
@@ -278,7 +303,6 @@ def _plan(args: argparse.Namespace) -> int:
         )
     except RevckptError as err:
         raise _UsageError(str(err)) from err
-    print(prof.table() if args.verbose else f"profiled {len(prof.blocks)} blocks")
     print(plan.table())
     if args.out:
         plan.to_json(args.out)
@@ -351,6 +375,9 @@ def _parser() -> _Parser:
         prog="revckpt",
         description="Train deeper and wider models in the same memory, and see what it costs.",
     )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"revckpt {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     demo = sub.add_parser(
         "demo",
@@ -375,6 +402,9 @@ def _parser() -> _Parser:
         "--size", choices=sorted(DEMO_SIZES), help="model size (default: cpu, or gpu on CUDA)"
     )
     demo.add_argument("--repeats", type=int, default=5, help="timing rounds (default: 5)")
+    demo.add_argument(
+        "--threads", type=int, default=1, help="CPU threads for torch (default: %(default)s)"
+    )
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(run=_demo)
 
@@ -387,17 +417,24 @@ def _parser() -> _Parser:
             "blocks, and print the cheapest plan that fits the budget."
         ),
     )
-    plan.add_argument("factory", metavar="MODULE:FACTORY")
+    plan.add_argument(
+        "factory",
+        metavar="MODULE:FACTORY",
+        help="a function returning (blocks, example_input[, kwargs]), e.g. "
+        "examples.user_model:build",
+    )
     plan.add_argument(
         "--budget",
         required=True,
-        help="memory budget: bytes, a string like '2GiB' or '512MiB', or a fraction like 0.3",
+        help="memory budget: '2GiB', '512MiB', '30%%', or a fraction of the store-all peak "
+        "like 0.3",
     )
     plan.add_argument(
         "--error-budget",
         type=float,
         default=0.0,
-        help="largest relative gradient error for approx blocks (default: 0, exact only)",
+        help="largest relative gradient error allowed (default: 0, exact strategies only; "
+        "e.g. 1e-2 lets the solver compress boundaries to bf16 or fp8)",
     )
     plan.add_argument(
         "--strategies",

@@ -52,6 +52,7 @@ def test_plan_on_the_example_model_measures_within_budget(monkeypatch, tmp_path,
         (["plan", "examples.user_model:nope", "--budget", "1GiB"], "has no function 'nope'"),
         (["plan", "examples.user_model:build", "--budget", "lots"], "cannot read the memory"),
         (["plan", "examples.user_model:build", "--budget", "0.01"], "no plan fits"),
+        (["plan", "examples.user_model:build", "--budget", "8"], "write a unit"),
         (["plan", "examples.user_model:build", "--budget", "2", "GiB"], "quote values"),
         (["plan", "examples.user_model:build"], "--budget"),
         (["frobnicate"], "invalid choice"),
@@ -86,3 +87,26 @@ def test_bench_runs_a_script_without_touching_the_results(capfd):
     assert "bench_solver.py" in out and "| blocks |" in out
     assert (results.read_bytes() if results.exists() else None) == before  # quick: elsewhere
     assert main(["bench", "--only", "bench_nothing"]) == 2
+
+
+def test_factories_that_return_the_wrong_thing(tmp_path, monkeypatch, capsys):
+    (tmp_path / "wrong_models.py").write_text(
+        "import torch\n"
+        "def single():\n    return torch.nn.Linear(4, 4), torch.randn(2, 4)\n"
+        "def needs(depth):\n    return None\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    cases = (("wrong_models:single", "nn.Sequential"), ("wrong_models:needs", "default"))
+    for spec, expected in cases:
+        assert main(["plan", spec, "--budget", "0.5", "--repeats", "1"]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and expected in err and "Traceback" not in err
+
+
+def test_version_and_unknown_option(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and "revckpt" in capsys.readouterr().out
+    assert main(["demo", "--frobnicate"]) == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments" in err and "quote" not in err

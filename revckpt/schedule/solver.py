@@ -106,6 +106,12 @@ def parse_budget(budget: Any, store_all_peak: int) -> int:
         number = float(m.group(1))
         if unit == "%" or (unit == "" and number <= 1):  # a fraction of the store-all peak
             return parse_budget(number / 100 if unit == "%" else number, store_all_peak)
+        if unit == "" and number < 1024:
+            raise InvalidArgumentError(
+                f"memory budget {budget!r}: a number without a unit above 1 is read as bytes, "
+                f"and {budget.strip()} bytes is surely not meant; write a unit ('{budget.strip()}"
+                "GiB'), a percentage ('30%') or a fraction of the store-all peak ('0.3')"
+            )
         value = number * _UNITS.get(unit, 1)
         if value < 1:
             raise InvalidArgumentError(f"memory budget {budget!r} is less than one byte")
@@ -354,12 +360,27 @@ def solve(
         smallest = _smallest_budget(
             blocks, feasible, store_peak, chosen, error_budget, slots, error_slots
         )
+        # the rounding of bytes up to slots can exclude a plan that fits in bytes: the plan
+        # found at the smallest budget may be one
+        near = feasible(smallest, slots, error_slots)
+        if near is not None and evaluate(blocks, near[0]).peak_bytes <= budget:
+            result = near
+    if result is None:
+        usable = [s for s in chosen if error_budget > 0 or not s.startswith(APPROX_PREFIX)]
+        hints = []
+        if REVERSIBLE not in available:
+            hints.append("reversible blocks (revckpt.layers.ReversibleUnit)")
+        if error_budget == 0 and any(s.startswith(APPROX_PREFIX) for s in chosen):
+            hints.append("approx boundaries (an error budget above 0)")
+        elif error_budget > 0:
+            hints.append("a larger error budget")
+        more = f", allow {' or '.join(hints)}" if hints else ""
         raise InvalidArgumentError(
             f"no plan fits a memory budget of {_human(budget)} ({budget:,} bytes) with "
-            f"strategies {chosen} and error_budget={error_budget:g}: the smallest budget a plan "
-            f"fits is {_human(smallest)} ({smallest:,} bytes, {smallest / store_peak:.1%} of "
-            "store-all). Raise the budget to at least that, allow more strategies (reversible "
-            "blocks; approx with an error_budget), or use a smaller batch"
+            f"strategies {usable} and error budget {error_budget:g}: the smallest budget a "
+            f"plan fits is {_human(smallest)} ({smallest:,} bytes, "
+            f"{smallest / store_peak:.1%} of store-all, at the solver's resolution of {slots} "
+            f"slots). Raise the budget to at least that{more}, or use a smaller batch"
         )
     segments, _ = result
     return _plan(

@@ -185,7 +185,9 @@ def test_parse_budget():
     assert parse_budget("1.5e9", 1) == 1_500_000_000
     assert parse_budget(0.25, 1000) == 250
     assert parse_budget(12345, 1) == 12345
-    for bad in ("2 gigs", "GiB", "-1MiB", 1.5, 0, -3, True, None):
+    assert parse_budget("30%", 1000) == 300
+    assert parse_budget("0.3", 1000) == 300
+    for bad in ("2 gigs", "GiB", "-1MiB", 1.5, 0, -3, True, None, "1.5", "8", "120%"):
         with pytest.raises(InvalidArgumentError):
             parse_budget(bad, 1000)
 
