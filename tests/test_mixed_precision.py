@@ -1,0 +1,82 @@
+"""bf16 autocast on CPU for every strategy: gradients against plain autograd under the same
+autocast. Exact strategies match bitwise (the recompute replays the autocast state); the
+approximate ones within their error."""
+
+import pytest
+import torch
+from torch import nn
+
+import revckpt
+from revckpt.approx import Approx
+from revckpt.layers import ReversibleUnit, reversible_mlp_block
+from revckpt.models import ResidualMLPBlock
+from revckpt.schedule import Segment, apply, make_plan, profile
+
+
+def _chain() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        ResidualMLPBlock(32, 64, norm="layer", activation=nn.GELU),
+        ReversibleUnit(reversible_mlp_block(16, 32)),
+        ReversibleUnit(reversible_mlp_block(16, 32)),
+        ResidualMLPBlock(32, 64, norm="layer", activation=nn.GELU),
+    )
+
+
+def _grads(run, chain, x):
+    for p in chain.parameters():
+        p.grad = None
+    leaf = x.detach().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = run(chain, leaf)
+    y.float().sum().backward()
+    return [leaf.grad, *(p.grad for p in chain.parameters())]
+
+
+def _relative(got, ref):
+    num = sum(float((g.double() - r.double()).pow(2).sum()) for g, r in zip(got, ref, strict=True))
+    den = sum(float(r.double().pow(2).sum()) for r in ref)
+    return (num / den) ** 0.5
+
+
+def _scheduled(segments):
+    prof = profile(_chain(), torch.randn(16, 32), repeats=1, codecs=("bf16",), policies=())
+    plan = make_plan(prof, segments)
+    return lambda chain, x: apply(chain, plan)(x)
+
+
+STRATEGIES = {
+    "checkpoint": (lambda c, x: revckpt.checkpoint_sequential(c, len(c), x), 0.0),
+    "approx, nothing compressed": (
+        lambda c, x: revckpt.checkpoint_sequential(c, len(c), x, approx=Approx(store=None)),
+        0.0,
+    ),
+    "scheduled, exact strategies": (
+        _scheduled([Segment(0, 1, "checkpoint"), Segment(1, 4, "store")]),
+        0.0,
+    ),
+    "approx bf16": (
+        lambda c, x: revckpt.checkpoint_sequential(c, len(c), x, approx=Approx(store="bf16")),
+        1e-2,
+    ),
+    "scheduled, approx and reversible": (
+        _scheduled(
+            [Segment(0, 1, "approx:bf16"), Segment(1, 3, "reversible"), Segment(3, 4, "store")]
+        ),
+        1e-2,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_bf16_autocast_gradients_against_plain_autocast(name):
+    run, tolerance = STRATEGIES[name]
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    reference = _grads(lambda c, x: c(x), _chain(), x)
+    got = _grads(run, _chain(), x)
+    if tolerance == 0.0:
+        for g, r in zip(got, reference, strict=True):
+            assert torch.equal(g, r)
+    else:
+        error = _relative(got, reference)
+        assert 0 < error < tolerance, error
