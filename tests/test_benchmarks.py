@@ -89,3 +89,13 @@ def test_bench_schedule_quick(tmp_path):
             if r["budget_fraction"] is not None:
                 assert r["within_budget_plus_5pct"]
         assert (out.parent / model["plot"]).stat().st_size > 10_000
+
+
+def test_gpu_check_smoke_mode_on_cpu(tmp_path):
+    out = str(tmp_path / "g.json")
+    result = load("gpu_check").main(["--smoke", "--repeats", "1", "--out", out])
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert result["size"] == "smoke" and rows["store-all"]["peak_fraction"] == 1.0
+    assert rows["checkpoint per block"]["peak_fraction"] < 1.0
+    assert any(name.startswith("scheduler") for name in rows)
+    assert any(name.startswith("reversible") for name in rows)

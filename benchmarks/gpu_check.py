@@ -1,0 +1,193 @@
+"""Every strategy on one GPU: peak memory (``torch.cuda.max_memory_allocated`` through
+``MemoryMeter("cuda")``) and step time against store-all, on the GPT-like model at a GPU size,
+plus an fp16 autocast + ``GradScaler`` step for the exact strategies.
+
+Rows: store-all; checkpoint per block (revckpt, and ``torch.utils.checkpoint``); sqrt segments;
+selective recompute (``matmul+attention``); approx bf16 and e4m3 boundaries; a bf16 recompute;
+the scheduler's plan at 30% of store-all (error budget 1e-2); a reversible model of the same
+size (``rev_gpt_like``, against its own store-all) and the reversible peers when installed.
+
+Run ``python benchmarks/gpu_check.py`` on a GPU (about 3 minutes on one H100-class GPU);
+without CUDA it runs a reduced CPU smoke mode (``--smoke`` forces it). Prints a table and
+writes ``benchmarks/results/gpu_check.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from _common import environment, write_json  # benchmarks/_common.py
+
+import revckpt
+from revckpt import MemoryMeter, time_ratios
+from revckpt.approx import Approx
+from revckpt.models import gpt_like, rev_gpt_like
+from revckpt.schedule import apply, profile, solve
+
+SIZES = {
+    # depth, dim, heads, batch, sequence
+    "gpu": (24, 1024, 16, 8, 1024),
+    "smoke": (2, 32, 2, 2, 16),
+}
+
+
+def _step(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        fn(x).float().sum().backward()
+
+    return step
+
+
+def _peak(step: Callable[[], None], device: str) -> int:
+    step()  # warm: gradients allocated, kernels chosen
+    with MemoryMeter(device) as meter:
+        step()
+    return meter.peak_bytes
+
+
+def _variants(
+    chain: torch.nn.Sequential, x: torch.Tensor, budget: float
+) -> dict[str, Callable[..., Any]]:
+    n = len(chain)
+
+    def torch_per_block(h: torch.Tensor) -> torch.Tensor:
+        for block in chain:
+            h = torch_checkpoint.checkpoint(block, h, use_reentrant=False)
+        return h
+
+    prof = profile(chain, x, repeats=3)
+    plan = solve(prof, memory_budget=budget, error_budget=1e-2)
+    scheduled = apply(chain, plan)
+    return {
+        "store-all": chain,
+        "checkpoint per block": lambda h: revckpt.checkpoint_sequential(chain, n, h),
+        "torch.utils.checkpoint per block": torch_per_block,
+        "checkpoint sqrt": lambda h: revckpt.checkpoint_sequential(chain, "sqrt", h),
+        "selective matmul+attention": lambda h: revckpt.checkpoint_sequential(
+            chain, n, h, policy="matmul+attention"
+        ),
+        "approx bf16": lambda h: revckpt.checkpoint_sequential(
+            chain, n, h, approx=Approx(store="bf16")
+        ),
+        "approx e4m3": lambda h: revckpt.checkpoint_sequential(
+            chain, n, h, approx=Approx(store="e4m3")
+        ),
+        "bf16 recompute": lambda h: revckpt.checkpoint_sequential(
+            chain, n, h, approx=Approx(store=None, recompute_dtype=torch.bfloat16)
+        ),
+        f"scheduler ({', '.join(sorted(set(plan.strategies)))})": scheduled,
+    }
+
+
+def _fp16_scaler_rows(chain, x, device) -> list[dict[str, Any]]:
+    """One fp16 autocast + GradScaler step per exact strategy; finite gradients expected."""
+    rows = []
+    n = len(chain)
+    for name, fn in (
+        ("store-all", chain),
+        ("checkpoint per block", lambda h: revckpt.checkpoint_sequential(chain, n, h)),
+    ):
+        scaler = torch.amp.GradScaler(device)
+        for p in chain.parameters():
+            p.grad = None
+        with torch.autocast(device, dtype=torch.float16):
+            loss = fn(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        finite = all(torch.isfinite(p.grad).all() for p in chain.parameters())
+        rows.append({"variant": name, "fp16_gradscaler_finite_grads": bool(finite)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="reduced CPU mode")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "results" / "gpu_check.json"
+    )
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = "cuda" if cuda else "cpu"
+    size = "gpu" if cuda else "smoke"
+    depth, dim, heads, batch, seq = SIZES[size]
+    if not cuda:
+        torch.set_num_threads(1)
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    chain = gpt_like(depth, dim, heads).to(device)
+    x = torch.randn(batch, seq, dim, device=device, requires_grad=True)
+    variants = _variants(chain, x, 0.3 if cuda else 0.9)  # the tiny smoke model: 0.9
+    steps = {name: _step(fn, x) for name, fn in variants.items()}
+    peaks = {name: _peak(step, device) for name, step in steps.items()}
+    ratios = time_ratios(steps, baseline="store-all", repeats=args.repeats, warmup=1)
+    rows = [
+        {
+            "variant": name,
+            "peak_bytes": peaks[name],
+            "peak_fraction": peaks[name] / peaks["store-all"],
+            "time_ratio": ratios[name].ratio,
+            "time_ratio_iqr": [ratios[name].q25, ratios[name].q75],
+        }
+        for name in variants
+    ]
+    # the reversible model of the same size, against its own store-all
+    rev = rev_gpt_like(depth, dim, heads).to(device)
+    rev_plain = torch.nn.Sequential(*rev)  # same blocks, run plainly (they store)
+    from revckpt.layers import ReversibleSequential
+
+    rev_stack = ReversibleSequential(*[unit.block for unit in rev], split_dim=-1)
+    rev_steps = {"store-all": _step(rev_plain, x), "reversible": _step(rev_stack, x)}
+    rev_peaks = {name: _peak(step, device) for name, step in rev_steps.items()}
+    rev_ratios = time_ratios(rev_steps, baseline="store-all", repeats=args.repeats, warmup=1)
+    rows.append(
+        {
+            "variant": "reversible (RevGPT variant, against its own store-all)",
+            "peak_bytes": rev_peaks["reversible"],
+            "peak_fraction": rev_peaks["reversible"] / rev_peaks["store-all"],
+            "time_ratio": rev_ratios["reversible"].ratio,
+            "time_ratio_iqr": [rev_ratios["reversible"].q25, rev_ratios["reversible"].q75],
+        }
+    )
+    fp16 = _fp16_scaler_rows(chain, x.detach(), device) if cuda else []
+    name = torch.cuda.get_device_name() if cuda else "CPU (smoke mode)"
+    lines = [
+        f"gpu_check on {name}, GPT-like {depth} blocks x {dim}, input {batch}x{seq}x{dim}, "
+        f"torch {torch.__version__}",
+        "| variant | peak MiB | of store-all | time vs store-all (IQR) |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['variant']} | {r['peak_bytes'] / 2**20:.1f} | {r['peak_fraction']:.3f} | "
+            f"{r['time_ratio']:.3f} ({r['time_ratio_iqr'][0]:.2f}-{r['time_ratio_iqr'][1]:.2f}) |"
+        )
+    for r in fp16:
+        lines.append(
+            f"fp16 autocast + GradScaler, {r['variant']}: finite gradients "
+            f"{r['fp16_gradscaler_finite_grads']}"
+        )
+    elapsed = time.perf_counter() - started
+    lines.append(f"({elapsed:.0f} s)")
+    print("\n".join(lines))
+    result = {
+        "benchmark": "gpu_check",
+        "command": "python benchmarks/gpu_check.py",
+        "environment": environment(),
+        "device": name,
+        "size": size,
+        "rows": rows,
+        "fp16_gradscaler": fp16,
+        "seconds": elapsed,
+    }
+    write_json(result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()
