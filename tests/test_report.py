@@ -4,6 +4,7 @@ models, and the Report's table, JSON and plot."""
 import contextlib
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -52,16 +53,21 @@ def test_revnet_plans_use_reversible_units_and_fit():
     chain, x = revnet_like((3,), (16,)), torch.randn(4, 3, 16, 16)
     prof = profile(chain, x, repeats=1, codecs=())
     assert [b.invertible for b in prof.blocks] == [False, True, True, True, False]
-    plan = solve(prof, memory_budget=min_reversible_fraction(prof), strategies=None)
+    exact_only = _smallest_budget(prof, ["store", "checkpoint"])
+    budget = int(0.97 * exact_only)  # below anything store and checkpoint reach
+    plan = solve(prof, memory_budget=budget)
     assert "reversible" in plan.strategies
     peak = measure_peak(apply(chain, plan), x)
-    assert abs(peak / plan.predicted_peak_bytes - 1) <= 0.05
+    assert abs(peak / plan.predicted_peak_bytes - 1) <= 0.05 and peak <= budget
 
 
-def min_reversible_fraction(prof):
-    """A budget below what checkpointing alone reaches."""
-    per_block = baseline(prof, "per-block").predicted_peak_bytes
-    return int(0.97 * per_block)
+def _smallest_budget(prof, strategies):
+    """The smallest budget solve accepts with ``strategies`` (from its infeasibility error)."""
+    with pytest.raises(InvalidArgumentError, match="smallest budget a plan fits") as info:
+        solve(prof, memory_budget=1, strategies=strategies)
+    found = re.search(r"fits is [^(]*\(([\d,]+) bytes", str(info.value))
+    assert found is not None
+    return int(found.group(1).replace(",", ""))
 
 
 def test_measure_peak_restores_gradients():
