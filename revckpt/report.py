@@ -34,23 +34,12 @@ from torch import nn
 
 from .errors import InvalidArgumentError, InvalidInputTypeError
 from .measure import MemoryMeter, gradient_error, time_ratios
+from .measure.state import preserved
 from .schedule import Plan, apply
 
 __all__ = ["PlanMeasurement", "Report", "StepMemory", "measure_peak", "measure_step", "report"]
 
 STORE_ALL = "store-all"
-
-
-def _restore_buffers(saved: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Put running statistics (and other buffers) back as they were before a measurement."""
-    with torch.no_grad():
-        for b, value in saved:
-            b.copy_(value)
-
-
-def _restore_grads(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
-    for p, g in zip(params, grads, strict=True):
-        p.grad = g
 
 
 @dataclass(frozen=True)
@@ -82,8 +71,6 @@ def measure_step(
     """
     kw = dict(kwargs or {})
     params = [p for p in model.parameters() if p.requires_grad]
-    before = [p.grad for p in params]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
     retained: list[int] = []
     weight: list[torch.Tensor] = []
     meter: MemoryMeter | None = None
@@ -103,16 +90,13 @@ def measure_step(
         # engine, as a real loss head's is; y stays alive (a head saves its input)
         (y * weight[0]).sum().backward()
 
-    try:
+    with preserved(model):
         for p in params:
             p.grad = torch.zeros_like(p)
         step()
         meter = MemoryMeter(device if device is not None else x.device)
         with meter:
             step()
-    finally:
-        _restore_grads(params, before)
-        _restore_buffers(buffers)
     return StepMemory(peak_bytes=meter.peak_bytes, retained_bytes=max(0, retained[0]))
 
 
@@ -439,10 +423,7 @@ def report(
 
         return step
 
-    params = [p for p in plain.parameters() if p.requires_grad]
-    before = [p.grad for p in params]
-    buffers = [(b, b.detach().clone()) for b in plain.buffers()]
-    try:
+    with preserved(plain):
         steps = {name: measure_step(m, x, kwargs=kw) for name, m in models.items()}
         ratios = time_ratios(
             {name: stepper(m) for name, m in models.items()},
@@ -450,9 +431,6 @@ def report(
             repeats=repeats,
             warmup=warmup,
         )
-    finally:
-        _restore_grads(params, before)
-        _restore_buffers(buffers)
     errs: dict[str, float] = {}
     for name, m in models.items():
         if errors:

@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import InvalidArgumentError, InvalidInputTypeError
+from .state import preserved
 
 __all__ = ["GradientError", "TensorError", "gradient_error", "paired_gradients"]
 
@@ -172,17 +173,6 @@ def _fork_all_rng() -> Any:
     return torch.random.fork_rng(devices=cuda)
 
 
-def _snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: b.detach().clone() for n, b in module.named_buffers()}
-
-
-def _restore(module: nn.Module, saved: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for n, b in module.named_buffers():
-            if n in saved:
-                b.copy_(saved[n])
-
-
 def _grads(
     model: nn.Module,
     args: tuple[Any, ...],
@@ -204,24 +194,20 @@ def _grads(
         if isinstance(a, torch.Tensor) and a.requires_grad:
             names.append(f"input.{k}")
             tensors.append(a)
-    saved = _snapshot(model)
     dtypes = None
-    try:
-        with _fork_all_rng():
-            torch.manual_seed(seed)
-            out = model(*args, **kwargs)
-            if loss_fn is not None:
-                loss = loss_fn(out)
-            else:
-                loss, dtypes = _projection_loss(out, seed, round_to)
-            if not loss.requires_grad:
-                raise InvalidArgumentError(
-                    "the loss does not depend on anything that requires grad; give the model "
-                    "parameters that require grad or an input with requires_grad=True"
-                )
-            grads = torch.autograd.grad(loss, tensors, allow_unused=True) if tensors else ()
-    finally:
-        _restore(model, saved)
+    with _fork_all_rng(), preserved(model, grads=False):  # buffers (BatchNorm) as they were
+        torch.manual_seed(seed)
+        out = model(*args, **kwargs)
+        if loss_fn is not None:
+            loss = loss_fn(out)
+        else:
+            loss, dtypes = _projection_loss(out, seed, round_to)
+        if not loss.requires_grad:
+            raise InvalidArgumentError(
+                "the loss does not depend on anything that requires grad; give the model "
+                "parameters that require grad or an input with requires_grad=True"
+            )
+        grads = torch.autograd.grad(loss, tensors, allow_unused=True) if tensors else ()
     return dict(zip(names, grads, strict=True)), dtypes
 
 

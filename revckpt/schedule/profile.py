@@ -39,6 +39,7 @@ from ..checkpoint import POLICY_PRESETS, checkpoint
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..layers import ReversibleSequential, ReversibleUnit
 from ..measure import MemoryMeter, time_ratios
+from ..measure.state import preserved
 from ..measure.timing import wall_time
 from .costs import APPROX_PREFIX, CHECKPOINT, REVERSIBLE, SELECTIVE_PREFIX, STORE, BlockCost
 
@@ -126,19 +127,10 @@ def profile(
         else tuple(str(i) for i in range(len(chain)))
     )
     meter_device = device if device is not None else x.device
-    params = [p for b in chain for p in b.parameters() if p.requires_grad]
-    grads = [p.grad for p in params]
-    buffers = [(b, b.detach().clone()) for blk in chain for b in blk.buffers()]
     rng_devices = [x.device] if x.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=rng_devices), torch.enable_grad():
-        try:
-            costs = _profile_chain(chain, x, codecs, policies, repeats, meter_device, kwargs)
-        finally:  # leave the model as it was: gradients, running statistics
-            for p, g in zip(params, grads, strict=True):
-                p.grad = g
-            with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
+    # leave the model as it was: gradients, running statistics, RNG
+    with torch.random.fork_rng(devices=rng_devices), torch.enable_grad(), preserved(chain):
+        costs = _profile_chain(chain, x, codecs, policies, repeats, meter_device, kwargs)
     return Profile(tuple(costs), names, _signature(x))
 
 
