@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from ..approx import checkpoint as approx_checkpoint
 from ..checkpoint import POLICY_PRESETS, checkpoint
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..layers import ReversibleSequential, ReversibleUnit
-from ..measure import MemoryMeter, time_ratios
+from ..measure import MemoryMeter, TensorError, time_ratios
 from ..measure.state import preserved
 from ..measure.timing import wall_time
 from .costs import APPROX_PREFIX, CHECKPOINT, REVERSIBLE, SELECTIVE_PREFIX, STORE, BlockCost
@@ -262,30 +261,19 @@ def _codec_errors(
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    num, den = float((a - b).norm()), float(b.norm())
-    if den > 0:
-        return num / den
-    return 0.0 if num == 0 else math.inf
+    return TensorError.between(a, b).rel_l2
 
 
-def _approx_step(
+def _wrapped_step(
+    wrap: Callable[..., torch.Tensor],
+    options: dict[str, Any],
     block: nn.Module,
     leaf: torch.Tensor,
     grad_out: torch.Tensor,
-    fmt: str,
     kwargs: dict[str, Any],
 ) -> None:
-    approx_checkpoint(block, leaf, store=fmt, **kwargs).backward(grad_out)
-
-
-def _selective_step(
-    block: nn.Module,
-    leaf: torch.Tensor,
-    grad_out: torch.Tensor,
-    policy: str,
-    kwargs: dict[str, Any],
-) -> None:
-    checkpoint(block, leaf, policy=policy, **kwargs).backward(grad_out)
+    """One step of ``block`` run through ``wrap`` (a checkpoint function) with ``options``."""
+    wrap(block, leaf, **options, **kwargs).backward(grad_out)
 
 
 class _LastWriter(TorchDispatchMode):
@@ -415,12 +403,12 @@ def _profile_block(
             steps[REVERSIBLE] = lambda: reversible(leaf, **kwargs).backward(grad_out)
         for policy in policies:
             steps[SELECTIVE_PREFIX + policy] = functools.partial(
-                _selective_step, block, leaf, grad_out, policy, kwargs
+                _wrapped_step, checkpoint, {"policy": policy}, block, leaf, grad_out, kwargs
             )
         if x.is_floating_point():
             for fmt in codecs:
                 steps[APPROX_PREFIX + fmt] = functools.partial(
-                    _approx_step, block, leaf, grad_out, fmt, kwargs
+                    _wrapped_step, approx_checkpoint, {"store": fmt}, block, leaf, grad_out, kwargs
                 )
     ratios = time_ratios(steps, baseline=STORE, repeats=repeats, warmup=1)
     fb = ratios[STORE].baseline_seconds
