@@ -14,6 +14,9 @@ reversible    nothing (the output is the next         re-run each block forward 
 selective:<p> one block: its input and the outputs    re-run the other ops of     0
               of the ops policy ``p`` keeps (matmul,  the block (norms,
               attention; ``revckpt.POLICY_PRESETS``)  activations, softmax)
+offload       on the device, nothing: every block's   copy each input back (one   0
+              input in host memory                    block ahead) and re-run
+                                                      each block forward once
 ============  ======================================  ==========================  ===========
 
 Per block ``i`` the model uses (all measured by :func:`revckpt.schedule.profile`): forward and
@@ -54,7 +57,16 @@ gradient of block ``i``'s output (``x_{i+1}`` bytes), block ``i`` peaks at
   ``P + x_k + O + g_{i+1} + tr_i`` (the stack keeps its output ``x_k`` while it rebuilds from
   it; not counted twice when ``k = L``, where it is ``O``; plus ``x_0`` throughout when
   ``j = 0``). Without ``tr`` measured, the bound
-  ``P + O + 2 x_{i+1} + x_i + max(s_i + tc_i, tf_i + p_i)``.
+  ``P + O + 2 x_{i+1} + x_i + max(s_i + tc_i, tf_i + p_i)``;
+* offload: every block is its own node whose input goes to host memory
+  (:mod:`revckpt.offload`); ``d_i``, the bytes of that input still on the device (measured:
+  ``x_i`` minus what was moved; all of it where host and device are the same memory), and
+  ``m_i = x_i - d_i``. With ``D_i = sum_{i' in [j, i)} d_i'`` (plus ``x_0`` held by the
+  caller when ``j = 0``), forward ``P + D_i + x_i + tn_i``; backward of block ``i``, its input
+  back on the device and the input of block ``i - 1`` being prefetched
+  (``f_i = m_{i-1}`` for ``i > j``, else 0): the recompute at ``P + D_i + x_i + tf_i + O + g_i
+  + f_i``, the backward at ``P + D_i + x_i + s_i + O + 2 g_i + tc_i + f_i`` (one node, as an
+  approx segment of one block). Kept: ``D_k``.
 
 Every segment's peak is ``P + W`` with ``W`` independent of what comes before it, so the peak of
 a plan is ``max_p (P_p + W_p)``: this decomposition is what makes an exact dynamic programme
@@ -85,7 +97,7 @@ __all__ = [
     "strategy_names",
 ]
 
-STORE, CHECKPOINT, REVERSIBLE = "store", "checkpoint", "reversible"
+STORE, CHECKPOINT, REVERSIBLE, OFFLOAD = "store", "checkpoint", "reversible", "offload"
 APPROX_PREFIX = "approx:"
 SELECTIVE_PREFIX = "selective:"
 
@@ -95,7 +107,9 @@ class BlockCost:
     """Measured costs of one block (bytes and seconds). ``param_bytes``: its trainable
     parameters' gradients. ``approx_bytes[c]`` and ``approx_error[c]``: the block input's size
     compressed by codec ``c``, and the estimated relative parameter-gradient error of
-    compressing it."""
+    compressing it. ``offload_kept_bytes``: the bytes of the block's input still on the device
+    when it is offloaded (``None``: offload not profiled); ``offload_fetch_s``: the time of
+    copying it back, saved when it is prefetched."""
 
     forward_s: float
     backward_s: float
@@ -124,6 +138,8 @@ class BlockCost:
     grad_sq: float | None = None
     upstream_grad_sq: float | None = None
     chain_grad_sq: float | None = None
+    offload_kept_bytes: int | None = None
+    offload_fetch_s: float = 0.0
 
     @property
     def capture_peak(self) -> int:
@@ -157,11 +173,13 @@ class SegmentCost:
 
 def strategy_names(blocks: Sequence[BlockCost]) -> list[str]:
     """Every strategy some block supports: store, checkpoint, reversible (if any block is
-    invertible), ``approx:<codec>`` for every codec profiled and ``selective:<policy>`` for
-    every selective-recompute policy profiled."""
+    invertible), offload (if profiled), ``approx:<codec>`` for every codec profiled and
+    ``selective:<policy>`` for every selective-recompute policy profiled."""
     names = [STORE, CHECKPOINT]
     if any(b.invertible for b in blocks):
         names.append(REVERSIBLE)
+    if any(b.offload_kept_bytes is not None for b in blocks):
+        names.append(OFFLOAD)
     codecs = sorted({c for b in blocks for c in b.approx_bytes})
     names += [APPROX_PREFIX + c for c in codecs]
     policies = sorted({p for b in blocks for p in b.selective_bytes})
@@ -178,7 +196,8 @@ def follow_limit(blocks: Sequence[BlockCost], seg: Segment) -> int:
     keeps the boundary alive: one merged segment is never worse). After a store segment whose
     last block saves its own output for backward (e.g. it ends with a ReLU), or a selective
     segment whose policy keeps the block's output (a block ending in a matmul), neither approx
-    nor reversible: that output stays alive, so compressing or dropping it saves nothing."""
+    nor reversible: that output stays alive, so compressing or dropping it saves nothing.
+    Offload follows the rules of approx (moving a boundary that stays alive saves nothing)."""
     last = blocks[seg.stop - 1]
     if seg.strategy == REVERSIBLE:
         return NO_APPROX_OR_REVERSIBLE
@@ -192,7 +211,7 @@ def follow_limit(blocks: Sequence[BlockCost], seg: Segment) -> int:
 
 
 def allowed_after(limit: int, strategy: str) -> bool:
-    if strategy.startswith(APPROX_PREFIX):
+    if strategy.startswith(APPROX_PREFIX) or strategy == OFFLOAD:
         return limit == NO_LIMIT
     if strategy == REVERSIBLE:
         return limit != NO_APPROX_OR_REVERSIBLE
@@ -210,6 +229,13 @@ def _check_strategy(blocks: Sequence[BlockCost], seg: Segment) -> None:
             raise InvalidArgumentError(
                 f"blocks {bad} are not invertible, so segment [{seg.start}, {seg.stop}) cannot "
                 "be reversible; mark only reversible-coupling blocks as invertible"
+            )
+    elif seg.strategy == OFFLOAD:
+        bad = [i for i in range(seg.start, seg.stop) if blocks[i].offload_kept_bytes is None]
+        if bad:
+            raise InvalidArgumentError(
+                f"offload was not profiled for blocks {bad}; profile with "
+                "schedule.profile(..., offload=True)"
             )
     elif seg.strategy.startswith(APPROX_PREFIX):
         codec = seg.strategy[len(APPROX_PREFIX) :]
@@ -234,7 +260,7 @@ def _check_strategy(blocks: Sequence[BlockCost], seg: Segment) -> None:
     elif seg.strategy not in (STORE, CHECKPOINT):
         raise InvalidArgumentError(
             f"unknown strategy {seg.strategy!r}; use 'store', 'checkpoint', 'reversible', "
-            "'approx:<codec>' or 'selective:<policy>'"
+            "'offload', 'approx:<codec>' or 'selective:<policy>'"
         )
 
 
@@ -242,10 +268,17 @@ def _segment_time(part: Sequence[BlockCost], strategy: str) -> float:
     """Extra seconds of a segment over storing it. With ``o_i(s)``, block ``i``'s measured
     extra time of a step run alone with strategy ``s`` (``strategy_overhead_s``; it includes
     one recompute and the strategy's fixed costs: RNG capture, codec, autograd node):
-    reversible ``sum_i o_i``; checkpoint / approx ``o_j + sum_{i > j} f_i`` (one call, one
-    compression of the segment input, every block recomputed). Unmeasured: ``sum_i f_i``."""
+    reversible ``sum_i o_i``; offload ``sum_i o_i - sum_{i < k-1} h_i`` (``h_i``, the measured
+    copy back of block ``i``'s input, overlapped with block ``i + 1``'s backward when
+    prefetched; the copy out, overlapped with the next forward, is not credited);
+    checkpoint / approx ``o_j + sum_{i > j} f_i`` (one call, one compression of the segment
+    input, every block recomputed). Unmeasured: ``sum_i f_i``."""
     if strategy == REVERSIBLE:
         return sum(b.strategy_overhead_s.get(REVERSIBLE, b.forward_s) for b in part)
+    if strategy == OFFLOAD:
+        own = [b.strategy_overhead_s.get(OFFLOAD, b.forward_s) for b in part]
+        prefetched = zip(own[:-1], part[:-1], strict=True)
+        return sum(max(0.0, o - b.offload_fetch_s) for o, b in prefetched) + own[-1]
     head = part[0].strategy_overhead_s.get(strategy, part[0].forward_s)
     return head + sum(b.forward_s for b in part[1:])
 
@@ -315,6 +348,8 @@ def segment_cost(blocks: Sequence[BlockCost], seg: Segment) -> SegmentCost:
             kept + out + b.output_bytes + b.selective_backward_peak_bytes[policy],
         )
         return SegmentCost(kept, work, recompute, 0.0)
+    if strategy == OFFLOAD:
+        return _offload_cost(part, j == 0, out, recompute)
     if strategy == REVERSIBLE:
         held = part[0].input_bytes if j == 0 else 0  # the caller's chain input, if ours
         # the stack keeps its output x_k for its whole backward (it rebuilds from it); the
@@ -386,6 +421,31 @@ def segment_cost(blocks: Sequence[BlockCost], seg: Segment) -> SegmentCost:
             captured += b.param_bytes
             acc -= b.input_bytes + b.saved_bytes
     return SegmentCost(kept, work, recompute, error)
+
+
+def _offload_cost(part: Sequence[BlockCost], first: bool, out: int, time: float) -> SegmentCost:
+    """An offload segment (see the module docstring): per block ``d_i`` stays on the device,
+    ``m_i`` moves; ``first``: the segment starts the chain, whose input the caller holds."""
+    kept = 0  # D_i
+    work = 0
+    moved_before = 0  # m_{i-1}, being prefetched during block i's backward
+    for i, b in enumerate(part):
+        assert b.offload_kept_bytes is not None
+        d = b.offload_kept_bytes
+        g = b.output_bytes
+        prefetch = moved_before if i > 0 else 0
+        # the caller's chain input stays on the device whatever is moved: its copy comes back
+        # next to it
+        back = b.input_bytes + (b.input_bytes - d if first and i == 0 else 0)
+        work = max(
+            work,
+            kept + b.input_bytes + b.forward_peak_nograd_bytes,
+            kept + back + b.forward_peak_bytes + out + g + prefetch,
+            kept + back + b.saved_bytes + out + 2 * g + b.capture_peak + prefetch,
+        )
+        kept += b.input_bytes if (first and i == 0) else d
+        moved_before = b.input_bytes - d
+    return SegmentCost(kept, work, time, 0.0)
 
 
 @dataclass(frozen=True)

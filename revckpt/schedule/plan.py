@@ -15,7 +15,16 @@ from ..approx import Approx
 from ..checkpoint import checkpoint, checkpoint_sequential
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..layers import ReversibleSequential, ReversibleUnit
-from .costs import APPROX_PREFIX, CHECKPOINT, REVERSIBLE, SELECTIVE_PREFIX, STORE, Segment
+from ..offload import checkpoint_sequential as offload_sequential
+from .costs import (
+    APPROX_PREFIX,
+    CHECKPOINT,
+    OFFLOAD,
+    REVERSIBLE,
+    SELECTIVE_PREFIX,
+    STORE,
+    Segment,
+)
 
 __all__ = ["Plan", "Scheduled", "apply"]
 
@@ -207,6 +216,8 @@ class Scheduled(nn.Module):
                 x = checkpoint_sequential(run, 1, x, **kwargs)
             elif strategy == REVERSIBLE:
                 x = run(x, **kwargs)
+            elif strategy == OFFLOAD:
+                x = offload_sequential(run, len(run), x, **kwargs)
             elif strategy.startswith(SELECTIVE_PREFIX):
                 x = checkpoint(run[0], x, policy=strategy[len(SELECTIVE_PREFIX) :], **kwargs)
             else:

@@ -40,7 +40,17 @@ from ..layers import ReversibleSequential, ReversibleUnit
 from ..measure import MemoryMeter, TensorError, time_ratios
 from ..measure.state import preserved
 from ..measure.timing import wall_time
-from .costs import APPROX_PREFIX, CHECKPOINT, REVERSIBLE, SELECTIVE_PREFIX, STORE, BlockCost
+from ..offload import checkpoint as offload_checkpoint
+from ..offload import record as offload_record
+from .costs import (
+    APPROX_PREFIX,
+    CHECKPOINT,
+    OFFLOAD,
+    REVERSIBLE,
+    SELECTIVE_PREFIX,
+    STORE,
+    BlockCost,
+)
 
 __all__ = ["Profile", "profile"]
 
@@ -97,6 +107,7 @@ def profile(
     policies: Sequence[str] = DEFAULT_POLICIES,
     repeats: int = 5,
     device: str | torch.device | None = None,
+    offload: bool | None = None,
     **kwargs: Any,
 ) -> Profile:
     """Profile the chain ``blocks`` on input ``x`` (keyword arguments reach every block).
@@ -104,7 +115,10 @@ def profile(
     ``codecs``: the approx formats to price (``()`` for none). ``policies``: the selective
     recompute presets to price (names in :data:`revckpt.POLICY_PRESETS`; ``()`` for none).
     ``repeats``: timing repeats (median). ``device``: where memory is metered (default:
-    ``x``'s device).
+    ``x``'s device). ``offload``: price host offload (:mod:`revckpt.offload`): how many of each
+    block input's bytes leave the device and the time of the copies; default ``None``, on
+    when ``x`` is on an accelerator (on the CPU the host is the device: offload saves
+    nothing there, and is priced so only when asked).
     """
     chain = list(blocks)
     if not chain:
@@ -115,6 +129,10 @@ def profile(
         raise InvalidInputTypeError(f"profile(blocks, x): x must be a tensor, got {type(x)}")
     if repeats < 1:
         raise InvalidArgumentError(f"repeats={repeats}: pass at least 1")
+    if offload is None:
+        offload = x.device.type != "cpu"
+    elif not isinstance(offload, bool):
+        raise InvalidArgumentError(f"offload={offload!r}: pass True, False or None (auto)")
     unknown = [p for p in policies if p not in POLICY_PRESETS]
     if unknown:
         raise InvalidArgumentError(
@@ -129,7 +147,9 @@ def profile(
     rng_devices = [x.device] if x.device.type == "cuda" else []
     # leave the model as it was: gradients, running statistics, RNG
     with torch.random.fork_rng(devices=rng_devices), torch.enable_grad(), preserved(chain):
-        costs = _profile_chain(chain, x, codecs, policies, repeats, meter_device, kwargs)
+        costs = _profile_chain(
+            chain, x, codecs, policies, repeats, meter_device, kwargs, offload=offload
+        )
     return Profile(tuple(costs), names, _signature(x))
 
 
@@ -141,6 +161,8 @@ def _profile_chain(
     repeats: int,
     meter_device: Any,
     kwargs: dict[str, Any],
+    *,
+    offload: bool,
 ) -> list[BlockCost]:
     params = [p for b in chain for p in b.parameters() if p.requires_grad]
     costs = []
@@ -153,7 +175,9 @@ def _profile_chain(
     upstream = input_sq
     total = input_sq + sum(grad_sq)
     for block, ct, sq in zip(chain, cotangents, grad_sq, strict=True):
-        cost = _profile_block(block, current, codecs, policies, repeats, meter_device, kwargs, ct)
+        cost = _profile_block(
+            block, current, codecs, policies, repeats, meter_device, kwargs, ct, offload=offload
+        )
         costs.append(
             dataclasses.replace(cost, grad_sq=sq, upstream_grad_sq=upstream, chain_grad_sq=total)
         )
@@ -321,6 +345,8 @@ def _profile_block(
     device: Any,
     kwargs: dict[str, Any],
     cotangent: torch.Tensor | None = None,
+    *,
+    offload: bool = False,
 ) -> BlockCost:
     leaf = x.detach().requires_grad_(x.is_floating_point())
     with MemoryMeter(device) as fwd:
@@ -410,6 +436,13 @@ def _profile_block(
                 steps[APPROX_PREFIX + fmt] = functools.partial(
                     _wrapped_step, approx_checkpoint, {"store": fmt}, block, leaf, grad_out, kwargs
                 )
+        if offload:  # a view: an activation, as inside a chain (a leaf would stay in place)
+            steps[OFFLOAD] = lambda: offload_checkpoint(
+                block, _activation(leaf), **kwargs
+            ).backward(grad_out)
+    offload_kept, fetch_s = None, 0.0
+    if offload:
+        offload_kept, fetch_s = _offload_costs(block, leaf, kwargs, repeats)
     ratios = time_ratios(steps, baseline=STORE, repeats=repeats, warmup=1)
     fb = ratios[STORE].baseline_seconds
     overhead = {s: max(0.0, (r.ratio - 1.0) * fb) for s, r in ratios.items() if s != STORE}
@@ -452,4 +485,28 @@ def _profile_block(
         approx_input_error=approx_input_error,
         approx_perturbation=perturbation,
         approx_amplification=amplification,
+        offload_kept_bytes=offload_kept,
+        offload_fetch_s=fetch_s,
     )
+
+
+def _activation(leaf: torch.Tensor) -> torch.Tensor:
+    return leaf.view_as(leaf) if leaf.requires_grad else leaf
+
+
+def _offload_costs(
+    block: nn.Module, leaf: torch.Tensor, kwargs: dict[str, Any], repeats: int
+) -> tuple[int, float]:
+    """Bytes of the block input that stay on the device when it is offloaded (measured: its
+    bytes minus what :mod:`revckpt.offload` moved), and the median time of copying what moved
+    back to the device (saved when the copy is prefetched)."""
+    with offload_record() as stats:
+        y = offload_checkpoint(block, _activation(leaf), **kwargs)
+    del y
+    kept = max(0, _nbytes(leaf) - stats.to_host_bytes)
+    if stats.to_host_bytes == 0:
+        return kept, 0.0
+    pinned = leaf.device.type == "cuda"
+    host = leaf.detach().to("cpu").pin_memory() if pinned else leaf.detach().clone()
+    fetch = _median_time(lambda: host.to(leaf.device, non_blocking=pinned), repeats)
+    return kept, fetch

@@ -39,6 +39,7 @@ from ..errors import InvalidArgumentError
 from .costs import (
     APPROX_PREFIX,
     CHECKPOINT,
+    OFFLOAD,
     REVERSIBLE,
     SELECTIVE_PREFIX,
     STORE,
@@ -154,6 +155,8 @@ def quantise(
             for k in range(j + 1, n + 1):
                 if s == REVERSIBLE and not blocks[k - 1].invertible:
                     break  # every longer segment from j contains block k - 1 too
+                if s == OFFLOAD and blocks[k - 1].offload_kept_bytes is None:
+                    break
                 if s.startswith(APPROX_PREFIX) and s[len(APPROX_PREFIX) :] not in (
                     blocks[j].approx_bytes
                 ):
@@ -252,6 +255,8 @@ def _can_run(block: BlockCost, strategies: Sequence[str]) -> bool:
             return True
         if s == REVERSIBLE and block.invertible:
             return True
+        if s == OFFLOAD and block.offload_kept_bytes is not None:
+            return True
         if s.startswith(SELECTIVE_PREFIX) and s[len(SELECTIVE_PREFIX) :] in block.selective_bytes:
             return True
         if s.startswith(APPROX_PREFIX):
@@ -316,7 +321,7 @@ def solve(
             ``(0, 1]``) of the store-everything peak.
         error_budget: the largest total relative gradient error of approx segments (0: no
             approx).
-        strategies: subset of ``"store"``, ``"checkpoint"``, ``"reversible"``,
+        strategies: subset of ``"store"``, ``"checkpoint"``, ``"reversible"``, ``"offload"``,
             ``"approx:<codec>"``, ``"selective:<policy>"`` (default: all the profile supports).
         slots, error_slots: resolution of the exact programme (see the module docstring).
 
@@ -343,7 +348,8 @@ def solve(
     if uncovered:
         raise InvalidArgumentError(
             f"blocks {uncovered[:8]} cannot run with strategies {chosen} (reversible needs "
-            "invertible blocks; approx and selective need a profiled codec or policy); add "
+            "invertible blocks; approx, selective and offload need a profiled codec, policy or "
+            "offload=True); add "
             "'checkpoint' or 'store'"
         )
     if STORE in chosen and store_peak <= budget:  # nothing to recompute: optimal, no rounding

@@ -20,8 +20,9 @@ def _table(inst: Instance):
 
 def _forbidden(a, b, saved_outputs, selective_kept=frozenset()) -> bool:
     """After reversible: neither approx nor reversible. After a store segment whose last block
-    saves its own output, or a selective one whose policy keeps it: neither either."""
-    if not (b[2] == REVERSIBLE or b[2].startswith(APPROX_PREFIX)):
+    saves its own output, or a selective one whose policy keeps it: neither either. Offload
+    follows the rules of approx."""
+    if not (b[2] == REVERSIBLE or b[2].startswith(APPROX_PREFIX) or b[2] == "offload"):
         return False
     if a[2] == REVERSIBLE:
         return True
@@ -117,7 +118,9 @@ def milp_optimum(
                 if k == node and _forbidden(c, probe, saved_outputs, selective_kept):
                     row[i] = 1
                 if j == node and (
-                    s.startswith(APPROX_PREFIX) if kind == "approx" else s == REVERSIBLE
+                    (s.startswith(APPROX_PREFIX) or s == "offload")
+                    if kind == "approx"
+                    else s == REVERSIBLE
                 ):
                     row[i] = 1
             add(row, -np.inf, 1)

@@ -24,6 +24,7 @@ def make_chain(n, seed):
         return value if rng.random() < 0.5 else None
 
     selective = rng.random() < 0.3  # some chains also offer selective recompute
+    offload = rng.random() < 0.4  # and host offload (moving all, or nothing, of each input)
     for _ in range(n):
         x = rng.randint(width // 2, width)
         saved = rng.randint(0, 6 * width)
@@ -47,8 +48,12 @@ def make_chain(n, seed):
                 checkpoint_peak_bytes=measured(saved + x + rng.randint(0, width)),
                 reversible_peak_bytes=measured(x + rng.randint(0, 2 * width)),
                 strategy_overhead_s=(
-                    {"checkpoint": fwd * rng.uniform(1.0, 1.5)} if rng.random() < 0.5 else {}
+                    {"checkpoint": fwd * rng.uniform(1.0, 1.5), "offload": fwd * rng.uniform(1, 2)}
+                    if rng.random() < 0.5
+                    else {}
                 ),
+                offload_kept_bytes=rng.choice([0, 0, x]) if offload else None,
+                offload_fetch_s=rng.uniform(0.0, fwd) if offload else 0.0,
                 **(
                     {
                         "selective_bytes": {"matmul": rng.randint(0, saved)},

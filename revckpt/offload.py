@@ -1,0 +1,309 @@
+"""Host offload: a checkpoint whose kept block input lives in host memory, not on the device.
+
+``offload.checkpoint(fn, x)`` runs ``fn(x)`` keeping none of its activations, like
+:func:`revckpt.checkpoint`, and moves ``x`` itself to host memory; backward copies it back and
+re-runs ``fn``::
+
+    forward:   y = fn(x);  x -> host (pinned buffer, copy on a side stream)
+    backward:  x' = host -> device;  y' = fn(x');  dx, dtheta = VJP of y' with the incoming dy
+
+:func:`checkpoint_sequential` offloads every segment's input and, in backward, starts copying
+segment ``p - 1``'s input back while segment ``p`` runs its backward (prefetch one segment
+ahead, on the side stream), so the copies overlap compute. Device memory held between forward
+and backward for an offloaded boundary: **zero** bytes; host memory: the boundary. While
+segment ``p`` runs its backward the device holds its own input and the prefetched input of
+segment ``p - 1``. Extra time: one forward of each segment, plus a device-to-host and a
+host-to-device copy of each boundary (overlapped with compute on CUDA). Gradients are bitwise
+those of :func:`revckpt.checkpoint` (the values copied back are the values copied out).
+
+**Only activations move.** The tensors autograd keeps for the offloaded node are its positional
+tensor arguments (the block input) and its keyword tensors. Keyword tensors (masks, positions,
+typically shared by every block and held by the caller), parameters (``nn.Parameter``) and
+other leaves that require grad (the caller holds them for their ``.grad``) stay where they are:
+never copied. ``torch.autograd.graph.save_on_cpu`` and torch's ``offload_wrapper``, by
+contrast, move every tensor autograd saves, weights included. :func:`record` counts what moved.
+
+On a machine without an accelerator host memory *is* device memory: tensors already on the
+host are kept as they are (no copy) and offloading saves nothing over a checkpoint; the
+scheduler measures this (``schedule.profile(..., offload=True)``) and does not choose it there.
+
+Non-blocking copies read and write through the side stream: do not modify a block's input in
+place after the block ran (autograd forbids that for checkpointed inputs as well).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .approx.recompute import Approx, run_approx
+from .checkpoint import _approx_sequential, _as_blocks, segment_bounds
+from .errors import InvalidArgumentError, InvalidInputTypeError
+
+__all__ = ["OffloadStats", "checkpoint", "checkpoint_sequential", "record"]
+
+_EXACT = Approx(store=None)
+
+# Tests set this to exercise the copy and prefetch path on a machine without an accelerator
+# (host == device there, so copying saves nothing; the path is otherwise identical).
+_COPY_HOST_TENSORS = False
+
+
+@dataclass
+class OffloadStats:
+    """What :func:`record` saw: tensors and bytes moved to host memory and back, prefetches
+    that were ready before the backward needed them, and tensors kept in place with the
+    reason (``"parameter"``, ``"leaf requiring grad"``, ``"keyword argument"``,
+    ``"already on the host"``)."""
+
+    to_host_tensors: int = 0
+    to_host_bytes: int = 0
+    to_device_tensors: int = 0
+    to_device_bytes: int = 0
+    prefetched: int = 0
+    kept_in_place: dict[str, int] | None = None
+
+    def _kept(self, reason: str) -> None:
+        if self.kept_in_place is None:
+            self.kept_in_place = {}
+        self.kept_in_place[reason] = self.kept_in_place.get(reason, 0) + 1
+
+
+_recorders = threading.local()
+
+
+def _active() -> list[OffloadStats]:
+    stack = getattr(_recorders, "stack", None)
+    if stack is None:
+        stack = _recorders.stack = []
+    return stack
+
+
+@contextmanager
+def record() -> Iterator[OffloadStats]:
+    """Count what offloading moves inside the block (forward and backward)::
+
+    with revckpt.offload.record() as stats:
+        loss = model(x).sum(); loss.backward()
+    assert stats.to_host_bytes == ...   # the boundaries, never a parameter
+    """
+    stats = OffloadStats()
+    _active().append(stats)
+    try:
+        yield stats
+    finally:
+        _active().remove(stats)
+
+
+def _count(field: str, amount: int = 1) -> None:
+    for stats in _active():
+        setattr(stats, field, getattr(stats, field) + amount)
+
+
+def _kept(reason: str) -> None:
+    for stats in _active():
+        stats._kept(reason)
+
+
+_side_streams: dict[tuple[str, int], Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    key = (device.type, device.index if device.index is not None else 0)
+    stream = _side_streams.get(key)
+    if stream is None:
+        stream = _side_streams[key] = torch.cuda.Stream(device=device)
+    return stream
+
+
+class _Offloaded:
+    """One tensor in host memory, its copy back (when prefetched), and the tensor offloaded
+    just before it in the same chain (the one to prefetch when this one is taken)."""
+
+    __slots__ = (
+        "__weakref__",
+        "device",
+        "host",
+        "on_device",
+        "pin",
+        "prefetch",
+        "previous",
+        "ready",
+    )
+
+    def __init__(
+        self, t: torch.Tensor, pin: bool, prefetch: bool, previous: _Offloaded | None
+    ) -> None:
+        self.device = t.device
+        self.pin = pin
+        self.prefetch = prefetch
+        self.previous = weakref.ref(previous) if previous is not None else None
+        self.on_device: torch.Tensor | None = None
+        self.ready: Any = None
+        if t.device.type == "cuda":
+            self.host = torch.empty_like(t, device="cpu", pin_memory=pin)
+            side = _side_stream(t.device)
+            side.wait_stream(torch.cuda.current_stream(t.device))  # t is written
+            with torch.cuda.stream(side):
+                self.host.copy_(t, non_blocking=pin)
+            t.record_stream(side)  # its memory is not reused before the copy is done
+        else:
+            self.host = t.detach().clone(memory_format=torch.preserve_format)
+        _count("to_host_tensors")
+        _count("to_host_bytes", t.numel() * t.element_size())
+
+    def fetch(self) -> None:
+        """Start the copy back to the device (on the side stream on CUDA); no-op if started."""
+        if self.on_device is not None:
+            return
+        if self.device.type == "cuda":
+            side = _side_stream(self.device)
+            with torch.cuda.stream(side):
+                self.on_device = self.host.to(self.device, non_blocking=self.pin)
+                self.ready = torch.cuda.Event()
+                self.ready.record(side)
+        else:
+            self.on_device = self.host.clone(memory_format=torch.preserve_format)
+        _count("to_device_tensors")
+        _count("to_device_bytes", self.host.numel() * self.host.element_size())
+
+    def take(self) -> torch.Tensor:
+        """The tensor on its device, for the backward that needs it now; then prefetch the
+        one offloaded before it. The host copy stays (a second backward may need it)."""
+        if self.on_device is None:
+            self.fetch()
+        else:
+            _count("prefetched")
+        t = self.on_device
+        assert t is not None
+        self.on_device = None
+        if self.device.type == "cuda":
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(self.ready)
+            t.record_stream(current)  # allocated on the side stream, used and freed here
+            self.ready = None
+        previous = self.previous() if self.previous is not None else None
+        if self.prefetch and previous is not None:
+            previous.fetch()
+        return t
+
+
+class _Chain:
+    """The saved-tensor hooks of one offloaded call: which tensors move, in what order."""
+
+    def __init__(self, keep: Sequence[Any], *, pin_memory: bool, prefetch: bool) -> None:
+        self.keep = {id(t) for t in keep if isinstance(t, torch.Tensor)}
+        self.pin_memory = pin_memory
+        self.prefetch = prefetch
+        self.last: Callable[[], _Offloaded | None] = lambda: None
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if id(t) in self.keep:
+            _kept("keyword argument")
+            return t
+        if isinstance(t, nn.Parameter):
+            _kept("parameter")
+            return t
+        if t.is_leaf and t.requires_grad:
+            _kept("leaf requiring grad")
+            return t
+        if t.device.type == "cpu" and not _COPY_HOST_TENSORS:
+            _kept("already on the host")
+            return t
+        if t.device.type not in ("cpu", "cuda"):
+            raise InvalidArgumentError(
+                f"offload supports CUDA and CPU tensors, got one on {t.device}; use "
+                "revckpt.checkpoint for this device"
+            )
+        pin = self.pin_memory and t.device.type == "cuda"
+        handle = _Offloaded(t, pin, self.prefetch, self.last())
+        self.last = weakref.ref(handle)
+        return handle
+
+    @staticmethod
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, _Offloaded):
+            return packed.take()
+        return packed
+
+    @contextmanager
+    def hooks(self) -> Iterator[None]:
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+            yield
+
+
+def _check(pin_memory: bool, prefetch: bool) -> None:
+    for name, value in (("pin_memory", pin_memory), ("prefetch", prefetch)):
+        if not isinstance(value, bool):
+            raise InvalidArgumentError(f"{name}= must be True or False, got {value!r}")
+
+
+def checkpoint(
+    fn: Callable[..., Any],
+    *args: Any,
+    pin_memory: bool = True,
+    preserve_rng_state: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """Run ``fn(*args, **kwargs)`` keeping only its positional tensor arguments, in host memory.
+
+    Device memory held until backward: none for the offloaded arguments (see the module
+    docstring for what stays in place). Host memory: their bytes, in a pinned buffer on CUDA
+    (``pin_memory=False`` for pageable memory: less pinned RAM, slower and synchronous copies).
+    Extra work: one forward of ``fn`` in backward, one copy out and one back. RNG, autocast and
+    BatchNorm statistics are replayed as for every recompute (:mod:`revckpt.replay`).
+    """
+    if not callable(fn):
+        raise InvalidInputTypeError(
+            f"offload.checkpoint(fn, *args): fn must be callable, got {type(fn).__name__}"
+        )
+    _check(pin_memory, True)
+    chain = _Chain(kwargs.values(), pin_memory=pin_memory, prefetch=False)
+    with chain.hooks():
+        return run_approx(
+            fn,
+            args,
+            kwargs,
+            config=_EXACT,
+            preserve_rng_state=preserve_rng_state,
+            label=f"offloaded {getattr(fn, '__qualname__', type(fn).__name__)}",
+        )
+
+
+def checkpoint_sequential(
+    blocks: nn.Sequential | Sequence[Callable[..., Any]],
+    segments: int | str | Sequence[int],
+    input: torch.Tensor,
+    *,
+    pin_memory: bool = True,
+    prefetch: bool = True,
+    preserve_rng_state: bool = True,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """Run a chain of blocks in segments, each segment's input kept in host memory.
+
+    ``segments`` as in :func:`revckpt.checkpoint_sequential` (``len(blocks)`` for one block per
+    segment, the usual choice: the device then holds no boundary at all). With ``prefetch``,
+    backward copies segment ``p - 1``'s input back while segment ``p`` runs its backward, so
+    the device holds at most two boundaries at a time during backward; without it each copy
+    back starts when its segment's backward does. ``**kwargs`` reach every block and stay on
+    the device. Gradients are bitwise those of ``revckpt.checkpoint_sequential``.
+    """
+    chain = _as_blocks(blocks)
+    if not isinstance(input, torch.Tensor):
+        raise InvalidInputTypeError(
+            f"offload.checkpoint_sequential(blocks, segments, input): input must be a "
+            f"torch.Tensor, got {type(input).__name__}; pass other arguments as keywords"
+        )
+    _check(pin_memory, prefetch)
+    bounds = segment_bounds(len(chain), segments)
+    hooks = _Chain(kwargs.values(), pin_memory=pin_memory, prefetch=prefetch)
+    with hooks.hooks():
+        return _approx_sequential(chain, bounds, input, kwargs, _EXACT, preserve_rng_state)
