@@ -7,7 +7,7 @@ an error budget (``revckpt.schedule``); with the measurement tools to prove what
 (:class:`MemoryMeter`, :func:`time_ratios`, :func:`gradient_error`, ``revckpt.report``).
 """
 
-from . import layers, measure, replay, testing
+from . import layers, measure, offload, replay, testing
 from .checkpoint import POLICY_PRESETS, checkpoint, checkpoint_sequential, segment_bounds
 from .errors import (
     CheckpointMismatchError,
@@ -47,6 +47,7 @@ __all__ = [
     "gradient_error",
     "layers",
     "measure",
+    "offload",
     "peak_memory",
     "replay",
     "segment_bounds",

@@ -40,6 +40,11 @@ def _strategies():
         m = mlp_chain(3, 16, 32, norm="layer")
         return m, lambda x: revckpt.checkpoint_sequential(m, 3, x, approx=Approx(store="e4m3"))
 
+    def offloaded():
+        torch.manual_seed(0)
+        m = mlp_chain(3, 16, 32, norm="layer")
+        return m, lambda x: revckpt.offload.checkpoint_sequential(m, 3, x)
+
     def scheduled():
         torch.manual_seed(0)
         chain = torch.nn.Sequential(
@@ -54,10 +59,15 @@ def _strategies():
         model = apply(chain, plan)
         return model, model
 
-    return {"reversible": reversible, "approx e4m3": approx, "scheduled": scheduled}
+    return {
+        "reversible": reversible,
+        "approx e4m3": approx,
+        "offload": offloaded,
+        "scheduled": scheduled,
+    }
 
 
-@pytest.mark.parametrize("name", ["reversible", "approx e4m3", "scheduled"])
+@pytest.mark.parametrize("name", ["reversible", "approx e4m3", "offload", "scheduled"])
 def test_compiled_strategy_matches_eager_and_keeps_no_more(name):
     from revckpt import MemoryMeter
 

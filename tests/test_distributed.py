@@ -24,13 +24,13 @@ from revckpt.models import ResidualMLPBlock
 from revckpt.schedule import Plan, Segment, apply, make_plan, profile
 
 WORLD = 2
-STRATEGIES = ("reversible", "checkpoint", "approx-bf16", "approx-e4m3", "scheduled")
+STRATEGIES = ("reversible", "checkpoint", "approx-bf16", "approx-e4m3", "offload", "scheduled")
 WRAPPERS = ("ddp", "ddp-find-unused", "fsdp2")
 SCHEDULE = [
     Segment(0, 1, "approx:bf16"),
     Segment(1, 3, "reversible"),
     Segment(3, 4, "checkpoint"),
-    Segment(4, 5, "store"),
+    Segment(4, 5, "offload"),
 ]
 
 
@@ -65,6 +65,8 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.strategy == "checkpoint":
             return revckpt.checkpoint_sequential(self.body, len(self.body), x)
+        if self.strategy == "offload":
+            return revckpt.offload.checkpoint_sequential(self.body, len(self.body), x)
         if self.strategy.startswith("approx-"):
             fmt = self.strategy.split("-")[1]
             return revckpt.checkpoint_sequential(
@@ -98,6 +100,7 @@ def _worker(rank: int, port: int, plan_path: str, out: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
+    revckpt.offload._COPY_HOST_TENSORS = True  # the offload copy path, as on an accelerator
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         from torch.distributed.device_mesh import init_device_mesh
@@ -138,7 +141,9 @@ def _launch(port: int, plan_path: str, out: str) -> None:
 def distributed_grads(tmp_path_factory):
     folder = tmp_path_factory.mktemp("dist")
     x, _ = data()
-    plan = make_plan(profile(_chain(), x, repeats=1, codecs=("bf16",), policies=()), SCHEDULE)
+    plan = make_plan(
+        profile(_chain(), x, repeats=1, codecs=("bf16",), policies=(), offload=True), SCHEDULE
+    )
     plan_path = folder / "plan.json"
     plan.to_json(plan_path)
     out = folder / "grads.pt"

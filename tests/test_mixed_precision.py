@@ -40,7 +40,9 @@ def _relative(got, ref):
 
 
 def _scheduled(segments):
-    prof = profile(_chain(), torch.randn(16, 32), repeats=1, codecs=("bf16",), policies=())
+    prof = profile(
+        _chain(), torch.randn(16, 32), repeats=1, codecs=("bf16",), policies=(), offload=True
+    )
     plan = make_plan(prof, segments)
     return lambda chain, x: apply(chain, plan)(x)
 
@@ -51,8 +53,9 @@ STRATEGIES = {
         lambda c, x: revckpt.checkpoint_sequential(c, len(c), x, approx=Approx(store=None)),
         0.0,
     ),
+    "offload": (lambda c, x: revckpt.offload.checkpoint_sequential(c, len(c), x), 0.0),
     "scheduled, exact strategies": (
-        _scheduled([Segment(0, 1, "checkpoint"), Segment(1, 4, "store")]),
+        _scheduled([Segment(0, 1, "checkpoint"), Segment(1, 3, "offload"), Segment(3, 4, "store")]),
         0.0,
     ),
     "approx bf16": (

@@ -189,3 +189,33 @@ def test_report_with_an_embedding_first_block():
     prof = profile(chain, tokens, repeats=1, codecs=())
     rep = report(chain, tokens, [baseline(prof, "per-block")], repeats=1)
     assert rep.row("per-block").gradient_error < 1e-5
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: (gpt_like(6, 32, 2), torch.randn(2, 32, 32)),
+        lambda: (revnet_like((2, 2), (8, 16)), torch.randn(4, 3, 16, 16)),
+    ],
+    ids=["gpt", "revnet"],
+)
+def test_offload_plans_within_five_percent(make):
+    """Offload segments on the CPU (the host is the device: the boundaries stay, measured as
+    such by profile), alone and between other strategies."""
+    torch.manual_seed(0)
+    chain, x = make()
+    n = len(chain)
+    prof = profile(chain, x, repeats=1, codecs=("e4m3",), policies=(), offload=True)
+    assert [b.offload_kept_bytes for b in prof.blocks] == [b.input_bytes for b in prof.blocks]
+    plans = [
+        make_plan(prof, [Segment(0, n, "offload")]),
+        make_plan(prof, [Segment(0, 2, "store"), Segment(2, n, "offload")]),
+        make_plan(prof, [Segment(0, 3, "offload"), Segment(3, n, "checkpoint")]),
+        make_plan(
+            prof,
+            [Segment(0, 1, "checkpoint"), Segment(1, 3, "approx:e4m3"), Segment(3, n, "offload")],
+        ),
+    ]
+    for plan in plans:
+        ratio = measure_peak(apply(chain, plan), x) / plan.predicted_peak_bytes
+        assert 0.95 <= ratio <= 1.05, (plan.strategies, ratio)

@@ -6,7 +6,7 @@ from torch import nn
 
 from revckpt import InvalidArgumentError
 from revckpt.approx import Approx, estimate_error
-from revckpt.models import gpt_like, revnet_like
+from revckpt.models import gpt_like, mlp_chain, revnet_like
 from revckpt.schedule import Segment, evaluate, profile
 
 
@@ -63,3 +63,28 @@ def test_measured_transients_recorded():
         assert b.checkpoint_peak_bytes is not None and b.backward_capture_peak_bytes is not None
     assert unit.invertible and unit.reversible_peak_bytes is not None
     assert stem.reversible_peak_bytes is None and head.reversible_peak_bytes is None
+
+
+def test_offload_is_priced_when_asked_and_measures_what_moves(monkeypatch):
+    from revckpt import offload
+    from revckpt.schedule import solve
+    from revckpt.schedule.costs import strategy_names
+
+    torch.manual_seed(0)
+    chain = mlp_chain(3, 16, 32)
+    x = torch.randn(8, 16)
+    cpu = profile(chain, x, repeats=1, codecs=(), policies=())
+    assert "offload" not in strategy_names(cpu.blocks)  # auto: off on the CPU
+    asked = profile(chain, x, repeats=1, codecs=(), policies=(), offload=True)
+    assert "offload" in strategy_names(asked.blocks)
+    # the host is the device here: nothing moves, the boundary stays (and costs as much)
+    assert all(b.offload_kept_bytes == b.input_bytes for b in asked.blocks)
+    assert all("offload" in b.strategy_overhead_s for b in asked.blocks)
+    plan = solve(asked, memory_budget=0.9, strategies=["store", "offload"])
+    assert set(plan.strategies) <= {"store", "offload"}
+    # where the copies happen (forced here: the path CUDA takes), every input byte moves
+    monkeypatch.setattr(offload, "_COPY_HOST_TENSORS", True)
+    moved = profile(chain, x, repeats=1, codecs=(), policies=(), offload=True)
+    assert all(b.offload_kept_bytes == 0 for b in moved.blocks)
+    with pytest.raises(InvalidArgumentError, match="offload"):
+        profile(chain, x, repeats=1, offload="yes")

@@ -1,0 +1,273 @@
+"""Host offload (revckpt.offload): gradients, what moves (never a parameter), what is freed.
+
+On a machine without an accelerator the host is the device, so offloading keeps tensors in
+place. ``copy_path`` forces the copies on the CPU: the same code path as on CUDA apart from
+streams and pinning, so what moves, what is freed and what is prefetched are checked here;
+``test_cuda_*`` measure device bytes where CUDA exists.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import revckpt
+from revckpt import InvalidArgumentError, InvalidInputTypeError, MemoryMeter, offload
+
+
+@pytest.fixture
+def copy_path(monkeypatch):
+    monkeypatch.setattr(offload, "_COPY_HOST_TENSORS", True)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = 12, p: float = 0.0) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x, mask=None):
+        h = self.drop(torch.tanh(self.lin(x)))
+        if mask is not None:
+            h = h * mask
+        return x + h
+
+
+def _chain(n=4, p=0.0):
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block(p=p) for _ in range(n)]).double()
+
+
+def _grads(chain, run, x0, **kwargs):
+    for q in chain.parameters():
+        q.grad = None
+    leaf = x0.clone().requires_grad_(True)
+    torch.manual_seed(1)
+    y = run(chain, leaf * 2, **kwargs)  # a non-leaf chain input, as after an embedding
+    (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+    return [leaf.grad] + [q.grad for q in chain.parameters()]
+
+
+@pytest.mark.parametrize("segments", [4, 2, [1, 3]])
+@pytest.mark.parametrize("forced", [False, True])
+def test_gradients_bitwise_equal_to_checkpoint(segments, forced, monkeypatch):
+    monkeypatch.setattr(offload, "_COPY_HOST_TENSORS", forced)
+    chain = _chain(p=0.2)  # dropout: the recompute replays the forward's masks
+    x = torch.randn(5, 12, dtype=torch.float64)
+    mask = (torch.rand(5, 12) > 0.3).double()
+    want = _grads(
+        chain, lambda c, h, **kw: revckpt.checkpoint_sequential(c, segments, h, **kw), x, mask=mask
+    )
+    got = _grads(
+        chain, lambda c, h, **kw: offload.checkpoint_sequential(c, segments, h, **kw), x, mask=mask
+    )
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a, b)
+    plain = _grads(
+        chain, lambda c, h, **kw: c[3](c[2](c[1](c[0](h, **kw), **kw), **kw), **kw), x, mask=mask
+    )
+    for a, b in zip(plain, got, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_single_block_checkpoint(copy_path):
+    block = Block().double()
+    x = torch.randn(3, 12, dtype=torch.float64, requires_grad=True)
+    h = x * 1.5
+    with offload.record() as stats:
+        offload.checkpoint(block, h).sum().backward()
+    assert stats.to_host_bytes == h.numel() * 8 and stats.to_device_bytes == h.numel() * 8
+    got = [x.grad.clone()] + [q.grad.clone() for q in block.parameters()]
+    x.grad = None
+    block.zero_grad(set_to_none=True)
+    block(x * 1.5).sum().backward()
+    want = [x.grad] + [q.grad for q in block.parameters()]
+    for a, b in zip(want, got, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+class UsesWeight(nn.Module):
+    """A block that receives a parameter as a positional argument (a tied weight)."""
+
+    def forward(self, x, weight):
+        return torch.tanh(x @ weight)
+
+
+def test_parameters_and_keyword_tensors_are_never_copied(copy_path):
+    tied = nn.Parameter(torch.randn(12, 12, dtype=torch.float64))
+    block = UsesWeight()
+    mask = torch.ones(5, 12, dtype=torch.float64)
+    leaf = torch.randn(5, 12, dtype=torch.float64, requires_grad=True)
+    h = leaf * 2
+    with offload.record() as stats:
+        y = offload.checkpoint(block, h, tied)  # activation + parameter, positional
+        y = offload.checkpoint_sequential([Block().double()] * 2, 2, y, mask=mask)
+        y = offload.checkpoint(block, leaf, tied)  # a leaf requiring grad: the caller holds it
+        y.sum().backward()
+    activations = 2 * h.numel() * 8 + h.numel() * 8  # h, and the two inputs of the chain
+    assert stats.to_host_bytes == activations
+    assert stats.to_host_tensors == 3
+    assert stats.kept_in_place == {
+        "parameter": 2,
+        "keyword argument": 2,
+        "leaf requiring grad": 1,
+    }
+    assert tied.grad is not None and leaf.grad is not None
+
+
+def test_without_copies_on_the_host_nothing_moves():
+    chain = _chain()
+    with offload.record() as stats:
+        h = torch.randn(5, 12, dtype=torch.float64, requires_grad=True) * 2
+        offload.checkpoint_sequential(chain, 4, h).sum().backward()
+    assert stats.to_host_bytes == 0 and stats.to_device_bytes == 0
+    assert stats.kept_in_place == {"already on the host": 4}
+
+
+def _block_inputs(chain, run, x):
+    """Weak references to every block's input tensor, alive or not after ``run``'s forward."""
+    refs = []
+    hooks = [
+        b.register_forward_pre_hook(lambda _m, args: refs.append(weakref.ref(args[0])))
+        for b in chain
+    ]
+    try:
+        y = run(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    gc.collect()
+    return y, [r() is not None for r in refs]
+
+
+def test_offloaded_boundaries_are_released_after_the_forward(copy_path):
+    """What "zero device bytes" rests on: after the forward nothing holds the original block
+    inputs (only their host copies); a checkpoint keeps every one of them."""
+    chain = _chain(n=4)
+    x = torch.randn(5, 12, dtype=torch.float64, requires_grad=True)
+    y, alive = _block_inputs(chain, lambda h: offload.checkpoint_sequential(chain, 4, h * 2), x)
+    assert alive == [False, False, False, False]
+    y.sum().backward()
+    _y2, alive2 = _block_inputs(chain, lambda h: revckpt.checkpoint_sequential(chain, 4, h * 2), x)
+    assert alive2 == [True, True, True, True]
+
+
+def test_prefetch_one_segment_ahead(copy_path):
+    chain = _chain(n=5)
+    x = torch.randn(5, 12, dtype=torch.float64, requires_grad=True)
+    for prefetch, expected in ((True, 4), (False, 0)):
+        with offload.record() as stats:
+            y = offload.checkpoint_sequential(chain, 5, x * 2, prefetch=prefetch)
+            y.sum().backward()
+        assert stats.to_device_tensors == 5
+        assert stats.prefetched == expected
+
+
+def test_prefetch_order_holds_at_most_two_boundaries(copy_path):
+    """During a block's backward the device holds its input and the one prefetched before it:
+    the copies back are made one ahead of the backward, never more."""
+    chain = _chain(n=5)
+    order = []
+    real_fetch = offload._Offloaded.fetch
+
+    def fetch(self):
+        order.append(("fetch", id(self)))
+        return real_fetch(self)
+
+    taken = []
+    real_take = offload._Offloaded.take
+
+    def take(self):
+        taken.append(id(self))
+        in_flight = sum(1 for h in handles if h.on_device is not None)
+        assert in_flight <= 1  # at most the prefetched one besides the one being taken
+        return real_take(self)
+
+    handles = []
+    real_init = offload._Offloaded.__init__
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        handles.append(self)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(offload._Offloaded, "fetch", fetch)
+    mp.setattr(offload._Offloaded, "take", take)
+    mp.setattr(offload._Offloaded, "__init__", init)
+    try:
+        x = torch.randn(5, 12, dtype=torch.float64, requires_grad=True)
+        offload.checkpoint_sequential(chain, 5, x * 2).sum().backward()
+    finally:
+        mp.undo()
+    ids = [id(h) for h in handles]
+    assert taken == ids[::-1]  # backward takes the last offloaded first
+    fetched = [i for _, i in order]
+    assert fetched == ids[::-1]  # each fetched once, in backward order (the first on demand)
+
+
+def test_a_second_backward_copies_again(copy_path):
+    chain = _chain(n=3)
+    x = torch.randn(5, 12, dtype=torch.float64, requires_grad=True)
+    y = offload.checkpoint_sequential(chain, 3, x * 2)
+    y.sum().backward(retain_graph=True)
+    first = [q.grad.clone() for q in chain.parameters()]
+    y.sum().backward()
+    for a, q in zip(first, chain.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, 2 * a, rtol=1e-12, atol=0)
+
+
+def test_bf16_autocast_matches_checkpoint():
+    chain = _chain(n=3).float()
+    x = torch.randn(5, 12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = _grads(chain, lambda c, h: revckpt.checkpoint_sequential(c, 3, h), x)
+        got = _grads(chain, lambda c, h: offload.checkpoint_sequential(c, 3, h), x)
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_bad_input():
+    chain = _chain(n=2)
+    x = torch.randn(5, 12, dtype=torch.float64)
+    with pytest.raises(InvalidInputTypeError, match="callable"):
+        offload.checkpoint("not a block", x)
+    with pytest.raises(InvalidInputTypeError, match=r"must be a torch\.Tensor"):
+        offload.checkpoint_sequential(chain, 2, [x])
+    with pytest.raises(InvalidArgumentError, match="pin_memory"):
+        offload.checkpoint_sequential(chain, 2, x, pin_memory="yes")
+    with pytest.raises(InvalidArgumentError, match="segments"):
+        offload.checkpoint_sequential(chain, 5, x)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+def test_cuda_offloaded_boundaries_hold_no_device_bytes():
+    torch.manual_seed(0)
+    chain = nn.Sequential(*[Block(dim=256) for _ in range(6)]).cuda()
+    x = torch.randn(64, 128, 256, device="cuda", requires_grad=True)
+    boundary = x.numel() * 4
+    results = {}
+    for name, run in (
+        ("checkpoint", lambda h: revckpt.checkpoint_sequential(chain, 6, h)),
+        ("offload", lambda h: offload.checkpoint_sequential(chain, 6, h)),
+    ):
+        h = x * 2
+        torch.cuda.synchronize()
+        with MemoryMeter("cuda") as meter, offload.record() as stats:
+            y = run(h)
+            del h
+            torch.cuda.synchronize()
+        results[name] = (meter.end_bytes - y.numel() * 4, stats)
+        y.sum().backward()
+    kept_ckpt, _ = results["checkpoint"]
+    kept_off, stats = results["offload"]
+    assert kept_ckpt >= 6 * boundary  # every boundary on the device
+    assert kept_off == 0  # retained device bytes: the output only
+    assert stats.to_host_bytes == 6 * boundary
+    assert "parameter" not in (stats.kept_in_place or {})
