@@ -4,8 +4,11 @@ plus an fp16 autocast + ``GradScaler`` step for the exact strategies.
 
 Rows: store-all; checkpoint per block (revckpt, and ``torch.utils.checkpoint``); sqrt segments;
 selective recompute (``matmul+attention``); approx bf16 and e4m3 boundaries; a bf16 recompute;
-the scheduler's plan at 30% of store-all (error budget 1e-2); a reversible model of the same
-size (``rev_gpt_like``, against its own store-all) and the reversible peers when installed.
+host offload per block (with and without prefetch; its retained device bytes after the forward
+are printed next to checkpoint's); the scheduler's plan at 30% of store-all (error budget 1e-2,
+offload priced); a reversible model of the same size (``rev_gpt_like``, against its own
+store-all) run by revckpt and by the reversible peers when installed (revlib, revtorch,
+memcnn: ``pip install -e '.[bench]'`` and ``pip install --no-deps memcnn==1.5.2``).
 
 Run ``python benchmarks/gpu_check.py`` on a GPU (about 3 minutes on one H100-class GPU);
 without CUDA it runs a reduced CPU smoke mode (``--smoke`` forces it). Prints a table and
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -61,7 +65,7 @@ def _variants(
             h = torch_checkpoint.checkpoint(block, h, use_reentrant=False)
         return h
 
-    prof = profile(chain, x, repeats=3)
+    prof = profile(chain, x, repeats=3)  # offload priced on an accelerator
     plan = solve(prof, memory_budget=budget, error_budget=1e-2)
     scheduled = apply(chain, plan)
     return {
@@ -81,8 +85,78 @@ def _variants(
         "bf16 recompute": lambda h: revckpt.checkpoint_sequential(
             chain, n, h, approx=Approx(store=None, recompute_dtype=torch.bfloat16)
         ),
+        "offload per block": lambda h: revckpt.offload.checkpoint_sequential(chain, n, h),
+        "offload per block, no prefetch": lambda h: revckpt.offload.checkpoint_sequential(
+            chain, n, h, prefetch=False
+        ),
         f"scheduler ({', '.join(sorted(set(plan.strategies)))})": scheduled,
     }
+
+
+def _retained(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, device: str) -> int:
+    """Bytes a forward leaves on the device for its backward, beyond its output. The chain
+    input is made inside, as an activation (after an embedding, say), not held by the caller:
+    a checkpoint keeps all ``depth`` boundaries, offload none."""
+    with MemoryMeter(device) as meter:
+        h = x * 1
+        y = fn(h)
+        del h
+        if device == "cuda":
+            torch.cuda.synchronize()  # the copies to host done
+    kept = meter.end_bytes - y.numel() * y.element_size()
+    y.float().sum().backward()
+    return kept
+
+
+def _reversible_peers(rev: torch.nn.Sequential) -> tuple[dict[str, Any], list[str]]:
+    """The RevGPT blocks run by each installed reversible peer (same F and G modules)."""
+    found: dict[str, Any] = {}
+    notes = []
+    blocks = [unit.block for unit in rev]
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    try:
+        import revlib
+
+        found["revlib 1.7.2"] = revlib.ReversibleSequential(
+            *[m for b in blocks for m in (b.f, b.g)], split_dim=-1
+        )
+    except ImportError:
+        notes.append("revlib not installed: skipped (pip install -e '.[bench]')")
+    try:
+        import revtorch
+
+        found["revtorch 0.2.4"] = revtorch.ReversibleSequence(
+            torch.nn.ModuleList(
+                [revtorch.ReversibleBlock(b.f, b.g, split_along_dim=2) for b in blocks]
+            )
+        )
+    except ImportError:
+        notes.append("revtorch not installed: skipped (pip install -e '.[bench]')")
+    try:
+        import memcnn
+
+        found["memcnn 1.5.2"] = torch.nn.Sequential(
+            *[
+                memcnn.InvertibleModuleWrapper(
+                    memcnn.AdditiveCoupling(b.f, b.g, split_dim=2),
+                    keep_input=False,
+                    keep_input_inverse=False,
+                )
+                for b in blocks
+            ]
+        )
+    except ImportError:
+        notes.append("memcnn not installed: skipped (pip install --no-deps memcnn==1.5.2)")
+    return found, notes
+
+
+def _fresh_step(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable[[], None]:
+    """A step on a fresh copy of ``x`` (memcnn frees its input's storage)."""
+
+    def step() -> None:
+        fn(x.detach().clone().requires_grad_(True)).float().sum().backward()
+
+    return step
 
 
 def _fp16_scaler_rows(chain, x, device) -> list[dict[str, Any]]:
@@ -142,18 +216,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from revckpt.layers import ReversibleSequential
 
     rev_stack = ReversibleSequential(*[unit.block for unit in rev], split_dim=-1)
-    rev_steps = {"store-all": _step(rev_plain, x), "reversible": _step(rev_stack, x)}
+    peer_fns, notes = _reversible_peers(rev)
+    rev_fns = {"store-all": rev_plain, "revckpt reversible": rev_stack, **peer_fns}
+    rev_steps = {name: _fresh_step(fn, x) for name, fn in rev_fns.items()}
     rev_peaks = {name: _peak(step, device) for name, step in rev_steps.items()}
     rev_ratios = time_ratios(rev_steps, baseline="store-all", repeats=args.repeats, warmup=1)
-    rows.append(
-        {
-            "variant": "reversible (RevGPT variant, against its own store-all)",
-            "peak_bytes": rev_peaks["reversible"],
-            "peak_fraction": rev_peaks["reversible"] / rev_peaks["store-all"],
-            "time_ratio": rev_ratios["reversible"].ratio,
-            "time_ratio_iqr": [rev_ratios["reversible"].q25, rev_ratios["reversible"].q75],
-        }
-    )
+    for label in rev_fns:
+        if label == "store-all":
+            continue
+        rows.append(
+            {
+                "variant": f"{label} (RevGPT variant, against its own store-all)",
+                "peak_bytes": rev_peaks[label],
+                "peak_fraction": rev_peaks[label] / rev_peaks["store-all"],
+                "time_ratio": rev_ratios[label].ratio,
+                "time_ratio_iqr": [rev_ratios[label].q25, rev_ratios[label].q75],
+            }
+        )
+    retained = {
+        name: _retained(variants[name], x, device)
+        for name in ("checkpoint per block", "offload per block")
+    }
     fp16 = _fp16_scaler_rows(chain, x.detach(), device) if cuda else []
     name = torch.cuda.get_device_name() if cuda else "CPU (smoke mode)"
     lines = [
@@ -172,6 +255,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"fp16 autocast + GradScaler, {r['variant']}: finite gradients "
             f"{r['fp16_gradscaler_finite_grads']}"
         )
+    boundary = x.numel() * x.element_size()
+    lines.append(
+        "retained device bytes after the forward, beyond the output: "
+        + ", ".join(f"{k} {v:,} ({v / boundary:.2f} boundaries)" for k, v in retained.items())
+    )
+    lines += notes
     elapsed = time.perf_counter() - started
     lines.append(f"({elapsed:.0f} s)")
     print("\n".join(lines))
@@ -183,6 +272,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "size": size,
         "rows": rows,
         "fp16_gradscaler": fp16,
+        "retained_after_forward_bytes": retained,
+        "boundary_bytes": boundary,
+        "notes": notes,
         "seconds": elapsed,
     }
     write_json(result, args.out)

@@ -98,4 +98,12 @@ def test_gpu_check_smoke_mode_on_cpu(tmp_path):
     assert result["size"] == "smoke" and rows["store-all"]["peak_fraction"] == 1.0
     assert rows["checkpoint per block"]["peak_fraction"] < 1.0
     assert any(name.startswith("scheduler") for name in rows)
-    assert any(name.startswith("reversible") for name in rows)
+    assert any(name.startswith("revckpt reversible") for name in rows)
+    assert {"offload per block", "offload per block, no prefetch"} <= rows.keys()
+    # the peers installed here (extra bench) run the same RevGPT blocks
+    peers = {n.split(" (")[0] for n in rows} & {"revlib 1.7.2", "revtorch 0.2.4", "memcnn 1.5.2"}
+    assert len(peers) + len(result["notes"]) == 3
+    # on the CPU the host is the device: offload keeps what a checkpoint keeps (2 blocks)
+    retained = result["retained_after_forward_bytes"]
+    assert retained["offload per block"] == retained["checkpoint per block"]
+    assert retained["checkpoint per block"] == 2 * result["boundary_bytes"]
