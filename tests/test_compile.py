@@ -92,3 +92,22 @@ def test_compiled_strategy_matches_eager_and_keeps_no_more(name):
     assert retained["compiled"] <= retained["eager"], retained
     explanation = torch._dynamo.explain(eager)(x)
     print(f"\n{name}: {explanation.graph_break_count} graph breaks under torch.compile")
+
+
+def test_compiled_codec_still_refuses_non_finite_boundaries():
+    """Compiled, the codec's finiteness check is an in-graph assertion (no graph break), and
+    still raises rather than saturating inf to the format's largest value."""
+    import revckpt
+    from revckpt.approx import Approx
+
+    torch.manual_seed(0)
+    m = mlp_chain(2, 16, 32)
+    step = torch.compile(
+        lambda x: revckpt.checkpoint_sequential(m, 2, x, approx=Approx(store="e4m3"))
+    )
+    x = torch.randn(4, 16, requires_grad=True)
+    step(x).sum().backward()
+    bad = x.detach().clone()
+    bad[0, 0] = float("inf")
+    with pytest.raises(RuntimeError, match="non-finite"):
+        step(bad.requires_grad_()).sum().backward()

@@ -223,6 +223,13 @@ class Codec:
                 f"cannot compress a {x.dtype} tensor: codecs take floating-point tensors; keep "
                 "integer and boolean tensors (indices, masks) exact"
             )
+        if torch.compiler.is_compiling():  # no data-dependent branch in a compiled graph
+            torch._assert_async(
+                torch.isfinite(x).all(),
+                f"non-finite value(s) (inf or nan) sent to the {self.format} codec: find where "
+                "the model overflows or keep this boundary exact (store=None)",
+            )
+            return
         if x.numel() and not bool(torch.isfinite(x).all()):
             bad = (~torch.isfinite(x)).sum().item()
             raise InvalidArgumentError(
@@ -259,7 +266,13 @@ class Codec:
                     torch.empty(x.shape, dtype=spec.dtype, device=x.device), None, x.dtype, self
                 )
             scales = self.scales(x)
-            if scales is None and float(x.abs().max()) > spec.fmax:
+            if scales is None and torch.compiler.is_compiling():
+                torch._assert_async(
+                    x.abs().max() <= spec.fmax,
+                    f"values exceed {self.format}'s largest value {spec.fmax:.3g}; use "
+                    "scaling='tensor' or 'row'",
+                )
+            elif scales is None and float(x.abs().max()) > spec.fmax:
                 raise InvalidArgumentError(
                     f"values up to {float(x.abs().max()):.3g} exceed {self.format}'s largest "
                     f"value {spec.fmax:.3g}; a cast would saturate them. Use scaling='tensor' "

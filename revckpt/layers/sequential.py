@@ -296,8 +296,8 @@ def _sole_use_count() -> int:
 def _sole_owner(t: torch.Tensor) -> bool:
     """Whether ``t`` is the only tensor on its memory: no view, ``detach()`` or ``.data`` alias
     held by a hook, a cache or a module, so it may be overwritten."""
-    if t._base is not None or t.requires_grad:
-        return False
+    if t._base is not None or t.requires_grad or torch.compiler.is_compiling():
+        return False  # compiled: no storage counts to read (the reuse is only an optimisation)
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= _sole_use_count()
 
 
@@ -310,7 +310,11 @@ def _private_result(h: Any, a: torch.Tensor) -> bool:
     shape, dtype and device that nothing else holds."""
     if not isinstance(h, torch.Tensor):
         return False
-    if h.shape != a.shape or h.dtype != torch.result_type(a, h) or h.device != a.device:
+    if (
+        h.shape != a.shape
+        or h.dtype != torch.promote_types(a.dtype, h.dtype)
+        or h.device != a.device
+    ):
         return False
     return _sole_owner(h)
 
