@@ -16,6 +16,7 @@ MODULES = (
     "revckpt",
     "revckpt.layers",
     "revckpt.approx",
+    "revckpt.offload",
     "revckpt.schedule",
     "revckpt.report",
     "revckpt.measure",

@@ -27,7 +27,9 @@ def test_readme_snippets_run():
     namespace["test_checkpointed_model_is_exact"]()
 
 
-@pytest.mark.parametrize("guide", ["approx.md", "reversible.md", "schedule.md", "quickstart.md"])
+@pytest.mark.parametrize(
+    "guide", ["approx.md", "reversible.md", "schedule.md", "quickstart.md", "offload.md"]
+)
 def test_guide_snippets_run(guide, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # files the snippets write land here
     path = README.parent / "docs" / guide
