@@ -56,7 +56,7 @@ _EXACT = Approx(store=None)
 _COPY_HOST_TENSORS = False
 
 
-@dataclass
+@dataclass(eq=False)  # recorders are told apart by identity
 class OffloadStats:
     """What :func:`record` saw: tensors and bytes moved to host memory and back, prefetches
     that were ready before the backward needed them, and tensors kept in place with the
@@ -76,40 +76,42 @@ class OffloadStats:
         self.kept_in_place[reason] = self.kept_in_place.get(reason, 0) + 1
 
 
-_recorders = threading.local()
-
-
-def _active() -> list[OffloadStats]:
-    stack = getattr(_recorders, "stack", None)
-    if stack is None:
-        stack = _recorders.stack = []
-    return stack
+# Process-wide, not per thread: on CUDA the backward (and so the copies back) runs on
+# autograd's device threads, not the thread that entered ``record()``.
+_recorders: list[OffloadStats] = []
+_lock = threading.Lock()
 
 
 @contextmanager
 def record() -> Iterator[OffloadStats]:
     """Count what offloading moves inside the block (forward and backward)::
 
-    with revckpt.offload.record() as stats:
-        loss = model(x).sum(); loss.backward()
-    assert stats.to_host_bytes == ...   # the boundaries, never a parameter
+        with revckpt.offload.record() as stats:
+            loss = model(x).sum(); loss.backward()
+        assert stats.to_host_bytes == ...   # the boundaries, never a parameter
+
+    Recorders are process-wide: offloading in other threads meanwhile is counted too.
     """
     stats = OffloadStats()
-    _active().append(stats)
+    with _lock:
+        _recorders.append(stats)
     try:
         yield stats
     finally:
-        _active().remove(stats)
+        with _lock:
+            _recorders.remove(stats)
 
 
 def _count(field: str, amount: int = 1) -> None:
-    for stats in _active():
-        setattr(stats, field, getattr(stats, field) + amount)
+    with _lock:
+        for stats in _recorders:
+            setattr(stats, field, getattr(stats, field) + amount)
 
 
 def _kept(reason: str) -> None:
-    for stats in _active():
-        stats._kept(reason)
+    with _lock:
+        for stats in _recorders:
+            stats._kept(reason)
 
 
 _side_streams: dict[tuple[str, int], Any] = {}
@@ -152,7 +154,7 @@ class _Offloaded:
             side = _side_stream(t.device)
             side.wait_stream(torch.cuda.current_stream(t.device))  # t is written
             with torch.cuda.stream(side):
-                self.host.copy_(t, non_blocking=pin)
+                self.host.copy_(t.detach(), non_blocking=pin)
             t.record_stream(side)  # its memory is not reused before the copy is done
         else:
             self.host = t.detach().clone(memory_format=torch.preserve_format)
