@@ -439,8 +439,8 @@ def _parser() -> _Parser:
     plan.add_argument(
         "--strategies",
         nargs="+",
-        help="restrict to these strategies (store checkpoint reversible approx:<codec> "
-        "selective:<policy>)",
+        help="restrict to these strategies (store checkpoint reversible offload approx:<codec> "
+        "selective:<policy>; offload is priced when the model is on an accelerator)",
     )
     plan.add_argument("--out", help="write the plan as JSON to this file")
     plan.add_argument("--measure", action="store_true", help="apply the plan and measure its peak")

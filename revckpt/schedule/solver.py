@@ -339,8 +339,15 @@ def solve(
     chosen = list(strategies) if strategies is not None else available
     unknown = [s for s in chosen if s not in available]
     if unknown:
+        hint = (
+            " (offload is priced by profile(..., offload=True), by default only when the input "
+            "is on an accelerator: on a CPU the host is the device and it saves nothing)"
+            if OFFLOAD in unknown
+            else ""
+        )
         raise InvalidArgumentError(
-            f"strategies {unknown} are not available for this profile; choose from {available}"
+            f"strategies {unknown} are not available for this profile; choose from "
+            f"{available}{hint}"
         )
     if not chosen:
         raise InvalidArgumentError(f"strategies=[]: choose at least one of {available}")
