@@ -160,12 +160,19 @@ def _fresh_step(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> 
 
 
 def _fp16_scaler_rows(chain, x, device) -> list[dict[str, Any]]:
-    """One fp16 autocast + GradScaler step per exact strategy; finite gradients expected."""
+    """One fp16 autocast + GradScaler step per strategy: finite gradients, and their relative
+    difference from store-all's under the same autocast (unscaled; 0 for exact strategies)."""
     rows = []
     n = len(chain)
+    reference: list[torch.Tensor] | None = None
     for name, fn in (
         ("store-all", chain),
         ("checkpoint per block", lambda h: revckpt.checkpoint_sequential(chain, n, h)),
+        ("offload per block", lambda h: revckpt.offload.checkpoint_sequential(chain, n, h)),
+        (
+            "approx e4m3",
+            lambda h: revckpt.checkpoint_sequential(chain, n, h, approx=Approx(store="e4m3")),
+        ),
     ):
         scaler = torch.amp.GradScaler(device)
         for p in chain.parameters():
@@ -173,8 +180,19 @@ def _fp16_scaler_rows(chain, x, device) -> list[dict[str, Any]]:
         with torch.autocast(device, dtype=torch.float16):
             loss = fn(x).float().pow(2).mean()
         scaler.scale(loss).backward()
-        finite = all(torch.isfinite(p.grad).all() for p in chain.parameters())
-        rows.append({"variant": name, "fp16_gradscaler_finite_grads": bool(finite)})
+        grads = [p.grad.double() / scaler.get_scale() for p in chain.parameters()]
+        finite = all(bool(torch.isfinite(g).all()) for g in grads)
+        if reference is None:
+            reference = grads
+        diff = sum(float((g - r).pow(2).sum()) for g, r in zip(grads, reference, strict=True))
+        norm = sum(float(r.pow(2).sum()) for r in reference)
+        rows.append(
+            {
+                "variant": name,
+                "fp16_gradscaler_finite_grads": finite,
+                "relative_difference_from_store_all": (diff / norm) ** 0.5 if norm else 0.0,
+            }
+        )
     return rows
 
 
@@ -237,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         name: _retained(variants[name], x, device)
         for name in ("checkpoint per block", "offload per block")
     }
-    fp16 = _fp16_scaler_rows(chain, x.detach(), device) if cuda else []
+    fp16 = _fp16_scaler_rows(chain, x.detach(), device)  # CPU autocast takes fp16 too
     name = torch.cuda.get_device_name() if cuda else "CPU (smoke mode)"
     lines = [
         f"gpu_check on {name}, GPT-like {depth} blocks x {dim}, input {batch}x{seq}x{dim}, "
@@ -253,7 +271,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in fp16:
         lines.append(
             f"fp16 autocast + GradScaler, {r['variant']}: finite gradients "
-            f"{r['fp16_gradscaler_finite_grads']}"
+            f"{r['fp16_gradscaler_finite_grads']}, relative difference from store-all "
+            f"{r['relative_difference_from_store_all']:.1e}"
         )
     boundary = x.numel() * x.element_size()
     lines.append(

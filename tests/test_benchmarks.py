@@ -107,3 +107,8 @@ def test_gpu_check_smoke_mode_on_cpu(tmp_path):
     retained = result["retained_after_forward_bytes"]
     assert retained["offload per block"] == retained["checkpoint per block"]
     assert retained["checkpoint per block"] == 2 * result["boundary_bytes"]
+    fp16 = {r["variant"]: r for r in result["fp16_gradscaler"]}
+    assert all(r["fp16_gradscaler_finite_grads"] for r in fp16.values())
+    for exact in ("checkpoint per block", "offload per block"):  # same arithmetic as store-all
+        assert fp16[exact]["relative_difference_from_store_all"] == 0.0
+    assert 0 < fp16["approx e4m3"]["relative_difference_from_store_all"] < 0.1
