@@ -440,7 +440,7 @@ def _parser() -> _Parser:
         "--strategies",
         nargs="+",
         help="restrict to these strategies (store checkpoint reversible offload approx:<codec> "
-        "selective:<policy>; offload is priced when the model is on an accelerator)",
+        "selective:<policy>; offload is priced when the model is on a CUDA device)",
     )
     plan.add_argument("--out", help="write the plan as JSON to this file")
     plan.add_argument("--measure", action="store_true", help="apply the plan and measure its peak")

@@ -119,20 +119,42 @@ _side_streams: dict[tuple[str, int], Any] = {}
 
 def _side_stream(device: torch.device) -> Any:
     key = (device.type, device.index if device.index is not None else 0)
-    stream = _side_streams.get(key)
-    if stream is None:
-        stream = _side_streams[key] = torch.cuda.Stream(device=device)
+    with _lock:
+        stream = _side_streams.get(key)
+        if stream is None:
+            stream = _side_streams[key] = torch.cuda.Stream(device=device)
     return stream
+
+
+def _host_copy(t: torch.Tensor) -> Any:
+    """A host copy of a host tensor (the copy path forced on a machine without accelerator)."""
+    return t.detach().clone(memory_format=torch.preserve_format)
+
+
+def _device_copy(host: Any, device: torch.device) -> torch.Tensor:
+    """Its copy back (same path)."""
+    return host.clone(memory_format=torch.preserve_format)
 
 
 class _Offloaded:
     """One tensor in host memory, its copy back (when prefetched), and the tensor offloaded
-    just before it in the same chain (the one to prefetch when this one is taken)."""
+    just before it in the same chain (the one to prefetch when this one is taken).
+
+    CUDA: the copy out runs on a side stream after the compute stream's work so far;
+    ``record_stream`` stops the allocator from handing the device memory to a later
+    allocation before the copy is done, and the compute stream waits for the *previous*
+    tensor's copy out before it goes on, so the forward runs at most one copy ahead (device
+    memory released but not yet reusable: one boundary at most). The copy back is allocated
+    from the compute stream's pool (no second pool grows), made on the side stream once the
+    compute stream's work so far is done, and waited for by the compute stream when taken.
+    """
 
     __slots__ = (
         "__weakref__",
+        "copied",
         "device",
         "host",
+        "nbytes",
         "on_device",
         "pin",
         "prefetch",
@@ -149,32 +171,44 @@ class _Offloaded:
         self.previous = weakref.ref(previous) if previous is not None else None
         self.on_device: torch.Tensor | None = None
         self.ready: Any = None
+        self.copied: Any = None
+        self.nbytes = t.numel() * t.element_size()
         if t.device.type == "cuda":
+            current = torch.cuda.current_stream(t.device)
+            if previous is not None and previous.copied is not None:
+                current.wait_event(previous.copied)  # at most one copy out in flight
             self.host = torch.empty_like(t, device="cpu", pin_memory=pin)
             side = _side_stream(t.device)
-            side.wait_stream(torch.cuda.current_stream(t.device))  # t is written
+            side.wait_stream(current)  # t is written
             with torch.cuda.stream(side):
                 self.host.copy_(t.detach(), non_blocking=pin)
+                self.copied = torch.cuda.Event()
+                self.copied.record(side)
             t.record_stream(side)  # its memory is not reused before the copy is done
         else:
-            self.host = t.detach().clone(memory_format=torch.preserve_format)
+            self.host = _host_copy(t)
         _count("to_host_tensors")
-        _count("to_host_bytes", t.numel() * t.element_size())
+        _count("to_host_bytes", self.nbytes)
 
     def fetch(self) -> None:
         """Start the copy back to the device (on the side stream on CUDA); no-op if started."""
         if self.on_device is not None:
             return
         if self.device.type == "cuda":
+            current = torch.cuda.current_stream(self.device)
             side = _side_stream(self.device)
+            on_device = torch.empty_like(self.host, device=self.device)  # compute stream's pool
+            side.wait_stream(current)  # the memory's earlier users on the compute stream
             with torch.cuda.stream(side):
-                self.on_device = self.host.to(self.device, non_blocking=self.pin)
+                on_device.copy_(self.host, non_blocking=self.pin)
                 self.ready = torch.cuda.Event()
                 self.ready.record(side)
+            on_device.record_stream(side)
+            self.on_device = on_device
         else:
-            self.on_device = self.host.clone(memory_format=torch.preserve_format)
+            self.on_device = _device_copy(self.host, self.device)
         _count("to_device_tensors")
-        _count("to_device_bytes", self.host.numel() * self.host.element_size())
+        _count("to_device_bytes", self.nbytes)
 
     def take(self) -> torch.Tensor:
         """The tensor on its device, for the backward that needs it now; then prefetch the
@@ -187,9 +221,7 @@ class _Offloaded:
         assert t is not None
         self.on_device = None
         if self.device.type == "cuda":
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(self.ready)
-            t.record_stream(current)  # allocated on the side stream, used and freed here
+            torch.cuda.current_stream(self.device).wait_event(self.ready)
             self.ready = None
         previous = self.previous() if self.previous is not None else None
         if self.prefetch and previous is not None:

@@ -223,7 +223,10 @@ class Codec:
                 f"cannot compress a {x.dtype} tensor: codecs take floating-point tensors; keep "
                 "integer and boolean tensors (indices, masks) exact"
             )
-        if torch.compiler.is_compiling():  # no data-dependent branch in a compiled graph
+        # compiled on the CPU: an in-graph assertion instead of a data-dependent branch (on
+        # CUDA it would be a device-side assert, which takes the CUDA context down: there the
+        # check stays eager and breaks the graph)
+        if torch.compiler.is_compiling() and x.device.type == "cpu":
             torch._assert_async(
                 torch.isfinite(x).all(),
                 f"non-finite value(s) (inf or nan) sent to the {self.format} codec: find where "
@@ -266,7 +269,7 @@ class Codec:
                     torch.empty(x.shape, dtype=spec.dtype, device=x.device), None, x.dtype, self
                 )
             scales = self.scales(x)
-            if scales is None and torch.compiler.is_compiling():
+            if scales is None and torch.compiler.is_compiling() and x.device.type == "cpu":
                 torch._assert_async(
                     x.abs().max() <= spec.fmax,
                     f"values exceed {self.format}'s largest value {spec.fmax:.3g}; use "

@@ -117,8 +117,8 @@ def profile(
     ``repeats``: timing repeats (median). ``device``: where memory is metered (default:
     ``x``'s device). ``offload``: price host offload (:mod:`revckpt.offload`): how many of each
     block input's bytes leave the device and the time of the copies; default ``None``, on
-    when ``x`` is on an accelerator (on the CPU the host is the device: offload saves
-    nothing there, and is priced so only when asked).
+    when ``x`` is on a CUDA device (on the CPU the host is the device: offload saves nothing
+    there, and is priced so only when asked).
     """
     chain = list(blocks)
     if not chain:
@@ -130,7 +130,7 @@ def profile(
     if repeats < 1:
         raise InvalidArgumentError(f"repeats={repeats}: pass at least 1")
     if offload is None:
-        offload = x.device.type != "cpu"
+        offload = x.device.type == "cuda"
     elif not isinstance(offload, bool):
         raise InvalidArgumentError(f"offload={offload!r}: pass True, False or None (auto)")
     unknown = [p for p in policies if p not in POLICY_PRESETS]

@@ -341,7 +341,7 @@ def solve(
     if unknown:
         hint = (
             " (offload is priced by profile(..., offload=True), by default only when the input "
-            "is on an accelerator: on a CPU the host is the device and it saves nothing)"
+            "is on a CUDA device: on a CPU the host is the device and it saves nothing)"
             if OFFLOAD in unknown
             else ""
         )

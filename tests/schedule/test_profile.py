@@ -67,7 +67,7 @@ def test_measured_transients_recorded():
 
 def test_offload_is_priced_when_asked_and_measures_what_moves(monkeypatch):
     from revckpt import offload
-    from revckpt.schedule import solve
+    from revckpt.schedule import make_plan
     from revckpt.schedule.costs import strategy_names
 
     torch.manual_seed(0)
@@ -80,8 +80,9 @@ def test_offload_is_priced_when_asked_and_measures_what_moves(monkeypatch):
     # the host is the device here: nothing moves, the boundary stays (and costs as much)
     assert all(b.offload_kept_bytes == b.input_bytes for b in asked.blocks)
     assert all("offload" in b.strategy_overhead_s for b in asked.blocks)
-    plan = solve(asked, memory_budget=0.9, strategies=["store", "offload"])
-    assert set(plan.strategies) <= {"store", "offload"}
+    # nothing moves, so an offloaded chain keeps every boundary, as per-block checkpoint does
+    offloaded = make_plan(asked, [Segment(0, 3, "offload")])
+    assert offloaded.predicted_peak_bytes >= sum(b.input_bytes for b in asked.blocks)
     # where the copies happen (forced here: the path CUDA takes), every input byte moves
     monkeypatch.setattr(offload, "_COPY_HOST_TENSORS", True)
     moved = profile(chain, x, repeats=1, codecs=(), policies=(), offload=True)
