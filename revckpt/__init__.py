@@ -14,6 +14,7 @@ from .errors import (
     GradientMismatchError,
     InvalidArgumentError,
     InvalidInputTypeError,
+    ModifiedInputError,
     ReconstructionError,
     RevckptError,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "InvalidInputTypeError",
     "MemoryMeter",
     "MemoryStats",
+    "ModifiedInputError",
     "ReconstructionError",
     "RevckptError",
     "TimeRatio",

@@ -526,4 +526,9 @@ def _approx_sequential(
             preserve_rng_state=preserve_rng_state,
             label=f"blocks[{start}:{stop}]",
         )
+        if stop < len(chain) and not isinstance(x, torch.Tensor):
+            raise InvalidInputTypeError(
+                f"blocks[{start}:{stop}] returned {type(x).__name__}, but the next block takes "
+                "one tensor: every block of a chain but the last must return a tensor"
+            )
     return x

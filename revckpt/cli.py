@@ -250,6 +250,33 @@ def _load_factory(spec: str) -> Any:
     return factory
 
 
+def _profile_options(strategies: Sequence[str] | None, offload: bool) -> dict[str, Any]:
+    """What ``profile`` needs to price the strategies asked for (checked before profiling,
+    which takes a while): only the codecs and policies named, offload when named or asked."""
+    from .approx import FORMATS
+    from .checkpoint import POLICY_PRESETS
+
+    if strategies is None:
+        return {"offload": True} if offload else {}
+    codecs, policies = [], []
+    for name in strategies:
+        if name.startswith("approx:") and name[len("approx:") :] in FORMATS:
+            codecs.append(name[len("approx:") :])
+        elif name.startswith("selective:") and name[len("selective:") :] in POLICY_PRESETS:
+            policies.append(name[len("selective:") :])
+        elif name not in ("store", "checkpoint", "reversible", "offload"):
+            raise _UsageError(
+                f"unknown strategy {name!r}; use store, checkpoint, reversible, offload, "
+                f"approx:<{'|'.join(sorted(FORMATS))}> or "
+                f"selective:<{'|'.join(sorted(POLICY_PRESETS))}>"
+            )
+    return {
+        "codecs": tuple(codecs),
+        "policies": tuple(policies),
+        "offload": True if offload or "offload" in strategies else None,
+    }
+
+
 def _plan(args: argparse.Namespace) -> int:
     import torch
     from torch import nn
@@ -285,8 +312,9 @@ def _plan(args: argparse.Namespace) -> int:
             f"{args.factory} returned an example input of type {type(x).__name__}; return a "
             "tensor (the chain's input)"
         )
+    options = _profile_options(args.strategies, args.offload)
     try:
-        prof = profile(blocks, x, repeats=args.repeats, **kwargs)
+        prof = profile(blocks, x, repeats=args.repeats, **options, **kwargs)
     except RevckptError as err:
         raise _UsageError(str(err)) from err
     print(prof.table() if args.verbose else f"profiled {len(prof.blocks)} blocks")
@@ -440,7 +468,13 @@ def _parser() -> _Parser:
         "--strategies",
         nargs="+",
         help="restrict to these strategies (store checkpoint reversible offload approx:<codec> "
-        "selective:<policy>; offload is priced when the model is on a CUDA device)",
+        "selective:<policy>); only these are profiled",
+    )
+    plan.add_argument(
+        "--offload",
+        action="store_true",
+        help="price host offload even when the model is not on a CUDA device (on a CPU it "
+        "saves nothing: host memory is device memory); on CUDA it is priced by default",
     )
     plan.add_argument("--out", help="write the plan as JSON to this file")
     plan.add_argument("--measure", action="store_true", help="apply the plan and measure its peak")

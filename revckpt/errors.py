@@ -13,6 +13,7 @@ __all__ = [
     "GradientMismatchError",
     "InvalidArgumentError",
     "InvalidInputTypeError",
+    "ModifiedInputError",
     "ReconstructionError",
     "RevckptError",
 ]
@@ -32,6 +33,10 @@ class InvalidInputTypeError(RevckptError, TypeError):
 
 class CheckpointMismatchError(RevckptError, RuntimeError):
     """A recomputed forward produced different values than the first forward."""
+
+
+class ModifiedInputError(RevckptError, RuntimeError):
+    """A tensor kept for backward was modified in place after the forward used it."""
 
 
 class ReconstructionError(RevckptError, RuntimeError):

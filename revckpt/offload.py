@@ -19,16 +19,22 @@ those of :func:`revckpt.checkpoint` (the values copied back are the values copie
 **Only activations move.** The tensors autograd keeps for the offloaded node are its positional
 tensor arguments (the block input) and its keyword tensors. Keyword tensors (masks, positions,
 typically shared by every block and held by the caller), parameters (``nn.Parameter``) and
-other leaves that require grad (the caller holds them for their ``.grad``) stay where they are:
-never copied. ``torch.autograd.graph.save_on_cpu`` and torch's ``offload_wrapper``, by
-contrast, move every tensor autograd saves, weights included. :func:`record` counts what moved.
+other leaf tensors (a data batch, a tensor that requires grad: the caller holds them, so
+moving them would free nothing) stay where they are: never copied. Activations made inside the
+model (non-leaf tensors) move. ``torch.autograd.graph.save_on_cpu`` and torch's
+``offload_wrapper``, by contrast, move every tensor autograd saves, weights included.
+:func:`record` counts what moved and what stayed.
 
 On a machine without an accelerator host memory *is* device memory: tensors already on the
 host are kept as they are (no copy) and offloading saves nothing over a checkpoint; the
-scheduler measures this (``schedule.profile(..., offload=True)``) and does not choose it there.
+scheduler measures this (``schedule.profile(..., offload=True)``). :func:`force_copies` makes
+the copies anyway (to see what would move, or to test the copy path).
 
-Non-blocking copies read and write through the side stream: do not modify a block's input in
-place after the block ran (autograd forbids that for checkpointed inputs as well).
+A tensor kept for backward must not change in place before the backward: like autograd,
+offload raises :class:`~revckpt.errors.ModifiedInputError` in backward when a tensor kept in
+place changed, or when the tensor a host copy was made from is still alive and changed. A
+tensor changed and then dropped is not seen (its copy, made when the block ran, is used). The
+node is differentiable once (``create_graph=True`` through it raises), as an approx node is.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,35 +51,51 @@ from torch import nn
 
 from .approx.recompute import Approx, run_approx
 from .checkpoint import _approx_sequential, _as_blocks, segment_bounds
-from .errors import InvalidArgumentError, InvalidInputTypeError
+from .errors import InvalidArgumentError, InvalidInputTypeError, ModifiedInputError
 
-__all__ = ["OffloadStats", "checkpoint", "checkpoint_sequential", "record"]
+__all__ = ["OffloadStats", "checkpoint", "checkpoint_sequential", "force_copies", "record"]
 
 _EXACT = Approx(store=None)
 
-# Tests set this to exercise the copy and prefetch path on a machine without an accelerator
-# (host == device there, so copying saves nothing; the path is otherwise identical).
+# Copy host tensors too (see force_copies): host == device then, so copying saves nothing, but
+# the path is otherwise the one an accelerator takes.
 _COPY_HOST_TENSORS = False
+
+
+@contextmanager
+def force_copies() -> Iterator[None]:
+    """Inside the block, offload copies tensors that are already in host memory too: on a
+    machine without an accelerator, to see with :func:`record` what would move on one, or to
+    test the copy and prefetch path. It saves no memory there (host memory is device memory).
+    Process-wide while active."""
+    global _COPY_HOST_TENSORS
+    before = _COPY_HOST_TENSORS
+    _COPY_HOST_TENSORS = True
+    try:
+        yield
+    finally:
+        _COPY_HOST_TENSORS = before
 
 
 @dataclass(eq=False)  # recorders are told apart by identity
 class OffloadStats:
     """What :func:`record` saw: tensors and bytes moved to host memory and back, prefetches
-    that were ready before the backward needed them, and tensors kept in place with the
-    reason (``"parameter"``, ``"leaf requiring grad"``, ``"keyword argument"``,
-    ``"already on the host"``)."""
+    that were ready before the backward needed them, and the tensors kept in place, per
+    reason (``"parameter"``, ``"leaf tensor"``, ``"keyword argument"``,
+    ``"already on the host"``): counts and bytes, once per block that kept them (a mask passed
+    to 8 blocks counts 8 times)."""
 
     to_host_tensors: int = 0
     to_host_bytes: int = 0
     to_device_tensors: int = 0
     to_device_bytes: int = 0
     prefetched: int = 0
-    kept_in_place: dict[str, int] | None = None
+    kept_in_place: dict[str, int] = field(default_factory=dict)
+    kept_in_place_bytes: dict[str, int] = field(default_factory=dict)
 
-    def _kept(self, reason: str) -> None:
-        if self.kept_in_place is None:
-            self.kept_in_place = {}
+    def _kept(self, reason: str, nbytes: int) -> None:
         self.kept_in_place[reason] = self.kept_in_place.get(reason, 0) + 1
+        self.kept_in_place_bytes[reason] = self.kept_in_place_bytes.get(reason, 0) + nbytes
 
 
 # Process-wide, not per thread: on CUDA the backward (and so the copies back) runs on
@@ -108,10 +130,32 @@ def _count(field: str, amount: int = 1) -> None:
             setattr(stats, field, getattr(stats, field) + amount)
 
 
-def _kept(reason: str) -> None:
+def _kept(reason: str, t: torch.Tensor) -> None:
+    nbytes = t.numel() * t.element_size()
     with _lock:
         for stats in _recorders:
-            stats._kept(reason)
+            stats._kept(reason, nbytes)
+
+
+def _check_version(t: torch.Tensor, version: int) -> None:
+    if t._version != version:
+        raise ModifiedInputError(
+            f"a tensor of shape {tuple(t.shape)} kept for the backward of an offloaded block "
+            f"was modified in place after the block ran (version {version} then, "
+            f"{t._version} now), so its gradients would be wrong; clone it before modifying "
+            "it (x = x.clone()), or modify a copy"
+        )
+
+
+class _InPlace:
+    """A tensor kept where it is, with its version when the block ran (checked in backward:
+    saved-tensor hooks bypass autograd's own check)."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t
+        self.version = t._version
 
 
 _side_streams: dict[tuple[str, int], Any] = {}
@@ -160,6 +204,8 @@ class _Offloaded:
         "prefetch",
         "previous",
         "ready",
+        "source",
+        "version",
     )
 
     def __init__(
@@ -173,6 +219,8 @@ class _Offloaded:
         self.ready: Any = None
         self.copied: Any = None
         self.nbytes = t.numel() * t.element_size()
+        self.source = weakref.ref(t)  # to check, if it is still alive, that it did not change
+        self.version = t._version
         if t.device.type == "cuda":
             current = torch.cuda.current_stream(t.device)
             if previous is not None and previous.copied is not None:
@@ -213,6 +261,9 @@ class _Offloaded:
     def take(self) -> torch.Tensor:
         """The tensor on its device, for the backward that needs it now; then prefetch the
         one offloaded before it. The host copy stays (a second backward may need it)."""
+        source = self.source()
+        if source is not None:
+            _check_version(source, self.version)
         if self.on_device is None:
             self.fetch()
         else:
@@ -239,18 +290,18 @@ class _Chain:
         self.last: Callable[[], _Offloaded | None] = lambda: None
 
     def pack(self, t: torch.Tensor) -> Any:
+        reason = None
         if id(t) in self.keep:
-            _kept("keyword argument")
-            return t
-        if isinstance(t, nn.Parameter):
-            _kept("parameter")
-            return t
-        if t.is_leaf and t.requires_grad:
-            _kept("leaf requiring grad")
-            return t
-        if t.device.type == "cpu" and not _COPY_HOST_TENSORS:
-            _kept("already on the host")
-            return t
+            reason = "keyword argument"
+        elif isinstance(t, nn.Parameter):
+            reason = "parameter"
+        elif t.is_leaf:
+            reason = "leaf tensor"  # held by the caller (data, or for its .grad)
+        elif t.device.type == "cpu" and not _COPY_HOST_TENSORS:
+            reason = "already on the host"
+        if reason is not None:
+            _kept(reason, t)
+            return _InPlace(t)
         if t.device.type not in ("cpu", "cuda"):
             raise InvalidArgumentError(
                 f"offload supports CUDA and CPU tensors, got one on {t.device}; use "
@@ -265,7 +316,8 @@ class _Chain:
     def unpack(packed: Any) -> torch.Tensor:
         if isinstance(packed, _Offloaded):
             return packed.take()
-        return packed
+        _check_version(packed.tensor, packed.version)
+        return packed.tensor
 
     @contextmanager
     def hooks(self) -> Iterator[None]:

@@ -44,6 +44,15 @@ def test_plan_on_the_example_model_measures_within_budget(monkeypatch, tmp_path,
     assert json.loads(out.read_text())["format"] == "revckpt.Plan/1"
 
 
+def test_plan_with_offload_on_the_cpu_profiles_only_what_is_asked(monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    args = ["plan", "examples.user_model:build", "--budget", "0.6", "--measure"]
+    assert main([*args, "--strategies", "store", "offload", "--repeats", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "offload" in text and "within the budget" in text
+    assert "approx" not in text and "selective" not in text
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
@@ -55,6 +64,10 @@ def test_plan_on_the_example_model_measures_within_budget(monkeypatch, tmp_path,
         (["plan", "examples.user_model:build", "--budget", "8"], "write a unit"),
         (["plan", "examples.user_model:build", "--budget", "2", "GiB"], "quote values"),
         (["plan", "examples.user_model:build"], "--budget"),
+        (
+            ["plan", "examples.user_model:build", "--budget", "0.5", "--strategies", "offlaod"],
+            "unknown strategy 'offlaod'",
+        ),
         (["frobnicate"], "invalid choice"),
     ],
 )

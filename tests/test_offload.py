@@ -21,8 +21,9 @@ from revckpt.models import gpt_like, mlp_chain, revnet_like
 
 
 @pytest.fixture
-def copy_path(monkeypatch):
-    monkeypatch.setattr(offload, "_COPY_HOST_TENSORS", True)
+def copy_path():
+    with offload.force_copies():
+        yield
 
 
 class Block(nn.Module):
@@ -115,8 +116,9 @@ def test_parameters_and_keyword_tensors_are_never_copied(copy_path):
     assert stats.kept_in_place == {
         "parameter": 2,
         "keyword argument": 2,
-        "leaf requiring grad": 1,
+        "leaf tensor": 1,
     }
+    assert stats.kept_in_place_bytes["parameter"] == 2 * tied.numel() * 8
     assert tied.grad is not None and leaf.grad is not None
 
 
@@ -277,7 +279,7 @@ def test_cuda_offloaded_boundaries_hold_no_device_bytes():
 def host_off_the_meter(monkeypatch):
     """Host copies as NumPy arrays, which MemoryMeter does not see: on the CPU, the bytes the
     meter counts behave as device bytes do on CUDA (a copy back allocates, a copy out frees)."""
-    monkeypatch.setattr(offload, "_COPY_HOST_TENSORS", True)
+    monkeypatch.setattr(offload, "_COPY_HOST_TENSORS", True)  # as force_copies()
     monkeypatch.setattr(offload, "_host_copy", lambda t: t.detach().numpy().copy())
     monkeypatch.setattr(offload, "_device_copy", lambda host, device: torch.from_numpy(host.copy()))
 
@@ -340,3 +342,30 @@ def test_offload_plans_with_inputs_moved_off_the_meter(make, host_off_the_meter)
         # instead of moving, so the prediction may be above, never below)
         ratio = measure_peak(apply(chain, plan), x) / plan.predicted_peak_bytes
         assert 0.95 <= ratio <= 1.0 + 1e-3, (plan.strategies, ratio)
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_an_input_modified_in_place_after_the_block_raises(forced, monkeypatch):
+    """Saved-tensor hooks bypass autograd's version check; offload makes its own, for tensors
+    kept in place and for copied tensors whose source is still alive."""
+    monkeypatch.setattr(offload, "_COPY_HOST_TENSORS", forced)
+    lin = nn.Linear(8, 8)
+    x = torch.randn(3, 8, requires_grad=True)
+    h = x * 1
+    y = offload.checkpoint(lin, h)
+    h.add_(1)
+    with pytest.raises(revckpt.ModifiedInputError, match="modified in place"):
+        y.pow(2).sum().backward()
+    # unchanged: fine, and the same gradients as a plain run
+    h = x * 1
+    offload.checkpoint(lin, h).pow(2).sum().backward()
+
+
+def test_force_copies_is_scoped():
+    assert not offload._COPY_HOST_TENSORS
+    with offload.force_copies():
+        assert offload._COPY_HOST_TENSORS
+        with offload.force_copies():
+            pass
+        assert offload._COPY_HOST_TENSORS
+    assert not offload._COPY_HOST_TENSORS

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, InvalidInputTypeError
 from .costs import (
     APPROX_PREFIX,
     CHECKPOINT,
@@ -336,6 +336,10 @@ def solve(
     if slots < 1 or error_slots < 1:
         raise InvalidArgumentError("slots and error_slots must be positive")
     available = strategy_names(blocks)
+    if isinstance(strategies, str):
+        raise InvalidInputTypeError(
+            f"strategies={strategies!r}: pass a list of names, e.g. [{strategies!r}]"
+        )
     chosen = list(strategies) if strategies is not None else available
     unknown = [s for s in chosen if s not in available]
     if unknown:
