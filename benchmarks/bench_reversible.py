@@ -34,14 +34,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.utils.checkpoint as tcp
-from _common import environment, ratio_cell, write_json  # benchmarks/_common.py
+from _common import environment, ratio_cell, reversible_peers, write_json  # benchmarks/_common.py
 from torch import nn
 
 from revckpt import MemoryMeter, time_ratio, time_ratios
@@ -76,41 +75,7 @@ def torch_checkpoint(blocks: list[ReversibleBlock]) -> Forward:
 
 
 def peers(blocks: list[ReversibleBlock]) -> tuple[dict[str, Forward], list[str]]:
-    found: dict[str, Forward] = {}
-    notes = []
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    try:
-        import revlib
-
-        found["revlib 1.7.2"] = revlib.ReversibleSequential(
-            *[m for b in blocks for m in (b.f, b.g)], split_dim=1
-        )
-    except ImportError:
-        notes.append("revlib not installed: skipped (pip install -e '.[bench]')")
-    try:
-        import memcnn
-
-        found["memcnn 1.5.2"] = nn.Sequential(
-            *[
-                memcnn.InvertibleModuleWrapper(
-                    memcnn.AdditiveCoupling(b.f, b.g, split_dim=1),
-                    keep_input=False,
-                    keep_input_inverse=False,
-                )
-                for b in blocks
-            ]
-        )
-    except ImportError:
-        notes.append("memcnn not installed: skipped (pip install --no-deps memcnn==1.5.2)")
-    try:
-        import revtorch
-
-        found["revtorch 0.2.4"] = revtorch.ReversibleSequence(
-            nn.ModuleList([revtorch.ReversibleBlock(b.f, b.g, split_along_dim=1) for b in blocks])
-        )
-    except ImportError:
-        notes.append("revtorch not installed: skipped (pip install -e '.[bench]')")
-    return found, notes
+    return reversible_peers(blocks, split_dim=1)
 
 
 def bench_depth(

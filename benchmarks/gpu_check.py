@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from _common import environment, write_json  # benchmarks/_common.py
+from _common import environment, reversible_peers, write_json  # benchmarks/_common.py
 
 import revckpt
 from revckpt import MemoryMeter, time_ratios
@@ -119,48 +118,6 @@ def _retained(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, devic
     return kept
 
 
-def _reversible_peers(rev: torch.nn.Sequential) -> tuple[dict[str, Any], list[str]]:
-    """The RevGPT blocks run by each installed reversible peer (same F and G modules)."""
-    found: dict[str, Any] = {}
-    notes = []
-    blocks = [unit.block for unit in rev]
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    try:
-        import revlib
-
-        found["revlib 1.7.2"] = revlib.ReversibleSequential(
-            *[m for b in blocks for m in (b.f, b.g)], split_dim=-1
-        )
-    except ImportError:
-        notes.append("revlib not installed: skipped (pip install -e '.[bench]')")
-    try:
-        import revtorch
-
-        found["revtorch 0.2.4"] = revtorch.ReversibleSequence(
-            torch.nn.ModuleList(
-                [revtorch.ReversibleBlock(b.f, b.g, split_along_dim=2) for b in blocks]
-            )
-        )
-    except ImportError:
-        notes.append("revtorch not installed: skipped (pip install -e '.[bench]')")
-    try:
-        import memcnn
-
-        found["memcnn 1.5.2"] = torch.nn.Sequential(
-            *[
-                memcnn.InvertibleModuleWrapper(
-                    memcnn.AdditiveCoupling(b.f, b.g, split_dim=2),
-                    keep_input=False,
-                    keep_input_inverse=False,
-                )
-                for b in blocks
-            ]
-        )
-    except ImportError:
-        notes.append("memcnn not installed: skipped (pip install --no-deps memcnn==1.5.2)")
-    return found, notes
-
-
 def _fresh_step(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable[[], None]:
     """A step on a fresh copy of ``x`` (memcnn frees its input's storage)."""
 
@@ -246,7 +203,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from revckpt.layers import ReversibleSequential
 
     rev_stack = ReversibleSequential(*[unit.block for unit in rev], split_dim=-1)
-    peer_fns, notes = _reversible_peers(rev)
+    # the same F and G modules; the streams split along the last dimension of (b, s, d)
+    peer_fns, notes = reversible_peers([unit.block for unit in rev], split_dim=2)
     rev_fns = {"store-all": rev_plain, "revckpt reversible": rev_stack, **peer_fns}
     rev_steps = {name: _fresh_step(fn, x) for name, fn in rev_fns.items()}
     rev_peaks = {name: _peak(step, device) for name, step in rev_steps.items()}
