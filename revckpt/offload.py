@@ -62,19 +62,31 @@ _EXACT = Approx(store=None)
 _COPY_HOST_TENSORS = False
 
 
+_SIMULATE_DEVICE = False
+
+
 @contextmanager
-def force_copies() -> Iterator[None]:
+def force_copies(*, simulate_device: bool = False) -> Iterator[None]:
     """Inside the block, offload copies tensors that are already in host memory too: on a
     machine without an accelerator, to see with :func:`record` what would move on one, or to
     test the copy and prefetch path. It saves no memory there (host memory is device memory).
-    Process-wide while active."""
-    global _COPY_HOST_TENSORS
-    before = _COPY_HOST_TENSORS
-    _COPY_HOST_TENSORS = True
+
+    ``simulate_device=True`` keeps the host copies as NumPy arrays, outside torch's allocator,
+    so that :class:`~revckpt.MemoryMeter` counts what a device would hold (a copy back
+    allocates, a copy out releases): a preview of device memory on a machine without a
+    device. The RAM used is the same; only the accounting differs. Process-wide while active.
+    """
+    global _COPY_HOST_TENSORS, _SIMULATE_DEVICE
+    if not isinstance(simulate_device, bool):
+        raise InvalidArgumentError(
+            f"simulate_device= must be True or False, got {simulate_device!r}"
+        )
+    before = (_COPY_HOST_TENSORS, _SIMULATE_DEVICE)
+    _COPY_HOST_TENSORS, _SIMULATE_DEVICE = True, simulate_device
     try:
         yield
     finally:
-        _COPY_HOST_TENSORS = before
+        _COPY_HOST_TENSORS, _SIMULATE_DEVICE = before
 
 
 @dataclass(eq=False)  # recorders are told apart by identity
@@ -171,12 +183,19 @@ def _side_stream(device: torch.device) -> Any:
 
 
 def _host_copy(t: torch.Tensor) -> Any:
-    """A host copy of a host tensor (the copy path forced on a machine without accelerator)."""
+    """A host copy of a host tensor (the copy path forced on a machine without accelerator):
+    a tensor, or its bytes in a NumPy array when simulating a device (see force_copies)."""
+    if _SIMULATE_DEVICE:
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().copy()
+        return raw, t.dtype, tuple(t.shape)
     return t.detach().clone(memory_format=torch.preserve_format)
 
 
 def _device_copy(host: Any, device: torch.device) -> torch.Tensor:
     """Its copy back (same path)."""
+    if isinstance(host, tuple):
+        raw, dtype, shape = host
+        return torch.from_numpy(raw.copy()).view(dtype).reshape(shape)
     return host.clone(memory_format=torch.preserve_format)
 
 

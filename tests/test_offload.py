@@ -276,12 +276,11 @@ def test_cuda_offloaded_boundaries_hold_no_device_bytes():
 
 
 @pytest.fixture
-def host_off_the_meter(monkeypatch):
+def host_off_the_meter():
     """Host copies as NumPy arrays, which MemoryMeter does not see: on the CPU, the bytes the
     meter counts behave as device bytes do on CUDA (a copy back allocates, a copy out frees)."""
-    monkeypatch.setattr(offload, "_COPY_HOST_TENSORS", True)  # as force_copies()
-    monkeypatch.setattr(offload, "_host_copy", lambda t: t.detach().numpy().copy())
-    monkeypatch.setattr(offload, "_device_copy", lambda host, device: torch.from_numpy(host.copy()))
+    with offload.force_copies(simulate_device=True):
+        yield
 
 
 def test_offloaded_boundaries_leave_nothing_on_the_meter(host_off_the_meter):
@@ -364,8 +363,24 @@ def test_an_input_modified_in_place_after_the_block_raises(forced, monkeypatch):
 def test_force_copies_is_scoped():
     assert not offload._COPY_HOST_TENSORS
     with offload.force_copies():
-        assert offload._COPY_HOST_TENSORS
-        with offload.force_copies():
-            pass
-        assert offload._COPY_HOST_TENSORS
+        assert offload._COPY_HOST_TENSORS and not offload._SIMULATE_DEVICE
+        with offload.force_copies(simulate_device=True):
+            assert offload._SIMULATE_DEVICE
+        assert offload._COPY_HOST_TENSORS and not offload._SIMULATE_DEVICE
     assert not offload._COPY_HOST_TENSORS
+    with (
+        pytest.raises(InvalidArgumentError, match="simulate_device"),
+        offload.force_copies(simulate_device="yes"),
+    ):
+        pass
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_simulated_device_round_trips_every_dtype_bitwise(dtype, host_off_the_meter):
+    torch.manual_seed(0)
+    block = Block().to(dtype)
+    x = torch.randn(4, 3, 12).to(dtype).requires_grad_(True)
+    want = torch.autograd.grad(revckpt.checkpoint(block, x * 1).sum(), [x, *block.parameters()])
+    got = torch.autograd.grad(offload.checkpoint(block, x * 1).sum(), [x, *block.parameters()])
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a, b)
