@@ -40,6 +40,11 @@ def _strategies():
         m = mlp_chain(3, 16, 32, norm="layer")
         return m, lambda x: revckpt.checkpoint_sequential(m, 3, x, approx=Approx(store="e4m3"))
 
+    def selective():
+        torch.manual_seed(0)
+        m = mlp_chain(3, 16, 32, norm="layer")
+        return m, lambda x: revckpt.checkpoint_sequential(m, 3, x, policy="matmul")
+
     def offloaded():
         torch.manual_seed(0)
         m = mlp_chain(3, 16, 32, norm="layer")
@@ -62,12 +67,15 @@ def _strategies():
     return {
         "reversible": reversible,
         "approx e4m3": approx,
+        "selective matmul": selective,
         "offload": offloaded,
         "scheduled": scheduled,
     }
 
 
-@pytest.mark.parametrize("name", ["reversible", "approx e4m3", "offload", "scheduled"])
+@pytest.mark.parametrize(
+    "name", ["reversible", "approx e4m3", "selective matmul", "offload", "scheduled"]
+)
 def test_compiled_strategy_matches_eager_and_keeps_no_more(name):
     from revckpt import MemoryMeter
 

@@ -24,7 +24,15 @@ from revckpt.models import ResidualMLPBlock
 from revckpt.schedule import Plan, Segment, apply, make_plan, profile
 
 WORLD = 2
-STRATEGIES = ("reversible", "checkpoint", "approx-bf16", "approx-e4m3", "offload", "scheduled")
+STRATEGIES = (
+    "reversible",
+    "checkpoint",
+    "selective",
+    "approx-bf16",
+    "approx-e4m3",
+    "offload",
+    "scheduled",
+)
 WRAPPERS = ("ddp", "ddp-find-unused", "fsdp2")
 SCHEDULE = [
     Segment(0, 1, "approx:bf16"),
@@ -65,6 +73,8 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.strategy == "checkpoint":
             return revckpt.checkpoint_sequential(self.body, len(self.body), x)
+        if self.strategy == "selective":
+            return revckpt.checkpoint_sequential(self.body, len(self.body), x, policy="matmul")
         if self.strategy == "offload":
             return revckpt.offload.checkpoint_sequential(self.body, len(self.body), x)
         if self.strategy.startswith("approx-"):
