@@ -137,12 +137,16 @@ def record() -> Iterator[OffloadStats]:
 
 
 def _count(field: str, amount: int = 1) -> None:
+    if not _recorders:  # nothing to count into (and no lock to take inside a compiled graph)
+        return
     with _lock:
         for stats in _recorders:
             setattr(stats, field, getattr(stats, field) + amount)
 
 
 def _kept(reason: str, t: torch.Tensor) -> None:
+    if not _recorders:
+        return
     nbytes = t.numel() * t.element_size()
     with _lock:
         for stats in _recorders:
