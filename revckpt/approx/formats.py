@@ -223,16 +223,6 @@ class Codec:
                 f"cannot compress a {x.dtype} tensor: codecs take floating-point tensors; keep "
                 "integer and boolean tensors (indices, masks) exact"
             )
-        # compiled on the CPU: an in-graph assertion instead of a data-dependent branch (on
-        # CUDA it would be a device-side assert, which takes the CUDA context down: there the
-        # check stays eager and breaks the graph)
-        if torch.compiler.is_compiling() and x.device.type == "cpu":
-            torch._assert_async(
-                torch.isfinite(x).all(),
-                f"non-finite value(s) (inf or nan) sent to the {self.format} codec: find where "
-                "the model overflows or keep this boundary exact (store=None)",
-            )
-            return
         if x.numel() and not bool(torch.isfinite(x).all()):
             bad = (~torch.isfinite(x)).sum().item()
             raise InvalidArgumentError(
@@ -269,13 +259,7 @@ class Codec:
                     torch.empty(x.shape, dtype=spec.dtype, device=x.device), None, x.dtype, self
                 )
             scales = self.scales(x)
-            if scales is None and torch.compiler.is_compiling() and x.device.type == "cpu":
-                torch._assert_async(
-                    x.abs().max() <= spec.fmax,
-                    f"values exceed {self.format}'s largest value {spec.fmax:.3g}; use "
-                    "scaling='tensor' or 'row'",
-                )
-            elif scales is None and float(x.abs().max()) > spec.fmax:
+            if scales is None and float(x.abs().max()) > spec.fmax:
                 raise InvalidArgumentError(
                     f"values up to {float(x.abs().max()):.3g} exceed {self.format}'s largest "
                     f"value {spec.fmax:.3g}; a cast would saturate them. Use scaling='tensor' "
