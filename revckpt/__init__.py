@@ -11,11 +11,14 @@ from . import layers, measure, offload, replay, testing
 from .checkpoint import POLICY_PRESETS, checkpoint, checkpoint_sequential, segment_bounds
 from .errors import (
     CheckpointMismatchError,
+    DoubleBackwardError,
     GradientMismatchError,
     InvalidArgumentError,
     InvalidInputTypeError,
     ModifiedInputError,
+    ModifiedParameterError,
     ReconstructionError,
+    ReplayError,
     RevckptError,
 )
 from .measure import (
@@ -34,6 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "POLICY_PRESETS",
     "CheckpointMismatchError",
+    "DoubleBackwardError",
     "GradientError",
     "GradientMismatchError",
     "InvalidArgumentError",
@@ -41,7 +45,9 @@ __all__ = [
     "MemoryMeter",
     "MemoryStats",
     "ModifiedInputError",
+    "ModifiedParameterError",
     "ReconstructionError",
+    "ReplayError",
     "RevckptError",
     "TimeRatio",
     "checkpoint",

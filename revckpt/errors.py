@@ -10,11 +10,14 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointMismatchError",
+    "DoubleBackwardError",
     "GradientMismatchError",
     "InvalidArgumentError",
     "InvalidInputTypeError",
     "ModifiedInputError",
+    "ModifiedParameterError",
     "ReconstructionError",
+    "ReplayError",
     "RevckptError",
 ]
 
@@ -37,6 +40,20 @@ class CheckpointMismatchError(RevckptError, RuntimeError):
 
 class ModifiedInputError(RevckptError, RuntimeError):
     """A tensor kept for backward was modified in place after the forward used it."""
+
+
+class ModifiedParameterError(ModifiedInputError):
+    """A parameter or buffer a recompute needs changed in place between the forward and its
+    backward (an optimizer step, ``load_state_dict``, an update under ``no_grad``)."""
+
+
+class ReplayError(RevckptError, RuntimeError):
+    """A recompute cannot run as the forward ran: a buffer the forward updated and no copy of
+    its old value, random numbers drawn by another thread meanwhile, a module flag changed."""
+
+
+class DoubleBackwardError(RevckptError, RuntimeError):
+    """``create_graph=True`` (double backward) reached a node that is differentiable once."""
 
 
 class ReconstructionError(RevckptError, RuntimeError):
