@@ -11,7 +11,9 @@ recomputes the block with autograd on and returns the VJP for exactly those tens
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,9 +21,45 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._pytree import tree_flatten
 
-from .errors import InvalidInputTypeError
+from .errors import DoubleBackwardError, InvalidInputTypeError
 
-__all__ = ["first_unregistered_leaf", "grad_keywords", "module_targets", "vjp"]
+__all__ = [
+    "differentiable_once",
+    "first_unregistered_leaf",
+    "grad_keywords",
+    "module_targets",
+    "vjp",
+]
+
+
+def differentiable_once(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate the ``backward`` of a node that recomputes without a graph of its gradient.
+
+    Like ``torch.autograd.function.once_differentiable`` the backward runs under ``no_grad``;
+    unlike it, a backward reached with ``create_graph=True`` raises
+    :class:`~revckpt.DoubleBackwardError` at once. ``once_differentiable`` only defers an error
+    when an incoming gradient requires grad, and otherwise returns gradients without a graph,
+    which silently drops the second-order term through the node (a gradient penalty then
+    trains the wrong thing).
+    """
+
+    def decorate(backward: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(backward)
+        def run(ctx: Any, *grads: Any) -> Any:
+            if torch.is_grad_enabled():
+                raise DoubleBackwardError(
+                    f"create_graph=True (double backward) reached {what}, which is "
+                    "differentiable once: its backward recomputes without recording a graph of "
+                    "the gradient, so second-order terms through it would be lost. Use "
+                    "revckpt.checkpoint (strategy 'checkpoint' in a plan), which supports "
+                    "double backward, or keep this part of the model stored"
+                )
+            with torch.no_grad():
+                return backward(ctx, *grads)
+
+        return run
+
+    return decorate
 
 
 def module_targets(module: Any) -> tuple[tuple[torch.Tensor, ...], tuple[nn.Module, ...]]:

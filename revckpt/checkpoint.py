@@ -122,12 +122,15 @@ class _Contexts:
         self,
         owners: tuple[Any, ...],
         *,
+        modules: tuple[nn.Module, ...],
         preserve_rng_state: bool,
         check_values: bool,
         policy: Policy | None,
         label: str,
     ) -> None:
         self.owners = owners
+        self.modules = modules
+        self.label = label
         self.preserve_rng_state = preserve_rng_state
         self.values = ValueLog(label) if check_values else None
         self.sac = _policy_context_fn(policy)() if policy is not None else None
@@ -137,7 +140,9 @@ class _Contexts:
         return _Reusable(self._forward), _Reusable(self._recompute)
 
     def _forward(self, stack: contextlib.ExitStack) -> None:
-        self.state = ForwardState.capture(*self.owners, preserve_rng_state=self.preserve_rng_state)
+        self.state = ForwardState.capture(
+            *self.owners, preserve_rng_state=self.preserve_rng_state, modules=self.modules
+        )
         stack.callback(self.state.forward_finished)  # runs last, once the forward is done
         if self.sac is not None:
             stack.enter_context(self.sac[0])
@@ -146,7 +151,7 @@ class _Contexts:
 
     def _recompute(self, stack: contextlib.ExitStack) -> None:
         assert self.state is not None, "recompute before the checkpointed forward ran"
-        stack.enter_context(self.state.replay())
+        stack.enter_context(self.state.replay(label=self.label))
         if self.sac is not None:
             stack.enter_context(self.sac[1])
         if self.values is not None:
@@ -213,6 +218,7 @@ def _checkpoint(
         return _compiled_checkpoint(fn, args, kwargs, determinism_check, policy)
     contexts = _Contexts(
         (args, kwargs, *modules),
+        modules=modules,
         preserve_rng_state=preserve_rng_state,
         check_values=determinism_check == "values",
         policy=policy,

@@ -21,7 +21,21 @@ three kinds of state must match:
   recompute performs the same operations (and saves the same tensors) as the first forward while
   the real statistics are updated exactly once per step.
 
-This module imports nothing of revckpt but the errors; every strategy uses it.
+* **Module state** (:mod:`revckpt._module_state`): parameters and buffers changed in place
+  between forward and backward raise :class:`~revckpt.ModifiedParameterError` (as plain
+  autograd's version check does); ``train()`` / ``eval()`` and other plain module attributes
+  changed meanwhile are set back to the forward's values for the recompute; buffers the forward
+  itself writes (``spectral_norm``, an EMA) are recomputed from their value before the forward
+  and keep the value one forward left.
+* **Threads.** The global CPU generator is shared by every thread. A forward that keeps RNG
+  state for replay, and every replay, hold one process-wide lock, so two models training in two
+  threads with revckpt draw their masks in turn; strategies that re-run the whole forward
+  (approx, offload, reversible) also check that the recompute ended at the generator state the
+  forward ended at, and raise :class:`~revckpt.ReplayError` when code outside revckpt drew
+  random numbers in another thread meanwhile.
+
+This module imports nothing of revckpt but the errors (and its own ``_module_state``); every
+strategy uses it.
 """
 
 from __future__ import annotations
@@ -38,6 +52,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
+
+from ._module_state import ModuleState
+from .errors import ReplayError
 
 __all__ = [
     "AutocastState",
@@ -172,23 +189,35 @@ class AutocastState:
         )
 
 
+# Held from the capture of a forward that keeps RNG state until that forward ends, and during
+# every replay: the global CPU generator is shared by all threads.
+_RNG_LOCK = threading.RLock()
+
+
+def _digest(state: torch.Tensor) -> int:
+    return hash(state.cpu().numpy().tobytes())
+
+
 class ForwardState:
-    """RNG and autocast state of one forward pass, for replay during its recompute.
+    """RNG, autocast and module state of one forward pass, for replay during its recompute.
 
     Use::
 
-        state = ForwardState.capture(inputs, module)   # right before the forward
-        out = module(*inputs)
-        state.forward_finished()                        # drops RNG state the forward did not use
+        state = ForwardState.capture(inputs, module, modules=(module,))  # before the forward
+        try:
+            out = module(*inputs)
+        finally:
+            state.forward_finished()        # drops RNG state the forward did not use
         ...
-        with state.replay():                            # during backward
-            out_again = module(*inputs)                 # same masks, same autocast, stats frozen
+        with state.replay(label="block 3"):  # during backward
+            out_again = module(*inputs)      # same masks, autocast, modes; stats frozen
 
+    ``forward_finished`` must run however the forward ends (it releases the RNG lock).
     ``preserve_rng_state=False`` skips RNG capture entirely (then a recompute with dropout draws
     new masks, as with ``torch.utils.checkpoint(preserve_rng_state=False)``).
     """
 
-    __slots__ = ("_rng", "autocast", "devices", "norms")
+    __slots__ = ("_end", "_locked", "_rng", "autocast", "devices", "modules", "norms")
 
     def __init__(
         self,
@@ -198,8 +227,11 @@ class ForwardState:
     ) -> None:
         self.devices = devices
         self._rng = rng
+        self._end: dict[torch.device, int] = {}
+        self._locked = False
         self.autocast = autocast
         self.norms: tuple[nn.Module, ...] | None = None
+        self.modules: ModuleState | None = None
 
     @classmethod
     def capture(
@@ -208,6 +240,7 @@ class ForwardState:
         preserve_rng_state: bool = True,
         norms: tuple[nn.Module, ...] | None = None,
         devices: list[torch.device] | None = None,
+        modules: tuple[nn.Module, ...] = (),
     ) -> ForwardState:
         """Capture the state for a forward whose tensors and modules are ``owners``.
 
@@ -218,29 +251,46 @@ class ForwardState:
         skips the global module hooks; ``None`` freezes whatever normalisation module runs.
         ``devices``: the result of :func:`devices_of` for the owners, when the caller already
         has it (a stack capturing many forwards over the same tensors scans them once).
+        ``modules``: the modules the forward calls, whose parameters, buffers and attributes
+        replay checks and re-establishes (see :mod:`revckpt._module_state`).
         """
         if devices is None:
             devices = devices_of(*owners)
         rng: dict[torch.device, torch.Tensor] = {}
+        locked = preserve_rng_state and not torch.compiler.is_compiling()
+        if locked:
+            _RNG_LOCK.acquire()
         if preserve_rng_state:
             for device in [torch.device("cpu"), *devices]:
                 if device not in rng:
                     rng[device] = _get_rng(device)
         autocast = tuple(AutocastState.capture(t) for t in _autocast_device_types(devices))
         state = cls(devices, rng, autocast)
+        state._locked = locked
         state.norms = norms
+        if modules and not torch.compiler.is_compiling():
+            state.modules = ModuleState(modules)
         return state
 
     def forward_finished(self) -> None:
-        """Forget generator states that the forward did not advance: replay needs none of them."""
-        for device in list(self._rng):
-            before = self._rng[device]
-            if torch.equal(before, _get_rng(device)):
-                del self._rng[device]
-            else:
-                # The getters allocate outside the dispatcher; a clone makes the state kept for
-                # replay an ordinary tensor that memory meters see.
-                self._rng[device] = before.clone()
+        """Forget generator states that the forward did not advance (replay needs none of
+        them), record the module state the forward left, and release the RNG lock."""
+        try:
+            for device in list(self._rng):
+                before, now = self._rng[device], _get_rng(device)
+                if torch.equal(before, now):
+                    del self._rng[device]
+                else:
+                    # The getters allocate outside the dispatcher; a clone makes the state kept
+                    # for replay an ordinary tensor that memory meters see.
+                    self._rng[device] = before.clone()
+                    self._end[device] = _digest(now)
+            if self.modules is not None:
+                self.modules.forward_finished()
+        finally:
+            if self._locked:
+                self._locked = False
+                _RNG_LOCK.release()
 
     @property
     def rng_devices(self) -> tuple[torch.device, ...]:
@@ -252,36 +302,55 @@ class ForwardState:
         """Bytes this state keeps alive (the RNG states; autocast state is a few flags)."""
         return sum(s.numel() * s.element_size() for s in self._rng.values())
 
-    def replay(self) -> contextlib.AbstractContextManager[None]:
-        """Run the body as the captured forward ran: same RNG streams, same autocast, with
-        running statistics frozen. The caller's RNG state is restored afterwards.
+    def replay(
+        self, *, label: str = "the recompute", exact_draws: bool = False
+    ) -> contextlib.AbstractContextManager[None]:
+        """Run the body as the captured forward ran: same RNG streams, same autocast, module
+        attributes as the forward found them, with running statistics frozen. The caller's RNG
+        state and module state are restored afterwards.
+
+        Raises :class:`~revckpt.ModifiedParameterError` first if a parameter or buffer changed
+        since the forward. ``exact_draws``: the body re-runs the whole forward, so it must end
+        at the generator state the forward ended at; if not (another thread drew random numbers
+        from the global generator while the forward ran), raise :class:`~revckpt.ReplayError`.
 
         Only what differs is touched: no generator is set when the forward drew no random
         numbers, no autocast context is entered when the current settings already match, and
         no statistics are frozen when ``norms`` is an empty tuple (a recompute runs per block
         of a deep stack, so the common case costs a few attribute reads).
         """
-        return _Replay(self)
+        return _Replay(self, label, exact_draws)
 
 
 class _Replay:
     """The context of :meth:`ForwardState.replay` (a class: cheaper than a generator and an
     ``ExitStack`` on a path that runs once per block and step)."""
 
-    __slots__ = ("_contexts", "_outer", "_state")
+    __slots__ = ("_contexts", "_exact", "_label", "_locked", "_outer", "_state", "_undo")
 
-    def __init__(self, state: ForwardState) -> None:
+    def __init__(self, state: ForwardState, label: str, exact_draws: bool) -> None:
         self._state = state
+        self._label = label
+        self._exact = exact_draws
+        self._locked = False
         self._outer: dict[torch.device, torch.Tensor] = {}
+        self._undo: list[tuple[Any, ...]] = []
         self._contexts: list[contextlib.AbstractContextManager[Any]] = []
 
     def __enter__(self) -> None:
         state = self._state
+        if state.modules is not None:
+            state.modules.check(self._label)
+        if state._rng:
+            _RNG_LOCK.acquire()
+            self._locked = True
         self._outer = {device: _get_rng(device) for device in state._rng}
         self._contexts = []
         try:
             for device, rng in state._rng.items():
                 _set_rng(device, rng)
+            if state.modules is not None:
+                self._undo = state.modules.enter()
             pending: list[contextlib.AbstractContextManager[Any]] = [
                 ac.context() for ac in state.autocast if not ac.matches_current()
             ]
@@ -303,10 +372,28 @@ class _Replay:
         try:
             while self._contexts:
                 self._contexts.pop().__exit__(*exc)
+            ModuleState.exit(self._undo)
+            self._undo = []
+            if self._exact and exc[0] is None:
+                self._check_draws()
         finally:
             for device, rng in self._outer.items():
                 _set_rng(device, rng)
             self._outer = {}
+            if self._locked:
+                self._locked = False
+                _RNG_LOCK.release()
+
+    def _check_draws(self) -> None:
+        for device, end in self._state._end.items():
+            if _digest(_get_rng(device)) != end:
+                raise ReplayError(
+                    f"the recompute of {self._label} drew other random numbers than its forward on "
+                    f"{device} (the generator ended elsewhere), so its dropout masks differ. "
+                    "Another thread drew from the global generator while the forward ran: train "
+                    "models that draw random numbers in separate processes, or run the other "
+                    "thread's random draws through revckpt too (its forwards then take turns)"
+                )
 
 
 class _ReplayDepth(threading.local):

@@ -241,16 +241,17 @@ def test_checkpoint_function_form_with_bound_method_and_kwargs():
 
 
 class _Drifting(nn.Module):
-    """A block whose forward depends on a counter it changes: recompute differs."""
+    """A block whose forward depends on a counter it changes, kept where replay cannot see it
+    (in a dict; plain attributes are re-established by replay): the recompute differs."""
 
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(4, 4)
-        self.scale = 1.0
+        self.state = {"scale": 1.0}
 
     def forward(self, x):
-        self.scale += 1.0
-        return torch.relu(self.lin(x) * self.scale)
+        self.state["scale"] += 1.0
+        return torch.relu(self.lin(x) * self.state["scale"])
 
 
 def test_values_check_catches_changed_values_that_metadata_misses():
@@ -423,16 +424,17 @@ def test_segment_bounds_partition_the_chain(length, data):
 
 
 class _Rolling(nn.Module):
-    """A block whose forward reorders values by a counter: sums stay equal, values do not."""
+    """A block whose forward reorders values by a counter replay cannot see (in a dict): sums
+    stay equal, values do not."""
 
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(4, 4)
-        self.shift = 0
+        self.state = {"shift": 0}
 
     def forward(self, x):
-        self.shift += 1
-        return torch.tanh(torch.roll(self.lin(x), self.shift, 0))
+        self.state["shift"] += 1
+        return torch.tanh(torch.roll(self.lin(x), self.state["shift"], 0))
 
 
 def test_values_check_catches_reordered_values():

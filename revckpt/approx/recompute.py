@@ -33,9 +33,14 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
-from .._autograd import first_unregistered_leaf, grad_keywords, module_targets, vjp
+from .._autograd import (
+    differentiable_once,
+    first_unregistered_leaf,
+    grad_keywords,
+    module_targets,
+    vjp,
+)
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..replay import ForwardState
 from .formats import FORMATS, Codec, Encoded, Rounding, Scaling
@@ -117,6 +122,7 @@ class _Block:
     kwargs: dict[str, Any]
     grad_kwargs: tuple[str, ...]
     params: tuple[torch.Tensor, ...]
+    modules: tuple[nn.Module, ...]
     norms: tuple[nn.Module, ...] | None
     config: Approx
     preserve_rng_state: bool
@@ -155,9 +161,12 @@ class _ApproxFunction(torch.autograd.Function):
             block.fn,
             preserve_rng_state=block.preserve_rng_state,
             norms=block.norms,
+            modules=block.modules,
         )
-        out = block.fn(*block.args(tensors), **block.kwargs)
-        ctx.state.forward_finished()
+        try:
+            out = block.fn(*block.args(tensors), **block.kwargs)
+        finally:
+            ctx.state.forward_finished()
         codec = block.config.codec
         kept, saved = [], []
         for i, t in enumerate(tensors):
@@ -185,7 +194,7 @@ class _ApproxFunction(torch.autograd.Function):
         return tuple(outs) if multiple else outs[0]
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once("an approximate-recompute or offloaded block")
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         block: _Block = ctx.block
         saved = ctx.saved_tensors
@@ -226,7 +235,8 @@ class _ApproxFunction(torch.autograd.Function):
             params = tuple(aliases.values())
         floats = [t for t in args_in if t.is_floating_point()]
         device_type = (floats or args_in)[0].device.type
-        with torch.enable_grad(), ctx.state.replay(), _recompute_autocast(block, device_type):
+        replay = ctx.state.replay(label=block.label, exact_draws=True)
+        with torch.enable_grad(), replay, _recompute_autocast(block, device_type):
             args = block.args(args_in)
             if hooked:
                 out = torch.func.functional_call(block.fn, aliases, tuple(args), kw, strict=False)
@@ -348,6 +358,7 @@ def run_approx(
         kwargs=kwargs,
         grad_kwargs=grad_kwargs,
         params=tuple(params),
+        modules=tuple(m for m in modules if isinstance(m, nn.Module)),
         norms=tuple(norms) if complete else None,
         config=config,
         preserve_rng_state=preserve_rng_state,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -34,9 +35,14 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
-from .._autograd import first_unregistered_leaf, grad_keywords, module_targets, vjp
+from .._autograd import (
+    differentiable_once,
+    first_unregistered_leaf,
+    grad_keywords,
+    module_targets,
+    vjp,
+)
 from ..approx.recompute import Approx
 from ..errors import InvalidArgumentError, InvalidInputTypeError, ReconstructionError
 from ..replay import ForwardState, devices_of
@@ -127,26 +133,29 @@ class _Chain:
     recompute_dtype: torch.dtype | None
     drift: list[float | None]
     devices: list[torch.device]
+    strict: bool = False  # the default check: a drift past it raises whatever on_drift says
+    pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     values: dict[int, torch.Tensor] = field(default_factory=dict)
     owned: set[int] = field(default_factory=set)  # streams whose value this walk created
 
 
-@functools.lru_cache(maxsize=64)
-def _sample_index(numel: int, device: torch.device) -> torch.Tensor:
-    """Fixed positions of the drift sample (computed once per size: not on every half step)."""
-    gen = torch.Generator().manual_seed(numel)
-    return torch.randperm(numel, generator=gen)[: min(numel, 64)].to(device)
-
-
 def _sample(x: torch.Tensor) -> torch.Tensor:
-    return x.detach().reshape(-1)[_sample_index(x.numel(), x.device)]
+    """64 elements of ``x`` at evenly spaced positions (the same for the rebuilt tensor)."""
+    flat = x.detach().reshape(-1)
+    return flat[:: max(1, flat.numel() // 64)][:64].clone()
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+def _norms(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``[|a - b|, |b|]`` in float64, left on the device (read once per backward walk)."""
     a64, b64 = a.detach().double().reshape(-1), b.detach().double().reshape(-1)
-    ref = b64.norm().item()
-    diff = (a64 - b64).norm().item()
-    return diff / ref if ref > 0 else (0.0 if diff == 0 else float("inf"))
+    return torch.stack([(a64 - b64).norm(), b64.norm()])
+
+
+def _auto_tolerance(dtype: torch.dtype) -> float:
+    """The default check's tolerance: far above the round-off drift of a deep stack in the
+    dtype the branches compute in (1e-2 for float32, 1/16 for float16, 1/2 for bfloat16), far
+    below the O(1) error of a branch whose recompute differs from its forward."""
+    return max(1e-2, 64 * torch.finfo(dtype).eps)
 
 
 @dataclass(frozen=True)
@@ -192,20 +201,29 @@ class _HalfStep(torch.autograd.Function):
     ) -> torch.Tensor:
         block, anchor = step.block, step.anchor
         ctx.chain, ctx.step = chain, step
-        ctx.state = state = ForwardState.capture(norms=step.norms, devices=chain.devices)
-        h = block._branch(step.which, u, a, chain.kwargs)
-        # y = a + h is written over the branch's fresh output when nothing else holds it
-        private = step.additive and _private_result(h, a)
+        ctx.state = state = ForwardState.capture(
+            norms=step.norms, devices=chain.devices, modules=(step.branch,)
+        )
+        try:
+            h = block._branch(step.which, u, a, chain.kwargs)
+        finally:
+            state.forward_finished()
+        # y = a + h is written over the branch's fresh output when nothing else holds it: no
+        # view or alias of its memory, and no Python reference but this frame's (a buffer, a
+        # tensor the branch caches on itself, a keyword tensor returned as is all hold one)
+        private = step.additive and sys.getrefcount(h) <= _LOCAL_REFS and _private_result(h, a)
         y = h.add_(a) if private else block.coupling.combine(a, h)
         del h
-        state.forward_finished()
         if anchor:  # 1 = keep a, 2 = keep a and u (the first half step of an anchored block)
             ctx.save_for_backward(*((a, u)[:anchor]))
-        ctx.sample = _sample(a) if chain.check_inverse is not None and not anchor else None
+        # the default check samples block 0's inputs only: every reconstruction error above
+        # reaches them, for 2 x 64 elements whatever the depth
+        sampled = chain.check_inverse is not None and not (chain.strict and step.index)
+        ctx.sample = _sample(a) if sampled and not anchor else None
         return y
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once("a reversible block (revckpt.layers.ReversibleSequential)")
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         chain: _Chain = ctx.chain
         step: _Step = ctx.step
@@ -231,7 +249,10 @@ class _HalfStep(torch.autograd.Function):
             aliases = {names[id(p)]: p.detach().requires_grad_(True) for p in params}
             params = tuple(aliases.values())
 
-        with torch.enable_grad(), ctx.state.replay(), _recompute_autocast(chain, u):
+        replay = ctx.state.replay(
+            label=f"branch {step.which} of reversible block {step.index}", exact_draws=True
+        )
+        with torch.enable_grad(), replay, _recompute_autocast(chain, u):
             if hooked:
                 h = torch.func.functional_call(branch, aliases, (u_leaf,), kw, strict=False)
             else:
@@ -255,6 +276,7 @@ class _HalfStep(torch.autograd.Function):
                 a = exact[0]
             elif ctx.sample is not None:
                 _record_drift(chain, step.index, _sample(a), ctx.sample)
+                ctx.sample = None  # used: nothing of the forward outlives the walk
             if step.additive:
                 # y = a + h: dy/da = dy/dh = identity, so differentiate h alone.
                 a_leaf, y_again = None, h
@@ -274,6 +296,7 @@ class _HalfStep(torch.autograd.Function):
             # the walk is over: drop the rebuilt stack input, which would otherwise stay alive
             # (through the graph) while the layers before the stack run their backward
             chain.values, chain.owned = {}, set()
+            _finish_drift(chain)
         else:
             values[target] = a.detach()
             if anchor:
@@ -284,6 +307,15 @@ class _HalfStep(torch.autograd.Function):
         du = _zeros_if_none(grads[0], u)
         rest = grads[1 : 1 + len(params) + len(kw_leaves)]
         return (None, None, da, du, None, *rest)
+
+
+def _refs_of_a_local() -> int:
+    h = torch.empty(0)
+    return sys.getrefcount(h)
+
+
+# sys.getrefcount of a tensor held by one local variable and nothing else
+_LOCAL_REFS = _refs_of_a_local()
 
 
 @functools.cache
@@ -336,20 +368,46 @@ def _zeros_if_none(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 
 def _record_drift(chain: _Chain, index: int, rebuilt: torch.Tensor, exact: torch.Tensor) -> None:
-    err = _relative(rebuilt, exact)
-    previous = chain.drift[index]
-    chain.drift[index] = err if previous is None else max(previous, err)
-    tol = chain.check_inverse
-    if tol is not None and err > tol:
-        message = (
-            f"reversible block {index}: rebuilt input differs from the original by {err:.3e} "
-            f"(relative) > check_inverse={tol:g}. Reconstruction drift grows with depth and with "
-            "low precision: set anchor_every=k to store every k-th block input exactly, keep the "
-            "streams in float32, or use an affine coupling with a smaller clamp"
+    chain.pending.append((index, _norms(rebuilt, exact)))
+
+
+def _finish_drift(chain: _Chain) -> None:
+    """Read the drift of every rebuilt block input of this walk (one host read) into
+    ``last_drift``, and warn or raise past ``check_inverse``."""
+    if not chain.pending:
+        return
+    pending, chain.pending = chain.pending, []
+    values = torch.stack([n for _, n in pending]).tolist()
+    worst: tuple[float, int] | None = None
+    for (index, _), (diff, ref) in zip(pending, values, strict=True):
+        err = diff / ref if ref > 0 else (0.0 if diff == 0 else float("inf"))
+        previous = chain.drift[index]
+        chain.drift[index] = err if previous is None else max(previous, err)
+        tol = chain.check_inverse
+        if tol is not None and err > tol and (worst is None or err > worst[0]):
+            worst = (err, index)
+    if worst is None:
+        return
+    err, index = worst
+    if chain.strict:
+        raise ReconstructionError(
+            f"reversible block {index}: its rebuilt input differs from the original by "
+            f"{err:.3e} (relative), far more than round-off (default check_inverse='auto', "
+            f"tolerance {chain.check_inverse:g}), so its gradients would be wrong. A branch "
+            "must compute the same function of its input in forward and backward: no state "
+            "that changes between them, no input other than its stream and the keyword "
+            "tensors. Fix the branch, or store this block instead (or pass check_inverse=None "
+            "to skip the check)"
         )
-        if chain.on_drift == "raise":
-            raise ReconstructionError(message)
-        warnings.warn(message, ReconstructionWarning, stacklevel=2)
+    message = (
+        f"reversible block {index}: rebuilt input differs from the original by {err:.3e} "
+        f"(relative) > check_inverse={chain.check_inverse:g}. Reconstruction drift grows with "
+        "depth and with low precision: set anchor_every=k to store every k-th block input "
+        "exactly, keep the streams in float32, or use an affine coupling with a smaller clamp"
+    )
+    if chain.on_drift == "raise":
+        raise ReconstructionError(message)
+    warnings.warn(message, ReconstructionWarning, stacklevel=2)
 
 
 class _Output(torch.autograd.Function):
@@ -374,7 +432,7 @@ class _Output(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once("a reversible stack (revckpt.layers.ReversibleSequential)")
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         saved = ctx.saved_tensors
         if ctx.dim is None:
@@ -402,7 +460,11 @@ class ReversibleSequential(nn.Module):
             is from the original (64 sampled elements per stream, kept from the forward; the
             full tensor at anchors) and warns (``on_drift="warn"``) or raises
             :class:`~revckpt.ReconstructionError` (``on_drift="raise"``) past it. The last
-            measured drift per block is in :attr:`last_drift`.
+            measured drift per block is in :attr:`last_drift` (read once per backward, at the
+            end of the walk). ``"auto"`` (default): a tolerance far above round-off (1e-2 for
+            float32 streams, ``64 * eps`` of a lower-precision dtype or of the bf16 recompute)
+            that catches a branch which is not invertible or whose recompute differs from its
+            forward, and always raises. ``None``: no check (nothing sampled).
         anchor_every: keep the inputs of blocks ``0, k, 2k, ...`` exactly, so reconstruction
             restarts from a stored anchor: drift is bounded by ``k`` blocks instead of the
             whole depth, for ``ceil(L / k)`` stored block inputs.
@@ -421,7 +483,7 @@ class ReversibleSequential(nn.Module):
         self,
         *blocks: ReversibleBlock | Iterable[ReversibleBlock],
         split_dim: int = -1,
-        check_inverse: float | None = None,
+        check_inverse: float | Literal["auto"] | None = "auto",
         on_drift: Literal["warn", "raise"] = "warn",
         anchor_every: int | None = None,
         approx: Approx | None = None,
@@ -438,10 +500,13 @@ class ReversibleSequential(nn.Module):
                 )
         if not blocks:
             raise InvalidArgumentError("ReversibleSequential needs at least one ReversibleBlock")
-        if check_inverse is not None and not check_inverse > 0:
+        if check_inverse not in (None, "auto") and not (
+            isinstance(check_inverse, (int, float)) and check_inverse > 0
+        ):
             raise InvalidArgumentError(
                 f"check_inverse={check_inverse!r}: pass a positive relative tolerance such as "
-                "1e-4, or None to skip the check"
+                "1e-4, 'auto' (the default: catch a branch whose recompute differs from its "
+                "forward) or None to skip the check"
             )
         if on_drift not in ("warn", "raise"):
             raise InvalidArgumentError(f"on_drift={on_drift!r}: use 'warn' or 'raise'")
@@ -470,9 +535,21 @@ class ReversibleSequential(nn.Module):
         self.approx = approx
         self.last_drift: list[float | None] = []
 
+    def _tolerance(self, x: torch.Tensor) -> float | None:
+        if self.check_inverse != "auto":
+            return self.check_inverse
+        dtype = x.dtype if self.approx is None else self.approx.recompute_dtype or x.dtype
+        return _auto_tolerance(dtype if dtype.is_floating_point else torch.float32)
+
     def _split(self, x: torch.Tensor) -> Streams:
-        size = x.shape[self.split_dim] if x.dim() else 0
-        if x.dim() == 0 or size % 2:
+        if x.dim() == 0:
+            raise InvalidArgumentError(
+                "ReversibleSequential got a 0-dimensional (scalar) input; it splits one tensor "
+                f"into two equal streams along split_dim={self.split_dim}: pass a tensor with "
+                "an even-sized dimension there, or the two streams as a tuple (x1, x2)"
+            )
+        size = x.shape[self.split_dim]
+        if size % 2:
             raise InvalidArgumentError(
                 f"cannot split an input of shape {tuple(x.shape)} into two equal streams along "
                 f"dim {self.split_dim} (size {size} is odd); pad that dimension to an even size, "
@@ -515,7 +592,8 @@ class ReversibleSequential(nn.Module):
         chain = _Chain(
             kwargs=kwargs,
             grad_kwargs=grad_kwargs,
-            check_inverse=self.check_inverse,
+            check_inverse=self._tolerance(x1),
+            strict=self.check_inverse == "auto",
             recompute_dtype=None if self.approx is None else self.approx.recompute_dtype,
             on_drift=self.on_drift,
             drift=[None] * len(self.blocks),

@@ -246,7 +246,9 @@ def _step_peak(depth):
 def test_memory_flat_in_depth_and_only_the_output_held():
     held8, peak8, x = _step_peak(8)
     held128, peak128, _ = _step_peak(128)
-    assert held8 == held128 == x.numel() * 4  # the output, nothing else
+    # the output, and the default invertibility check's 64-element samples of the two halves
+    # of the stack input: nothing that grows with depth
+    assert held8 == held128 == x.numel() * 4 + 2 * 64 * 4
     assert abs(peak128 - peak8) <= 0.10 * peak8
 
 

@@ -1,0 +1,172 @@
+"""The module state a recompute depends on: captured with the forward, checked and re-established
+by its replay (a part of :mod:`revckpt.replay`, which every strategy goes through).
+
+A recompute runs the forward of the same modules a second time, during backward. Plain autograd
+differentiates the forward *as it ran*; to give its gradients the recompute must see the same
+module state, and must leave the state as one forward left it:
+
+* **Parameters and buffers, changed between forward and backward** (``optimizer.step()``,
+  ``load_state_dict``, ``p.mul_(...)`` under ``no_grad``, a parameter rebound to a new tensor).
+  Plain autograd raises (its version counters); a recompute would silently use the new values.
+  Versions and identities are recorded when the forward ends and compared before the replay:
+  :class:`~revckpt.ModifiedParameterError`.
+* **Plain module attributes** (``training``, and every ``bool`` / ``int`` / ``float`` / ``str`` /
+  ``None`` attribute not starting with ``_``: a dropout ``p``, a causal flag, a call counter).
+  ``model.eval()`` between forward and backward must not change what the recompute computes:
+  replay sets them to their values when the forward started and restores them afterwards.
+* **Buffers the forward writes** (``spectral_norm``'s power-iteration vectors, an EMA, a step
+  counter; normalisation statistics are left to :func:`~revckpt.replay.freeze_running_stats`).
+  The recompute runs on a copy of their value *before* the forward, and the real buffer keeps
+  the value one forward left. Which buffers a module writes is learned on its first forward
+  under a recompute strategy: all its buffers are copied for that call and the copies of the
+  untouched ones are dropped when it ends. A buffer written for the first time on a later call
+  has no copy of its old value, and that call's replay raises :class:`~revckpt.ReplayError`
+  (the next calls copy it).
+
+Cost per forward: one walk over the modules, their plain attributes and the versions of their
+tensors; memory: nothing, but copies of buffers that the forward writes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+from torch.utils._python_dispatch import _disable_current_modes
+
+from .errors import ModifiedParameterError, ReplayError
+
+__all__ = ["ModuleState"]
+
+_PLAIN = (bool, int, float, str, type(None))
+_STATS = frozenset(("running_mean", "running_var", "num_batches_tracked"))
+_MISSING = object()
+
+# Buffers each module's forward was seen writing (learned on its first captured forward).
+_WRITES: weakref.WeakKeyDictionary[nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def _walk(modules: Iterable[Any]) -> list[nn.Module]:
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+    todo = [m for m in modules if isinstance(m, nn.Module)]
+    todo.reverse()
+    while todo:
+        m = todo.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        out.append(m)
+        todo.extend(c for c in reversed(m._modules.values()) if c is not None)
+    return out
+
+
+def _tracked_buffers(m: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    """Buffers whose value the forward may read; training-mode normalisation statistics are not
+    read (batch statistics are) and are frozen during replay instead."""
+    skip_stats = isinstance(m, _NormBase) and m.training and m.track_running_stats
+    for name, b in m._buffers.items():
+        if b is not None and not (skip_stats and name in _STATS):
+            yield name, b
+
+
+def _label(m: nn.Module, name: str, t: torch.Tensor) -> str:
+    return f"{type(m).__name__}.{name} (shape {tuple(t.shape)})"
+
+
+class ModuleState:
+    """Attributes, parameter and buffer versions of the modules one forward calls."""
+
+    __slots__ = ("_attrs", "_before", "_frozen", "_old", "_unseen")
+
+    def __init__(self, modules: Iterable[Any]) -> None:
+        mods = _walk(modules)
+        self._attrs = [
+            (m, tuple((k, v) for k, v in m.__dict__.items() if k[0] != "_" and type(v) in _PLAIN))
+            for m in mods
+        ]
+        # (module, name, tensor, version) of every buffer when the forward starts
+        self._before = [(m, n, b, b._version) for m in mods for n, b in _tracked_buffers(m)]
+        self._old: dict[tuple[nn.Module, str], torch.Tensor] = {}
+        with torch.no_grad():
+            for m, name, b, _ in self._before:
+                known = _WRITES.get(m)
+                if known is None or name in known:
+                    self._old[(m, name)] = b.clone()
+        self._frozen: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
+        self._unseen: list[str] = []
+
+    def forward_finished(self) -> None:
+        """Keep the old values of the buffers the forward wrote, and record the versions of
+        everything else for :meth:`check`."""
+        written: dict[nn.Module, set[str]] = {}
+        for m, name, b, version in self._before:
+            now = m._buffers.get(name)
+            if now is b and b._version == version:
+                self._old.pop((m, name), None)
+                if now is not None:
+                    self._frozen.append((m._buffers, name, b, version))
+                continue
+            written.setdefault(m, set()).add(name)
+            if (m, name) not in self._old:
+                self._unseen.append(_label(m, name, b))
+        for m, _ in self._attrs:
+            _WRITES[m] = _WRITES.get(m, frozenset()) | written.get(m, set())
+            for name, p in m._parameters.items():
+                if p is not None:
+                    self._frozen.append((m._parameters, name, p, p._version))
+        self._before = []
+
+    def check(self, label: str) -> None:
+        """Raise if the recompute cannot run as the forward ran."""
+        for table, name, t, version in self._frozen:
+            now = table.get(name)
+            if now is not t or t._version != version:
+                what = "replaced by another tensor" if now is not t else "modified in place"
+                raise ModifiedParameterError(
+                    f"the recompute of {label} cannot run: {name!r} (shape "
+                    f"{tuple(t.shape)}) was {what} between the forward and its backward (an "
+                    "optimizer step, load_state_dict, or an in-place update under no_grad), so "
+                    "the recompute would differentiate other weights than the forward used; "
+                    "call backward before changing parameters or buffers (optimizer.step() "
+                    "after loss.backward())"
+                )
+        if self._unseen:
+            raise ReplayError(
+                f"the recompute of {label} cannot run: the forward updated buffer "
+                f"{self._unseen[0]} in place, and no copy of its value before the forward was "
+                "kept (the module had not written it on earlier calls). Later steps keep a "
+                "copy; to avoid it, run this step again, keep the block stored, or update the "
+                "buffer only when not revckpt.replay.is_replaying()"
+            )
+
+    def enter(self) -> list[tuple[Any, ...]]:
+        """Set attributes and written buffers as the forward found them; returns what to
+        restore with :meth:`exit`."""
+        undo: list[tuple[Any, ...]] = []
+        for m, items in self._attrs:
+            d = m.__dict__
+            for k, v in items:
+                now = d.get(k, _MISSING)
+                if now is not v:
+                    undo.append((d, k, now))
+                    d[k] = v
+        if self._old:
+            with _disable_current_modes(), torch.no_grad():
+                for (m, name), old in self._old.items():
+                    undo.append((m._buffers, name, m._buffers.get(name, _MISSING)))
+                    m._buffers[name] = old.clone()
+        return undo
+
+    @staticmethod
+    def exit(undo: list[tuple[Any, ...]]) -> None:
+        """Restore what :meth:`enter` changed (and what the recompute changed in there)."""
+        for d, k, v in reversed(undo):
+            if v is _MISSING:
+                d.pop(k, None)
+            else:
+                d[k] = v
