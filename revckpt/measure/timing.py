@@ -10,6 +10,10 @@ round so neither always runs second), and reports the median of the per-round ra
 with the interquartile range of the ``ratio_i`` as its spread. :func:`time_ratios` does the same
 for many candidates at once: every round runs each of them once, in an order rotated from round
 to round, and each is divided by the baseline's time of the same round.
+
+Every function takes the clock as a keyword, ``clock=time.perf_counter`` by default: any
+callable returning seconds as a float. Tests pass a fake clock that the timed functions advance
+by scripted amounts, so the arithmetic is checked exactly and no test depends on real time.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ import torch
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["TimeRatio", "time_ratio", "time_ratios", "wall_time"]
+__all__ = ["Clock", "TimeRatio", "time_ratio", "time_ratios", "wall_time"]
+
+Clock = Callable[[], float]
+"""A clock: returns the current time in seconds (``time.perf_counter``, or a fake in tests)."""
 
 
 @dataclass(frozen=True)
@@ -52,20 +59,21 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def wall_time(fn: Callable[[], Any]) -> float:
-    """Seconds one call of ``fn()`` takes, CUDA work synchronised before and after."""
-    return _once(fn)
-
-
-def _once(fn: Callable[[], Any]) -> float:
+def wall_time(fn: Callable[[], Any], *, clock: Clock = time.perf_counter) -> float:
+    """Seconds one call of ``fn()`` takes on ``clock``, CUDA work synchronised before and after."""
     _sync()
-    start = time.perf_counter()
+    start = clock()
     fn()
     _sync()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def _summary(cand: list[float], base: list[float]) -> TimeRatio:
+    if min(base) <= 0:
+        raise InvalidArgumentError(
+            f"the baseline took {min(base):g} s in a round, so no ratio exists; time more work "
+            "per call (e.g. several steps in one callable) or pass a clock that advances"
+        )
     ratios = [c / b for c, b in zip(cand, base, strict=True)]
     n = len(ratios)
     q = statistics.quantiles(ratios, n=4, method="inclusive") if n > 1 else [ratios[0]] * 3
@@ -93,11 +101,14 @@ def time_ratio(
     *,
     repeats: int = 15,
     warmup: int = 2,
+    clock: Clock = time.perf_counter,
 ) -> TimeRatio:
     """Median ratio ``time(candidate) / time(baseline)`` over ``repeats`` interleaved rounds.
 
     Both callables take no arguments (close over the model and data, e.g. a forward+backward
-    step). CUDA work is synchronised before and after each call.
+    step). CUDA work is synchronised before and after each call. ``warmup`` untimed rounds run
+    first; even rounds run the candidate first, odd rounds the baseline. ``clock`` returns
+    seconds (see the module docstring).
     """
     _check_rounds(repeats, warmup)
     for _ in range(warmup):
@@ -106,11 +117,11 @@ def time_ratio(
     cand, base = [], []
     for i in range(repeats):
         if i % 2 == 0:
-            c = _once(candidate)
-            b = _once(baseline)
+            c = wall_time(candidate, clock=clock)
+            b = wall_time(baseline, clock=clock)
         else:
-            b = _once(baseline)
-            c = _once(candidate)
+            b = wall_time(baseline, clock=clock)
+            c = wall_time(candidate, clock=clock)
         cand.append(c)
         base.append(b)
     return _summary(cand, base)
@@ -122,6 +133,7 @@ def time_ratios(
     baseline: str,
     repeats: int = 15,
     warmup: int = 2,
+    clock: Clock = time.perf_counter,
 ) -> dict[str, TimeRatio]:
     """:func:`time_ratio` of every callable in ``fns`` against ``fns[baseline]``, in one run.
 
@@ -133,7 +145,8 @@ def time_ratios(
 
     All candidates are thus compared with the same baseline runs, which is what a table of
     "time against plain" needs when two candidates are also compared with each other. The
-    baseline's own entry is 1. Returns the ratios in the order of ``fns``.
+    baseline's own entry is 1. Returns the ratios in the order of ``fns``. ``warmup`` untimed
+    rounds run first, in the order of ``fns``; ``clock`` as in :func:`time_ratio`.
     """
     _check_rounds(repeats, warmup)
     if baseline not in fns:
@@ -149,5 +162,5 @@ def time_ratios(
     for i in range(repeats):
         shift = i % len(names)
         for name in names[shift:] + names[:shift]:
-            times[name].append(_once(fns[name]))
+            times[name].append(wall_time(fns[name], clock=clock))
     return {name: _summary(times[name], times[baseline]) for name in names}

@@ -1,58 +1,104 @@
+"""time_ratio / time_ratios with a fake clock: the arithmetic is checked exactly, no real time."""
+
+import statistics
+
 import pytest
-import torch
 
 from revckpt import InvalidArgumentError, time_ratio, time_ratios
+from revckpt.measure.timing import wall_time
 
 
-def test_double_work_measures_near_two():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    a = torch.randn(256, 256)
+class FakeClock:
+    """A clock that only moves when a timed function advances it."""
 
-    def once():
-        for _ in range(4):
-            a @ a
+    def __init__(self) -> None:
+        self.now = 100.0
 
-    def twice():
-        for _ in range(8):
-            a @ a
+    def __call__(self) -> float:
+        return self.now
 
-    r = time_ratio(twice, once, repeats=9, warmup=1)
-    assert 1.3 < r.ratio < 3.0
-    assert r.q25 <= r.ratio <= r.q75 and r.spread >= 0 and r.repeats == 9
-    assert "x (IQR" in str(r)
-    torch.set_num_threads(threads)
+    def timed(self, name: str, seconds: list[float], calls: list[str]):
+        """A callable that logs ``name`` and advances the clock by the next of ``seconds``."""
+        script = iter(seconds)
+
+        def run() -> None:
+            calls.append(name)
+            self.now += next(script)
+
+        return run
+
+
+def test_wall_time_reads_the_clock_around_the_call():
+    clock, calls = FakeClock(), []
+    assert wall_time(clock.timed("f", [0.25], calls), clock=clock) == 0.25
+    assert calls == ["f"]
+
+
+def test_time_ratio_median_iqr_warmup_and_alternating_order():
+    clock, calls = FakeClock(), []
+    # one warmup call each (huge, must be ignored), then five timed rounds
+    cand = clock.timed("c", [50.0, 2.0, 3.0, 8.0, 4.0, 6.0], calls)
+    base = clock.timed("b", [50.0, 1.0, 1.0, 2.0, 2.0, 2.0], calls)
+    r = time_ratio(cand, base, repeats=5, warmup=1, clock=clock)
+    # per-round ratios 2, 3, 4, 2, 3 -> sorted 2, 2, 3, 3, 4
+    assert r.ratio == 3.0 and (r.q25, r.q75) == (2.0, 3.0) and r.spread == 1.0
+    assert r.candidate_seconds == 4.0 and r.baseline_seconds == 2.0 and r.repeats == 5
+    assert calls == ["c", "b", "c", "b", "b", "c", "c", "b", "b", "c", "c", "b"]
+    assert str(r) == "3.000x (IQR 2.000-3.000, n=5)"
+
+
+def test_time_ratio_of_one_round_has_no_spread():
+    clock, calls = FakeClock(), []
+    r = time_ratio(
+        clock.timed("c", [3.0], calls),
+        clock.timed("b", [2.0], calls),
+        repeats=1,
+        warmup=0,
+        clock=clock,
+    )
+    assert (r.ratio, r.q25, r.q75) == (1.5, 1.5, 1.5)
+
+
+def test_time_ratios_share_baseline_rounds_and_rotate_order():
+    clock, calls = FakeClock(), []
+    base = [9.0, 1.0, 2.0, 1.0, 4.0]  # warmup, then rounds 0..3
+    fns = {
+        "one": clock.timed("one", base, calls),
+        "two": clock.timed("two", [9.0, 2.0, 6.0, 2.0, 4.0], calls),
+        "three": clock.timed("three", [9.0, 3.0, 2.0, 5.0, 12.0], calls),
+    }
+    r = time_ratios(fns, baseline="one", repeats=4, warmup=1, clock=clock)
+    assert list(r) == ["one", "two", "three"]
+    assert r["one"].ratio == 1.0 and r["one"].spread == 0.0
+    # each divided by the baseline of the same round: two 2, 3, 2, 1; three 3, 1, 5, 3
+    two = [2.0, 3.0, 2.0, 1.0]
+    three = [3.0, 1.0, 5.0, 3.0]
+    q_two = statistics.quantiles(two, n=4, method="inclusive")
+    q_three = statistics.quantiles(three, n=4, method="inclusive")
+    assert (r["two"].ratio, r["two"].q25, r["two"].q75) == (2.0, q_two[0], q_two[2])
+    assert (r["three"].ratio, r["three"].q25, r["three"].q75) == (3.0, q_three[0], q_three[2])
+    assert r["two"].baseline_seconds == r["three"].baseline_seconds == 1.5
+    rounds = [calls[i : i + 3] for i in range(0, len(calls), 3)]
+    assert rounds == [
+        ["one", "two", "three"],  # warmup, in the order of fns
+        ["one", "two", "three"],
+        ["two", "three", "one"],
+        ["three", "one", "two"],
+        ["one", "two", "three"],
+    ]
 
 
 def test_bad_arguments():
     with pytest.raises(InvalidArgumentError, match="repeats >= 1"):
         time_ratio(lambda: None, lambda: None, repeats=0)
+    with pytest.raises(InvalidArgumentError, match="warmup >= 0"):
+        time_ratios({"a": lambda: None}, baseline="a", warmup=-1)
 
 
-def test_time_ratios_share_baseline_rounds_and_rotate_order():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    a = torch.randn(256, 256)
-    calls: list[str] = []
-
-    def work(n: int, name: str):
-        def run():
-            calls.append(name)
-            for _ in range(n):
-                a @ a
-
-        return run
-
-    fns = {"one": work(4, "one"), "two": work(8, "two"), "three": work(12, "three")}
-    r = time_ratios(fns, baseline="one", repeats=7, warmup=1)
-    torch.set_num_threads(threads)
-    assert list(r) == ["one", "two", "three"]
-    assert r["one"].ratio == 1.0 and r["one"].spread == 0
-    assert 1.3 < r["two"].ratio < 3.0 and 2.0 < r["three"].ratio < 4.5
-    assert r["two"].ratio < r["three"].ratio
-    rounds = [calls[i : i + 3] for i in range(3, len(calls), 3)]  # after the warmup round
-    assert [c[0] for c in rounds[:3]] == ["one", "two", "three"]  # rotated start
-    assert all(sorted(c) == ["one", "three", "two"] for c in rounds)
+def test_a_baseline_that_takes_no_time_is_refused():
+    clock = FakeClock()
+    with pytest.raises(InvalidArgumentError, match="baseline took 0 s"):
+        time_ratio(lambda: None, lambda: None, repeats=3, clock=clock)
 
 
 def test_time_ratios_unknown_baseline():
