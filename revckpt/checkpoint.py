@@ -36,12 +36,13 @@ from torch import nn
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     create_selective_checkpoint_contexts,
+    set_checkpoint_early_stop,
 )
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from ._determinism import ValueLog
 from .approx.recompute import Approx, run_approx
-from .errors import InvalidArgumentError, InvalidInputTypeError
+from .errors import DoubleBackwardError, InvalidArgumentError, InvalidInputTypeError
 from .replay import ForwardState
 
 __all__ = [
@@ -135,6 +136,7 @@ class _Contexts:
         self.values = ValueLog(label) if check_values else None
         self.sac = _policy_context_fn(policy)() if policy is not None else None
         self.state: ForwardState | None = None
+        self.recomputed = False
 
     def __call__(self) -> tuple[_Reusable, _Reusable]:
         return _Reusable(self._forward), _Reusable(self._recompute)
@@ -151,7 +153,16 @@ class _Contexts:
 
     def _recompute(self, stack: contextlib.ExitStack) -> None:
         assert self.state is not None, "recompute before the checkpointed forward ran"
-        stack.enter_context(self.state.replay(label=self.label))
+        if self.sac is not None and self.recomputed:
+            raise DoubleBackwardError(
+                f"{self.label} ran with a selective-recompute policy, whose cache of kept "
+                "outputs serves one backward; a second backward through it (retain_graph=True, "
+                "or create_graph=True double backward) cannot recompute it again. Use "
+                "policy=None (plain checkpoint: supports both), or keep the block stored"
+            )
+        self.recomputed = True
+        exact_draws = self.sac is None  # a policy may keep a random op's output
+        stack.enter_context(self.state.replay(label=self.label, exact_draws=exact_draws))
         if self.sac is not None:
             stack.enter_context(self.sac[1])
         if self.values is not None:
@@ -224,15 +235,19 @@ def _checkpoint(
         policy=policy,
         label=label,
     )
-    return _torch_checkpoint(
-        fn,
-        *args,
-        use_reentrant=False,
-        context_fn=contexts,
-        determinism_check="none" if determinism_check == "none" else "default",
-        preserve_rng_state=False,
-        **kwargs,
-    )
+    # Without a policy the recompute runs to the end of the block (torch stops it after the
+    # last saved tensor), so replay can check it drew exactly the forward's random numbers.
+    early_stop = contexts.sac is not None or not preserve_rng_state
+    with set_checkpoint_early_stop(early_stop):
+        return _torch_checkpoint(
+            fn,
+            *args,
+            use_reentrant=False,
+            context_fn=contexts,
+            determinism_check="none" if determinism_check == "none" else "default",
+            preserve_rng_state=False,
+            **kwargs,
+        )
 
 
 def _compiled_checkpoint(

@@ -442,3 +442,118 @@ def test_rebuilt_input_released_when_the_walk_ends():
         held = m.live_bytes
     # what may stay alive after backward: the output only (the gradients accumulated in place)
     assert held == y.numel() * y.element_size()
+
+
+# --- tensors the stack does not own (issue 13, hole 5) ---------------------------------------
+
+
+class _ReturnsBuffer(nn.Module):
+    """A branch whose output is a buffer it holds (a learned-free constant offset)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.register_buffer("offset", torch.linspace(-1, 1, width))
+
+    def forward(self, x):
+        return self.offset.expand_as(x) if x.dim() > 1 else self.offset
+
+
+class _CachesOutput(nn.Module):
+    """A branch that keeps its last output on itself (as attention maps are kept for plots)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.last = None
+
+    def forward(self, x):
+        self.last = torch.tanh(self.lin(x))
+        return self.last
+
+
+class _ReturnsKeyword(nn.Module):
+    def forward(self, x, bias):
+        return bias
+
+
+def _twice(stack, x, **kwargs):
+    first = stack(x, **kwargs).detach().clone()
+    second = stack(x, **kwargs).detach().clone()
+    return first, second
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_a_branch_output_that_is_a_buffer_is_not_written(grad):
+    torch.manual_seed(0)
+    branch = _ReturnsBuffer(4)
+    before = branch.offset.clone()
+    lin = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    stack = ReversibleSequential(ReversibleBlock(lin, branch), ReversibleBlock(branch, lin))
+    x = torch.randn(8, requires_grad=grad)  # 1-D: the branch returns the buffer itself
+    first, second = _twice(stack, x)
+    assert torch.equal(branch.offset, before)
+    assert torch.equal(first, second)
+
+
+def test_an_output_the_branch_caches_is_not_written():
+    torch.manual_seed(0)
+    f, g = _CachesOutput(4), _CachesOutput(4)
+    stack = ReversibleSequential(ReversibleBlock(f, g))
+    x = torch.randn(3, 8, requires_grad=True)
+    stack(x)
+    assert torch.equal(f.last, torch.tanh(f.lin(x[:, 4:])).detach())
+
+
+def test_a_keyword_tensor_returned_as_is_is_not_written():
+    stack = ReversibleSequential(ReversibleBlock(_ReturnsKeyword(), _ReturnsKeyword()))
+    x = torch.randn(3, 8, requires_grad=True)
+    bias = torch.ones(3, 4)
+    first, second = _twice(stack, x, bias=bias)
+    assert torch.equal(bias, torch.ones(3, 4))
+    assert torch.equal(first, second)
+
+
+# --- the default invertibility check -------------------------------------------------------
+
+
+class _NotAFunctionOfItsInput(nn.Module):
+    """A branch that reads state outside itself (a global table changed after the forward)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.table = {"scale": 1.0}  # a dict: replay re-establishes plain attributes only
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) * self.table["scale"]
+
+
+def test_default_check_catches_a_branch_whose_recompute_differs():
+    torch.manual_seed(0)
+    f = _NotAFunctionOfItsInput(4)
+    stack = ReversibleSequential(*[ReversibleBlock(f, nn.Linear(4, 4)) for _ in range(3)])
+    x = torch.randn(5, 8, requires_grad=True)
+    y = stack(x)
+    f.table["scale"] = 3.0
+    try:
+        with pytest.raises(ReconstructionError, match=r"check_inverse='auto'.*Fix the branch"):
+            y.sum().backward()
+    finally:
+        f.table["scale"] = 1.0
+    y = ReversibleSequential(*stack.blocks, check_inverse=None)(x)  # the check can be skipped
+    y.sum().backward()
+
+
+def test_default_check_is_quiet_on_a_deep_invertible_stack():
+    torch.manual_seed(0)
+    stack = ReversibleSequential(*[reversible_mlp_block(16, 32) for _ in range(48)])
+    x = torch.randn(8, 32, requires_grad=True)
+    stack(x).sum().backward()  # round-off drift is far below the default tolerance
+    assert stack.last_drift[0] is not None and stack.last_drift[0] < 1e-4
+    assert all(d is None for d in stack.last_drift[1:])  # only block 0's input is sampled
+
+
+def test_a_scalar_input_is_refused_by_name():
+    stack = ReversibleSequential(reversible_mlp_block(2, 4))
+    with pytest.raises(RevckptError, match="0-dimensional"):
+        stack(torch.tensor(1.0))

@@ -1,0 +1,407 @@
+"""Off the happy path, every recompute strategy is as safe as plain autograd (issue 13).
+
+Each test runs the same chain of blocks with every strategy that recomputes: checkpoint (per
+block and a multi-block segment), selective recompute, approx (exact and bf16), offload
+(copies forced), a reversible stack and a scheduled plan that mixes them. Where plain autograd
+raises, the strategy raises a RevckptError naming the cause; where plain autograd is right, the
+strategy gives the gradients of its own run without the disturbance, bitwise (and, for the
+exact strategies, plain autograd's).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrizations
+
+import revckpt
+from revckpt import (
+    DoubleBackwardError,
+    ModifiedParameterError,
+    ReplayError,
+    RevckptError,
+    checkpoint_sequential,
+)
+from revckpt import offload as rv_offload
+from revckpt.approx import Approx
+from revckpt.layers import ReversibleBlock, ReversibleSequential
+from revckpt.schedule import Plan, Segment, apply
+
+D = 8
+ROWS = 6
+
+STRATEGIES = (
+    "checkpoint",
+    "checkpoint-segment",
+    "selective",
+    "approx-exact",
+    "approx-bf16",
+    "offload",
+    "reversible",
+    "scheduled",
+)
+# strategies whose backward recomputes without a graph of the gradient
+ONCE_DIFFERENTIABLE = ("approx-exact", "approx-bf16", "offload", "reversible", "scheduled")
+# strategies with nothing approximate: gradients equal plain autograd's
+EXACT = ("checkpoint", "checkpoint-segment", "selective", "approx-exact", "offload", "reversible")
+
+
+def _plan(n: int) -> Plan:
+    kinds = ("checkpoint", "selective:matmul", "offload", "approx:bf16")
+    segments = tuple(Segment(i, i + 1, kinds[i % len(kinds)]) for i in range(n))
+    return Plan(segments, 0, 0.0, 0.0, None, 0.0, 1, 1.0, name="mixed")
+
+
+class Model(nn.Module):
+    """Four width-``D`` blocks run with ``strategy`` (``"plain"``: plain autograd). The
+    reversible strategy pairs them as the branches of two reversible blocks (input ``2 * D``)."""
+
+    def __init__(self, blocks: list[nn.Module], strategy: str) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.strategy = strategy
+        if strategy in ("reversible", "reversible-plain"):
+            pairs = [ReversibleBlock(blocks[i], blocks[i + 1]) for i in range(0, len(blocks), 2)]
+            self.stack = ReversibleSequential(*pairs)
+        if strategy == "scheduled":
+            self.scheduled = apply(self.blocks, _plan(len(blocks)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, blocks = self.strategy, self.blocks
+        if s == "plain":
+            for b in blocks:
+                x = b(x)
+            return x
+        if s == "reversible":
+            return self.stack(x)
+        if s == "reversible-plain":
+            x1, x2 = x.chunk(2, dim=-1)
+            for block in self.stack.blocks:
+                x1, x2 = block(x1, x2)
+            return torch.cat([x1, x2], dim=-1)
+        if s == "scheduled":
+            with rv_offload.force_copies():
+                return self.scheduled(x)
+        if s == "offload":
+            with rv_offload.force_copies():
+                return rv_offload.checkpoint_sequential(blocks, len(blocks), x)
+        options = {
+            "checkpoint": {"segments": len(blocks)},
+            "checkpoint-segment": {"segments": 2},
+            "selective": {"segments": len(blocks), "policy": "matmul"},
+            "approx-exact": {"segments": 2, "approx": Approx(store=None)},
+            "approx-bf16": {"segments": len(blocks), "approx": Approx(store="bf16")},
+        }[s]
+        segments = options.pop("segments")
+        return checkpoint_sequential(blocks, segments, x, **options)
+
+
+def _reference(strategy: str) -> str:
+    return "reversible-plain" if strategy == "reversible" else "plain"
+
+
+def _width(strategy: str) -> int:
+    return 2 * D if strategy.startswith("reversible") else D
+
+
+def _linear_blocks() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(4)]
+
+
+def _build(strategy: str, blocks: list[nn.Module]) -> Model:
+    return Model(copy.deepcopy(blocks), strategy).double()
+
+
+def _input(strategy: str, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(ROWS, _width(strategy), generator=g, dtype=torch.float64)
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def _step(model: Model, x: torch.Tensor, between=None, seed: int = 3) -> list[torch.Tensor]:
+    """Forward, ``between(model)``, backward; the parameter gradients."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    y = model(x)
+    if between is not None:
+        between(model)
+    (y * torch.linspace(-1, 1, y.shape[-1], dtype=y.dtype)).sum().backward()
+    return _grads(model)
+
+
+def _assert_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y), (x - y).abs().max().item()
+
+
+def _assert_close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+
+
+# --- 1. weights changed in place between forward and backward --------------------------------
+
+
+def _scale_a_weight(model: nn.Module) -> None:
+    with torch.no_grad():
+        model.blocks[1][0].weight.mul_(3.0)
+
+
+def _optimizer_step(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)  # e.g. gradients of an earlier micro-batch
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    model.zero_grad(set_to_none=True)
+
+
+def _load_other_weights(model: nn.Module) -> None:
+    other = {k: v * 2 for k, v in model.state_dict().items()}
+    model.load_state_dict(other)
+
+
+@pytest.mark.parametrize("change", [_scale_a_weight, _optimizer_step, _load_other_weights])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_weights_changed_before_backward_raise(strategy, change):
+    blocks = _linear_blocks()
+    plain, model = _build(_reference(strategy), blocks), _build(strategy, blocks)
+    x = _input(strategy)
+    _step(model, x)  # a first step: what the forward writes is known (nothing here)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _step(plain, x, between=change)  # plain autograd refuses: so must every strategy
+    with pytest.raises(ModifiedParameterError, match=r"between the forward and its backward"):
+        _step(model, x, between=change)
+
+
+@pytest.mark.parametrize("strategy", ["checkpoint", "approx-exact", "reversible"])
+def test_a_replaced_parameter_raises(strategy):
+    blocks = _linear_blocks()
+    model = _build(strategy, blocks)
+
+    def replace(m):
+        lin = m.blocks[2][0]
+        lin.weight = nn.Parameter(lin.weight.detach() * 2)
+
+    with pytest.raises(ModifiedParameterError, match="replaced by another tensor"):
+        _step(model, _input(strategy), between=replace)
+
+
+# --- 2. train() / eval() switched between forward and backward -------------------------------
+
+
+def _norm_dropout_blocks() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [
+        nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D), nn.Dropout(0.3), nn.Tanh())
+        for _ in range(4)
+    ]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_eval_between_forward_and_backward_keeps_the_forward_mode(strategy):
+    blocks = _norm_dropout_blocks()
+    x = _input(strategy)
+    undisturbed = _build(strategy, blocks)
+    switched = _build(strategy, blocks)
+    expected = _step(undisturbed, x)
+    got = _step(switched, x, between=lambda m: m.eval())
+    _assert_equal(got, expected)
+    assert not any(m.training for m in switched.modules())  # the caller's mode is kept
+    for a, b in zip(undisturbed.buffers(), switched.buffers(), strict=True):
+        assert torch.equal(a, b)  # running statistics updated once, as by one forward
+    if strategy in EXACT:
+        plain = _build(_reference(strategy), blocks)
+        _assert_close(got, _step(plain, x))
+
+
+@pytest.mark.parametrize("strategy", ["checkpoint", "approx-exact", "reversible"])
+def test_other_module_flags_are_those_of_the_forward(strategy):
+    blocks = _norm_dropout_blocks()
+    x = _input(strategy)
+    expected = _step(_build(strategy, blocks), x)
+
+    def change_p(m):
+        for d in m.modules():
+            if isinstance(d, nn.Dropout):
+                d.p = 0.9
+
+    _assert_equal(_step(_build(strategy, blocks), x, between=change_p), expected)
+
+
+# --- 3. double backward -------------------------------------------------------------------
+
+
+def _gradient_penalty(model: Model, x: torch.Tensor, other_path: bool) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    y = model(x).pow(2).sum()
+    if other_path:
+        y = y + x.pow(3).sum()
+    (g,) = torch.autograd.grad(y, x, create_graph=True)
+    g.pow(2).sum().backward()
+    return _grads(model)
+
+
+@pytest.mark.parametrize("other_path", [True, False], ids=["other-path", "only-path"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_double_backward_is_exact_or_refused(strategy, other_path):
+    blocks = _linear_blocks()
+    x = _input(strategy)
+    model = _build(strategy, blocks)
+    if strategy in ONCE_DIFFERENTIABLE:
+        with pytest.raises(DoubleBackwardError, match=r"revckpt\.checkpoint.*supports"):
+            _gradient_penalty(model, x, other_path)
+        return
+    if strategy == "selective":
+        with pytest.raises(DoubleBackwardError, match="policy=None"):
+            _gradient_penalty(model, x, other_path)
+        return
+    plain = _build(_reference(strategy), blocks)
+    _assert_close(_gradient_penalty(model, x, other_path), _gradient_penalty(plain, x, other_path))
+
+
+# --- 4. threads drawing random numbers meanwhile --------------------------------------------
+
+
+class _LoggedDropout(nn.Module):
+    """Dropout that logs the masks it draws, in the forward and in the recompute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: dict[str, list[bytes]] = {"forward": [], "recompute": []}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.rand_like(x) < 0.5
+        self.log["recompute" if revckpt.replay.is_replaying() else "forward"].append(
+            mask.numpy().tobytes()
+        )
+        return x * mask * 2
+
+
+def _dropout_model(strategy: str) -> Model:
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(D, D), _LoggedDropout(), nn.Tanh()) for _ in range(4)]
+    return Model(blocks, strategy).double()
+
+
+def _train_and_compare_masks(model: Model, steps: int, outcome: list[str]) -> None:
+    g = torch.Generator().manual_seed(0)  # not the global generator the dropout draws from
+    x = torch.randn(256, _width(model.strategy), dtype=torch.float64, generator=g)
+    logs = [m for m in model.modules() if isinstance(m, _LoggedDropout)]
+    for _ in range(steps):
+        for m in logs:
+            m.log = {"forward": [], "recompute": []}
+        try:
+            model(x).sum().backward()
+        except ReplayError:
+            outcome.append("refused")
+            continue
+        same = all(sorted(m.log["forward"]) == sorted(m.log["recompute"]) for m in logs)
+        outcome.append("same masks" if same else "other masks")
+
+
+def _race(target_a, target_b) -> None:
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        threads = [threading.Thread(target=target_a), threading.Thread(target=target_b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_models_in_two_threads_replay_their_own_masks(strategy):
+    if strategy == "selective":
+        pytest.skip("the 'matmul' policy recomputes dropout: covered by 'checkpoint'")
+    a, b = _dropout_model(strategy), _dropout_model(strategy)
+    seen_a: list[str] = []
+    seen_b: list[str] = []
+    _race(
+        lambda: _train_and_compare_masks(a, 12, seen_a),
+        lambda: _train_and_compare_masks(b, 12, seen_b),
+    )
+    assert seen_a == seen_b == ["same masks"] * 12
+
+
+@pytest.mark.parametrize("strategy", ["checkpoint", "approx-exact", "offload", "reversible"])
+def test_random_draws_outside_revckpt_in_another_thread_are_caught(strategy):
+    model = _dropout_model(strategy)
+    seen: list[str] = []
+    stop = threading.Event()
+
+    def draw_elsewhere() -> None:
+        while not stop.is_set():
+            torch.rand(64)
+
+    def train() -> None:
+        try:
+            _train_and_compare_masks(model, 12, seen)
+        finally:
+            stop.set()
+
+    _race(train, draw_elsewhere)
+    assert "other masks" not in seen  # each step replays its masks or refuses
+    assert len(seen) == 12
+
+
+# --- 8. modules whose forward updates their own state -----------------------------------------
+
+
+class _Counter(nn.Module):
+    """Scales by a step counter kept in a buffer and advanced by every training forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.steps += 1
+        return x * (1 + 0.1 * self.steps)
+
+
+def _stateful_blocks(kind: str) -> list[nn.Module]:
+    torch.manual_seed(0)
+    if kind == "spectral_norm":
+        make = lambda: nn.Sequential(torch.nn.utils.spectral_norm(nn.Linear(D, D)), nn.Tanh())  # noqa: E731
+    elif kind == "parametrized":
+        make = lambda: nn.Sequential(parametrizations.spectral_norm(nn.Linear(D, D)), nn.Tanh())  # noqa: E731
+    else:
+        make = lambda: nn.Sequential(nn.Linear(D, D), _Counter(), nn.Tanh())  # noqa: E731
+    return [make() for _ in range(4)]
+
+
+@pytest.mark.parametrize("kind", ["spectral_norm", "parametrized", "counter"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_buffers_the_forward_writes_are_replayed_from_before_it(strategy, kind):
+    blocks = _stateful_blocks(kind)
+    x = _input(strategy)
+    plain, model = _build(_reference(strategy), blocks), _build(strategy, blocks)
+    for _ in range(2):  # the first call learns what the forward writes; both must be exact
+        expected, got = _step(plain, x), _step(model, x)
+        if strategy in EXACT:
+            _assert_close(got, expected)
+        else:
+            for a, b in zip(got, expected, strict=True):
+                torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
+        for a, b in zip(plain.buffers(), model.buffers(), strict=True):
+            assert torch.equal(a, b)  # advanced once per step, as by plain autograd
+
+
+def test_errors_are_revckpt_errors():
+    for error in (ModifiedParameterError, ReplayError, DoubleBackwardError):
+        assert issubclass(error, RevckptError) and issubclass(error, RuntimeError)
