@@ -4,9 +4,17 @@ A :class:`Codec` encodes a floating tensor ``x`` into a low-precision payload ``
 float32 scale per group of elements (one group per tensor, per row, or per block of
 ``block_size`` consecutive elements of a row), and decodes it back::
 
-    s = 2 ** floor(log2(fmax / amax(group)))      (a power of two: scaling is exact)
-    q = round(clamp(x * s, -fmax, fmax))          (to the format: nearest or stochastic)
-    x_hat = q / s
+    s = 2 ** clamp(floor(log2(fmax / amax(group))), -m, m)   (a power of two: scaling is exact)
+    q = round(clamp(x * s, -fmax, fmax))                     (to the format: nearest or stochastic)
+    x_hat = clamp(q / s, -xmax, xmax)                        (in the source dtype)
+
+The scaling runs in float64 for float64 input and in float32 otherwise; ``2**-m`` is the smallest
+normal number of that dtype (``m = 126`` or ``1022``), so both ``s`` and ``1 / s`` are normal
+numbers there (the clamp binds only for groups below ``fmax * 2**-m``, e.g. float32 subnormals,
+and leaves them a coarser but honest ``eta / s``). ``xmax`` is the largest finite value of the
+source dtype: rounding may carry ``q`` up to the next power of two (float16 ``65504 * 2**-8 =
+255.875`` rounds to 256 in e4m3, and ``256 / 2**-8 = 65536`` is inf in float16), and the clamp
+brings it back. Every clamp moves towards ``x`` (which lies in the range), so none adds error.
 
 Every element obeys the per-element bound (:meth:`Codec.error_bound`)::
 
@@ -25,11 +33,15 @@ e5m2      float8_e5m2  57344     2**-3         2**-17
 ========  ===========  ========  ============  ===========
 
 Why explicit: ``x.to(torch.float8_e4m3fn)`` turns ``inf`` into 448 and every value beyond 448
-into 448 without a word. Here non-finite input raises :class:`~revckpt.InvalidArgumentError`,
-scaling puts every group inside the range, and the clamp before the cast is a guard the scaling
-makes inactive. bf16 has the range of float32 and needs no scale (``scaling=None``); fp8 always
-needs one. Stochastic rounding draws from a generator of its own (seeded, one per device), so
-it does not move the global random stream that dropout and replay rely on.
+into 448 without a word. Here non-finite input raises :class:`NonFiniteInputError` (an
+:class:`~revckpt.InvalidArgumentError`), scaling puts every group inside the range, and the clamp
+before the cast is a guard the scaling makes inactive. bf16 has (almost) the range of float32 and
+needs no scale (``scaling=None``): it takes every value of float32's range, and the few above its
+own ``fmax`` (``3.3895e38 < |x| <= 3.4028e38``) saturate to ``fmax``, within ``u * |x|`` because
+``|x| < fmax / (1 - u) = 2**128``. float64 input beyond float32's range raises
+:class:`~revckpt.InvalidArgumentError` there (use a scale); fp8 always needs one. Stochastic
+rounding draws from a generator of its own (seeded, one per device), so it does not move the
+global random stream that dropout and replay rely on.
 """
 
 from __future__ import annotations
@@ -42,10 +54,22 @@ import torch
 
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 
-__all__ = ["FORMATS", "Codec", "Encoded", "FormatSpec"]
+__all__ = ["FORMATS", "Codec", "Encoded", "FormatSpec", "NonFiniteInputError"]
 
 Scaling = Literal["tensor", "row", "block"]
 Rounding = Literal["nearest", "stochastic"]
+
+_UNSCALED_LIMIT = torch.finfo(torch.float32).max  # the largest |x| bf16 takes without a scale
+
+
+class NonFiniteInputError(InvalidArgumentError):
+    """A tensor sent to a codec holds inf or nan (a cast would saturate it silently)."""
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype scaling runs in: float64 for float64 input (it may exceed float32's range),
+    float32 otherwise (it holds every float16 and bfloat16 value)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @dataclass(frozen=True)
@@ -125,7 +149,8 @@ class Codec:
         format: ``"bf16"``, ``"e4m3"`` or ``"e5m2"``.
         scaling: ``"tensor"`` (one scale), ``"row"`` (one per row of the last dimension),
             ``"block"`` (one per ``block_size`` consecutive elements of a row) or ``None``
-            (bf16 only).
+            (bf16 only; takes ``|x| <= 3.4028e38``, float32's range: larger float64 values
+            raise :class:`~revckpt.InvalidArgumentError`, use a scale for them).
         block_size: elements per scale for ``"block"`` scaling; must divide the row length.
         rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (unbiased: rounds up with
             probability equal to the distance from the lower neighbour, in ulps).
@@ -213,7 +238,8 @@ class Codec:
         return flat
 
     def check(self, x: torch.Tensor) -> None:
-        """Raise if ``x`` cannot be encoded: not a tensor, not floating point, or not finite."""
+        """Raise if ``x`` cannot be encoded: not a tensor, not floating point, not finite
+        (:class:`NonFiniteInputError`), or, without a scale, beyond float32's range."""
         if not isinstance(x, torch.Tensor):
             raise InvalidInputTypeError(
                 f"a codec encodes tensors, got {type(x).__name__}; pass a floating-point tensor"
@@ -225,28 +251,46 @@ class Codec:
             )
         if x.numel() and not bool(torch.isfinite(x).all()):
             bad = (~torch.isfinite(x)).sum().item()
-            raise InvalidArgumentError(
+            raise NonFiniteInputError(
                 f"{bad} non-finite value(s) (inf or nan) in a tensor of shape {tuple(x.shape)} "
                 f"sent to the {self.format} codec; a cast would silently turn inf into "
                 f"{self.spec.fmax:g}. Find where the model overflows (e.g. with "
                 "torch.autograd.detect_anomaly) or keep this boundary exact (store=None)"
             )
+        if self.scaling is None and x.dtype == torch.float64 and x.numel():
+            self._check_unscaled_range(x)
+
+    def _check_unscaled_range(self, x: torch.Tensor) -> None:
+        """Without a scale, ``|x| <= 3.4028e38`` (float32's largest value): up to there, the
+        saturation to bf16's ``fmax`` stays within ``u * |x|``; beyond it, it does not."""
+        amax = float(x.detach().abs().max())
+        if amax > _UNSCALED_LIMIT:
+            raise InvalidArgumentError(
+                f"values up to {amax:.3g} exceed what {self.format} holds without a scale "
+                f"(|x| <= {_UNSCALED_LIMIT:.5g}, float32's range; {self.format}'s largest value "
+                f"is {self.spec.fmax:.5g}). Use scaling='row' (or 'block', 'tensor'): the scale "
+                "brings float64 values of any size into range"
+            )
 
     def scales(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The power-of-two scale of each group, shape ``(groups, 1)``, float32."""
+        """The scale of each group, shape ``(groups, 1)``, in the dtype the scaling runs in
+        (float64 for float64 input, float32 otherwise)::
+
+            s = 2 ** e,   e = clamp(floor(log2(fmax / amax)), -m, m),   2**-m = finfo.tiny
+
+        so ``amax * s <= fmax`` and both ``s`` and ``1 / s`` are normal; ``s = 1`` for zeros."""
         if self.scaling is None:
             return None
         rows = self._rows(x.detach())
         amax = rows.abs().amax(dim=1, keepdim=True).double() if rows.numel() else rows.double()
-        fmax = self.spec.fmax
-        safe = torch.where(amax > 0, amax, torch.ones_like(amax))
-        exp = torch.floor(torch.log2(fmax / safe))
-        exp = exp - (safe * torch.exp2(exp) > fmax).double()  # log2 rounding at exact powers
-        # s = 2**e and 1/s must be normal numbers of the dtype the scaling runs in
-        fi = torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32)
-        exp = exp.clamp(math.log2(fi.tiny), math.floor(math.log2(fi.max)))
-        exp = torch.where(amax > 0, exp, torch.zeros_like(exp))
-        return torch.exp2(exp).to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+        fmax, work = self.spec.fmax, _work_dtype(x.dtype)
+        m = -math.log2(torch.finfo(work).tiny)
+        safe = torch.where(amax > 0, amax, 1.0)  # log2 of each factor: fmax / amax may overflow
+        exp = torch.floor(math.log2(fmax) - torch.log2(safe)).clamp(-m, m)
+        # log2 rounds: step to the exact floor, amax * 2**e <= fmax < amax * 2**(e + 1)
+        exp = exp - (safe * torch.exp2(exp) > fmax).double()
+        exp = exp + ((exp < m) & (safe * torch.exp2(exp + 1) <= fmax)).double()
+        return torch.exp2(torch.where(amax > 0, exp, 0.0)).to(work)
 
     def encode(self, x: torch.Tensor) -> Encoded:
         """Compress ``x`` (raises on non-floating or non-finite input)."""
@@ -259,39 +303,37 @@ class Codec:
                     torch.empty(x.shape, dtype=spec.dtype, device=x.device), None, x.dtype, self
                 )
             scales = self.scales(x)
-            if scales is None and float(x.abs().max()) > spec.fmax:
-                raise InvalidArgumentError(
-                    f"values up to {float(x.abs().max()):.3g} exceed {self.format}'s largest "
-                    f"value {spec.fmax:.3g}; a cast would saturate them. Use scaling='tensor' "
-                    "or 'row'"
-                )
-            # float64 input is scaled in float64 (it may exceed float32's range)
-            t = x.double() if x.dtype == torch.float64 else x.float()
+            t = x.to(_work_dtype(x.dtype))
             if scales is not None:
                 t = (self._rows(t) * scales).reshape(x.shape)
-            t = t.clamp(-spec.fmax, spec.fmax)  # inactive after scaling: a guard for the cast
+            # inactive after scaling; without a scale, saturates bf16 within u * |x|
+            t = t.clamp(-spec.fmax, spec.fmax)
             if self.rounding == "stochastic":
                 t = self._stochastic(t)
             payload = t.to(spec.dtype)
         return Encoded(payload=payload, scales=scales, dtype=x.dtype, codec=self)
 
     def _stochastic(self, t: torch.Tensor) -> torch.Tensor:
-        """Round ``t`` (float32, within range) to one of its two neighbours in the format,
-        up with probability equal to the fractional distance (in ulps) from the lower one."""
+        """Round ``t`` (within range) to one of its two neighbours in the format: with
+        ``t = (n + f) * ulp``, ``n`` an integer and ``0 <= f < 1``, to ``(n + [r < f]) * ulp``
+        for ``r`` uniform on ``[0, 1)`` (up with probability ``f``). Every step is exact, so a
+        representable ``t`` stays put, and the result is at most ``fmax`` (which is on the grid)."""
         spec = self.spec
         _, e = torch.frexp(t)  # t = m * 2**e, 0.5 <= |m| < 1, so floor(log2|t|) = e - 1
         ulp_exp = torch.clamp(e - 1, min=spec.emin) - (spec.significand_bits - 1)
         scaled = torch.ldexp(t, -ulp_exp)
+        lower = torch.floor(scaled)
         noise = torch.rand(t.shape, generator=_generator(t.device), device=t.device)
-        rounded = torch.floor(scaled + noise)
-        return torch.ldexp(rounded, ulp_exp).clamp(-spec.fmax, spec.fmax)
+        return torch.ldexp(lower + (noise < scaled - lower).to(t.dtype), ulp_exp)
 
     def decode(self, encoded: Encoded) -> torch.Tensor:
-        """``x_hat = q / s`` in the original dtype."""
-        t = encoded.payload.double() if encoded.dtype == torch.float64 else encoded.payload.float()
+        """``x_hat = clamp(q / s, -xmax, xmax)`` in the original dtype, ``xmax`` its largest
+        finite value (``q`` rounded up past it, e.g. float16 65504 -> 65536, comes back to it)."""
+        t = encoded.payload.to(_work_dtype(encoded.dtype))
         if encoded.scales is not None:
             t = (self._rows(t) / encoded.scales).reshape(encoded.payload.shape)
-        return t.to(encoded.dtype)
+        xmax = torch.finfo(encoded.dtype).max
+        return t.clamp(-xmax, xmax).to(encoded.dtype)
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """``decode(encode(x))``."""

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from revckpt import InvalidArgumentError, InvalidInputTypeError
 from revckpt.approx import FORMATS, Codec
+from revckpt.approx.formats import NonFiniteInputError
 
 CODECS = [
     Codec("bf16", None),
@@ -113,8 +114,9 @@ def test_non_finite_raises_instead_of_saturating(value):
     x = torch.randn(4, 16)
     x[1, 3] = value
     for fmt in ("e4m3", "e5m2", "bf16"):
-        with pytest.raises(InvalidArgumentError, match="non-finite"):
+        with pytest.raises(NonFiniteInputError, match="non-finite"):
             Codec(fmt, "row").encode(x)
+    assert issubclass(NonFiniteInputError, InvalidArgumentError)
 
 
 def test_bad_codec_options():
@@ -147,8 +149,45 @@ def test_float64_beyond_float32_range_is_not_saturated():
     for codec in (Codec("e4m3", "row"), Codec("e5m2", "tensor"), Codec("bf16", "row")):
         x_hat = codec.roundtrip(x)
         assert bool(((x_hat - x).abs() <= codec.error_bound(x)).all())
-    with pytest.raises(InvalidArgumentError, match="exceed bf16's largest value"):
-        Codec("bf16", None).encode(x)
+    for method in (Codec("bf16", None).encode, Codec("bf16", None).error_bound):
+        with pytest.raises(InvalidArgumentError, match=r"without a scale.*scaling='row'") as err:
+            method(x)
+        assert not isinstance(err.value, NonFiniteInputError)
+
+
+@pytest.mark.parametrize(
+    ("codec", "value", "dtype"),
+    [
+        (Codec("e4m3", "row"), 65504.0, torch.float16),  # 255.875 -> 256, * 2**8 = 65536
+        (Codec("e5m2", "row"), 65504.0, torch.float16),
+        (Codec("bf16", None), 65504.0, torch.float16),  # 65536 in bf16
+        (Codec("e4m3", "row"), 3.4e38, torch.float32),  # q / s = 2**128
+        (Codec("bf16", "row"), 3.4e38, torch.float32),
+        (Codec("bf16", None), 3.4e38, torch.float32),  # above bf16's max: saturates
+        (Codec("e4m3", "row"), 3.3e38, torch.bfloat16),
+        (Codec("e4m3", "row"), torch.finfo(torch.float64).max, torch.float64),
+    ],
+    ids=str,
+)
+def test_values_at_the_top_of_the_range_decode_finite(codec, value, dtype):
+    x = torch.tensor([[value, -value, 1.0, 0.0]], dtype=dtype)
+    x_hat = codec.roundtrip(x)
+    assert bool(torch.isfinite(x_hat).all())
+    assert bool(((x_hat.double() - x.double()).abs() <= codec.error_bound(x)).all())
+
+
+@pytest.mark.parametrize("value", [1e-300, 1e-306, 1e-310, 5e-324])
+@pytest.mark.parametrize("fmt", ["e4m3", "bf16"])
+def test_tiny_float64_groups_keep_normal_scales(fmt, value):
+    x = torch.tensor([[value, value / 3, 0.0]], dtype=torch.float64)
+    codec = Codec(fmt, "row")
+    s = codec.scales(x)
+    fi = torch.finfo(torch.float64)
+    assert fi.tiny <= float(s) <= 1 / fi.tiny
+    x_hat = codec.roundtrip(x)
+    assert bool(((x_hat - x).abs() <= codec.error_bound(x)).all())
+    if value >= 1e-306:  # a normal group keeps its digits
+        assert x_hat[0, 0] != 0
 
 
 def test_zero_size_last_dimension():
