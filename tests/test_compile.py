@@ -73,33 +73,65 @@ def _strategies():
     }
 
 
+def _retained_and_peak(fn, x):
+    """Bytes the forward keeps for backward (its output excluded), and the peak of forward and
+    backward, from the CPU allocator's events: the only CPU meter that sees compiled code."""
+    from revckpt import MemoryMeter
+
+    with MemoryMeter("cpu", method="allocator") as fwd:
+        y = fn(x)
+    retained = fwd.end_bytes - y.numel() * y.element_size()
+    del y
+    with MemoryMeter("cpu", method="allocator") as step:
+        fn(x).sum().backward()
+    return retained, step.peak_bytes
+
+
 @pytest.mark.parametrize(
     "name", ["reversible", "approx e4m3", "selective matmul", "offload", "scheduled"]
 )
 def test_compiled_strategy_matches_eager_and_keeps_no_more(name):
-    from revckpt import MemoryMeter
-
     module, eager = _strategies()[name]()
     compiled = torch.compile(eager)
     x = torch.randn(6, 16, requires_grad=True)
-    grads = {}
+    grads, memory = {}, {}
     for label, fn in (("eager", eager), ("compiled", compiled)):
         for p in module.parameters():
             p.grad = None
         fn(x).sum().backward()  # also compiles, on the first call
         grads[label] = [p.grad.clone() for p in module.parameters()]
+        memory[label] = _retained_and_peak(fn, x)
     for a, b in zip(grads["eager"], grads["compiled"], strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
-    retained = {}
-    for label, fn in (("eager", eager), ("compiled", compiled)):
-        with MemoryMeter("cpu") as meter:
-            y = fn(x)
-        retained[label] = meter.end_bytes - y.numel() * y.element_size()
-        del y
     # no silent fallback to storing activations: the compiled step keeps what eager keeps
-    assert retained["compiled"] <= retained["eager"], retained
+    assert memory["compiled"][0] <= memory["eager"][0], memory
     explanation = torch._dynamo.explain(eager)(x)
-    print(f"\n{name}: {explanation.graph_break_count} graph breaks under torch.compile")
+    print(
+        f"\n{name}: {explanation.graph_break_count} graph breaks under torch.compile; "
+        f"retained, peak bytes: {memory}"
+    )
+
+
+def test_the_compiled_memory_check_fails_for_a_compiled_step_that_stores_everything():
+    """The measurement behind the check above sees compiled code: a compiled store-all step
+    keeps more than an eager checkpointed one, and a compiled checkpointed one does not."""
+    import revckpt
+
+    torch.manual_seed(0)
+    chain = mlp_chain(3, 16, 32, norm="layer")
+    x = torch.randn(6, 16, requires_grad=True)
+
+    def ckpt(x):
+        return revckpt.checkpoint_sequential(chain, 3, x)
+
+    eager, _ = _retained_and_peak(ckpt, x)
+    compiled_ckpt, _ = _retained_and_peak(torch.compile(ckpt), x)
+    compiled_store, _ = _retained_and_peak(torch.compile(chain), x)
+    print(
+        f"\nretained: eager checkpoint {eager}, compiled checkpoint {compiled_ckpt}, "
+        f"compiled store-all {compiled_store}"
+    )
+    assert compiled_ckpt <= eager < compiled_store
 
 
 def test_compiled_codec_still_refuses_non_finite_boundaries():

@@ -4,11 +4,12 @@ Imports nothing of revckpt but the errors module, so every other part may use it
 """
 
 from .gradients import GradientError, TensorError, gradient_error, paired_gradients
-from .memory import MemoryMeter, MemoryStats, peak_memory
+from .memory import MeasurementError, MemoryMeter, MemoryStats, peak_memory
 from .timing import TimeRatio, time_ratio, time_ratios
 
 __all__ = [
     "GradientError",
+    "MeasurementError",
     "MemoryMeter",
     "MemoryStats",
     "TensorError",

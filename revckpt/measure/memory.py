@@ -19,23 +19,52 @@ only storages created inside the block: a tensor created before entry and freed 
 subtracted, so measure a forward and its backward inside one meter rather than the backward
 alone. Tensors made from Python data or NumPy arrays inside the block (``torch.tensor``,
 ``torch.from_numpy``) count as allocated there, even when they share the array's memory.
+
+Blind spots of the CPU storage tracker, both from tensors made outside the dispatcher:
+
+* tensors torch makes internally: ``torch.get_rng_state()`` results, so the CPU RNG state
+  (5056 bytes) a checkpoint keeps per segment to replay dropout, are not counted;
+* compiled code. Dynamo does not compile while a ``TorchDispatchMode`` is active, so a
+  ``torch.compile``'d function called in the block runs eagerly there (and, in torch 2.13,
+  compiled functions and modules then stay eager after the block, pytorch/pytorch#190286,
+  until ``torch._dynamo.reset()``); the backward of a forward compiled outside the block runs
+  compiled, its buffers unseen. The meter raises :class:`MeasurementError` when its block ran
+  either, rather than report eager or partial figures. It recognises compiled code by the
+  Dynamo frame callback in force where an operation is called and by the autograd node
+  (``CompiledFunctionBackward``) running it.
+
+``MemoryMeter("cpu", method="allocator")`` has neither blind spot: it reads the CPU allocator's
+own allocation events from ``torch.profiler`` (:mod:`revckpt.measure.allocator`), so it counts
+every allocation, compiled code's included, and gives its figures after the block only.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch
+from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, RevckptError
+from .allocator import AllocatorEvents
 
-__all__ = ["MemoryMeter", "MemoryStats", "peak_memory"]
+__all__ = ["MeasurementError", "MemoryMeter", "MemoryStats", "peak_memory"]
+
+METHODS = ("storages", "allocator")
+
+
+class MeasurementError(RevckptError, RuntimeError):
+    """A meter's block ran code the meter cannot see (compiled code under the CPU storage
+    tracker): its figures would be wrong, so it says so instead of returning them."""
+
 
 _LIFT_OPS = frozenset(
     getattr(torch.ops.aten, name)
@@ -52,13 +81,51 @@ class MemoryStats:
     end_bytes: int
     device: str
     since_reset_peak_bytes: int | None = None
+    method: str = "allocator"
 
     def __str__(self) -> str:
-        return f"peak {_mib(self.peak_bytes)}, retained {_mib(self.end_bytes)} on {self.device}"
+        scope = " (tensor storages made by operations; RNG states not counted)"
+        return f"peak {_mib(self.peak_bytes)}, retained {_mib(self.end_bytes)} on {self.device}" + (
+            scope if self.method == "storages" else ""
+        )
 
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.3f} MiB"
+
+
+_COMPILED_FORWARD = (
+    "MemoryMeter('cpu') ran torch.compile'd code: Dynamo does not compile while a "
+    "TorchDispatchMode (this meter) is active, so it ran eagerly and the figures would be "
+    "eager ones; torch may also keep the compiled functions and modules eager after the block "
+    "(pytorch/pytorch#190286) until torch._dynamo.reset(). Measure compiled code with "
+    "MemoryMeter('cpu', method='allocator')"
+)
+_COMPILED_BACKWARD = (
+    "MemoryMeter('cpu') ran the backward of a torch.compile'd forward: compiled code "
+    "allocates its buffers outside the dispatcher, so this meter does not see them and would "
+    "report too little. Measure it with MemoryMeter('cpu', method='allocator')"
+)
+
+
+def _dynamo_callback(caller: FrameType) -> Any:
+    """The Dynamo frame callback in force where the operation was called. torch wraps a
+    mode's ``__torch_dispatch__`` in ``torch._dynamo.disable``, whose wrapper (``caller``)
+    switches the callback off and keeps the one in force in its local ``prior``."""
+    if caller.f_code.co_filename.endswith("eval_frame.py") and "prior" in caller.f_locals:
+        return caller.f_locals["prior"]
+    return get_eval_frame_callback()
+
+
+def _compiled_code(caller: FrameType) -> str | None:
+    """Why an operation comes from compiled code (the message to raise), or None."""
+    node = torch._C._current_autograd_node()
+    if node is not None and node.name() == "CompiledFunctionBackward":
+        return _COMPILED_BACKWARD
+    callback = _dynamo_callback(caller)
+    if callback is not None and callback is not False:
+        return _COMPILED_FORWARD
+    return None
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -78,6 +145,7 @@ class _StorageTracker(TorchDispatchMode):
         self.refs: dict[int, weakref.ref[Any]] = {}
         self.live = 0
         self.peak = 0
+        self.compiled: str | None = None  # why the block ran compiled code, if it did
         # Re-entrant: a weak-reference callback can run inside _add on this very thread, when
         # an allocation there triggers a garbage collection that frees a tracked storage.
         self.lock = threading.RLock()
@@ -115,6 +183,8 @@ class _StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self.compiled is None:
+            self.compiled = _compiled_code(sys._getframe(1))
         before: dict[int, tuple[torch.UntypedStorage, int]] = {}
         for a in tree_flatten((args, kwargs))[0]:
             st = _storage(a) if isinstance(a, torch.Tensor) else a
@@ -140,6 +210,43 @@ class _StorageTracker(TorchDispatchMode):
         return out
 
 
+def _device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise InvalidArgumentError(
+            f"MemoryMeter(device={device!r}): not a device; use 'cpu', 'cuda' or 'cuda:N'"
+        ) from err
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(
+            f"MemoryMeter measures 'cpu' or 'cuda' memory, got device {str(dev)!r}"
+        )
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgumentError(
+            "MemoryMeter('cuda'): CUDA is not available in this build or on this machine; "
+            "measure with MemoryMeter('cpu')"
+        )
+    return dev
+
+
+def _method(device: torch.device, method: str | None) -> str:
+    if method is None:
+        return "allocator" if device.type == "cuda" else "storages"
+    if method not in METHODS:
+        raise InvalidArgumentError(
+            f"MemoryMeter(method={method!r}): use 'storages' (CPU storage tracking) or "
+            "'allocator' (allocator events), or None for the device's default"
+        )
+    if device.type == "cuda" and method != "allocator":
+        raise InvalidArgumentError(
+            f"MemoryMeter({str(device)!r}) reads the CUDA allocator's statistics; "
+            f"method={method!r} is for CPU only: leave method=None or pass 'allocator'"
+        )
+    return method
+
+
 _ACTIVE_CUDA: list[MemoryMeter] = []
 
 
@@ -154,30 +261,28 @@ class MemoryMeter:
         m.peak_bytes                  # highest live tensor memory inside the block
 
     Both figures are relative to the level at entry. ``device`` selects what is measured:
-    ``"cpu"`` (exact storage tracking), ``"cuda"`` / ``"cuda:1"`` (allocator statistics;
-    resets the device's peak statistics), or ``None`` (CUDA if available, else CPU).
-    Meters on CPU may be nested; the inner one measures its own block.
+    ``"cpu"``, ``"cuda"`` / ``"cuda:1"`` (allocator statistics; resets the device's peak
+    statistics), or ``None`` (CUDA if available, else CPU). ``method`` selects how, on CPU:
+
+    * ``"storages"`` (the default on CPU): exact tracking of the tensor storages operations
+      create. Meters may be nested (the inner one measures its own block), and
+      :attr:`live_bytes` and :meth:`reset_peak` work inside the block. It does not see
+      tensors made outside the dispatcher (``torch.get_rng_state()``, so the RNG states a
+      checkpoint keeps) nor compiled code, and raises :class:`MeasurementError` when the
+      block runs compiled code (see the module docstring).
+    * ``"allocator"`` (the only one on CUDA): every allocation of the device's allocator. On
+      CPU it reads ``torch.profiler``'s memory events (:mod:`revckpt.measure.allocator`), so
+      it sees compiled code and RNG states; it cannot nest in another profiler, and has no
+      :attr:`live_bytes` or :meth:`reset_peak` on CPU.
     """
 
-    def __init__(self, device: str | torch.device | None = None) -> None:
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        try:
-            self.device = torch.device(device)
-        except (RuntimeError, TypeError) as err:
-            raise InvalidArgumentError(
-                f"MemoryMeter(device={device!r}): not a device; use 'cpu', 'cuda' or 'cuda:N'"
-            ) from err
-        if self.device.type not in ("cpu", "cuda"):
-            raise InvalidArgumentError(
-                f"MemoryMeter measures 'cpu' or 'cuda' memory, got device {str(self.device)!r}"
-            )
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise InvalidArgumentError(
-                "MemoryMeter('cuda'): CUDA is not available in this build or on this machine; "
-                "measure with MemoryMeter('cpu')"
-            )
+    def __init__(
+        self, device: str | torch.device | None = None, *, method: str | None = None
+    ) -> None:
+        self.device = _device(device)
+        self.method = _method(self.device, method)
         self._tracker: _StorageTracker | None = None
+        self._events: AllocatorEvents | None = None
         self._base = 0
         self._seen = 0
         self._before_reset = 0
@@ -188,45 +293,65 @@ class MemoryMeter:
         self._stats = None
         self._before_reset, self._reset = 0, False
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            # Resetting the peak statistics would hide the peak an enclosing meter has seen so
-            # far: fold it into every enclosing meter first.
-            current = torch.cuda.max_memory_allocated(self.device)
-            for outer in _ACTIVE_CUDA:
-                if outer.device == self.device:
-                    outer._seen = max(outer._seen, current - outer._base)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._base = torch.cuda.memory_allocated(self.device)
-            self._seen = 0
-            _ACTIVE_CUDA.append(self)
+            self._enter_cuda()
+        elif self.method == "allocator":
+            self._events = AllocatorEvents()
+            self._events.start()
         else:
             self._tracker = _StorageTracker("cpu")
             self._tracker.__enter__()
         return self
 
+    def _enter_cuda(self) -> None:
+        torch.cuda.synchronize(self.device)
+        # Resetting the peak statistics would hide the peak an enclosing meter has seen so
+        # far: fold it into every enclosing meter first.
+        current = torch.cuda.max_memory_allocated(self.device)
+        for outer in _ACTIVE_CUDA:
+            if outer.device == self.device:
+                outer._seen = max(outer._seen, current - outer._base)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._base = torch.cuda.memory_allocated(self.device)
+        self._seen = 0
+        _ACTIVE_CUDA.append(self)
+
     def __exit__(self, *exc: Any) -> None:
+        compiled = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             _ACTIVE_CUDA.remove(self)
             peak = max(self._seen, torch.cuda.max_memory_allocated(self.device) - self._base)
             end = torch.cuda.memory_allocated(self.device) - self._base
+        elif self._events is not None:
+            peak, end = self._events.stop()
+            self._events = None
         else:
-            assert self._tracker is not None
-            self._tracker.__exit__(*exc)
-            with self._tracker.lock:
-                self._tracker.resync()
-                peak, end = self._tracker.peak, self._tracker.live
-                self._tracker.refs.clear()  # dropping the weak references cancels their callbacks
-            self._tracker = None
-        since = peak if self._reset else None
+            peak, end, compiled = self._exit_storages(exc)
         self._stats = MemoryStats(
             peak_bytes=max(peak, self._before_reset),
             end_bytes=end,
             device=str(self.device),
-            since_reset_peak_bytes=since,
+            since_reset_peak_bytes=peak if self._reset else None,
+            method=self.method,
         )
+        if compiled is not None and exc[0] is None:
+            raise MeasurementError(compiled)
+
+    def _exit_storages(self, exc: Any) -> tuple[int, int, str | None]:
+        tracker, self._tracker = self._tracker, None
+        assert tracker is not None
+        tracker.__exit__(*exc)
+        with tracker.lock:
+            tracker.resync()
+            tracker.refs.clear()  # dropping the weak references cancels their callbacks
+        return tracker.peak, tracker.live, tracker.compiled
 
     def _active(self, what: str) -> None:
+        if self.method == "allocator" and self.device.type == "cpu":
+            raise InvalidArgumentError(
+                f"MemoryMeter.{what} does not exist with method='allocator' on CPU: the "
+                "profiler's events are read when the block ends; use method='storages'"
+            )
         if self._stats is not None or (self._tracker is None and self not in _ACTIVE_CUDA):
             raise InvalidArgumentError(f"MemoryMeter.{what} works inside the `with` block only")
 

@@ -2,11 +2,14 @@ import gc
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
 from revckpt import InvalidArgumentError, MemoryMeter, checkpoint_sequential, peak_memory
+from revckpt.measure import MeasurementError
+from revckpt.measure.allocator import peak_and_end
 from revckpt.models import mlp_chain
 
 
@@ -211,3 +214,96 @@ def test_reset_peak_outside_the_block_and_without_reset():
         _ = m.live_bytes
     with pytest.raises(InvalidArgumentError, match="reset_peak"):
         _ = m.since_reset_peak_bytes
+
+
+def test_allocator_method_gives_the_same_bytes_for_known_tensors():
+    with MemoryMeter("cpu", method="allocator") as m:
+        a = torch.empty(1000, dtype=torch.float32)
+        b = torch.zeros(10, 10, dtype=torch.float64)
+        c = torch.ones(7, dtype=torch.int8)
+        del b
+        d = torch.empty(3, dtype=torch.bfloat16)
+    assert (m.peak_bytes, m.end_bytes) == (4807, 4013)
+    assert m.stats.method == "allocator" and "RNG" not in str(m.stats)
+    del a, c, d
+
+
+def test_rng_states_are_seen_by_the_allocator_method_only():
+    with MemoryMeter("cpu") as storages:
+        s = torch.get_rng_state()
+    with MemoryMeter("cpu", method="allocator") as allocator:
+        t = torch.get_rng_state()
+    assert storages.end_bytes == 0 and "RNG states not counted" in str(storages.stats)
+    assert allocator.end_bytes == t.nbytes == s.nbytes > 0
+
+
+def test_peak_and_end_count_only_frees_of_allocations_made_in_the_block():
+    events = [
+        (30, 0xA, -100),  # frees an allocation made before the block: ignored
+        (10, 0xA, 100),  # out of order in the list: events are taken in time order
+        (20, 0xB, 50),
+        (40, 0xB, -50),
+        (50, 0xC, 70),
+        (60, 0xD, -999),  # a free of memory the block never allocated
+    ]
+    assert peak_and_end(events) == (150, 70)
+    assert peak_and_end([]) == (0, 0)
+
+
+def test_allocator_method_refuses_what_it_cannot_do():
+    with MemoryMeter("cpu", method="allocator") as m:
+        with pytest.raises(InvalidArgumentError, match="method='allocator' on CPU"):
+            _ = m.live_bytes
+        with pytest.raises(InvalidArgumentError, match="method='allocator' on CPU"):
+            m.reset_peak()
+        nested = MemoryMeter("cpu", method="allocator")
+        with pytest.raises(InvalidArgumentError, match="a profiler is already running"):
+            nested.__enter__()
+        with MemoryMeter("cpu") as inner:  # the storage tracker nests inside it
+            x = torch.empty(10)
+    assert inner.end_bytes == 40 and m.end_bytes == 40
+    with pytest.raises(InvalidArgumentError, match="use 'storages'"):
+        MemoryMeter("cpu", method="profiler")
+    del x
+
+
+@pytest.fixture
+def dynamo_reset():
+    """torch 2.13 keeps code that ran under a dispatch mode eager (pytorch/pytorch#190286):
+    reset Dynamo afterwards so later tests compile again."""
+    yield
+    torch._dynamo.reset()
+
+
+def test_compiled_forward_inside_the_storage_tracker_raises(dynamo_reset):
+    compiled = torch.compile(lambda x: (x * 2).sin(), backend="eager")
+    x = torch.randn(8)
+    compiled(x)
+    m = MemoryMeter("cpu")
+    with pytest.raises(MeasurementError, match="method='allocator'") as info, m:
+        y = compiled(x)
+    assert "ran torch.compile'd code" in str(info.value)
+    assert (m.peak_bytes, m.end_bytes) == (64, 32)  # the eager figures stay readable
+    with MemoryMeter("cpu", method="allocator") as allocator:
+        z = compiled(x)
+    assert allocator.end_bytes == 32
+    del y, z
+
+
+def test_compiled_backward_inside_the_storage_tracker_raises(dynamo_reset):
+    lin = nn.Linear(8, 8)
+    y = torch.compile(lin, backend="aot_eager")(torch.randn(4, 8))
+    with (
+        pytest.raises(MeasurementError, match=r"backward of a torch\.compile'd"),
+        MemoryMeter("cpu"),
+    ):
+        y.sum().backward()
+
+
+def test_eager_code_under_dynamo_disable_is_not_taken_for_compiled_code():
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    with MemoryMeter("cpu") as m:  # torch's checkpoint runs under torch._dynamo.disable
+        torch.utils.checkpoint.checkpoint(lin, x, use_reentrant=False).sum().backward()
+        torch.compiler.disable(lin)(x)
+    assert m.peak_bytes > 0
