@@ -29,6 +29,7 @@ tensors; memory: nothing, but copies of buffers that the forward writes.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -65,6 +66,40 @@ def _walk(modules: Iterable[Any]) -> list[nn.Module]:
     return out
 
 
+class _Layout:
+    """The modules under one root and the names of their plain attributes, found once per
+    root (the walk and the attribute scan cost more than the rest of a capture)."""
+
+    __slots__ = ("__weakref__", "attrs", "modules", "signature")
+
+    def __init__(self, root: nn.Module) -> None:
+        self.modules = _walk((root,))
+        self.signature = self._signature()
+        self.attrs = []
+        for m in self.modules:
+            keys = tuple(k for k, v in m.__dict__.items() if k[0] != "_" and type(v) in _PLAIN)
+            if keys:
+                self.attrs.append((m, keys, operator.itemgetter(*keys)))
+
+    def _signature(self) -> tuple[int, ...]:
+        return tuple(len(m._modules) for m in self.modules)
+
+    def current(self) -> bool:
+        """Whether no submodule was added or removed since the scan (new attributes of an
+        existing module are not seen until the root is scanned again)."""
+        return self._signature() == self.signature
+
+
+_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, _Layout] = weakref.WeakKeyDictionary()
+
+
+def _layout(root: nn.Module) -> _Layout:
+    layout = _LAYOUTS.get(root)
+    if layout is None or not layout.current():
+        layout = _LAYOUTS[root] = _Layout(root)
+    return layout
+
+
 def _tracked_buffers(m: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     """Buffers whose value the forward may read; training-mode normalisation statistics are not
     read (batch statistics are) and are frozen during replay instead."""
@@ -78,47 +113,67 @@ def _label(m: nn.Module, name: str, t: torch.Tensor) -> str:
     return f"{type(m).__name__}.{name} (shape {tuple(t.shape)})"
 
 
+def _values(getter: operator.itemgetter, keys: tuple[str, ...], d: dict[str, Any]) -> tuple:
+    try:
+        values = getter(d)
+    except KeyError:
+        return tuple(d.get(k, _MISSING) for k in keys)
+    return values if len(keys) > 1 else (values,)
+
+
 class ModuleState:
     """Attributes, parameter and buffer versions of the modules one forward calls."""
 
-    __slots__ = ("_attrs", "_before", "_frozen", "_old", "_unseen")
+    __slots__ = ("_attrs", "_before", "_frozen", "_modules", "_old", "_unseen")
 
-    def __init__(self, modules: Iterable[Any]) -> None:
-        mods = _walk(modules)
+    def __init__(self, roots: Iterable[Any]) -> None:
+        layouts = [_layout(r) for r in roots if isinstance(r, nn.Module)]
+        mods = layouts[0].modules if len(layouts) == 1 else _walk(roots)
+        self._modules = mods
         self._attrs = [
-            (m, tuple((k, v) for k, v in m.__dict__.items() if k[0] != "_" and type(v) in _PLAIN))
-            for m in mods
+            (m.__dict__, keys, _values(get, keys, m.__dict__))
+            for layout in layouts
+            for m, keys, get in layout.attrs
         ]
         # (module, name, tensor, version) of every buffer when the forward starts
-        self._before = [(m, n, b, b._version) for m in mods for n, b in _tracked_buffers(m)]
+        self._before = [
+            (m, n, b, b._version) for m in mods if m._buffers for n, b in _tracked_buffers(m)
+        ]
         self._old: dict[tuple[nn.Module, str], torch.Tensor] = {}
-        with torch.no_grad():
-            for m, name, b, _ in self._before:
-                known = _WRITES.get(m)
-                if known is None or name in known:
-                    self._old[(m, name)] = b.clone()
+        if self._before:
+            with torch.no_grad():
+                for m, name, b, _ in self._before:
+                    known = _WRITES.get(m)
+                    if known is None or name in known:
+                        self._old[(m, name)] = b.clone()
         self._frozen: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
         self._unseen: list[str] = []
 
     def forward_finished(self) -> None:
         """Keep the old values of the buffers the forward wrote, and record the versions of
         everything else for :meth:`check`."""
+        frozen = self._frozen
+        if self._before:
+            self._buffers_finished()
+        for m in self._modules:
+            table = m._parameters
+            for name, p in table.items():
+                if p is not None:
+                    frozen.append((table, name, p, p._version))
+
+    def _buffers_finished(self) -> None:
         written: dict[nn.Module, set[str]] = {}
         for m, name, b, version in self._before:
             now = m._buffers.get(name)
             if now is b and b._version == version:
                 self._old.pop((m, name), None)
-                if now is not None:
-                    self._frozen.append((m._buffers, name, b, version))
+                self._frozen.append((m._buffers, name, b, version))
                 continue
             written.setdefault(m, set()).add(name)
             if (m, name) not in self._old:
                 self._unseen.append(_label(m, name, b))
-        for m, _ in self._attrs:
+        for m in {m for m, *_ in self._before}:
             _WRITES[m] = _WRITES.get(m, frozenset()) | written.get(m, set())
-            for name, p in m._parameters.items():
-                if p is not None:
-                    self._frozen.append((m._parameters, name, p, p._version))
         self._before = []
 
     def check(self, label: str) -> None:
@@ -148,11 +203,10 @@ class ModuleState:
         """Set attributes and written buffers as the forward found them; returns what to
         restore with :meth:`exit`."""
         undo: list[tuple[Any, ...]] = []
-        for m, items in self._attrs:
-            d = m.__dict__
-            for k, v in items:
+        for d, keys, values in self._attrs:
+            for k, v in zip(keys, values, strict=True):
                 now = d.get(k, _MISSING)
-                if now is not v:
+                if now is not v and v is not _MISSING:
                     undo.append((d, k, now))
                     d[k] = v
         if self._old:

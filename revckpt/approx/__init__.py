@@ -10,7 +10,7 @@
 """
 
 from .bounds import ErrorEstimate, TotalEstimate, estimate_error, estimate_totals
-from .formats import FORMATS, Codec, Encoded
+from .formats import FORMATS, Codec, Encoded, NonFiniteInputError
 from .recompute import Approx, checkpoint
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "Codec",
     "Encoded",
     "ErrorEstimate",
+    "NonFiniteInputError",
     "TotalEstimate",
     "checkpoint",
     "estimate_error",

@@ -43,7 +43,7 @@ from .._autograd import (
 )
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..replay import ForwardState
-from .formats import FORMATS, Codec, Encoded, Rounding, Scaling
+from .formats import FORMATS, Codec, Encoded, NonFiniteInputError, Rounding, Scaling
 
 __all__ = ["Approx", "checkpoint"]
 
@@ -279,10 +279,8 @@ class _ApproxFunction(torch.autograd.Function):
 def _encode(codec: Codec, t: torch.Tensor, index: int, label: str) -> Encoded:
     try:
         return codec.encode(t)
-    except InvalidArgumentError as err:
-        if "non-finite" not in str(err):
-            raise
-        raise InvalidArgumentError(
+    except NonFiniteInputError:
+        raise NonFiniteInputError(
             f"positional argument {index} of {label} has non-finite values and would be "
             f"compressed ({codec}). A mask or constant with -inf belongs in a keyword argument "
             "(kept exactly); otherwise find where the model overflows (e.g. with "
