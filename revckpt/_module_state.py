@@ -126,6 +126,8 @@ class ModuleState:
 
     __slots__ = ("_attrs", "_before", "_frozen", "_modules", "_old", "_unseen")
 
+    # Bookkeeping runs eagerly: after a graph break Dynamo would otherwise compile these frames.
+    @torch.compiler.disable
     def __init__(self, roots: Iterable[Any]) -> None:
         layouts = [_layout(r) for r in roots if isinstance(r, nn.Module)]
         mods = layouts[0].modules if len(layouts) == 1 else _walk(roots)
@@ -149,6 +151,7 @@ class ModuleState:
         self._frozen: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
         self._unseen: list[str] = []
 
+    @torch.compiler.disable
     def forward_finished(self) -> None:
         """Keep the old values of the buffers the forward wrote, and record the versions of
         everything else for :meth:`check`."""
@@ -176,6 +179,7 @@ class ModuleState:
             _WRITES[m] = _WRITES.get(m, frozenset()) | written.get(m, set())
         self._before = []
 
+    @torch.compiler.disable
     def check(self, label: str) -> None:
         """Raise if the recompute cannot run as the forward ran."""
         for table, name, t, version in self._frozen:
@@ -199,6 +203,7 @@ class ModuleState:
                 "buffer only when not revckpt.replay.is_replaying()"
             )
 
+    @torch.compiler.disable
     def enter(self) -> list[tuple[Any, ...]]:
         """Set attributes and written buffers as the forward found them; returns what to
         restore with :meth:`exit`."""
@@ -217,6 +222,7 @@ class ModuleState:
         return undo
 
     @staticmethod
+    @torch.compiler.disable
     def exit(undo: list[tuple[Any, ...]]) -> None:
         """Restore what :meth:`enter` changed (and what the recompute changed in there)."""
         for d, k, v in reversed(undo):

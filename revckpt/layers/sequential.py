@@ -211,7 +211,7 @@ class _HalfStep(torch.autograd.Function):
         # y = a + h is written over the branch's fresh output when nothing else holds it: no
         # view or alias of its memory, and no Python reference but this frame's (a buffer, a
         # tensor the branch caches on itself, a keyword tensor returned as is all hold one)
-        private = step.additive and sys.getrefcount(h) <= _LOCAL_REFS and _private_result(h, a)
+        private = step.additive and _private_result(h, a) and sys.getrefcount(h) <= _LOCAL_REFS
         y = h.add_(a) if private else block.coupling.combine(a, h)
         del h
         if anchor:  # 1 = keep a, 2 = keep a and u (the first half step of an anchored block)
