@@ -46,6 +46,17 @@ class _Parser(argparse.ArgumentParser):
 _UNIT_WORDS = ("B", "KB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB", "%")
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return value
+
+
 _OPEN_LINE = [False]  # a progress bar left the cursor mid-line on stderr
 
 
@@ -96,13 +107,17 @@ def _demo(args: argparse.Namespace) -> int:
     from .report import report
     from .schedule import Segment, baseline, make_plan, parse_budget, profile, solve
 
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise _UsageError("--device cuda: CUDA is not available here; use --device cpu")
+    device = _demo_device(args.device)
+    parse_budget(args.budget, 1)  # its syntax, checked before the model is profiled
     size = args.size or ("gpu" if device.type == "cuda" else "cpu")
     depth, dim, heads, batch, seq = DEMO_SIZES[size]
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise _UsageError(
+            f"--out {args.out}: cannot create the folder ({err.strerror}); give a folder path"
+        ) from err
     torch.manual_seed(0)
     if device.type == "cpu":
         # one thread by default: the timings compare strategies, and intra-op threads on small
@@ -175,13 +190,27 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"note: no plots: {err}", file=sys.stderr)
     progress.finish()
 
-    print(_demo_table(rep, rev))
+    print(_demo_table(rep, rev, device.type))
     print()
     print(chosen.table())
     print()
     written = ["report.json", "plan.json", *(p.name for p in plots)]
     print(f"wrote {', '.join(written)} to {out.resolve()}")
     return 0
+
+
+def _demo_device(name: str) -> Any:
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise _UsageError(f"--device {name}: not a device; use --device cpu or cuda") from err
+    if device.type not in ("cpu", "cuda"):
+        raise _UsageError(f"--device {name}: the demo runs on cpu or cuda; use one of them")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise _UsageError("--device cuda: CUDA is not available here; use --device cpu")
+    return device
 
 
 def _finite(v: Any) -> Any:
@@ -194,7 +223,13 @@ def _finite(v: Any) -> Any:
     return v
 
 
-def _demo_table(rep: Any, rev: Any) -> str:
+_CPU_SCOPE = (
+    " On CPU MemoryMeter counts the tensor storages operations make: the RNG states "
+    "checkpoints keep for their recompute (5056 bytes each) are not counted."
+)
+
+
+def _demo_table(rep: Any, rev: Any, device_type: str) -> str:
     base = rep.store_all_peak_bytes
     lines = [
         "| strategy | peak MiB | % of store-all | retained MiB | time vs store-all | "
@@ -218,6 +253,7 @@ def _demo_table(rep: Any, rev: Any) -> str:
     lines.append(
         "\n* the scheduler's plan. Peak: one training step (MemoryMeter); retained: kept "
         "between forward and backward; time: median of interleaved rounds against store-all."
+        + (_CPU_SCOPE if device_type == "cpu" else "")
     )
     return "\n".join(lines)
 
@@ -226,21 +262,14 @@ def _demo_table(rep: Any, rev: Any) -> str:
 
 
 def _load_factory(spec: str) -> Any:
-    if ":" not in spec:
+    module_name, colon, attr = spec.rpartition(":")
+    problem = _spec_problem(module_name, colon, attr)
+    if problem:
         raise _UsageError(
-            f"{spec!r} is not MODULE:FACTORY; write e.g. examples.user_model:build "
-            "(a function returning (blocks, example_input))"
+            f"{spec!r} is not MODULE:FACTORY ({problem}); write e.g. examples.user_model:build "
+            "or ./model.py:build (a function returning (blocks, example_input))"
         )
-    module_name, _, attr = spec.partition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # modules of the directory you run it from
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise _UsageError(
-            f"cannot import module {module_name!r} ({err}); run from the directory that "
-            "contains it or put it on PYTHONPATH"
-        ) from err
+    module = _import(module_name)
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise _UsageError(
@@ -248,6 +277,55 @@ def _load_factory(spec: str) -> Any:
             "(blocks, example_input)"
         )
     return factory
+
+
+def _spec_problem(module_name: str, colon: str, attr: str) -> str | None:
+    if not colon:
+        return "there is no ':' between the module and the function"
+    if not module_name:
+        return "the module before ':' is missing"
+    if not attr:
+        return "the function after ':' is missing"
+    if not attr.isidentifier():
+        return f"{attr!r} after ':' is not a function name"
+    return None
+
+
+def _import(name: str) -> Any:
+    """A module by dotted name (from the current directory or PYTHONPATH) or a .py file."""
+    if name.endswith(".py") or "/" in name or os.sep in name:
+        return _import_file(Path(name))
+    if not all(part.isidentifier() for part in name.split(".")):
+        raise _UsageError(
+            f"{name!r} is neither a module name nor a .py file; give a dotted module name "
+            "(examples.user_model) or the path of a .py file (./model.py)"
+        )
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # modules of the directory you run it from
+    try:
+        return importlib.import_module(name)
+    except (ImportError, SyntaxError) as err:
+        raise _UsageError(
+            f"cannot import module {name!r} ({type(err).__name__}: {err}); run from the "
+            "directory that contains it or put it on PYTHONPATH"
+        ) from err
+
+
+def _import_file(path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(path.stem, path) if path.is_file() else None
+    if spec is None or spec.loader is None:
+        raise _UsageError(
+            f"no Python file {str(path)!r}; give the path of the .py file that defines the "
+            "factory, e.g. ./model.py:build"
+        )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    sys.path.insert(0, str(path.resolve().parent))  # its own imports, as when run as a script
+    try:
+        spec.loader.exec_module(module)
+    except (ImportError, SyntaxError) as err:
+        raise _UsageError(f"cannot import {str(path)!r} ({type(err).__name__}: {err})") from err
+    return module
 
 
 def _profile_options(strategies: Sequence[str] | None, offload: bool) -> dict[str, Any]:
@@ -284,6 +362,9 @@ def _plan(args: argparse.Namespace) -> int:
     from .report import measure_peak
     from .schedule import apply, parse_budget, profile, solve
 
+    parse_budget(args.budget, 1)  # its syntax, checked before the model is profiled
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        raise _UsageError(f"--out {args.out}: its folder does not exist; create it first")
     factory = _load_factory(args.factory)
     try:
         result = factory()
@@ -341,6 +422,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(
             f"measured peak {peak / 2**20:.2f} MiB: {verdict} the budget of "
             f"{budget / 2**20:.2f} MiB ({peak / plan.predicted_peak_bytes:.3f} of predicted)"
+            + (_CPU_SCOPE if x.device.type == "cpu" else "")
         )
         if peak > budget:
             return 1
@@ -429,9 +511,12 @@ def _parser() -> _Parser:
     demo.add_argument(
         "--size", choices=sorted(DEMO_SIZES), help="model size (default: cpu, or gpu on CUDA)"
     )
-    demo.add_argument("--repeats", type=int, default=5, help="timing rounds (default: 5)")
+    demo.add_argument("--repeats", type=_positive_int, default=5, help="timing rounds (default: 5)")
     demo.add_argument(
-        "--threads", type=int, default=1, help="CPU threads for torch (default: %(default)s)"
+        "--threads",
+        type=_positive_int,
+        default=1,
+        help="CPU threads for torch (default: %(default)s)",
     )
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(run=_demo)
@@ -478,7 +563,7 @@ def _parser() -> _Parser:
     )
     plan.add_argument("--out", help="write the plan as JSON to this file")
     plan.add_argument("--measure", action="store_true", help="apply the plan and measure its peak")
-    plan.add_argument("--repeats", type=int, default=5, help="timing rounds (default: 5)")
+    plan.add_argument("--repeats", type=_positive_int, default=5, help="timing rounds (default: 5)")
     plan.add_argument("-v", "--verbose", action="store_true", help="print the profile table")
     plan.set_defaults(run=_plan)
 

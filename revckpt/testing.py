@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -210,7 +210,9 @@ class ErrorCheck:
 
     ``measured``: approximate-path gradient against float64; ``exact``: exact float32 path
     against float64 (the rounding the approximation comes on top of); ``bound``, ``estimate``:
-    from :func:`revckpt.approx.bounds.estimate_error`; ``allowed = bound + exact``.
+    from :func:`revckpt.approx.bounds.estimate_error`; ``roundoff``: a few units of the
+    gradients' dtype, ``ulps * eps * ||G_64||``, for the round-off of the comparison itself;
+    ``allowed = bound + exact + roundoff``. All computed in float64.
     """
 
     measured: dict[str, float]
@@ -220,11 +222,12 @@ class ErrorCheck:
     grad_norm: dict[str, float]
     config: str
     worst_row_bound: float = 0.0
+    roundoff: dict[str, float] = field(default_factory=dict)
 
     @property
     def allowed(self) -> dict[str, float]:
-        """Per parameter: the bound plus the exact float32 path's own error."""
-        return {n: self.bound[n] + self.exact[n] for n in self.bound}
+        """Per parameter: the bound, the exact float32 path's own error and the round-off."""
+        return {n: self.bound[n] + self.exact[n] + self.roundoff.get(n, 0.0) for n in self.bound}
 
     @property
     def violations(self) -> list[str]:
@@ -262,36 +265,11 @@ def _chain_grads(blocks: nn.Sequential, x: torch.Tensor, ct: torch.Tensor, **kw:
     return [p.grad.detach().clone() for p in blocks.parameters() if p.requires_grad]
 
 
-def assert_error_within_bound(
-    blocks: nn.Sequential | Sequence[nn.Module],
-    x: torch.Tensor,
-    approx: Any,
-    *,
-    cotangent: torch.Tensor | None = None,
-    probes: int = 8,
-    power_iterations: int = 12,
-) -> ErrorCheck:
-    """Run the chain exactly and with every block input kept through ``approx`` (a
-    :class:`revckpt.approx.Approx` or :class:`~revckpt.approx.Codec`), measure each parameter
-    gradient's error against float64, and assert it is within the hard bound::
-
-        ||G_approx - G_64|| <= bound + ||G_exact32 - G_64||
-
-    (the bound covers the compression; the second term is the float32 rounding of the exact
-    path, taken as what the approximate path's own float32 rounding adds too). A
-    low-precision recompute (``recompute_dtype``) has no bound (``inf``): the check then
-    reports the measured error only; ``store=None`` must be exact up to float32 rounding. Raises
-    :class:`~revckpt.GradientMismatchError` with the per-parameter table when a parameter is
-    above; returns the :class:`ErrorCheck` (print it for the table) otherwise. The blocks must
-    be deterministic (see :mod:`revckpt.approx.bounds`); their ``.grad`` are overwritten.
-    """
-    import copy
-
+def _as_approx(approx: Any) -> Any:
     from .approx import Approx, Codec
-    from .approx.bounds import estimate_error
 
     if isinstance(approx, Codec):
-        approx = Approx(
+        return Approx(
             store=approx.format,
             scaling=approx.scaling,
             block_size=approx.block_size,
@@ -301,6 +279,46 @@ def assert_error_within_bound(
         raise InvalidArgumentError(
             f"approx must be a revckpt.approx.Approx or Codec, got {type(approx).__name__}"
         )
+    return approx
+
+
+def assert_error_within_bound(
+    blocks: nn.Sequential | Sequence[nn.Module],
+    x: torch.Tensor,
+    approx: Any,
+    *,
+    cotangent: torch.Tensor | None = None,
+    probes: int = 8,
+    power_iterations: int = 12,
+    roundoff_ulps: float = 4.0,
+) -> ErrorCheck:
+    """Run the chain exactly and with every block input kept through ``approx`` (a
+    :class:`revckpt.approx.Approx` or :class:`~revckpt.approx.Codec`), measure each parameter
+    gradient's error against float64, and assert it is within the hard bound::
+
+        ||G_approx - G_64|| <= bound + ||G_exact32 - G_64|| + roundoff_ulps * eps * ||G_64||
+
+    (the bound covers the compression; the second term is the float32 rounding of the exact
+    path, taken as what the approximate path's own float32 rounding adds too; the third, with
+    ``eps`` that of the gradients' dtype, allows for the two paths rounding differently, which
+    matters where the bound itself is at round-off level, ~1e-7 relative in float32). The
+    norms are taken in float64. A
+    low-precision recompute (``recompute_dtype``) has no bound (``inf``): the check then
+    reports the measured error only; ``store=None`` must be exact up to float32 rounding. Raises
+    :class:`~revckpt.GradientMismatchError` with the per-parameter table when a parameter is
+    above; returns the :class:`ErrorCheck` (print it for the table) otherwise. The blocks must
+    be deterministic (see :mod:`revckpt.approx.bounds`); their ``.grad`` are overwritten.
+    """
+    import copy
+
+    from .approx.bounds import estimate_error
+
+    if not roundoff_ulps >= 0:
+        raise InvalidArgumentError(
+            f"roundoff_ulps={roundoff_ulps}: pass a number >= 0 (units in the last place of "
+            "the gradients' dtype, e.g. the default 4)"
+        )
+    approx = _as_approx(approx)
     chain = blocks if isinstance(blocks, nn.Sequential) else nn.Sequential(*blocks)
     with torch.no_grad():
         out = chain(x)
@@ -328,14 +346,17 @@ def assert_error_within_bound(
     def dist(a: list[Any], b: list[Any]) -> dict[str, float]:
         return {n: float((u.double() - v).norm()) for n, u, v in zip(names, a, b, strict=True)}
 
+    grad_norm = {n: float(g.norm()) for n, g in zip(names, exact64, strict=True)}
+    ulp = {n: roundoff_ulps * torch.finfo(g.dtype).eps for n, g in zip(names, exact32, strict=True)}
     check = ErrorCheck(
         measured=dist(approx32, exact64),
         exact=dist(exact32, exact64),
         bound=bound,
         estimate=estimate,
-        grad_norm={n: float(g.norm()) for n, g in zip(names, exact64, strict=True)},
+        grad_norm=grad_norm,
         config=str(approx),
         worst_row_bound=worst_row,
+        roundoff={n: ulp[n] * grad_norm[n] for n in names},
     )
     if check.violations:
         raise GradientMismatchError(

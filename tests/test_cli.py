@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from revckpt import InvalidArgumentError
 from revckpt.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -68,6 +69,21 @@ def test_plan_with_offload_on_the_cpu_profiles_only_what_is_asked(monkeypatch, c
             ["plan", "examples.user_model:build", "--budget", "0.5", "--strategies", "offlaod"],
             "unknown strategy 'offlaod'",
         ),
+        (["plan", ":build", "--budget", "1GiB"], "the module before ':' is missing"),
+        (["plan", "examples.user_model:", "--budget", "1GiB"], "the function after ':'"),
+        (["plan", "examples/user_model.py", "--budget", "1GiB"], "there is no ':'"),
+        (["plan", "./no_such_model.py:build", "--budget", "1GiB"], "no Python file"),
+        (["plan", "not-a-module:build", "--budget", "1GiB"], "neither a module name nor"),
+        (
+            ["plan", "examples.user_model:build", "--budget", "0.5", "--out", "no/dir/p.json"],
+            "its folder does not exist",
+        ),
+        (["demo", "--threads", "0"], "--threads: must be a whole number of at least 1"),
+        (["demo", "--repeats", "zero"], "--repeats: must be a whole number"),
+        (["demo", "--device", "gpu0"], "not a device"),
+        (["demo", "--budget", "lots"], "cannot read the memory budget"),
+        (["demo", "--budget", "1e400"], "memory budget '1e400'"),
+        (["plan", "examples.user_model:build", "--budget", "1e400"], "memory budget '1e400'"),
         (["frobnicate"], "invalid choice"),
     ],
 )
@@ -123,3 +139,23 @@ def test_version_and_unknown_option(capsys):
     assert main(["demo", "--frobnicate"]) == 2
     err = capsys.readouterr().err
     assert "unrecognized arguments" in err and "quote" not in err
+
+
+def test_plan_takes_the_path_of_a_python_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    spec = f"{ROOT / 'examples' / 'user_model.py'}:build"
+    args = ["plan", spec, "--budget", "0.5", "--strategies", "store", "checkpoint"]
+    assert main([*args, "--repeats", "1"]) == 0
+    assert "checkpoint" in capsys.readouterr().out
+
+
+def test_any_revckpt_error_is_one_line_with_exit_status_2(monkeypatch, capsys):
+    import revckpt.schedule
+
+    def refuse(budget, store_all_peak):
+        raise InvalidArgumentError(f"memory budget {budget!r} is too large; write e.g. '2GiB'")
+
+    monkeypatch.setattr(revckpt.schedule, "parse_budget", refuse)
+    assert main(["plan", "examples.user_model:build", "--budget", "1e400"]) == 2
+    err = capsys.readouterr().err
+    assert err == "revckpt: error: memory budget '1e400' is too large; write e.g. '2GiB'\n"

@@ -6,8 +6,16 @@ from helpers import Chain
 from hypothesis import given
 from torch import nn
 
-from revckpt import GradientMismatchError
-from revckpt.testing import StackSpec, assert_gradients_close, block_stacks, stack_specs
+from revckpt import GradientMismatchError, InvalidArgumentError
+from revckpt.approx import Approx
+from revckpt.testing import (
+    ErrorCheck,
+    StackSpec,
+    assert_error_within_bound,
+    assert_gradients_close,
+    block_stacks,
+    stack_specs,
+)
 
 
 @given(spec=stack_specs(depth=(1, 6), dtypes=(torch.float64,)))
@@ -76,3 +84,37 @@ def test_nan_gradients_fail_the_assertion():
     model.weight.register_hook(lambda g: g * float("nan"))
     with pytest.raises(GradientMismatchError, match="weight"):
         assert_gradients_close(model, None, torch.randn(3, 4, dtype=torch.float64), rtol=1e-3)
+
+
+def _check(measured: float, roundoff: dict[str, float]) -> ErrorCheck:
+    return ErrorCheck(
+        measured={"w": measured},
+        exact={"w": 3e-7},
+        bound={"w": 2e-7},
+        estimate={"w": 1e-7},
+        grad_norm={"w": 2.0},
+        config="bf16",
+        roundoff=roundoff,
+    )
+
+
+def test_a_bound_at_float32_round_off_allows_a_few_ulps_of_the_comparison():
+    eps = torch.finfo(torch.float32).eps
+    just_above = 2e-7 + 3e-7 + 3 * eps * 2.0  # three ulps of ||G|| above bound + exact
+    assert _check(just_above, {}).violations == ["w"]  # without the allowance: a false alarm
+    assert _check(just_above, {"w": 4 * eps * 2.0}).violations == []
+    assert _check(2e-7 + 3e-7 + 5 * eps * 2.0, {"w": 4 * eps * 2.0}).violations == ["w"]
+
+
+def test_error_check_roundoff_is_ulps_of_the_gradient_dtype():
+    torch.manual_seed(0)
+    chain = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    check = assert_error_within_bound(chain, x, Approx(store=None), roundoff_ulps=3)
+    eps = torch.finfo(torch.float32).eps
+    for name, norm in check.grad_norm.items():
+        assert check.roundoff[name] == 3 * eps * norm
+        assert check.allowed[name] == check.exact[name] + check.roundoff[name]  # bound 0
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(InvalidArgumentError, match="roundoff_ulps"):
+            assert_error_within_bound(chain, x, Approx(store=None), roundoff_ulps=bad)
