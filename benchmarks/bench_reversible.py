@@ -15,7 +15,10 @@ Reported per depth (8, 32, 128):
   allocator happens to place the buffers, which is fixed for a process and differs between
   processes by a few percent, so each depth is measured in ``--processes`` fresh processes
   (default 3) and the table gives the median over them with each process's value.
-* head-to-head: revckpt against the fastest peer of that process, interleaved directly.
+* head-to-head: revckpt against the fastest peer of that process, interleaved directly;
+* the cost of the default invertibility check (``check_inverse="auto"``: 64 sampled elements
+  of each half of the stack input, compared with their rebuilt values once per backward):
+  revckpt as shipped against ``check_inverse=None``, interleaved directly.
 
 Peers that are not installed are skipped with a note (``pip install -e ".[bench]"`` and
 ``pip install --no-deps memcnn==1.5.2``). memcnn frees block inputs by resizing their storage
@@ -48,6 +51,8 @@ from revckpt.layers import ReversibleBlock, ReversibleSequential
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 HEAD_TO_HEAD = "head-to-head: revckpt / fastest peer (interleaved)"
+UNCHECKED = "revckpt, check_inverse=None (no invertibility check)"
+CHECK_COST = "default invertibility check: revckpt / check_inverse=None (interleaved)"
 
 
 def branch(width: int, hidden: int) -> nn.Module:
@@ -89,6 +94,7 @@ def bench_depth(
         "plain autograd": plain(blocks),
         "torch checkpoint per block": torch_checkpoint(blocks),
         "revckpt ReversibleSequential": ReversibleSequential(*blocks, split_dim=1),
+        UNCHECKED: ReversibleSequential(*blocks, split_dim=1, check_inverse=None),
     }
     found, notes = peers(blocks)
     variants.update(found)
@@ -138,6 +144,21 @@ def bench_depth(
     for row in rows:
         r = ratios[row["variant"]]
         row.update(time_ratio=r.ratio, time_ratio_q25=r.q25, time_ratio_q75=r.q75)
+    check = time_ratio(
+        step(variants["revckpt ReversibleSequential"]),
+        step(variants[UNCHECKED]),
+        repeats=repeats,
+        warmup=1,
+    )
+    rows.append(
+        {
+            "depth": depth,
+            "variant": CHECK_COST,
+            "time_ratio": check.ratio,
+            "time_ratio_q25": check.q25,
+            "time_ratio_q75": check.q75,
+        }
+    )
     peer_rows = [r for r in rows if r["variant"] in found]
     if peer_rows:
         best = min(peer_rows, key=lambda r: r["time_ratio"])["variant"]
