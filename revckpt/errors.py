@@ -14,6 +14,7 @@ __all__ = [
     "GradientMismatchError",
     "InvalidArgumentError",
     "InvalidInputTypeError",
+    "MeasurementError",
     "ModifiedInputError",
     "ModifiedParameterError",
     "ReconstructionError",
@@ -32,6 +33,11 @@ class InvalidArgumentError(RevckptError, ValueError):
 
 class InvalidInputTypeError(RevckptError, TypeError):
     """An argument has the wrong type (a block that is not callable, an input that is no tensor)."""
+
+
+class MeasurementError(RevckptError, RuntimeError):
+    """A meter's block ran code the meter cannot see (compiled code under the CPU storage
+    tracker): its figures would be wrong, so it says so instead of returning them."""
 
 
 class CheckpointMismatchError(RevckptError, RuntimeError):

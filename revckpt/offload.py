@@ -14,7 +14,9 @@ and backward for an offloaded boundary: **zero** bytes; host memory: the boundar
 segment ``p`` runs its backward the device holds its own input and the prefetched input of
 segment ``p - 1``. Extra time: one forward of each segment, plus a device-to-host and a
 host-to-device copy of each boundary (overlapped with compute on CUDA). Gradients are bitwise
-those of :func:`revckpt.checkpoint` (the values copied back are the values copied out).
+those of :func:`revckpt.checkpoint` (the values copied back are the values copied out), but for
+keyword tensors that require grad: equal to round-off (the node sums the contributions of their
+uses before autograd adds them to the rest).
 
 **Only activations move.** The tensors autograd keeps for the offloaded node are its positional
 tensor arguments (the block input) and its keyword tensors. Keyword tensors (masks, positions,
@@ -403,7 +405,8 @@ def checkpoint_sequential(
     backward copies segment ``p - 1``'s input back while segment ``p`` runs its backward, so
     the device holds at most two boundaries at a time during backward; without it each copy
     back starts when its segment's backward does. ``**kwargs`` reach every block and stay on
-    the device. Gradients are bitwise those of ``revckpt.checkpoint_sequential``.
+    the device. Gradients are bitwise those of ``revckpt.checkpoint_sequential`` (keyword
+    tensors that require grad: to round-off, see the module docstring).
     """
     chain = _as_blocks(blocks)
     if not isinstance(input, torch.Tensor):

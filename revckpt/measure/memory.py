@@ -53,17 +53,12 @@ from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..errors import InvalidArgumentError, RevckptError
+from ..errors import InvalidArgumentError, MeasurementError
 from .allocator import AllocatorEvents
 
 __all__ = ["MeasurementError", "MemoryMeter", "MemoryStats", "peak_memory"]
 
 METHODS = ("storages", "allocator")
-
-
-class MeasurementError(RevckptError, RuntimeError):
-    """A meter's block ran code the meter cannot see (compiled code under the CPU storage
-    tracker): its figures would be wrong, so it says so instead of returning them."""
 
 
 _LIFT_OPS = frozenset(
