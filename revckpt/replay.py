@@ -256,20 +256,25 @@ class ForwardState:
         """
         if devices is None:
             devices = devices_of(*owners)
-        rng: dict[torch.device, torch.Tensor] = {}
         locked = preserve_rng_state and not torch.compiler.is_compiling()
         if locked:
             _RNG_LOCK.acquire()
-        if preserve_rng_state:
-            for device in [torch.device("cpu"), *devices]:
-                if device not in rng:
-                    rng[device] = _get_rng(device)
-        autocast = tuple(AutocastState.capture(t) for t in _autocast_device_types(devices))
-        state = cls(devices, rng, autocast)
+        try:
+            rng: dict[torch.device, torch.Tensor] = {}
+            if preserve_rng_state:
+                for device in [torch.device("cpu"), *devices]:
+                    if device not in rng:
+                        rng[device] = _get_rng(device)
+            autocast = tuple(AutocastState.capture(t) for t in _autocast_device_types(devices))
+            state = cls(devices, rng, autocast)
+            state.norms = norms
+            if modules and not torch.compiler.is_compiling():
+                state.modules = ModuleState(modules)
+        except BaseException:
+            if locked:
+                _RNG_LOCK.release()
+            raise
         state._locked = locked
-        state.norms = norms
-        if modules and not torch.compiler.is_compiling():
-            state.modules = ModuleState(modules)
         return state
 
     def forward_finished(self) -> None:
@@ -344,9 +349,9 @@ class _Replay:
         if state._rng:
             _RNG_LOCK.acquire()
             self._locked = True
-        self._outer = {device: _get_rng(device) for device in state._rng}
         self._contexts = []
         try:
+            self._outer = {device: _get_rng(device) for device in state._rng}
             for device, rng in state._rng.items():
                 _set_rng(device, rng)
             if state.modules is not None:
@@ -370,10 +375,12 @@ class _Replay:
 
     def _unwind(self, *exc: Any) -> None:
         try:
-            while self._contexts:
-                self._contexts.pop().__exit__(*exc)
-            ModuleState.exit(self._undo)
-            self._undo = []
+            try:
+                while self._contexts:
+                    self._contexts.pop().__exit__(*exc)
+            finally:
+                ModuleState.exit(self._undo)
+                self._undo = []
             if self._exact and exc[0] is None:
                 self._check_draws()
         finally:
@@ -388,11 +395,11 @@ class _Replay:
         for device, end in self._state._end.items():
             if _digest(_get_rng(device)) != end:
                 raise ReplayError(
-                    f"the recompute of {self._label} drew other random numbers than its forward on "
-                    f"{device} (the generator ended elsewhere), so its dropout masks differ. "
-                    "Another thread drew from the global generator while the forward ran: train "
-                    "models that draw random numbers in separate processes, or run the other "
-                    "thread's random draws through revckpt too (its forwards then take turns)"
+                    f"the recompute of {self._label} drew other random numbers than its forward "
+                    f"on {device} (the generator ended elsewhere), so its dropout masks would "
+                    "differ. Another thread drew from the global generator while the forward "
+                    "ran: train models that draw random numbers in separate processes, or run "
+                    "the other thread's model through revckpt too (their forwards take turns)"
                 )
 
 

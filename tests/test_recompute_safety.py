@@ -405,3 +405,37 @@ def test_buffers_the_forward_writes_are_replayed_from_before_it(strategy, kind):
 def test_errors_are_revckpt_errors():
     for error in (ModifiedParameterError, ReplayError, DoubleBackwardError):
         assert issubclass(error, RevckptError) and issubclass(error, RuntimeError)
+
+
+class _FailsOnce(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.fail = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            self.fail = False
+            raise ValueError("a block that fails")
+        return torch.dropout(self.lin(x), 0.5, True)
+
+
+@pytest.mark.parametrize("strategy", ["checkpoint", "approx-exact", "offload", "reversible"])
+def test_a_forward_that_raises_leaves_no_lock_held(strategy):
+    torch.manual_seed(0)
+    model = Model([_FailsOnce() for _ in range(4)], strategy).double()
+    x = _input(strategy)
+    with pytest.raises(ValueError, match="a block that fails"):
+        model(x)
+    done = threading.Event()
+
+    def other_thread() -> None:
+        for b in model.blocks:
+            b.fail = False
+        model(x).sum().backward()
+        done.set()
+
+    t = threading.Thread(target=other_thread, daemon=True)
+    t.start()
+    t.join(timeout=60)
+    assert done.is_set(), "another thread could not run a forward: a lock was left held"
