@@ -2,16 +2,19 @@
 an error budget, and apply the plan.
 
 * :mod:`~revckpt.schedule.costs`: the cost model (memory peak, recompute time, error).
-* :mod:`~revckpt.schedule.solver`: :func:`solve` (exact dynamic programme), baselines and
-  :func:`make_plan` (a plan you choose, with its predictions).
+* :mod:`~revckpt.schedule.solver`: :func:`solve` (exact dynamic programme, every plan checked
+  against the exact figures), baselines and :func:`make_plan` (a plan you choose, with its
+  predictions); :mod:`~revckpt.schedule.programme`: the quantised problem and its programmes;
+  :mod:`~revckpt.schedule.budget`: :func:`parse_budget`.
 * :mod:`~revckpt.schedule.profile`: :func:`profile` (per-block measurements).
 * :mod:`~revckpt.schedule.plan`: :class:`Plan` (table, JSON round trip) and :func:`apply`.
 """
 
+from .budget import parse_budget
 from .costs import BlockCost, Segment, evaluate
 from .plan import Plan, Scheduled, apply
 from .profile import Profile, profile
-from .solver import baseline, make_plan, parse_budget, solve
+from .solver import baseline, make_plan, solve
 
 __all__ = [
     "BlockCost",

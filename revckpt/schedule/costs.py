@@ -68,10 +68,23 @@ gradient of block ``i``'s output (``x_{i+1}`` bytes), block ``i`` peaks at
   + f_i``, the backward at ``P + D_i + x_i + s_i + O + 2 g_i + tc_i + f_i`` (one node, as an
   approx segment of one block). Kept: ``D_k``.
 
-Every segment's peak is ``P + W`` with ``W`` independent of what comes before it, so the peak of
-a plan is ``max_p (P_p + W_p)``: this decomposition is what makes an exact dynamic programme
-possible (:mod:`revckpt.schedule.solver`). A reversible segment may not be followed by an approx
-segment (the reversible output would be kept in full next to its compressed copy).
+``O`` counts, in backward, the scalar loss and its gradient too (``loss_bytes`` of the last
+block). A recomputed segment whose forward draws random numbers (dropout) also keeps their
+generator state for its replay, ``r`` bytes, measured per block and strategy (``rng_bytes``):
+one state per node, so once per checkpoint or approx segment (the largest block's) and per
+block of a reversible or offload segment (each block, or each branch, its own node; these
+count in their forward from the start, an upper bound). ``r`` is kept from the forward and
+alive through the segment's backward; ``l`` bytes of it (``rng_late_bytes``, measured: today
+approx, offload and reversible nodes hold theirs as long as the step's graph lives) stay alive
+to the end of the step, so they are alive in the backward of every earlier segment too.
+
+Every segment's peak is ``P + W`` with ``W`` independent of what comes before it, so without
+``l`` the peak of a plan is ``max_p (P_p + W_p)``: this decomposition is what makes an exact
+dynamic programme possible (:mod:`revckpt.schedule.solver`). With it, it is
+``max_p max(P_p + W_p, P_p + L_p + Wb_p)`` (``Wb_p``: the backward part of ``W_p``;
+``L_p = sum_{q > p} l_q``), which :func:`evaluate` computes exactly and the solver checks
+every plan against. A reversible segment may not be followed by an approx segment (the
+reversible output would be kept in full next to its compressed copy).
 """
 
 from __future__ import annotations
@@ -109,7 +122,12 @@ class BlockCost:
     compressed by codec ``c``, and the estimated relative parameter-gradient error of
     compressing it. ``offload_kept_bytes``: the bytes of the block's input still on the device
     when it is offloaded (``None``: offload not profiled); ``offload_fetch_s``: the time of
-    copying it back, saved when it is prefetched."""
+    copying it back, saved when it is prefetched. ``rng_bytes[s]``: the bytes of forward-time
+    state that strategy ``s`` keeps for its recompute from the block's forward to its backward
+    (the generator states of a forward that draws random numbers; 0 for a block that draws
+    none; a selective segment counts them in ``selective_bytes``), and ``rng_late_bytes[s]``
+    what of them stays alive after the block's backward, until the step ends; ``loss_bytes``:
+    a scalar loss and its gradient, alive during backward when the block ends the chain."""
 
     forward_s: float
     backward_s: float
@@ -140,6 +158,9 @@ class BlockCost:
     chain_grad_sq: float | None = None
     offload_kept_bytes: int | None = None
     offload_fetch_s: float = 0.0
+    rng_bytes: Mapping[str, int] = field(default_factory=dict)
+    rng_late_bytes: Mapping[str, int] = field(default_factory=dict)
+    loss_bytes: int = 0
 
     @property
     def capture_peak(self) -> int:
@@ -163,12 +184,16 @@ class Segment:
 @dataclass(frozen=True)
 class SegmentCost:
     """``kept``: bytes held from the segment's forward to its backward; ``work``: its peak
-    above the bytes kept by earlier segments; ``time``: extra seconds (recompute); ``error``."""
+    above the bytes kept by earlier segments; ``time``: extra seconds (recompute); ``error``;
+    ``backward_work``: the peak of its backward alone above those bytes; ``late``: bytes it
+    keeps after its backward, to the end of the step."""
 
     kept: int
     work: int
     time: float
     error: float
+    backward_work: int = 0
+    late: int = 0
 
 
 def strategy_names(blocks: Sequence[BlockCost]) -> list[str]:
@@ -325,109 +350,143 @@ def _approx_error(part: Sequence[BlockCost], codec: str) -> float:
 def segment_cost(blocks: Sequence[BlockCost], seg: Segment) -> SegmentCost:
     """Kept bytes, working peak, recompute time and error of one segment (see module doc)."""
     _check_strategy(blocks, seg)
-    out = blocks[-1].output_bytes
+    out = blocks[-1].output_bytes + blocks[-1].loss_bytes
     j, k, strategy = seg.start, seg.stop, seg.strategy
     part = blocks[j:k]
+    time, error = 0.0, 0.0
     if strategy == STORE:
-        kept = sum(b.input_bytes + b.saved_bytes for b in part)
-        work = 0
-        acc = 0
-        for b in part:  # forward
-            work = max(work, acc + b.input_bytes + b.forward_peak_bytes)
-            acc += b.input_bytes + b.saved_bytes
-        for b in reversed(part):  # backward: acc = sum over [j, i]
-            work = max(work, acc + out + b.output_bytes + b.backward_peak_bytes)
-            acc -= b.input_bytes + b.saved_bytes
-        return SegmentCost(kept, work, 0.0, 0.0)
-    recompute = _segment_time(part, strategy)
-    if strategy.startswith(SELECTIVE_PREFIX):
-        b, policy = part[0], strategy[len(SELECTIVE_PREFIX) :]
-        kept = b.input_bytes + b.selective_bytes[policy]
-        work = max(
-            b.input_bytes + b.selective_forward_peak_bytes[policy],
-            kept + out + b.output_bytes + b.selective_backward_peak_bytes[policy],
-        )
-        return SegmentCost(kept, work, recompute, 0.0)
-    if strategy == OFFLOAD:
-        return _offload_cost(part, j == 0, out, recompute)
-    if strategy == REVERSIBLE:
-        held = part[0].input_bytes if j == 0 else 0  # the caller's chain input, if ours
-        # the stack keeps its output x_k for its whole backward (it rebuilds from it); the
-        # chain's own output is O, counted already
-        kept_output = part[-1].output_bytes if k < len(blocks) else 0
-        work = 0
-        for i, b in enumerate(part):
-            current = b.input_bytes if (i > 0 or j > 0) else 0
-            work = max(work, held + current + b.forward_peak_nograd_bytes)
-            if b.reversible_peak_bytes is not None:  # tr, measured: rebuild and backward
-                work = max(
-                    work, held + kept_output + out + b.output_bytes + b.reversible_peak_bytes
-                )
-                continue
-            work = max(  # an upper bound when tr was not measured
-                work,
-                held
-                + kept_output
-                + out
-                + 2 * b.output_bytes
-                + b.input_bytes
-                # its node returns the block's parameter gradients at once
-                + max(b.saved_bytes + b.capture_peak, b.forward_peak_bytes + b.param_bytes),
-            )
-        return SegmentCost(held, work, recompute, 0.0)
-    # checkpoint / approx
-    if strategy == CHECKPOINT:
-        kept, held, error = part[0].input_bytes, 0, 0.0
+        kept, fwd, bwd = _store_work(part, out)
+    elif strategy.startswith(SELECTIVE_PREFIX):
+        kept, fwd, bwd = _selective_work(part[0], strategy[len(SELECTIVE_PREFIX) :], out)
+    elif strategy == OFFLOAD:
+        kept, fwd, bwd = _offload_work(part, j == 0, out)
+    elif strategy == REVERSIBLE:
+        kept, fwd, bwd = _reversible_work(part, j == 0, k == len(blocks), out)
     else:
-        codec = strategy[len(APPROX_PREFIX) :]
-        kept = held = part[0].approx_bytes[codec]
-        error = _approx_error(part, codec)
-        if j == 0:  # the caller's chain input stays alive next to its compressed copy
+        kept, fwd, bwd = _recompute_work(part, strategy, j == 0, out)
+        if strategy.startswith(APPROX_PREFIX):
+            error = _approx_error(part, strategy[len(APPROX_PREFIX) :])
+    if strategy != STORE:
+        time = _segment_time(part, strategy)
+    rng = _replay_bytes(part, strategy, late=False)
+    if strategy in (REVERSIBLE, OFFLOAD):  # one state per block, kept as its forward ends
+        fwd += rng
+    return SegmentCost(
+        kept + rng,
+        max(fwd, bwd + rng),
+        time,
+        error,
+        backward_work=bwd + rng,
+        late=_replay_bytes(part, strategy, late=True),
+    )
+
+
+def _replay_bytes(part: Sequence[BlockCost], strategy: str, *, late: bool) -> int:
+    """``r`` (or ``l`` with ``late``) of a segment: one replay state per recomputed node, so
+    the sum over the blocks of reversible and offload segments (a node per block, or per
+    branch), the largest block's otherwise (one node for the whole segment)."""
+    per_block = [(b.rng_late_bytes if late else b.rng_bytes).get(strategy, 0) for b in part]
+    return sum(per_block) if strategy in (REVERSIBLE, OFFLOAD) else max(per_block)
+
+
+Work = tuple[int, int, int]  # kept bytes, forward peak and backward peak above P
+
+
+def _store_work(part: Sequence[BlockCost], out: int) -> Work:
+    fwd = bwd = acc = 0
+    for b in part:
+        fwd = max(fwd, acc + b.input_bytes + b.forward_peak_bytes)
+        acc += b.input_bytes + b.saved_bytes
+    kept = acc
+    for b in reversed(part):  # acc = sum over [j, i]
+        bwd = max(bwd, acc + out + b.output_bytes + b.backward_peak_bytes)
+        acc -= b.input_bytes + b.saved_bytes
+    return kept, fwd, bwd
+
+
+def _selective_work(b: BlockCost, policy: str, out: int) -> Work:
+    kept = b.input_bytes + b.selective_bytes[policy]
+    fwd = b.input_bytes + b.selective_forward_peak_bytes[policy]
+    return kept, fwd, kept + out + b.output_bytes + b.selective_backward_peak_bytes[policy]
+
+
+def _reversible_work(part: Sequence[BlockCost], first: bool, last: bool, out: int) -> Work:
+    held = part[0].input_bytes if first else 0  # the caller's chain input, if ours
+    # the stack keeps its output x_k for its whole backward (it rebuilds from it); the chain's
+    # own output is O, counted already
+    kept_output = 0 if last else part[-1].output_bytes
+    fwd = bwd = 0
+    for i, b in enumerate(part):
+        current = b.input_bytes if (i > 0 or not first) else 0
+        fwd = max(fwd, held + current + b.forward_peak_nograd_bytes)
+        if b.reversible_peak_bytes is not None:  # tr, measured: rebuild and backward
+            bwd = max(bwd, held + kept_output + out + b.output_bytes + b.reversible_peak_bytes)
+            continue
+        bwd = max(  # an upper bound when tr was not measured
+            bwd,
+            held
+            + kept_output
+            + out
+            + 2 * b.output_bytes
+            + b.input_bytes
+            # its node returns the block's parameter gradients at once
+            + max(b.saved_bytes + b.capture_peak, b.forward_peak_bytes + b.param_bytes),
+        )
+    return held, fwd, bwd
+
+
+def _recompute_work(part: Sequence[BlockCost], strategy: str, first: bool, out: int) -> Work:
+    """A checkpoint or approx segment: its forward records nothing; its backward re-runs it."""
+    if strategy == CHECKPOINT:
+        kept, held = part[0].input_bytes, 0
+    else:
+        kept = held = part[0].approx_bytes[strategy[len(APPROX_PREFIX) :]]
+        if first:  # the caller's chain input stays alive next to its compressed copy
             kept += part[0].input_bytes
             held += part[0].input_bytes
-    work = 0
-    for i, b in enumerate(part):  # forward, nothing recorded
+    fwd = 0
+    for i, b in enumerate(part):
         alive = kept if strategy == CHECKPOINT else held
         current = b.input_bytes if (i > 0 or strategy != CHECKPOINT) else 0
-        work = max(work, alive + current + b.forward_peak_nograd_bytes)
+        fwd = max(fwd, alive + current + b.forward_peak_nograd_bytes)
     grad_out = part[-1].output_bytes
-    acc = 0
     last = part[-1]
     measured_last = strategy == CHECKPOINT and last.checkpoint_peak_bytes is not None
+    bwd = acc = 0
     for i, b in enumerate(part):  # the recompute in backward
         if i == len(part) - 1 and measured_last:
             # tk: the last block's recompute and backward measured together (the recompute
             # stops after the last tensor its backward needs)
             assert last.checkpoint_peak_bytes is not None
-            work = max(work, acc + b.input_bytes + out + grad_out + last.checkpoint_peak_bytes)
+            bwd = max(bwd, acc + b.input_bytes + out + grad_out + last.checkpoint_peak_bytes)
         else:
-            work = max(work, held + acc + b.input_bytes + b.forward_peak_bytes + out + grad_out)
+            bwd = max(bwd, held + acc + b.input_bytes + b.forward_peak_bytes + out + grad_out)
         acc += b.input_bytes + b.saved_bytes
     if strategy == CHECKPOINT:
         for i in reversed(range(len(part))):  # its backward
             b = part[i]
             if not (i == len(part) - 1 and measured_last):
-                work = max(work, acc + out + b.output_bytes + b.backward_peak_bytes)
+                bwd = max(bwd, acc + out + b.output_bytes + b.backward_peak_bytes)
             acc -= b.input_bytes + b.saved_bytes
-    else:  # one node: the recomputed segment output stays alive and it returns the segment's
-        captured = 0  # parameter gradients at its end, so those made so far are kept
-        for i in reversed(range(len(part))):
-            b = part[i]
-            inner = b.output_bytes if i < len(part) - 1 else 0  # g_i, unless it is g_k
-            recomputed = grad_out  # the segment output, rebuilt, alive until the node returns
-            work = max(
-                work, held + acc + out + grad_out + recomputed + inner + b.capture_peak + captured
-            )
-            captured += b.param_bytes
-            acc -= b.input_bytes + b.saved_bytes
-    return SegmentCost(kept, work, recompute, error)
+        return kept, fwd, bwd
+    # one node: the recomputed segment output stays alive and it returns the segment's
+    # parameter gradients at its end, so those made so far are kept
+    captured = 0
+    for i in reversed(range(len(part))):
+        b = part[i]
+        inner = b.output_bytes if i < len(part) - 1 else 0  # g_i, unless it is g_k
+        recomputed = grad_out  # the segment output, rebuilt, alive until the node returns
+        bwd = max(bwd, held + acc + out + grad_out + recomputed + inner + b.capture_peak + captured)
+        captured += b.param_bytes
+        acc -= b.input_bytes + b.saved_bytes
+    return kept, fwd, bwd
 
 
-def _offload_cost(part: Sequence[BlockCost], first: bool, out: int, time: float) -> SegmentCost:
+def _offload_work(part: Sequence[BlockCost], first: bool, out: int) -> Work:
     """An offload segment (see the module docstring): per block ``d_i`` stays on the device,
     ``m_i`` moves; ``first``: the segment starts the chain, whose input the caller holds."""
     kept = 0  # D_i
-    work = 0
+    fwd = bwd = 0
     moved_before = 0  # m_{i-1}, being prefetched during block i's backward
     for i, b in enumerate(part):
         assert b.offload_kept_bytes is not None
@@ -437,15 +496,15 @@ def _offload_cost(part: Sequence[BlockCost], first: bool, out: int, time: float)
         # the caller's chain input stays on the device whatever is moved: its copy comes back
         # next to it
         back = b.input_bytes + (b.input_bytes - d if first and i == 0 else 0)
-        work = max(
-            work,
-            kept + b.input_bytes + b.forward_peak_nograd_bytes,
+        fwd = max(fwd, kept + b.input_bytes + b.forward_peak_nograd_bytes)
+        bwd = max(
+            bwd,
             kept + back + b.forward_peak_bytes + out + g + prefetch,
             kept + back + b.saved_bytes + out + 2 * g + b.capture_peak + prefetch,
         )
         kept += b.input_bytes if (first and i == 0) else d
         moved_before = b.input_bytes - d
-    return SegmentCost(kept, work, time, 0.0)
+    return kept, fwd, bwd
 
 
 @dataclass(frozen=True)
@@ -460,8 +519,8 @@ class Evaluation:
 
 def evaluate(blocks: Sequence[BlockCost], segments: Sequence[Segment]) -> Evaluation:
     """Predicted peak, recompute overhead and error of a plan (segments in order, covering the
-    chain). The peak is ``max_p (P_p + W_p)`` over segments ``p`` (see the module docstring);
-    the error ``sqrt(sum_p e_p^2)``."""
+    chain). The peak is ``max_p max(P_p + W_p, P_p + L_p + Wb_p)`` over segments ``p`` (see the
+    module docstring); the error ``sqrt(sum_p e_p^2)``."""
     if not segments or segments[0].start != 0 or segments[-1].stop != len(blocks):
         raise InvalidArgumentError("a plan's segments must cover the chain from block 0 to the end")
     for a, b in itertools.pairwise(segments):
@@ -480,15 +539,17 @@ def evaluate(blocks: Sequence[BlockCost], segments: Sequence[Segment]) -> Evalua
                     "anyway; checkpoint that block or store the next one"
                 )
             )
-    prefix, peak, time, error_sq = 0, 0, 0.0, 0.0
-    for seg in segments:
-        cost = segment_cost(blocks, seg)
-        peak = max(peak, prefix + cost.work)
+    costs = [segment_cost(blocks, seg) for seg in segments]
+    late_after = [sum(c.late for c in costs[p + 1 :]) for p in range(len(costs))]
+    prefix, peak = 0, 0
+    for cost, late in zip(costs, late_after, strict=True):
+        peak = max(peak, prefix + cost.work, prefix + late + cost.backward_work)
         prefix += cost.kept
-        time += cost.time
-        error_sq += cost.error**2
     return Evaluation(
-        peak_bytes=peak, overhead_s=time, error=math.sqrt(error_sq), kept_bytes=prefix
+        peak_bytes=peak,
+        overhead_s=sum(c.time for c in costs),
+        error=math.sqrt(sum(c.error**2 for c in costs)),
+        kept_bytes=prefix,
     )
 
 
@@ -499,6 +560,9 @@ def chain_totals(blocks: Sequence[BlockCost]) -> tuple[float, int]:
     return base, plain.peak_bytes
 
 
-def slots_of(nbytes: int, slot_bytes: float) -> int:
-    """Bytes in slots, rounded up (a plan that fits in slots fits in bytes)."""
-    return math.ceil(nbytes / slot_bytes - 1e-9) if nbytes > 0 else 0
+def slots_of(nbytes: int, slot_bytes: float, *, up: bool = True) -> int:
+    """Bytes in slots, rounded up (a plan that fits in slots fits in bytes) or down (a plan
+    that fits in bytes fits in slots)."""
+    if nbytes <= 0:
+        return 0
+    return math.ceil(nbytes / slot_bytes - 1e-9) if up else math.floor(nbytes / slot_bytes + 1e-9)

@@ -5,8 +5,11 @@
 and each strategy's extra time over storing (:func:`~revckpt.time_ratios`); the bytes its
 forward saves for backward apart from its input, its input and output bytes, whether it saves
 its own output; the transient peaks of its forward (recording and not) and of its backward in
-every mode a plan can run it in (all from :class:`~revckpt.MemoryMeter`); whether it is
-invertible (a :class:`~revckpt.layers.ReversibleUnit`); per selective policy what it keeps;
+every mode a plan can run it in (all from :class:`~revckpt.MemoryMeter`); per recomputing
+strategy, the bytes of forward-time state its forward keeps for the replay beyond what the cost
+model counts (the generator states of a block that draws random numbers: dropout) and what of
+them is still alive after its backward; the bytes of a scalar loss and its gradient; whether it
+is invertible (a :class:`~revckpt.layers.ReversibleUnit`); per selective policy what it keeps;
 and per codec the compressed size of its input and, measured in float64 with the chain's
 cotangent, the relative errors of its parameter and input gradients when that input goes
 through the codec. One backward of the whole chain gives every block's gradient norm (the
@@ -363,41 +366,27 @@ def _profile_block(
     del y
     params = [p for p in block.parameters() if p.requires_grad]
     wrt = ([leaf] if leaf.requires_grad else []) + params
+    approx_bytes = _compressed_sizes(x, codecs)
     # Backward transients, metered together with their forward so that saved tensors freed
     # during the backward count as freed: the peak above the level when backward starts
     # (saved tensors, the output, its gradient alive). ``tb`` accumulates into ``.grad`` (the
     # steady state), ``tc`` returns the gradients (kept, as inside one approx/reversible node).
     # ``tk``: the same for the block checkpointed (its recompute and backward together).
-    transients: dict[str, int] = {}
     # ``tr``: the same for an invertible block run reversibly (nothing stored; the input is
-    # rebuilt from the output in backward).
-    modes = ["accumulate", "capture", "checkpoint"] + [SELECTIVE_PREFIX + p for p in policies]
+    # rebuilt from the output in backward). Every recomputing mode also gives the replay state
+    # its forward keeps and what of it outlives its backward.
+    modes = ["accumulate", "capture", CHECKPOINT] + [SELECTIVE_PREFIX + p for p in policies]
+    modes += [APPROX_PREFIX + fmt for fmt in approx_bytes]
+    reversible = None
     if isinstance(block, ReversibleUnit):
-        modes.append("reversible")
+        modes.append(REVERSIBLE)
         reversible = ReversibleSequential(block.block, split_dim=block.split_dim)
-    for mode in modes:
-        leaf.grad = None
-        with MemoryMeter(device) as meter:
-            if mode == "checkpoint":
-                y = checkpoint(block, leaf, **kwargs)
-            elif mode.startswith(SELECTIVE_PREFIX):
-                y = checkpoint(block, leaf, policy=mode[len(SELECTIVE_PREFIX) :], **kwargs)
-            elif mode == "reversible":
-                y = reversible(leaf, **kwargs)
-            else:
-                y = block(leaf, **kwargs)
-            g = grad_out.clone()
-            start = meter.live_bytes
-            meter.reset_peak()
-            if not wrt:
-                pass
-            elif mode == "capture":
-                grads = torch.autograd.grad(y, wrt, g, allow_unused=True)
-                del grads
-            else:
-                y.backward(g)
-            del y, g
-        transients[mode] = max(0, meter.since_reset_peak_bytes - start)
+    if offload:
+        modes.append(OFFLOAD)
+    runs = _Runs(block, leaf, wrt, kwargs, reversible)
+    accounted = {APPROX_PREFIX + fmt: n for fmt, n in approx_bytes.items()}
+    metered = _metered_modes(runs, modes, grad_out, accounted, device, backward=bool(wrt))
+    transients = metered.transient
     leaf.grad = None
     selective_bytes, selective_fwd = {}, {}
     output_op = _output_op(block, leaf.detach(), kwargs) if policies else None
@@ -426,7 +415,7 @@ def _profile_block(
     if wrt:
         steps[CHECKPOINT] = lambda: checkpoint(block, leaf, **kwargs).backward(grad_out)
         if isinstance(block, ReversibleUnit):
-            steps[REVERSIBLE] = lambda: reversible(leaf, **kwargs).backward(grad_out)
+            steps[REVERSIBLE] = lambda: runs.forward(REVERSIBLE).backward(grad_out)
         for policy in policies:
             steps[SELECTIVE_PREFIX + policy] = functools.partial(
                 _wrapped_step, checkpoint, {"policy": policy}, block, leaf, grad_out, kwargs
@@ -447,16 +436,11 @@ def _profile_block(
     fb = ratios[STORE].baseline_seconds
     overhead = {s: max(0.0, (r.ratio - 1.0) * fb) for s, r in ratios.items() if s != STORE}
     leaf.grad = None
-    approx_bytes: dict[str, int] = {}
     approx_error: dict[str, float] = {}
     approx_input_error: dict[str, float] = {}
     perturbation: dict[str, float] = {}
     amplification: dict[str, float] = {}
-    if x.is_floating_point() and codecs:
-        for fmt in codecs:
-            codec = Approx(store=fmt).codec
-            assert codec is not None
-            approx_bytes[fmt] = codec.encode(x).nbytes
+    if approx_bytes:
         measured = _codec_errors(block, x, codecs, cotangent, kwargs)
         approx_error, approx_input_error = measured.parameters, measured.input_gradient
         perturbation, amplification = measured.perturbation, measured.amplification
@@ -487,7 +471,110 @@ def _profile_block(
         approx_amplification=amplification,
         offload_kept_bytes=offload_kept,
         offload_fetch_s=fetch_s,
+        rng_bytes=metered.rng,
+        rng_late_bytes=metered.late,
+        loss_bytes=_loss_bytes(grad_out, device),
     )
+
+
+def _compressed_sizes(x: torch.Tensor, codecs: Sequence[str]) -> dict[str, int]:
+    """Per codec, the bytes of ``x`` compressed (none for an input that is not floating)."""
+    if not x.is_floating_point():
+        return {}
+    sizes = {}
+    for fmt in codecs:
+        codec = Approx(store=fmt).codec
+        assert codec is not None
+        sizes[fmt] = codec.encode(x).nbytes
+    return sizes
+
+
+def _loss_bytes(like: torch.Tensor, device: Any) -> int:
+    """Bytes of a scalar loss and its gradient on the metered device, as the allocator gives
+    them (a scalar takes a whole allocator block on CUDA)."""
+    with MemoryMeter(device) as meter:
+        loss = like.sum()
+        grad = torch.ones_like(loss)
+    del loss, grad
+    return meter.end_bytes
+
+
+@dataclass(frozen=True)
+class _Runs:
+    """One block run with each strategy, on one input leaf."""
+
+    block: nn.Module
+    leaf: torch.Tensor
+    wrt: list[torch.Tensor]
+    kwargs: dict[str, Any]
+    reversible: ReversibleSequential | None
+
+    def forward(self, mode: str) -> torch.Tensor:
+        block, leaf, kw = self.block, self.leaf, self.kwargs
+        if mode == CHECKPOINT:
+            return checkpoint(block, leaf, **kw)
+        if mode.startswith(SELECTIVE_PREFIX):
+            return checkpoint(block, leaf, policy=mode[len(SELECTIVE_PREFIX) :], **kw)
+        if mode.startswith(APPROX_PREFIX):
+            return approx_checkpoint(block, leaf, store=mode[len(APPROX_PREFIX) :], **kw)
+        if mode == OFFLOAD:
+            return offload_checkpoint(block, _activation(leaf), **kw)
+        if mode == REVERSIBLE:
+            assert self.reversible is not None
+            return self.reversible(leaf, **kw)
+        return block(leaf, **kw)
+
+
+@dataclass(frozen=True)
+class _Metered:
+    """Per mode: the backward transient; per recomputing mode, the bytes its forward keeps
+    beyond what the cost model counts for it (the replay state: generator states of a forward
+    that draws random numbers) and what of them is still alive after its backward."""
+
+    transient: dict[str, int]
+    rng: dict[str, int]
+    late: dict[str, int]
+
+
+def _metered_modes(
+    runs: _Runs,
+    modes: Sequence[str],
+    grad_out: torch.Tensor,
+    accounted: dict[str, int],
+    device: Any,
+    *,
+    backward: bool,
+) -> _Metered:
+    """One metered step per mode: ``capture`` returns the gradients, the others accumulate
+    them; ``accounted``: per mode, the bytes its forward keeps that the cost model counts
+    (the compressed input of approx). Selective modes count their replay state in what they
+    keep (``selective_bytes``): only what outlives their backward is recorded here."""
+    metered = _Metered({}, {}, {})
+    leaf = runs.leaf
+    for mode in modes:
+        leaf.grad = None
+        with MemoryMeter(device) as meter:
+            y = runs.forward(mode)
+            kept = meter.live_bytes - _nbytes(y) - accounted.get(mode, 0)
+            g = grad_out.clone()
+            start = meter.live_bytes
+            meter.reset_peak()
+            if backward and mode == "capture":
+                grads = torch.autograd.grad(y, runs.wrt, g, allow_unused=True)
+                del grads
+            elif backward:
+                y.backward(g)
+            grads_made = 0 if leaf.grad is None else _nbytes(leaf.grad)
+            left = meter.live_bytes - 2 * _nbytes(y) - grads_made  # y and g alive
+            del y, g
+        metered.transient[mode] = max(0, meter.since_reset_peak_bytes - start)
+        if mode in ("accumulate", "capture"):
+            continue
+        if not mode.startswith(SELECTIVE_PREFIX):
+            metered.rng[mode] = max(0, kept)
+        if backward:
+            metered.late[mode] = max(0, min(left, kept))
+    return metered
 
 
 def _activation(leaf: torch.Tensor) -> torch.Tensor:

@@ -3,39 +3,31 @@
 The problem (see :mod:`revckpt.schedule.costs`): choose segments ``[j, k)`` and a strategy for
 each, covering the chain, to minimise the total recompute time subject to
 
-    max_p (P_p + W_p) <= budget,       sum_p e_p^2 <= error_budget^2,
+    peak <= budget,       sum_p e_p^2 <= error_budget^2,
 
-where ``P_p`` is the sum of the bytes kept by the segments before ``p`` and ``W_p`` the working
-peak of segment ``p``. Bytes are counted in ``slots`` of ``budget / slots`` bytes and errors in
-``error_slots`` of ``error_budget^2 / error_slots`` (errors of independent roundings add in
-quadrature, so the resource is ``e^2``), each quantity rounded **up**, so a plan
-feasible in slots is feasible in bytes and errors.
-
-Dynamic programme over the quantised instance (exact for it)::
-
-    T[k, P', e', f'] = min over j < k, strategy s allowed after f, with P + W(j,k,s) <= B:
-                       T[j, P, e, f] + time(j, k, s)
-    P' = P + K(j,k,s),  e' = e + E(j,k,s)^2,  f' = follow_limit(j, k, s)
-
-(``f``, what may follow the last segment: :func:`~revckpt.schedule.costs.follow_limit`; no
-approx or reversible segment right after a reversible one, nor after a stored block that
-saves its own output.) Each transition is a vectorised ``numpy`` update over all ``(P, e)`` at
-once: ``O(L^2 S)`` array operations for ``L`` blocks and ``S`` strategies. An infeasible
-budget is answered with the smallest budget that works, from the same programme minimising
-the peak instead of the time.
+where the peak is ``max_p (P_p + W_p)`` (``P_p``, the bytes kept by the segments before ``p``;
+``W_p``, the working peak of segment ``p``; plus the replay state later segments keep to the
+end of the step in the backward of earlier ones). :mod:`~revckpt.schedule.programme` solves
+it exactly for bytes and squared errors counted in slots. :func:`solve` never trusts a
+rounding: every plan it returns is checked against the exact figures of
+:func:`~revckpt.schedule.evaluate`. It solves the instance rounded up (its plans fit); if that
+has none, the instance rounded down (a relaxation: if it has none, no plan fits; if its optimum
+fits, that is optimal); if that optimum does not fit, both again on the finest grid the
+tables allow (one slot per common divisor of every byte figure, where nothing rounds, when
+that is affordable). So a budget that a plan meets exactly is accepted. An infeasible budget
+is answered with the smallest budget that works, from the same programme minimising the peak
+instead of the time, and with what would lower it.
 """
 
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from ..errors import InvalidArgumentError, InvalidInputTypeError
+from .budget import human_bytes, parse_budget
 from .costs import (
     APPROX_PREFIX,
     CHECKPOINT,
@@ -45,207 +37,16 @@ from .costs import (
     STORE,
     BlockCost,
     Segment,
-    allowed_after,
     chain_totals,
     evaluate,
-    follow_limit,
-    segment_cost,
-    slots_of,
     strategy_names,
 )
 from .plan import Plan
+from .programme import Candidate, Rounding, candidates, min_peak_segments, quantise, solve_segments
 
-__all__ = [
-    "Instance",
-    "baseline",
-    "make_plan",
-    "parse_budget",
-    "quantise",
-    "solve",
-    "solve_segments",
-]
+__all__ = ["baseline", "make_plan", "parse_budget", "solve"]
 
-_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
-def parse_budget(budget: Any, store_all_peak: int) -> int:
-    """A memory budget in bytes from an int (bytes), a string (``"2GiB"``, ``"500 MB"``,
-    ``"1.5e9"`` bytes; ``"30%"``, or a number up to 1 such as ``"0.3"``, a fraction) or a float
-    in ``(0, 1]`` (a fraction of the store-everything peak)."""
-    if isinstance(budget, bool):
-        raise InvalidArgumentError(f"memory_budget={budget!r}: pass bytes, '2GiB' or a fraction")
-    if isinstance(budget, (int, np.integer)):
-        if budget <= 0:
-            raise InvalidArgumentError(f"memory_budget={budget}: a byte budget must be positive")
-        return int(budget)
-    if isinstance(budget, float):
-        if not 0 < budget <= 1:
-            raise InvalidArgumentError(
-                f"memory_budget={budget}: a float is a fraction of the store-everything peak "
-                f"({store_all_peak:,} bytes) and must be in (0, 1]; pass bytes as an int or a "
-                "string like '2GiB'"
-            )
-        return max(1, math.floor(budget * store_all_peak))
-    if isinstance(budget, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z%]*)\s*", budget)
-        unit = m.group(2).lower() if m else ""
-        if m is None or unit not in (*_UNITS, "", "%"):
-            raise InvalidArgumentError(
-                f"cannot read the memory budget {budget!r}: write a number and a unit, e.g. "
-                "'2GiB', '512MiB', '8 GB', '1.5e9' (bytes), '30%' or '0.3' (of store-all)"
-            )
-        number = float(m.group(1))
-        if unit == "%" or (unit == "" and number <= 1):  # a fraction of the store-all peak
-            return parse_budget(number / 100 if unit == "%" else number, store_all_peak)
-        if unit == "" and number < 1024:
-            raise InvalidArgumentError(
-                f"memory budget {budget!r}: a number without a unit above 1 is read as bytes, "
-                f"and {budget.strip()} bytes is surely not meant; write a unit ('{budget.strip()}"
-                "GiB'), a percentage ('30%') or a fraction of the store-all peak ('0.3')"
-            )
-        value = number * _UNITS.get(unit, 1)
-        if value < 1:
-            raise InvalidArgumentError(f"memory budget {budget!r} is less than one byte")
-        return int(value)
-    raise InvalidArgumentError(
-        f"memory_budget must be bytes (int), a string like '2GiB' or a fraction (float), got "
-        f"{type(budget).__name__}"
-    )
-
-
-@dataclass(frozen=True)
-class Instance:
-    """The quantised problem: per candidate segment ``(j, k, strategy)`` its kept and working
-    slots, error slots and time; ``budget`` slots; ``error_budget`` slots."""
-
-    length: int
-    strategies: tuple[str, ...]
-    candidates: tuple[tuple[int, int, str, int, int, int, float], ...]  # j, k, s, K, W, E, T
-    budget: int
-    error_budget: int
-    limits: tuple[int, ...] = ()  # per candidate: what may follow it (costs.follow_limit)
-
-
-def quantise(
-    blocks: Sequence[BlockCost],
-    *,
-    budget_bytes: int,
-    error_budget: float,
-    strategies: Sequence[str],
-    slots: int,
-    error_slots: int,
-) -> Instance:
-    slot = budget_bytes / slots
-    err_slot = error_budget**2 / error_slots if error_budget > 0 else 0.0
-    cands = []
-    limits: list[int] = []
-    n = len(blocks)
-    for s in strategies:
-        for j in range(n):
-            for k in range(j + 1, n + 1):
-                if s == REVERSIBLE and not blocks[k - 1].invertible:
-                    break  # every longer segment from j contains block k - 1 too
-                if s == OFFLOAD and blocks[k - 1].offload_kept_bytes is None:
-                    break
-                if s.startswith(APPROX_PREFIX) and s[len(APPROX_PREFIX) :] not in (
-                    blocks[j].approx_bytes
-                ):
-                    break
-                if s == STORE and k > j + 1:
-                    break  # a store segment of n blocks = n store segments of one
-                if s.startswith(SELECTIVE_PREFIX) and (
-                    k > j + 1 or s[len(SELECTIVE_PREFIX) :] not in blocks[j].selective_bytes
-                ):
-                    break  # one block per selective segment, and only where profiled
-                cost = segment_cost(blocks, Segment(j, k, s))
-                if cost.error > 0 and err_slot == 0:
-                    break  # no error budget: approx is not allowed (same error for every k)
-                e = math.ceil(cost.error**2 / err_slot - 1e-12) if cost.error > 0 else 0
-                cands.append(
-                    (j, k, s, slots_of(cost.kept, slot), slots_of(cost.work, slot), e, cost.time)
-                )
-                limits.append(follow_limit(blocks, Segment(j, k, s)))
-    return Instance(
-        length=n,
-        strategies=tuple(strategies),
-        candidates=tuple(cands),
-        limits=tuple(limits),
-        budget=slots,
-        error_budget=error_slots if err_slot > 0 else 0,
-    )
-
-
-def _tables(inst: Instance, fill: float) -> list[np.ndarray]:
-    """One table per position ``0..L``, indexed by (what may follow, kept slots, error slots)."""
-    shape = (3, inst.budget + 1, inst.error_budget + 1)
-    return [np.full(shape, fill) for _ in range(inst.length + 1)]
-
-
-def _transitions(inst: Instance, reached: list[set[int]]) -> Iterator[tuple[int, int, int]]:
-    """``(j, candidate index, follow state f)`` for every candidate segment starting at ``j``
-    and every state ``f`` reached at ``j`` that allows it, positions in order (so ``reached[j]``
-    is complete when ``j`` comes)."""
-    by_start: dict[int, list[int]] = {}
-    for idx, c in enumerate(inst.candidates):
-        by_start.setdefault(c[0], []).append(idx)
-    for j in range(inst.length):
-        for idx in by_start.get(j, ()):
-            strategy = inst.candidates[idx][2]
-            for f in sorted(reached[j]):
-                if allowed_after(f, strategy):
-                    yield j, idx, f
-
-
-def solve_segments(inst: Instance) -> tuple[list[Segment], float] | None:
-    """The optimal segments of a quantised instance and their time, or ``None`` if none fits."""
-    n, budget, ne = inst.length, inst.budget, inst.error_budget
-    best = _tables(inst, np.inf)
-    parent = [np.full(best[0].shape, -1, dtype=np.int64) for _ in range(n + 1)]
-    best[0][0, 0, 0] = 0.0
-    reached: list[set[int]] = [{0}] + [set() for _ in range(n)]
-    for j, idx, f in _transitions(inst, reached):
-        _, k, _, kept, work, err, time = inst.candidates[idx]
-        if work > budget or err > ne:
-            continue
-        rows = budget - work + 1  # P in [0, budget - work]
-        cols = ne - err + 1
-        flag = inst.limits[idx] if inst.limits else 0
-        cand = best[j][f, :rows, :cols] + time
-        target = best[k][flag, kept : kept + rows, err : err + cols]
-        rows_here = target.shape[0]
-        cand = cand[:rows_here]
-        better = cand < target
-        if not better.any():
-            continue
-        target[better] = cand[better]
-        reached[k].add(flag)
-        code = parent[k][flag, kept : kept + rows_here, err : err + cols]
-        code[better] = idx * 3 + f
-    final = best[n]
-    if not np.isfinite(final).any():
-        return None
-    flag, p, e = np.unravel_index(int(np.argmin(final)), final.shape)
-    total = float(final[flag, p, e])
-    segments = []
-    k = n
-    while k > 0:
-        code = int(parent[k][flag, p, e])
-        idx, f = divmod(code, 3)
-        j, _, s, kept, _, err, _ = inst.candidates[idx]
-        segments.append(Segment(j, k, s))
-        k, flag, p, e = j, f, p - kept, e - err
-    segments.reverse()
-    return segments, total
+_MAX_CELLS = 1 << 22  # table cells of the finest grid: (L + 1) x 3 x slots x error slots
 
 
 def _can_run(block: BlockCost, strategies: Sequence[str]) -> bool:
@@ -303,38 +104,8 @@ def _plan(
     )
 
 
-def solve(
-    profile: Any,
-    *,
-    memory_budget: int | float | str,
-    error_budget: float = 0.0,
-    strategies: Sequence[str] | None = None,
-    slots: int = 1000,
-    error_slots: int = 32,
-) -> Plan:
-    """The plan of least predicted recompute time whose predicted peak fits ``memory_budget``
-    and whose total error ``sqrt(sum_p e_p^2)`` fits ``error_budget``.
-
-    Args:
-        profile: a :class:`~revckpt.schedule.Profile` (or a list of ``BlockCost``).
-        memory_budget: bytes (int), a string such as ``"2GiB"``, or a fraction (float in
-            ``(0, 1]``) of the store-everything peak.
-        error_budget: the largest total relative gradient error of approx segments (0: no
-            approx).
-        strategies: subset of ``"store"``, ``"checkpoint"``, ``"reversible"``, ``"offload"``,
-            ``"approx:<codec>"``, ``"selective:<policy>"`` (default: all the profile supports).
-        slots, error_slots: resolution of the exact programme (see the module docstring).
-
-    Raises :class:`~revckpt.InvalidArgumentError` when no plan fits, naming the smallest
-    budget that does.
-    """
-    blocks = _blocks_of(profile)
-    _, store_peak = chain_totals(blocks)
-    budget = parse_budget(memory_budget, store_peak)
-    if not error_budget >= 0 or not math.isfinite(error_budget):
-        raise InvalidArgumentError(f"error_budget={error_budget!r}: pass a number >= 0")
-    if slots < 1 or error_slots < 1:
-        raise InvalidArgumentError("slots and error_slots must be positive")
+def _chosen(blocks: Sequence[BlockCost], strategies: Sequence[str] | None) -> list[str]:
+    """The strategies asked for, checked against what the profile supports."""
     available = strategy_names(blocks)
     if isinstance(strategies, str):
         raise InvalidInputTypeError(
@@ -360,57 +131,218 @@ def solve(
         raise InvalidArgumentError(
             f"blocks {uncovered[:8]} cannot run with strategies {chosen} (reversible needs "
             "invertible blocks; approx, selective and offload need a profiled codec, policy or "
-            "offload=True); add "
-            "'checkpoint' or 'store'"
+            "offload=True); add 'checkpoint' or 'store'"
         )
-    if STORE in chosen and store_peak <= budget:  # nothing to recompute: optimal, no rounding
-        return _plan(
-            profile,
-            blocks,
-            [Segment(0, len(blocks), STORE)],
-            name="optimal",
-            budget=budget,
-            error_budget=error_budget,
-        )
+    return chosen
 
-    def feasible(nbytes: int, resolution: int, err_resolution: int) -> Any:
+
+@dataclass(frozen=True)
+class _Problem:
+    """A chain, the strategies a plan may use and the error budget: what :func:`solve`
+    searches, at any budget and resolution."""
+
+    blocks: Sequence[BlockCost]
+    strategies: tuple[str, ...]  # those asked for that the error budget allows
+    error_budget: float
+    error_slots: int
+    found: tuple[Candidate, ...]
+    asked: tuple[str, ...]
+
+    @classmethod
+    def of(
+        cls, blocks: Sequence[BlockCost], chosen: Sequence[str], error_budget: float, es: int
+    ) -> _Problem:
+        usable = tuple(s for s in chosen if error_budget > 0 or not s.startswith(APPROX_PREFIX))
+        found = tuple(candidates(blocks, usable))
+        return cls(blocks, usable, error_budget, es, found, tuple(chosen))
+
+    def run(self, budget: int, slots: int, rounding: Rounding, *, peak: bool = False) -> Any:
         inst = quantise(
-            blocks,
-            budget_bytes=nbytes,
-            error_budget=error_budget,
-            strategies=chosen,
-            slots=resolution,
-            error_slots=err_resolution,
+            self.blocks,
+            budget_bytes=budget,
+            error_budget=self.error_budget,
+            strategies=self.strategies,
+            slots=slots,
+            error_slots=self.error_slots,
+            rounding=rounding,
+            found=self.found,
         )
-        return solve_segments(inst)
+        if peak:
+            return min_peak_segments(inst)
+        result = solve_segments(inst)
+        return None if result is None else result[0]
 
-    result = feasible(budget, slots, error_slots)
-    if result is None:
-        smallest, near = _smallest_budget(
-            blocks, feasible, store_peak, chosen, error_budget, slots, error_slots
-        )
-        # the rounding of bytes up to slots can exclude a plan that fits in bytes: the plan
-        # found at the smallest budget may be one
-        if evaluate(blocks, near[0]).peak_bytes <= budget:
-            result = near
-    if result is None:
-        usable = [s for s in chosen if error_budget > 0 or not s.startswith(APPROX_PREFIX)]
-        hints = []
-        if REVERSIBLE not in available:
-            hints.append("reversible blocks (revckpt.layers.ReversibleUnit)")
-        if error_budget == 0 and any(s.startswith(APPROX_PREFIX) for s in chosen):
-            hints.append("approx boundaries (an error budget above 0)")
-        elif error_budget > 0:
-            hints.append("a larger error budget")
-        more = f", allow {' or '.join(hints)}" if hints else ""
+    def fits(self, segments: Sequence[Segment] | None, budget: int) -> bool:
+        """Whether a plan was found and fits ``budget`` and the error budget, exactly."""
+        if segments is None:
+            return False
+        return evaluate(self.blocks, segments).peak_bytes <= budget and self.within_error(segments)
+
+    def within_error(self, segments: Sequence[Segment]) -> bool:
+        return evaluate(self.blocks, segments).error <= self.error_budget * (1 + 1e-9)
+
+    def grids(self, budget: int, slots: int) -> list[tuple[int, int]]:
+        """``(budget bytes, slots)`` to solve at: the given resolution, then the finest one
+        the tables allow: slots of the largest common divisor of every byte figure (nothing
+        rounds there; a plan's peak is a multiple of it) when that is affordable."""
+        costs = [c.cost for c in self.found]
+        figures = [v for c in costs for v in (c.kept, c.work, c.backward_work, c.late)]
+        figures += [v for b in self.blocks for v in b.rng_late_bytes.values()]
+        step = math.gcd(*figures) or 1
+        cols = self.error_slots + 1 if self.error_budget > 0 else 1
+        cap = _MAX_CELLS // (3 * (len(self.blocks) + 1) * cols)
+        exact = budget // step
+        fine = (exact * step, exact) if exact <= cap else (budget, cap)
+        return [(budget, slots)] + ([fine] if fine[1] > slots else [])
+
+
+def _search(problem: _Problem, budget: int, slots: int) -> list[Segment] | None:
+    """The best plan that fits ``budget`` exactly (see the module docstring), or ``None``."""
+    for grid_budget, resolution in problem.grids(budget, slots):
+        for rounding in ("up", "down"):
+            segments = problem.run(grid_budget, resolution, rounding)
+            if problem.fits(segments, budget):
+                return segments
+            if segments is None and rounding == "down":
+                return None  # not even the relaxation has a plan
+    return None
+
+
+def _least_peak(problem: _Problem, store_peak: int, slots: int) -> tuple[int, list[Segment]]:
+    """The plan of least exact peak the programme finds, and that peak: searched up to twice
+    the store-all peak at ``slots``, then up to the peak found on the finest grid."""
+    segments = _lowest_peak(problem, 2 * store_peak, slots)
+    if segments is None:
         raise InvalidArgumentError(
-            f"no plan fits a memory budget of {_human(budget)} ({budget:,} bytes) with "
-            f"strategies {usable} and error budget {error_budget:g}: the smallest budget a "
-            f"plan fits is {_human(smallest)} ({smallest:,} bytes, "
-            f"{smallest / store_peak:.1%} of store-all, at the solver's resolution of {slots} "
-            f"slots). Raise the budget to at least that{more}, or use a smaller batch"
+            f"no plan with strategies {list(problem.strategies)} fits even twice the store-all "
+            f"peak ({2 * store_peak:,} bytes); allow 'store' or 'checkpoint'"
         )
-    segments, _ = result
+    peak = evaluate(problem.blocks, segments).peak_bytes
+    finer = _lowest_peak(problem, *problem.grids(peak, slots)[-1])
+    finer_peak = peak if finer is None else evaluate(problem.blocks, finer).peak_bytes
+    return (finer_peak, finer) if finer is not None and finer_peak < peak else (peak, segments)
+
+
+def _lowest_peak(problem: _Problem, span: int, slots: int) -> list[Segment] | None:
+    """The plan of least peak among those the programme fits in ``span`` at this resolution:
+    from the relaxation (every plan that fits is in it), or, where its plan breaks the error
+    budget (rounded down), from the instance rounded up."""
+    for rounding in ("down", "up"):
+        segments = problem.run(span, slots, rounding, peak=True)
+        if segments is not None and problem.within_error(segments):
+            return segments
+    return None
+
+
+def _smallest_budget(problem: _Problem, store_peak: int, slots: int) -> tuple[int, list[Segment]]:
+    """The smallest budget at which :func:`_search` finds a plan, and that plan: the least
+    peak (:func:`_least_peak`), confirmed, and raised by 0.5% steps if the rounding needs it."""
+    nbytes, _ = _least_peak(problem, store_peak, slots)
+    for _ in range(40):
+        found = _search(problem, nbytes, slots)
+        if found is not None:
+            return nbytes, found
+        nbytes = math.ceil(nbytes * 1.005) + 1
+    raise InvalidArgumentError(  # pragma: no cover - a quirk of rounding, not seen in tests
+        f"no plan found near {nbytes:,} bytes; raise slots or the budget"
+    )
+
+
+def _cures(problem: _Problem, smallest: int, store_peak: int, slots: int) -> list[str]:
+    """What would lower the smallest budget, each tried: strategies left out, approx
+    boundaries (any error) and, where no block is invertible, reversible blocks."""
+    cures: list[str] = []
+    blocks = problem.blocks
+    available = strategy_names(blocks)
+    exact = [s for s in available if not s.startswith(APPROX_PREFIX)]
+    left_out = [s for s in exact if s not in problem.strategies]
+    if left_out:
+        wider = _Problem.of(blocks, exact, problem.error_budget, problem.error_slots)
+        peak, segments = _least_peak(wider, store_peak, slots)
+        if peak < smallest:
+            used = sorted({s.strategy for s in segments} & set(left_out))
+            cures.append(
+                f"allow {used} (strategies=None allows every strategy the profile supports): "
+                f"a plan then fits {human_bytes(peak)} ({peak:,} bytes)"
+            )
+            smallest = peak
+    if len(available) > len(exact):
+        anything = _Problem.of(blocks, available, math.inf, problem.error_slots)
+        peak, segments = _least_peak(anything, store_peak, slots)
+        if peak < smallest:
+            error = evaluate(blocks, segments).error
+            used = sorted({s.strategy for s in segments} - set(problem.asked))
+            cures.append(
+                f"allow approx boundaries: a plan with a predicted gradient error of "
+                f"{error:.2g} fits {human_bytes(peak)} ({peak:,} bytes; pass "
+                f"error_budget={error * 1.001:.3g}"
+                + (f" and strategies including {used}" if used else "")
+                + ")"
+            )
+    if not any(b.invertible for b in blocks):
+        cures.append(
+            "make blocks reversible (revckpt.layers.ReversibleUnit: a reversible segment "
+            "keeps nothing for backward)"
+        )
+    return cures
+
+
+def _infeasible(
+    problem: _Problem, budget: int, smallest: int, store_peak: int, slots: int
+) -> InvalidArgumentError:
+    cures = _cures(problem, smallest, store_peak, slots)
+    return InvalidArgumentError(
+        f"no plan fits a memory budget of {human_bytes(budget)} ({budget:,} bytes) with "
+        f"strategies {list(problem.strategies)} and error budget {problem.error_budget:g}: "
+        f"the smallest budget a plan fits is {human_bytes(smallest)} ({smallest:,} bytes, "
+        f"{smallest / store_peak:.1%} of store-all). Raise the budget to at least that, or "
+        "use a smaller batch"
+        + ("; or lower that smallest budget: " + "; or ".join(cures) if cures else "")
+    )
+
+
+def solve(
+    profile: Any,
+    *,
+    memory_budget: int | float | str,
+    error_budget: float = 0.0,
+    strategies: Sequence[str] | None = None,
+    slots: int = 1000,
+    error_slots: int = 32,
+) -> Plan:
+    """The plan of least predicted recompute time whose predicted peak fits ``memory_budget``
+    and whose total error ``sqrt(sum_p e_p^2)`` fits ``error_budget``.
+
+    Args:
+        profile: a :class:`~revckpt.schedule.Profile` (or a list of ``BlockCost``).
+        memory_budget: bytes (int), a string such as ``"2GiB"``, or a fraction (float in
+            ``(0, 1]``) of the store-everything peak.
+        error_budget: the largest total relative gradient error of approx segments (0: no
+            approx).
+        strategies: subset of ``"store"``, ``"checkpoint"``, ``"reversible"``, ``"offload"``,
+            ``"approx:<codec>"``, ``"selective:<policy>"`` (default: all the profile supports).
+        slots, error_slots: resolution of the exact programme (see the module docstring).
+
+    Raises :class:`~revckpt.InvalidArgumentError` when no plan fits, naming the smallest
+    budget that does and what would lower it.
+    """
+    blocks = _blocks_of(profile)
+    _, store_peak = chain_totals(blocks)
+    budget = parse_budget(memory_budget, store_peak)
+    if not error_budget >= 0 or not math.isfinite(error_budget):
+        raise InvalidArgumentError(f"error_budget={error_budget!r}: pass a number >= 0")
+    if slots < 1 or error_slots < 1:
+        raise InvalidArgumentError("slots and error_slots must be positive")
+    chosen = _chosen(blocks, strategies)
+    if STORE in chosen and store_peak <= budget:  # nothing to recompute: optimal, no rounding
+        segments = [Segment(0, len(blocks), STORE)]
+    else:
+        problem = _Problem.of(blocks, chosen, error_budget, error_slots)
+        segments = _search(problem, budget, slots)
+        if segments is None:
+            smallest, segments = _smallest_budget(problem, store_peak, slots)
+            if not problem.fits(segments, budget):
+                raise _infeasible(problem, budget, smallest, store_peak, slots)
     return _plan(
         profile, blocks, segments, name="optimal", budget=budget, error_budget=error_budget
     )
@@ -428,78 +360,6 @@ def make_plan(profile: Any, segments: Sequence[Segment], *, name: str = "custom"
             "make_plan takes revckpt.schedule.Segment(start, stop, strategy) objects"
         )
     return _plan(profile, blocks, segs, name=name, budget=None, error_budget=0.0)
-
-
-def _min_peak(inst: Instance) -> int | None:
-    """The smallest quantised peak of any plan of ``inst`` within its error budget, in slots:
-    the programme of :func:`solve_segments` minimising ``max_p (P_p + W_p)`` instead of time."""
-    n, budget, ne = inst.length, inst.budget, inst.error_budget
-    peak = _tables(inst, np.inf)
-    peak[0][0, 0, 0] = 0.0
-    reached: list[set[int]] = [{0}] + [set() for _ in range(n)]
-    for j, idx, f in _transitions(inst, reached):
-        _, k, _, kept, work, err, _ = inst.candidates[idx]
-        rows = min(budget - kept, budget - work) + 1
-        cols = ne - err + 1
-        if rows <= 0 or cols <= 0:
-            continue
-        flag = inst.limits[idx] if inst.limits else 0
-        here = (np.arange(rows, dtype=float) + work)[:, None]
-        cand = np.maximum(peak[j][f, :rows, :cols], here)
-        target = peak[k][flag, kept : kept + rows, err : err + cols]
-        np.minimum(target, cand, out=target)
-        reached[k].add(flag)
-    best = float(peak[n].min())
-    return None if not math.isfinite(best) else int(best)
-
-
-def _smallest_budget(
-    blocks: Sequence[BlockCost],
-    feasible: Any,
-    store_peak: int,
-    strategies: Sequence[str],
-    error_budget: float,
-    slots: int,
-    error_slots: int,
-) -> tuple[int, Any]:
-    """The smallest budget at which ``solve`` finds a plan at the given resolution (to about a
-    slot), and the programme's result there: a peak-minimising programme at slots of
-    ``2 store_peak / slots``, again at slots of the answer over ``slots`` (the resolution
-    ``solve`` uses there), then confirmed, and raised by 0.5% steps if the rounding needs
-    it."""
-    nbytes = 2 * store_peak
-    for _ in range(2):  # the second pass at the resolution the answer itself gives
-        span = nbytes
-        inst = quantise(
-            blocks,
-            budget_bytes=span,
-            error_budget=error_budget,
-            strategies=strategies,
-            slots=slots,
-            error_slots=max(1, error_slots // 4),  # coarser errors: what fits there fits finer
-        )
-        best = _min_peak(inst)
-        if best is None:
-            raise InvalidArgumentError(
-                f"no plan with strategies {list(strategies)} fits even twice the store-all "
-                "peak; allow 'store' or 'checkpoint'"
-            )
-        nbytes = max(1, math.ceil(best * span / slots))
-    for _ in range(40):
-        found = feasible(nbytes, slots, error_slots)
-        if found is not None:
-            return nbytes, found
-        nbytes = math.ceil(nbytes * 1.005) + 1
-    raise InvalidArgumentError(  # pragma: no cover - a quirk of rounding, not seen in tests
-        f"no plan found near {nbytes:,} bytes; raise slots or the budget"
-    )
-
-
-def _human(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
 
 
 def baseline(profile: Any, name: str, *, memory_budget: Any = None) -> Plan:

@@ -9,7 +9,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from revckpt.schedule.costs import APPROX_PREFIX, REVERSIBLE
-from revckpt.schedule.solver import Instance
+from revckpt.schedule.programme import Instance
 
 
 def _table(inst: Instance):

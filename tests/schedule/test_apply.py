@@ -57,21 +57,23 @@ def test_plan_with_reversible_units():
     x = torch.randn(256, 32)  # activations outweigh parameter gradients
     prof = profile(chain, x, repeats=1, codecs=())
     assert all(b.invertible for b in prof.blocks)
-    plan = solve(prof, memory_budget=0.5)
+    # without checkpoint, whose measured time may beat reversible's on this machine
+    plan = solve(prof, memory_budget=0.5, strategies=["store", "reversible"])
     assert "reversible" in plan.strategies
     model = apply(chain, plan)
     reference = _grads(copy.deepcopy(chain), x)
     got = _grads(model, x)
-    assert all(
-        torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(got, reference, strict=True)
-    )
+    for a, b in zip(got, reference, strict=True):  # float32 round-off of the rebuilt inputs
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()))
     xx = x.clone().requires_grad_()
     with MemoryMeter("cpu") as m:
         y = model(xx)
     rev_only = Plan.from_dict({**plan.to_dict(), "segments": [[0, 4, "reversible"]]})
     with MemoryMeter("cpu") as m_rev:
         y2 = apply(chain, rev_only)(xx)
-    assert m_rev.end_bytes == y2.numel() * 4 <= m.end_bytes
+    # its output, and the default inverse check's 2 x 64 sampled elements of the stack input
+    assert y2.numel() * 4 <= m_rev.end_bytes <= y2.numel() * 4 + 2 * 64 * 4
+    assert m_rev.end_bytes <= m.end_bytes
     del y, y2
 
 

@@ -11,7 +11,7 @@ from reference import brute_force, milp_optimum
 from revckpt import InvalidArgumentError
 from revckpt.schedule import BlockCost, Plan, Segment, baseline, evaluate, parse_budget, solve
 from revckpt.schedule.costs import chain_totals, strategy_names
-from revckpt.schedule.solver import quantise, solve_segments
+from revckpt.schedule.programme import quantise, solve_segments
 
 
 def make_chain(n, seed):
@@ -195,6 +195,39 @@ def test_parse_budget():
     for bad in ("2 gigs", "GiB", "-1MiB", 1.5, 0, -3, True, None, "1.5", "8", "120%"):
         with pytest.raises(InvalidArgumentError):
             parse_budget(bad, 1000)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "1e400",
+        "1e400 GiB",
+        "1e308 TiB",
+        "1e400%",
+        "inf",
+        "nan",
+        "-1 MiB",
+        "0",
+        "0%",
+        "0 GiB",
+        "1e-400",
+        0,
+        -3,
+        0.0,
+        -0.5,
+        float("inf"),
+        float("nan"),
+        1e400,
+    ],
+)
+def test_parse_budget_names_the_value_and_the_forms_it_accepts(bad):
+    """Unparseable, infinite, nan, negative or zero budgets raise InvalidArgumentError (never
+    OverflowError) whose message shows the value and the accepted forms."""
+    with pytest.raises(InvalidArgumentError) as info:
+        parse_budget(bad, 1000)
+    message = str(info.value)
+    assert repr(bad) in message or str(bad) in message, message
+    assert "'2GiB'" in message and "'30%'" in message, message
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

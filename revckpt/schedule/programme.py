@@ -1,0 +1,239 @@
+"""The quantised chain problem and its exact dynamic programmes.
+
+Bytes are counted in slots of ``budget / slots`` bytes and errors in slots of
+``error_budget^2 / error_slots`` (errors of independent roundings add in quadrature, so the
+resource is ``e^2``). Rounded **up** (and with ``L_p``, the replay state later segments keep to
+the end of the step, bounded in every backward), a plan feasible in slots fits in bytes and
+errors; rounded **down** (and ``L_p`` left out), every plan that fits is feasible in slots: a
+relaxation, whose answers :func:`revckpt.schedule.solve` checks against the exact figures.
+
+The programme over a quantised instance (exact for it)::
+
+    T[k, P', e', f'] = min over j < k, strategy s allowed after f, with P + W(j,k,s) <= B:
+                       T[j, P, e, f] + time(j, k, s)
+    P' = P + K(j,k,s),  e' = e + E(j,k,s)^2,  f' = follow_limit(j, k, s)
+
+(``f``, what may follow the last segment: :func:`~revckpt.schedule.costs.follow_limit`.) Each
+transition is a vectorised ``numpy`` update over all ``(P, e)`` at once: ``O(L^2 S)`` array
+operations for ``L`` blocks and ``S`` strategies. :func:`min_peak_segments` runs the same
+programme minimising the peak instead of the time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from .costs import (
+    APPROX_PREFIX,
+    OFFLOAD,
+    REVERSIBLE,
+    SELECTIVE_PREFIX,
+    STORE,
+    BlockCost,
+    Segment,
+    SegmentCost,
+    allowed_after,
+    follow_limit,
+    segment_cost,
+    slots_of,
+)
+
+__all__ = [
+    "Candidate",
+    "Instance",
+    "candidates",
+    "min_peak_segments",
+    "quantise",
+    "solve_segments",
+]
+
+Rounding = Literal["up", "down"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A segment the programme may choose, its cost and what may follow it."""
+
+    segment: Segment
+    cost: SegmentCost
+    limit: int
+
+
+@dataclass(frozen=True)
+class Instance:
+    """The quantised problem: per candidate segment ``(j, k, strategy)`` its kept and working
+    slots, error slots and time; ``budget`` slots; ``error_budget`` slots."""
+
+    length: int
+    strategies: tuple[str, ...]
+    candidates: tuple[tuple[int, int, str, int, int, int, float], ...]  # j, k, s, K, W, E, T
+    budget: int
+    error_budget: int
+    limits: tuple[int, ...] = ()  # per candidate: what may follow it (costs.follow_limit)
+
+
+def _possible(blocks: Sequence[BlockCost], j: int, k: int, s: str) -> bool:
+    """Whether segment ``[j, k)`` may run with ``s``; once not, no longer segment from ``j``
+    may either."""
+    if s == REVERSIBLE:
+        return blocks[k - 1].invertible
+    if s == OFFLOAD:
+        return blocks[k - 1].offload_kept_bytes is not None
+    if s.startswith(APPROX_PREFIX):
+        return s[len(APPROX_PREFIX) :] in blocks[j].approx_bytes
+    if s == STORE:
+        return k == j + 1  # a store segment of n blocks = n store segments of one
+    if s.startswith(SELECTIVE_PREFIX):  # one block, and only where profiled
+        return k == j + 1 and s[len(SELECTIVE_PREFIX) :] in blocks[j].selective_bytes
+    return True
+
+
+def candidates(blocks: Sequence[BlockCost], strategies: Sequence[str]) -> list[Candidate]:
+    """Every segment a plan with ``strategies`` may use, with its cost."""
+    found = []
+    n = len(blocks)
+    for s in strategies:
+        for j in range(n):
+            for k in range(j + 1, n + 1):
+                if not _possible(blocks, j, k, s):
+                    break
+                seg = Segment(j, k, s)
+                found.append(Candidate(seg, segment_cost(blocks, seg), follow_limit(blocks, seg)))
+    return found
+
+
+def late_bounds(blocks: Sequence[BlockCost], strategies: Sequence[str]) -> list[int]:
+    """Per position ``k``: the most replay-state bytes segments from ``k`` on can keep to the
+    end of the step (``L`` of any plan), each block's largest over ``strategies``."""
+    bounds = [0] * (len(blocks) + 1)
+    for i in reversed(range(len(blocks))):
+        late = blocks[i].rng_late_bytes
+        bounds[i] = bounds[i + 1] + max((late.get(s, 0) for s in strategies), default=0)
+    return bounds
+
+
+def quantise(
+    blocks: Sequence[BlockCost],
+    *,
+    budget_bytes: int,
+    error_budget: float,
+    strategies: Sequence[str],
+    slots: int,
+    error_slots: int,
+    rounding: Rounding = "up",
+    found: Sequence[Candidate] | None = None,
+) -> Instance:
+    """The instance at ``slots`` slots of ``budget_bytes / slots`` bytes, rounded ``"up"``
+    (its plans fit) or ``"down"`` (a relaxation; see the module docstring). ``found``: the
+    :func:`candidates`, if already computed."""
+    up = rounding == "up"
+    slot = budget_bytes / slots
+    err_slot = error_budget**2 / error_slots if error_budget > 0 else 0.0
+    bounds = late_bounds(blocks, strategies) if up else [0] * (len(blocks) + 1)
+    cands, limits = [], []
+    for c in candidates(blocks, strategies) if found is None else found:
+        (j, k, s), cost = (c.segment.start, c.segment.stop, c.segment.strategy), c.cost
+        if cost.error > 0 and err_slot == 0:
+            continue  # no error budget: approx is not allowed
+        e = _error_slots(cost.error**2 / err_slot, up) if cost.error > 0 else 0
+        work = max(cost.work, cost.backward_work + bounds[k])
+        kept_slots, work_slots = slots_of(cost.kept, slot, up=up), slots_of(work, slot, up=up)
+        cands.append((j, k, s, kept_slots, work_slots, e, cost.time))
+        limits.append(c.limit)
+    return Instance(
+        length=len(blocks),
+        strategies=tuple(strategies),
+        candidates=tuple(cands),
+        limits=tuple(limits),
+        budget=slots,
+        error_budget=error_slots if err_slot > 0 else 0,
+    )
+
+
+def _error_slots(value: float, up: bool) -> int:
+    return math.ceil(value - 1e-12) if up else math.floor(value + 1e-12)
+
+
+def _tables(inst: Instance, fill: float) -> list[np.ndarray]:
+    """One table per position ``0..L``, indexed by (what may follow, kept slots, error slots)."""
+    shape = (3, inst.budget + 1, inst.error_budget + 1)
+    return [np.full(shape, fill) for _ in range(inst.length + 1)]
+
+
+def _transitions(inst: Instance, reached: list[set[int]]) -> Iterator[tuple[int, int, int]]:
+    """``(j, candidate index, follow state f)`` for every candidate segment starting at ``j``
+    and every state ``f`` reached at ``j`` that allows it, positions in order (so ``reached[j]``
+    is complete when ``j`` comes)."""
+    by_start: dict[int, list[int]] = {}
+    for idx, c in enumerate(inst.candidates):
+        by_start.setdefault(c[0], []).append(idx)
+    for j in range(inst.length):
+        for idx in by_start.get(j, ()):
+            strategy = inst.candidates[idx][2]
+            for f in sorted(reached[j]):
+                if allowed_after(f, strategy):
+                    yield j, idx, f
+
+
+def _backtrack(inst: Instance, parent: list[np.ndarray], final: np.ndarray) -> list[Segment]:
+    """The segments of the best plan ending in the cell of ``final`` with the lowest value."""
+    flag, p, e = np.unravel_index(int(np.argmin(final)), final.shape)
+    segments = []
+    k = inst.length
+    while k > 0:
+        idx, f = divmod(int(parent[k][flag, p, e]), 3)
+        j, _, s, kept, _, err, _ = inst.candidates[idx]
+        segments.append(Segment(j, k, s))
+        k, flag, p, e = j, f, p - kept, e - err
+    segments.reverse()
+    return segments
+
+
+def _run(inst: Instance, *, peak: bool) -> tuple[list[Segment], float] | None:
+    """The programme minimising the total time (``peak=False``) or the quantised peak, and
+    the best plan's value; ``None`` if no plan fits."""
+    n, budget, ne = inst.length, inst.budget, inst.error_budget
+    best = _tables(inst, np.inf)
+    parent = [np.full(best[0].shape, -1, dtype=np.int64) for _ in range(n + 1)]
+    best[0][0, 0, 0] = 0.0
+    reached: list[set[int]] = [{0}] + [set() for _ in range(n)]
+    for j, idx, f in _transitions(inst, reached):
+        _, k, _, kept, work, err, time = inst.candidates[idx]
+        rows = budget - max(work, kept if peak else 0) + 1  # P in [0, rows)
+        cols = ne - err + 1
+        if rows <= 0 or cols <= 0:
+            continue
+        here = best[j][f, :rows, :cols]
+        if peak:
+            cand = np.maximum(here, (np.arange(rows, dtype=float) + work)[:, None])
+        else:
+            cand = here + time
+        flag = inst.limits[idx] if inst.limits else 0
+        target = best[k][flag, kept : kept + rows, err:]
+        cand = cand[: target.shape[0]]  # P' = P + K within the table
+        better = cand < target
+        if not better.any():
+            continue
+        target[better] = cand[better]
+        reached[k].add(flag)
+        parent[k][flag, kept : kept + rows, err:][better] = idx * 3 + f
+    final = best[n]
+    if not np.isfinite(final).any():
+        return None
+    return _backtrack(inst, parent, final), float(final.min())
+
+
+def solve_segments(inst: Instance) -> tuple[list[Segment], float] | None:
+    """The optimal segments of a quantised instance and their time, or ``None`` if none fits."""
+    return _run(inst, peak=False)
+
+
+def min_peak_segments(inst: Instance) -> list[Segment] | None:
+    """The segments of the plan of least quantised peak within the instance's budgets."""
+    found = _run(inst, peak=True)
+    return None if found is None else found[0]
