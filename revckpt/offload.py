@@ -59,12 +59,19 @@ __all__ = ["OffloadStats", "checkpoint", "checkpoint_sequential", "force_copies"
 
 _EXACT = Approx(store=None)
 
-# Copy host tensors too (see force_copies): host == device then, so copying saves nothing, but
-# the path is otherwise the one an accelerator takes.
-_COPY_HOST_TENSORS = False
+# The force_copies blocks in force, process-wide (entered and left in any order by any thread):
+# while one is, host tensors are copied too (host == device then, so copying saves nothing,
+# but the path is otherwise the one an accelerator takes); the latest says whether to simulate.
+_FORCED: list[list[bool]] = []
 
 
-_SIMULATE_DEVICE = False
+def _copying() -> bool:
+    return bool(_FORCED)
+
+
+def _simulating() -> bool:
+    forced = _FORCED[-1:]
+    return bool(forced) and forced[0][0]
 
 
 @contextmanager
@@ -76,19 +83,21 @@ def force_copies(*, simulate_device: bool = False) -> Iterator[None]:
     ``simulate_device=True`` keeps the host copies as NumPy arrays, outside torch's allocator,
     so that :class:`~revckpt.MemoryMeter` counts what a device would hold (a copy back
     allocates, a copy out releases): a preview of device memory on a machine without a
-    device. The RAM used is the same; only the accounting differs. Process-wide while active.
+    device. The RAM used is the same; only the accounting differs. Process-wide while active
+    (blocks in several threads may overlap: copies are forced until the last one ends).
     """
-    global _COPY_HOST_TENSORS, _SIMULATE_DEVICE
     if not isinstance(simulate_device, bool):
         raise InvalidArgumentError(
             f"simulate_device= must be True or False, got {simulate_device!r}"
         )
-    before = (_COPY_HOST_TENSORS, _SIMULATE_DEVICE)
-    _COPY_HOST_TENSORS, _SIMULATE_DEVICE = True, simulate_device
+    entry = [simulate_device]  # a list: told apart by identity when removed
+    with _lock:
+        _FORCED.append(entry)
     try:
         yield
     finally:
-        _COPY_HOST_TENSORS, _SIMULATE_DEVICE = before
+        with _lock:
+            del _FORCED[next(i for i, e in enumerate(_FORCED) if e is entry)]
 
 
 @dataclass(eq=False)  # recorders are told apart by identity
@@ -191,7 +200,7 @@ def _side_stream(device: torch.device) -> Any:
 def _host_copy(t: torch.Tensor) -> Any:
     """A host copy of a host tensor (the copy path forced on a machine without accelerator):
     a tensor, or its bytes in a NumPy array when simulating a device (see force_copies)."""
-    if _SIMULATE_DEVICE:
+    if _simulating():
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().copy()
         return raw, t.dtype, tuple(t.shape)
     return t.detach().clone(memory_format=torch.preserve_format)
@@ -322,7 +331,7 @@ class _Chain:
             reason = "parameter"
         elif t.is_leaf:
             reason = "leaf tensor"  # held by the caller (data, or for its .grad)
-        elif t.device.type == "cpu" and not _COPY_HOST_TENSORS:
+        elif t.device.type == "cpu" and not _copying():
             reason = "already on the host"
         if reason is not None:
             _kept(reason, t)

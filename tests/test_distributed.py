@@ -110,7 +110,7 @@ def _worker(rank: int, port: int, plan_path: str, out: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    revckpt.offload._COPY_HOST_TENSORS = True  # the offload copy path, as on an accelerator
+    revckpt.offload._FORCED.append([False])  # the offload copy path, as on an accelerator
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         from torch.distributed.device_mesh import init_device_mesh

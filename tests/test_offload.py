@@ -57,7 +57,7 @@ def _grads(chain, run, x0, **kwargs):
 @pytest.mark.parametrize("segments", [4, 2, [1, 3]])
 @pytest.mark.parametrize("forced", [False, True])
 def test_gradients_bitwise_equal_to_checkpoint(segments, forced, monkeypatch):
-    monkeypatch.setattr(offload, "_COPY_HOST_TENSORS", forced)
+    monkeypatch.setattr(offload, "_FORCED", [[False]] if forced else [])
     chain = _chain(p=0.2)  # dropout: the recompute replays the forward's masks
     x = torch.randn(5, 12, dtype=torch.float64)
     mask = (torch.rand(5, 12) > 0.3).double()
@@ -347,7 +347,7 @@ def test_offload_plans_with_inputs_moved_off_the_meter(make, host_off_the_meter)
 def test_an_input_modified_in_place_after_the_block_raises(forced, monkeypatch):
     """Saved-tensor hooks bypass autograd's version check; offload makes its own, for tensors
     kept in place and for copied tensors whose source is still alive."""
-    monkeypatch.setattr(offload, "_COPY_HOST_TENSORS", forced)
+    monkeypatch.setattr(offload, "_FORCED", [[False]] if forced else [])
     lin = nn.Linear(8, 8)
     x = torch.randn(3, 8, requires_grad=True)
     h = x * 1
@@ -361,13 +361,13 @@ def test_an_input_modified_in_place_after_the_block_raises(forced, monkeypatch):
 
 
 def test_force_copies_is_scoped():
-    assert not offload._COPY_HOST_TENSORS
+    assert not offload._copying()
     with offload.force_copies():
-        assert offload._COPY_HOST_TENSORS and not offload._SIMULATE_DEVICE
+        assert offload._copying() and not offload._simulating()
         with offload.force_copies(simulate_device=True):
-            assert offload._SIMULATE_DEVICE
-        assert offload._COPY_HOST_TENSORS and not offload._SIMULATE_DEVICE
-    assert not offload._COPY_HOST_TENSORS
+            assert offload._simulating()
+        assert offload._copying() and not offload._simulating()
+    assert not offload._copying()
     with (
         pytest.raises(InvalidArgumentError, match="simulate_device"),
         offload.force_copies(simulate_device="yes"),
@@ -384,3 +384,15 @@ def test_simulated_device_round_trips_every_dtype_bitwise(dtype, host_off_the_me
     got = torch.autograd.grad(offload.checkpoint(block, x * 1).sum(), [x, *block.parameters()])
     for a, b in zip(want, got, strict=True):
         assert torch.equal(a, b)
+
+
+def test_force_copies_in_overlapping_threads_ends_with_the_last():
+    """Blocks entered and left in any order (two threads): copies stay forced until the last
+    one ends, and nothing stays forced afterwards."""
+    first, second = offload.force_copies(), offload.force_copies(simulate_device=True)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # the first thread leaves before the second
+    assert offload._copying() and offload._simulating()
+    second.__exit__(None, None, None)
+    assert not offload._copying() and not offload._simulating()
