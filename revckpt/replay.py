@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -189,9 +190,38 @@ class AutocastState:
         )
 
 
-# Held from the capture of a forward that keeps RNG state until that forward ends, and during
-# every replay: the global CPU generator is shared by all threads.
+# The global CPU generator is shared by all threads. This lock is held from the capture of a
+# forward that may draw random numbers until that forward ends, and during the replay of one
+# that did, so that two threads' recomputed forwards draw in turn. It is never waited for
+# without a bound (a block may run sub-blocks in threads of its own: they must not hang):
+_WAIT_UNKNOWN_S = 1.0  # a block not seen yet: if the lock stays busy, run and check instead
+_WAIT_DRAWING_S = 30.0  # a block known to draw: past this, refuse (ReplayError)
 _RNG_LOCK = threading.RLock()
+# Whether each block's last forward drew random numbers (blocks that never do take no lock).
+_DRAWS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def _known_draws(modules: tuple[nn.Module, ...]) -> bool | None:
+    """Whether the forward of ``modules`` drew random numbers last time; ``None``: not known."""
+    if not modules:
+        return None
+    seen = [_DRAWS.get(m) for m in modules]
+    return True if True in seen else (None if None in seen else False)
+
+
+def _lock_for(what: str, *, drawing: bool) -> bool:
+    """Take the RNG lock (see above); returns whether it is held."""
+    if _RNG_LOCK.acquire(timeout=_WAIT_DRAWING_S if drawing else _WAIT_UNKNOWN_S):
+        return True
+    if not drawing:
+        return False  # replay's end-of-draws check catches a race, if one happens
+    raise ReplayError(
+        f"{what} draws random numbers and waited {_WAIT_DRAWING_S:g} s for another thread's "
+        "recomputed block to finish drawing. If this thread was started inside that block's "
+        "forward (sub-blocks run in a thread pool), their draws from the shared generator "
+        "cannot be replayed: draw them in the outer thread, or keep the sub-blocks or the "
+        "outer block stored"
+    )
 
 
 def _digest(state: torch.Tensor) -> int:
@@ -217,7 +247,7 @@ class ForwardState:
     new masks, as with ``torch.utils.checkpoint(preserve_rng_state=False)``).
     """
 
-    __slots__ = ("_end", "_locked", "_rng", "autocast", "devices", "modules", "norms")
+    __slots__ = ("_end", "_locked", "_owners", "_rng", "autocast", "devices", "modules", "norms")
 
     def __init__(
         self,
@@ -229,6 +259,7 @@ class ForwardState:
         self._rng = rng
         self._end: dict[torch.device, int] = {}
         self._locked = False
+        self._owners: tuple[nn.Module, ...] = ()
         self.autocast = autocast
         self.norms: tuple[nn.Module, ...] | None = None
         self.modules: ModuleState | None = None
@@ -256,9 +287,11 @@ class ForwardState:
         """
         if devices is None:
             devices = devices_of(*owners)
-        locked = preserve_rng_state and not torch.compiler.is_compiling()
-        if locked:
-            _RNG_LOCK.acquire()
+        locked = False
+        if preserve_rng_state and not torch.compiler.is_compiling():
+            draws = _known_draws(modules)
+            if draws is not False:
+                locked = _lock_for("a checkpointed forward", drawing=bool(draws))
         try:
             rng: dict[torch.device, torch.Tensor] = {}
             if preserve_rng_state:
@@ -268,6 +301,7 @@ class ForwardState:
             autocast = tuple(AutocastState.capture(t) for t in _autocast_device_types(devices))
             state = cls(devices, rng, autocast)
             state.norms = norms
+            state._owners = modules
             if modules and not torch.compiler.is_compiling():
                 state.modules = ModuleState(modules)
         except BaseException:
@@ -292,6 +326,8 @@ class ForwardState:
                     self._end[device] = _digest(now)
             if self.modules is not None:
                 self.modules.forward_finished()
+            for m in self._owners:
+                _DRAWS[m] = bool(self._end)
         finally:
             if self._locked:
                 self._locked = False
@@ -347,8 +383,7 @@ class _Replay:
         if state.modules is not None:
             state.modules.check(self._label)
         if state._rng:
-            _RNG_LOCK.acquire()
-            self._locked = True
+            self._locked = _lock_for(f"the recompute of {self._label}", drawing=True)
         self._contexts = []
         try:
             self._outer = {device: _get_rng(device) for device in state._rng}
