@@ -441,42 +441,54 @@ def test_a_forward_that_raises_leaves_no_lock_held(strategy):
     assert done.is_set(), "another thread could not run a forward: a lock was left held"
 
 
-class _Experts(nn.Module):
-    """A block whose forward runs sub-blocks in a thread pool (branch or expert parallelism);
-    ``checkpointed``: the block and its sub-blocks are checkpointed, so the sub-blocks'
-    forwards start in other threads while the outer block's forward runs."""
+def _in_threads(calls: list) -> list[torch.Tensor]:
+    """Run each call in a daemon thread of its own (a hang cannot block the test process)."""
+    results: list = [None] * len(calls)
 
-    def __init__(self, pool, checkpointed: bool) -> None:
+    def run(i: int) -> None:
+        results[i] = calls[i]()
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(r is not None for r in results), "a worker thread did not finish"
+    return results
+
+
+class _Experts(nn.Module):
+    """A block whose forward runs sub-blocks in threads of its own (branch or expert
+    parallelism); ``checkpointed``: the block and its sub-blocks are checkpointed, so the
+    sub-blocks' forwards start in other threads while the outer block's forward runs."""
+
+    def __init__(self, checkpointed: bool) -> None:
         super().__init__()
         self.experts = nn.ModuleList([nn.Linear(D, D) for _ in range(2)])
-        self.pool = pool
         self.checkpointed = checkpointed
 
     def _experts(self, x: torch.Tensor) -> torch.Tensor:
         call = revckpt.checkpoint if self.checkpointed else (lambda m, t: m(t))
-        return sum(f.result() for f in [self.pool.submit(call, e, x) for e in self.experts])
+        return sum(_in_threads([lambda e=e: call(e, x) for e in self.experts]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return revckpt.checkpoint(self._experts, x) if self.checkpointed else self._experts(x)
 
 
 def test_sub_blocks_in_worker_threads_do_not_hang():
-    from concurrent.futures import ThreadPoolExecutor
+    torch.manual_seed(0)
+    model = _Experts(checkpointed=True).double()
+    torch.manual_seed(0)
+    plain = _Experts(checkpointed=False).double()
+    x = _input("checkpoint")
+    done = threading.Event()
 
-    with ThreadPoolExecutor(2) as pool:
-        torch.manual_seed(0)
-        model = _Experts(pool, checkpointed=True).double()
-        torch.manual_seed(0)
-        plain = _Experts(pool, checkpointed=False).double()
-        x = _input("checkpoint")
-        done = threading.Event()
+    def steps() -> None:
+        for _ in range(2):  # the first call learns that nothing draws random numbers
+            _assert_close(_step(model, x), _step(plain, x))
+        done.set()
 
-        def steps() -> None:
-            for _ in range(2):  # the first call learns that nothing draws random numbers
-                _assert_close(_step(model, x), _step(plain, x))
-            done.set()
-
-        t = threading.Thread(target=steps, daemon=True)
-        t.start()
-        t.join(timeout=60)
-        assert done.is_set(), "the outer block's forward waited for its own sub-blocks"
+    t = threading.Thread(target=steps, daemon=True)
+    t.start()
+    t.join(timeout=90)
+    assert done.is_set(), "the outer block's forward waited for its own sub-blocks"
