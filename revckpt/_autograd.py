@@ -28,6 +28,7 @@ __all__ = [
     "first_unregistered_leaf",
     "grad_keywords",
     "module_targets",
+    "modules_of",
     "vjp",
 ]
 
@@ -85,6 +86,34 @@ def module_targets(module: Any) -> tuple[tuple[torch.Tensor, ...], tuple[nn.Modu
                 params.append(p)
         todo.extend(c for c in reversed(m._modules.values()) if c is not None)
     return tuple(params), tuple(norms)
+
+
+def modules_of(fn: Any, *, closures: bool = True) -> tuple[nn.Module, ...]:
+    """The modules a callable block runs: itself, the owner of a bound method, the modules a
+    ``functools.partial`` holds (its function, arguments and keywords: HF's
+    ``partial(forward, layer, **kwargs)``), and (``closures``) the modules a closure captures.
+    Replay checks and re-establishes their state; a block reaching modules in other ways
+    (globals) is not covered."""
+    found: dict[int, nn.Module] = {}
+    todo = [fn]
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, nn.Module):
+            found.setdefault(id(obj), obj)
+        elif isinstance(obj, functools.partial):
+            todo += [obj.func, *obj.args, *obj.keywords.values()]
+        elif callable(obj):
+            owner = getattr(obj, "__self__", None)
+            if isinstance(owner, nn.Module):
+                found.setdefault(id(owner), owner)
+            for cell in (getattr(obj, "__closure__", None) or ()) if closures else ():
+                try:
+                    content = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                if isinstance(content, (nn.Module, functools.partial)):
+                    todo.append(content)
+    return tuple(found.values())
 
 
 def vjp(

@@ -5,11 +5,13 @@ A recompute runs the forward of the same modules a second time, during backward.
 differentiates the forward *as it ran*; to give its gradients the recompute must see the same
 module state, and must leave the state as one forward left it:
 
-* **Parameters and buffers, changed between forward and backward** (``optimizer.step()``,
-  ``load_state_dict``, ``p.mul_(...)`` under ``no_grad``, a parameter rebound to a new tensor).
-  Plain autograd raises (its version counters); a recompute would silently use the new values.
-  Versions and identities are recorded when the forward ends and compared before the replay:
-  :class:`~revckpt.ModifiedParameterError`.
+* **Parameters and buffers changed in place between forward and backward**
+  (``optimizer.step()``, ``load_state_dict``, ``p.mul_(...)`` under ``no_grad``). Plain
+  autograd raises (its version counters); a recompute would silently use the new values.
+  Versions are recorded when the forward ends and compared before the replay:
+  :class:`~revckpt.ModifiedParameterError`. A parameter or buffer *replaced* by another tensor
+  meanwhile (``torch.func.functional_call`` during the forward, a rebinding) is swapped back
+  for the recompute: plain autograd differentiates the tensors the forward used.
 * **Plain module attributes** (``training``, and every ``bool`` / ``int`` / ``float`` / ``str`` /
   ``None`` attribute not starting with ``_``: a dropout ``p``, a causal flag, a call counter).
   ``model.eval()`` between forward and backward must not change what the recompute computes:
@@ -17,7 +19,9 @@ module state, and must leave the state as one forward left it:
 * **Buffers the forward writes** (``spectral_norm``'s power-iteration vectors, an EMA, a step
   counter; normalisation statistics are left to :func:`~revckpt.replay.freeze_running_stats`).
   The recompute runs on a copy of their value *before* the forward, and the real buffer keeps
-  the value one forward left. Which buffers a module writes is learned on its first forward
+  the value one forward left; the running statistics an eval-mode normalisation layer reads
+  are copied too (a training-mode forward of the same layer updates them without moving their
+  version counters). Which buffers a module writes is learned on its first forward
   under a recompute strategy: all its buffers are copied for that call and the copies of the
   untouched ones are dropped when it ends. A buffer written for the first time on a later call
   has no copy of its old value, and that call's replay raises :class:`~revckpt.ReplayError`
@@ -81,12 +85,12 @@ class _Layout:
             if keys:
                 self.attrs.append((m, keys, operator.itemgetter(*keys)))
 
-    def _signature(self) -> tuple[int, ...]:
-        return tuple(len(m._modules) for m in self.modules)
+    def _signature(self) -> list[int]:
+        return [id(c) for m in self.modules for c in m._modules.values()]
 
     def current(self) -> bool:
-        """Whether no submodule was added or removed since the scan (new attributes of an
-        existing module are not seen until the root is scanned again)."""
+        """Whether no submodule was added, removed or replaced since the scan (new attributes
+        of an existing module are not seen until the root is scanned again)."""
         return self._signature() == self.signature
 
 
@@ -101,12 +105,25 @@ def _layout(root: nn.Module) -> _Layout:
 
 
 def _tracked_buffers(m: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
-    """Buffers whose value the forward may read; training-mode normalisation statistics are not
-    read (batch statistics are) and are frozen during replay instead."""
-    skip_stats = isinstance(m, _NormBase) and m.training and m.track_running_stats
+    """Buffers whose value the forward may read, other than normalisation statistics (see
+    :func:`_read_stats`). ``num_batches_tracked`` never reaches an output, and in training mode
+    the running statistics are not read (batch statistics are): replay freezes them."""
+    norm = isinstance(m, _NormBase)
     for name, b in m._buffers.items():
-        if b is not None and not (skip_stats and name in _STATS):
+        if b is not None and not (norm and name in _STATS):
             yield name, b
+
+
+def _read_stats(m: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    """The running statistics an eval-mode normalisation layer reads. Their updates by a
+    training-mode forward of the same layer do not move their version counters, so they are
+    copied when the forward starts (two vectors of the layer's width) and replayed from the
+    copy, as plain autograd keeps what it needs of them."""
+    if isinstance(m, _NormBase) and not m.training and m.track_running_stats:
+        for name in ("running_mean", "running_var"):
+            b = m._buffers.get(name)
+            if b is not None:
+                yield name, b
 
 
 def _label(m: nn.Module, name: str, t: torch.Tensor) -> str:
@@ -124,7 +141,7 @@ def _values(getter: operator.itemgetter, keys: tuple[str, ...], d: dict[str, Any
 class ModuleState:
     """Attributes, parameter and buffer versions of the modules one forward calls."""
 
-    __slots__ = ("_attrs", "_before", "_frozen", "_modules", "_old", "_unseen")
+    __slots__ = ("_attrs", "_before", "_frozen", "_modules", "_old", "_stats", "_unseen")
 
     # Bookkeeping runs eagerly: after a graph break Dynamo would otherwise compile these frames.
     @torch.compiler.disable
@@ -142,12 +159,15 @@ class ModuleState:
             (m, n, b, b._version) for m in mods if m._buffers for n, b in _tracked_buffers(m)
         ]
         self._old: dict[tuple[nn.Module, str], torch.Tensor] = {}
-        if self._before:
-            with torch.no_grad():
-                for m, name, b, _ in self._before:
-                    known = _WRITES.get(m)
-                    if known is None or name in known:
-                        self._old[(m, name)] = b.clone()
+        self._stats: dict[tuple[nn.Module, str], torch.Tensor] = {}
+        with torch.no_grad():
+            for m, name, b, _ in self._before:
+                known = _WRITES.get(m)
+                if known is None or name in known:
+                    self._old[(m, name)] = b.clone()
+            for m in mods:
+                for name, b in _read_stats(m):
+                    self._stats[(m, name)] = b.clone()
         self._frozen: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
         self._unseen: list[str] = []
 
@@ -182,17 +202,15 @@ class ModuleState:
     @torch.compiler.disable
     def check(self, label: str) -> None:
         """Raise if the recompute cannot run as the forward ran."""
-        for table, name, t, version in self._frozen:
-            now = table.get(name)
-            if now is not t or t._version != version:
-                what = "replaced by another tensor" if now is not t else "modified in place"
+        for _, name, t, version in self._frozen:
+            if t._version != version:
                 raise ModifiedParameterError(
                     f"the recompute of {label} cannot run: {name!r} (shape "
-                    f"{tuple(t.shape)}) was {what} between the forward and its backward (an "
-                    "optimizer step, load_state_dict, or an in-place update under no_grad), so "
-                    "the recompute would differentiate other weights than the forward used; "
-                    "call backward before changing parameters or buffers (optimizer.step() "
-                    "after loss.backward())"
+                    f"{tuple(t.shape)}) was modified in place between the forward and its "
+                    "backward (an optimizer step, load_state_dict, or an in-place update under "
+                    "no_grad), so the recompute would differentiate other weights than the "
+                    "forward used; call backward before changing parameters or buffers "
+                    "(optimizer.step() after loss.backward())"
                 )
         if self._unseen:
             raise ReplayError(
@@ -208,15 +226,20 @@ class ModuleState:
         """Set attributes and written buffers as the forward found them; returns what to
         restore with :meth:`exit`."""
         undo: list[tuple[Any, ...]] = []
+        for table, name, t, _ in self._frozen:
+            now = table.get(name, _MISSING)
+            if now is not t:  # replaced since (functional_call, a rebinding): the forward's
+                undo.append((table, name, now))
+                table[name] = t
         for d, keys, values in self._attrs:
             for k, v in zip(keys, values, strict=True):
                 now = d.get(k, _MISSING)
                 if now is not v and v is not _MISSING:
                     undo.append((d, k, now))
                     d[k] = v
-        if self._old:
+        if self._old or self._stats:
             with _disable_current_modes(), torch.no_grad():
-                for (m, name), old in self._old.items():
+                for (m, name), old in (*self._old.items(), *self._stats.items()):
                     undo.append((m._buffers, name, m._buffers.get(name, _MISSING)))
                     m._buffers[name] = old.clone()
         return undo

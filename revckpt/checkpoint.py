@@ -40,6 +40,7 @@ from torch.utils.checkpoint import (
 )
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
+from ._autograd import modules_of
 from ._determinism import ValueLog
 from .approx.recompute import Approx, run_approx
 from .errors import DoubleBackwardError, InvalidArgumentError, InvalidInputTypeError
@@ -189,16 +190,6 @@ class _Reusable:
         return self.stacks.pop().__exit__(*exc)
 
 
-def _modules_of(fn: Any) -> tuple[nn.Module, ...]:
-    """Modules reachable from a callable: itself, the owner of a bound method, a partial's func."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    if isinstance(fn, nn.Module):
-        return (fn,)
-    owner = getattr(fn, "__self__", None)
-    return (owner,) if isinstance(owner, nn.Module) else ()
-
-
 def _check_options(determinism_check: str, preserve_rng_state: bool) -> None:
     if determinism_check not in _DETERMINISM_CHECKS:
         raise InvalidArgumentError(
@@ -337,7 +328,7 @@ def checkpoint(
         fn,
         args,
         kwargs,
-        modules=_modules_of(fn),
+        modules=modules_of(fn),
         preserve_rng_state=preserve_rng_state,
         determinism_check=determinism_check,
         policy=policy,
@@ -506,7 +497,7 @@ def checkpoint_sequential(
     x = input
     for start, stop in bounds:
         part = chain[start:stop]
-        modules = tuple(m for b in part for m in _modules_of(b))
+        modules = tuple(m for b in part for m in modules_of(b))
         x = _checkpoint(
             _Segment(part),
             (x,),

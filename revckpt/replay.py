@@ -432,9 +432,13 @@ class _Replay:
                 raise ReplayError(
                     f"the recompute of {self._label} drew other random numbers than its forward "
                     f"on {device} (the generator ended elsewhere), so its dropout masks would "
-                    "differ. Another thread drew from the global generator while the forward "
-                    "ran: train models that draw random numbers in separate processes, or run "
-                    "the other thread's model through revckpt too (their forwards take turns)"
+                    "differ. Either the block's random draws depend on state that changed since "
+                    "the forward and that replay cannot see (a module switched to eval(), or a "
+                    "dropout rate changed, in a module reached through a global rather than "
+                    "passed as the block or in its closure: checkpoint the module itself), or "
+                    "another thread drew from the global generator while the forward ran "
+                    "(train such models in separate processes, or run the other thread's model "
+                    "through revckpt too: their forwards then take turns)"
                 )
 
 

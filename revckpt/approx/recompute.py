@@ -39,6 +39,7 @@ from .._autograd import (
     first_unregistered_leaf,
     grad_keywords,
     module_targets,
+    modules_of,
     vjp,
 )
 from ..errors import InvalidArgumentError, InvalidInputTypeError
@@ -323,7 +324,7 @@ def run_approx(
     all it calls (then replay freezes exactly their normalisation layers; else any that runs).
     """
     if modules is None:
-        modules = (fn,) if isinstance(fn, nn.Module) else ()
+        modules = modules_of(fn, closures=False)  # their parameters become the node's inputs
     if complete is None:
         complete = isinstance(fn, nn.Module)
     params: list[torch.Tensor] = []
@@ -356,7 +357,7 @@ def run_approx(
         kwargs=kwargs,
         grad_kwargs=grad_kwargs,
         params=tuple(params),
-        modules=tuple(m for m in modules if isinstance(m, nn.Module)),
+        modules=tuple(dict.fromkeys((*modules, *modules_of(fn)))),
         norms=tuple(norms) if complete else None,
         config=config,
         preserve_rng_state=preserve_rng_state,
@@ -408,4 +409,7 @@ def checkpoint(
         raise InvalidInputTypeError(
             f"approx.checkpoint(fn, *args): fn must be callable, got {type(fn).__name__}"
         )
-    return run_approx(fn, args, kwargs, config=config, preserve_rng_state=preserve_rng_state)
+    label = getattr(fn, "__qualname__", type(fn).__name__)
+    return run_approx(
+        fn, args, kwargs, config=config, preserve_rng_state=preserve_rng_state, label=label
+    )
