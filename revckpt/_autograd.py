@@ -26,6 +26,7 @@ from .errors import DoubleBackwardError, InvalidInputTypeError
 __all__ = [
     "differentiable_once",
     "first_unregistered_leaf",
+    "forward_as_plain",
     "grad_keywords",
     "module_targets",
     "modules_of",
@@ -86,6 +87,34 @@ def module_targets(module: Any) -> tuple[tuple[torch.Tensor, ...], tuple[nn.Modu
                 params.append(p)
         todo.extend(c for c in reversed(m._modules.values()) if c is not None)
     return tuple(params), tuple(norms)
+
+
+def _drop(t: torch.Tensor) -> None:
+    return None
+
+
+def _never(packed: Any) -> torch.Tensor:
+    raise RuntimeError("revckpt: a node's first forward kept nothing for backward")
+
+
+def forward_as_plain() -> contextlib.AbstractContextManager[Any]:
+    """The context of a node's first forward inside ``autograd.Function.forward``: grad mode on,
+    as plain autograd runs it, while nothing is kept for backward (every saved tensor dropped).
+
+    ``Function.forward`` runs under ``no_grad``, and modules take another path there:
+    ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` switch to their inference fast
+    path (nested tensors with a padding mask: other values at padded positions), a
+    ``parametrize.cached()`` weight is cached without its graph. The graph built here is
+    dropped with the output's history (the caller returns detached outputs); its cost is the
+    bookkeeping of the graph, not memory. Under ``torch.compile`` the compiler traces the
+    forward as it is.
+    """
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.enable_grad())
+    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_drop, _never))
+    return stack
 
 
 def modules_of(fn: Any, *, closures: bool = True) -> tuple[nn.Module, ...]:

@@ -530,3 +530,56 @@ def test_sub_blocks_in_worker_threads_do_not_hang():
     t.start()
     t.join(timeout=90)
     assert done.is_set(), "the outer block's forward waited for its own sub-blocks"
+
+
+# --- a node's first forward runs with grad mode on, as plain autograd's does -----------------
+
+
+def _encoder_step(strategy: str, enc: nn.Module, x: torch.Tensor, mask: torch.Tensor):
+    x = x.clone().requires_grad_(True)
+    enc.zero_grad(set_to_none=True)
+    if strategy == "plain":
+        y = enc(x, src_key_padding_mask=mask)
+    elif strategy == "approx-exact":
+        y = revckpt.approx.checkpoint(enc, x, store=None, src_key_padding_mask=mask)
+    elif strategy == "offload":
+        with rv_offload.force_copies():
+            y = rv_offload.checkpoint(enc, x, src_key_padding_mask=mask)
+    else:
+        y = revckpt.checkpoint(enc, x, src_key_padding_mask=mask)
+    y.square().sum().backward()
+    return [y.detach(), x.grad, *_grads(enc)]
+
+
+@pytest.mark.parametrize("strategy", ["checkpoint", "approx-exact", "offload"])
+def test_an_eval_mode_encoder_takes_the_path_plain_autograd_takes(strategy):
+    """Under no_grad nn.TransformerEncoder in eval() mode takes its inference fast path (nested
+    tensors with a padding mask: other values at padded positions)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    enc = nn.TransformerEncoder(layer, 2).eval()
+    x = torch.randn(2, 5, 16)
+    mask = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    _assert_equal(_encoder_step(strategy, enc, x, mask), _encoder_step("plain", enc, x, mask))
+
+
+@pytest.mark.parametrize("strategy", ["approx-exact", "offload", "reversible"])
+def test_a_cached_parametrization_keeps_its_gradient(strategy):
+    """parametrize.cached() caches the parametrized weight at the first forward: with its
+    graph only if that forward runs with grad mode on."""
+    from torch.nn.utils import parametrize
+
+    class _Symmetric(nn.Module):
+        def forward(self, w):
+            return (w + w.T) / 2
+
+    blocks = _linear_blocks()
+    for b in blocks:
+        parametrize.register_parametrization(b[0], "weight", _Symmetric())
+    x = _input(strategy)
+    plain, model = _build(_reference(strategy), blocks), _build(strategy, blocks)
+    with parametrize.cached():
+        expected = _step(plain, x)
+    with parametrize.cached():
+        got = _step(model, x)
+    _assert_close(got, expected)

@@ -37,6 +37,7 @@ from torch import nn
 from .._autograd import (
     differentiable_once,
     first_unregistered_leaf,
+    forward_as_plain,
     grad_keywords,
     module_targets,
     modules_of,
@@ -165,7 +166,8 @@ class _ApproxFunction(torch.autograd.Function):
             modules=block.modules,
         )
         try:
-            out = block.fn(*block.args(tensors), **block.kwargs)
+            with forward_as_plain():
+                out = block.fn(*block.args(tensors), **block.kwargs)
         finally:
             ctx.state.forward_finished()
         codec = block.config.codec
@@ -190,8 +192,8 @@ class _ApproxFunction(torch.autograd.Function):
         saved += [block.kwargs[k] for k in ctx.kw_names]
         ctx.save_for_backward(*saved)
         outs, multiple = _outputs(out, block.label)
-        ids = {id(t) for t in inputs}
-        outs = [o.view_as(o) if id(o) in ids else o for o in outs]
+        del out
+        outs = [o.detach() for o in outs]  # the node is their history, not the forward's graph
         return tuple(outs) if multiple else outs[0]
 
     @staticmethod

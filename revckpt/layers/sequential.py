@@ -39,6 +39,7 @@ from torch import nn
 from .._autograd import (
     differentiable_once,
     first_unregistered_leaf,
+    forward_as_plain,
     grad_keywords,
     module_targets,
     vjp,
@@ -205,7 +206,8 @@ class _HalfStep(torch.autograd.Function):
             norms=step.norms, devices=chain.devices, modules=(step.branch,)
         )
         try:
-            h = block._branch(step.which, u, a, chain.kwargs)
+            with forward_as_plain():
+                h = _detached(block._branch(step.which, u, a, chain.kwargs))
         finally:
             state.forward_finished()
         # y = a + h is written over the branch's fresh output when nothing else holds it: no
