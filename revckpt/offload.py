@@ -15,7 +15,8 @@ segment ``p`` runs its backward the device holds its own input and the prefetche
 segment ``p - 1``. Extra time: one forward of each segment, plus a device-to-host and a
 host-to-device copy of each boundary (overlapped with compute on CUDA). Gradients are bitwise
 those of :func:`revckpt.checkpoint` (the values copied back are the values copied out), but for
-keyword tensors that require grad: equal to round-off (the node sums the contributions of their
+tensors used by several operations of one node (keyword tensors that require grad, parameters
+tied across a segment's blocks): equal to round-off (the node sums the contributions of their
 uses before autograd adds them to the rest).
 
 **Only activations move.** The tensors autograd keeps for the offloaded node are its positional

@@ -16,7 +16,9 @@ So the forward output is exact and only the gradients see the approximation: eac
 
 ``recompute_dtype=torch.bfloat16`` re-runs ``fn`` under bf16 autocast during backward while the
 first forward stays exact. With ``store=None`` and no ``recompute_dtype`` nothing is approximate
-and the gradients are bitwise those of :func:`revckpt.checkpoint`.
+and the gradients are bitwise those of :func:`revckpt.checkpoint` (tensors used by several
+operations of one node, such as keyword tensors that require grad or parameters tied across a
+segment's blocks: to round-off, the node summing their contributions first).
 
 RNG (dropout masks), autocast state and BatchNorm statistics go through :mod:`revckpt.replay`,
 as for every recompute. The block is one autograd node whose inputs are the tensor arguments,
