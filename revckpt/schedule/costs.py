@@ -127,7 +127,9 @@ class BlockCost:
     (the generator states of a forward that draws random numbers; 0 for a block that draws
     none; a selective segment counts them in ``selective_bytes``), and ``rng_late_bytes[s]``
     what of them stays alive after the block's backward, until the step ends; ``loss_bytes``:
-    a scalar loss and its gradient, alive during backward when the block ends the chain."""
+    a scalar loss and its gradient, alive during backward when the block ends the chain;
+    ``reversible_check_bytes``: the samples a reversible stack starting with this block keeps
+    for its default invertibility check (once per stack)."""
 
     forward_s: float
     backward_s: float
@@ -161,6 +163,7 @@ class BlockCost:
     rng_bytes: Mapping[str, int] = field(default_factory=dict)
     rng_late_bytes: Mapping[str, int] = field(default_factory=dict)
     loss_bytes: int = 0
+    reversible_check_bytes: int = 0
 
     @property
     def capture_peak(self) -> int:
@@ -386,6 +389,8 @@ def _replay_bytes(part: Sequence[BlockCost], strategy: str, *, late: bool) -> in
     the sum over the blocks of reversible and offload segments (a node per block, or per
     branch), the largest block's otherwise (one node for the whole segment)."""
     per_block = [(b.rng_late_bytes if late else b.rng_bytes).get(strategy, 0) for b in part]
+    if strategy == REVERSIBLE and not late:  # and the stack's invertibility-check samples
+        return sum(per_block) + part[0].reversible_check_bytes
     return sum(per_block) if strategy in (REVERSIBLE, OFFLOAD) else max(per_block)
 
 

@@ -380,7 +380,11 @@ def _profile_block(
     reversible = None
     if isinstance(block, ReversibleUnit):
         modes.append(REVERSIBLE)
-        reversible = ReversibleSequential(block.block, split_dim=block.split_dim)
+        # without the invertibility check: its samples are kept once per stack, not per
+        # block (``reversible_check_bytes``)
+        reversible = ReversibleSequential(
+            block.block, split_dim=block.split_dim, check_inverse=None
+        )
     if offload:
         modes.append(OFFLOAD)
     runs = _Runs(block, leaf, wrt, kwargs, reversible)
@@ -474,7 +478,14 @@ def _profile_block(
         rng_bytes=metered.rng,
         rng_late_bytes=metered.late,
         loss_bytes=_loss_bytes(grad_out, device),
+        reversible_check_bytes=_check_bytes(leaf, block) if reversible is not None else 0,
     )
+
+
+def _check_bytes(x: torch.Tensor, unit: ReversibleUnit) -> int:
+    """What a reversible stack starting with this block keeps for its default invertibility
+    check: up to 64 elements of each half of its input."""
+    return sum(min(64, h.numel()) * h.element_size() for h in x.chunk(2, dim=unit.split_dim))
 
 
 def _compressed_sizes(x: torch.Tensor, codecs: Sequence[str]) -> dict[str, int]:
