@@ -144,40 +144,22 @@ def bench_depth(
     for row in rows:
         r = ratios[row["variant"]]
         row.update(time_ratio=r.ratio, time_ratio_q25=r.q25, time_ratio_q75=r.q75)
-    check = time_ratio(
-        step(variants["revckpt ReversibleSequential"]),
-        step(variants[UNCHECKED]),
-        repeats=repeats,
-        warmup=1,
-    )
-    rows.append(
-        {
-            "depth": depth,
-            "variant": CHECK_COST,
-            "time_ratio": check.ratio,
-            "time_ratio_q25": check.q25,
-            "time_ratio_q75": check.q75,
-        }
-    )
-    peer_rows = [r for r in rows if r["variant"] in found]
-    if peer_rows:
-        best = min(peer_rows, key=lambda r: r["time_ratio"])["variant"]
-        head = time_ratio(
+
+    def head_to_head(variant: str, other: str, **extra: Any) -> dict[str, Any]:
+        r = time_ratio(
             step(variants["revckpt ReversibleSequential"]),
-            step(variants[best]),
+            step(variants[other]),
             repeats=repeats,
             warmup=1,
         )
-        rows.append(
-            {
-                "depth": depth,
-                "variant": HEAD_TO_HEAD,
-                "fastest_peer": best,
-                "time_ratio": head.ratio,
-                "time_ratio_q25": head.q25,
-                "time_ratio_q75": head.q75,
-            }
-        )
+        ratio = {"time_ratio": r.ratio, "time_ratio_q25": r.q25, "time_ratio_q75": r.q75}
+        return {"depth": depth, "variant": variant, **extra, **ratio}
+
+    rows.append(head_to_head(CHECK_COST, UNCHECKED))
+    peer_rows = [r for r in rows if r["variant"] in found]
+    if peer_rows:
+        best = min(peer_rows, key=lambda r: r["time_ratio"])["variant"]
+        rows.append(head_to_head(HEAD_TO_HEAD, best, fastest_peer=best))
     for p in params:
         p.grad = None
     return rows, notes
