@@ -396,3 +396,32 @@ def test_force_copies_in_overlapping_threads_ends_with_the_last():
     assert offload._copying() and offload._simulating()
     second.__exit__(None, None, None)
     assert not offload._copying() and not offload._simulating()
+
+
+@pytest.mark.parametrize("segments", [2, 6])
+def test_keyword_tensor_gradients_equal_checkpoint_to_round_off(segments):
+    """A keyword tensor used by several operations of one node: its gradient is the sum of the
+    uses' contributions, added to the rest by autograd; plain autograd adds each in turn. The
+    same additions in another order: equal to round-off, not bitwise (docs/offload.md)."""
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x, scale):
+            return torch.tanh(self.lin(x) * scale) + scale
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([Scaled() for _ in range(6)]).double()
+    x = torch.randn(5, 16, dtype=torch.float64, requires_grad=True)
+
+    def grad(run):
+        scale = torch.linspace(0.5, 1.5, 16, dtype=torch.float64).requires_grad_(True)
+        run(scale).pow(2).sum().backward()
+        return scale.grad
+
+    expected = grad(lambda s: revckpt.checkpoint_sequential(blocks, segments, x, scale=s))
+    with offload.force_copies():
+        got = grad(lambda s: offload.checkpoint_sequential(blocks, segments, x, scale=s))
+    torch.testing.assert_close(got, expected, rtol=1e-13, atol=0)
