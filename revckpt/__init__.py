@@ -7,12 +7,13 @@ an error budget (``revckpt.schedule``); with the measurement tools to prove what
 (:class:`MemoryMeter`, :func:`time_ratios`, :func:`gradient_error`, ``revckpt.report``).
 """
 
-from . import layers, measure, offload, replay, testing
+from . import inplace, layers, measure, offload, replay, testing
 from .checkpoint import POLICY_PRESETS, checkpoint, checkpoint_sequential, segment_bounds
 from .errors import (
     CheckpointMismatchError,
     DoubleBackwardError,
     GradientMismatchError,
+    InfeasibleBudgetError,
     InvalidArgumentError,
     InvalidInputTypeError,
     MeasurementError,
@@ -22,6 +23,7 @@ from .errors import (
     ReplayError,
     RevckptError,
 )
+from .inplace import convert, fit, restore
 from .measure import (
     GradientError,
     MemoryMeter,
@@ -41,6 +43,7 @@ __all__ = [
     "DoubleBackwardError",
     "GradientError",
     "GradientMismatchError",
+    "InfeasibleBudgetError",
     "InvalidArgumentError",
     "InvalidInputTypeError",
     "MeasurementError",
@@ -54,12 +57,16 @@ __all__ = [
     "TimeRatio",
     "checkpoint",
     "checkpoint_sequential",
+    "convert",
+    "fit",
     "gradient_error",
+    "inplace",
     "layers",
     "measure",
     "offload",
     "peak_memory",
     "replay",
+    "restore",
     "segment_bounds",
     "testing",
     "time_ratio",

@@ -12,6 +12,7 @@ __all__ = [
     "CheckpointMismatchError",
     "DoubleBackwardError",
     "GradientMismatchError",
+    "InfeasibleBudgetError",
     "InvalidArgumentError",
     "InvalidInputTypeError",
     "MeasurementError",
@@ -29,6 +30,14 @@ class RevckptError(Exception):
 
 class InvalidArgumentError(RevckptError, ValueError):
     """An argument has a value revckpt cannot work with (a size, a count, an option name)."""
+
+
+class InfeasibleBudgetError(InvalidArgumentError):
+    """No plan fits the memory budget; ``smallest_budget_bytes`` is the smallest that does."""
+
+    def __init__(self, message: str, *, smallest_budget_bytes: int) -> None:
+        super().__init__(message)
+        self.smallest_budget_bytes = smallest_budget_bytes
 
 
 class InvalidInputTypeError(RevckptError, TypeError):

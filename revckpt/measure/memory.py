@@ -359,6 +359,16 @@ class MemoryMeter:
         assert self._tracker is not None
         return self._tracker.live
 
+    @property
+    def phase_peak_bytes(self) -> int:
+        """Highest live memory since the last :meth:`reset_peak` (or the entry), read inside
+        the block: the peak of the phase so far, above the level at entry."""
+        self._active("phase_peak_bytes")
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) - self._base
+        assert self._tracker is not None
+        return self._tracker.peak
+
     def reset_peak(self) -> None:
         """Start a new phase: :attr:`since_reset_peak_bytes` is then the highest live memory
         from now to the end of the block (still above the level at entry); ``peak_bytes``

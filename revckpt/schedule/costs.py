@@ -95,6 +95,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import InvalidArgumentError
+from .step import StepCosts
 
 __all__ = [
     "SELECTIVE_PREFIX",
@@ -129,7 +130,12 @@ class BlockCost:
     what of them stays alive after the block's backward, until the step ends; ``loss_bytes``:
     a scalar loss and its gradient, alive during backward when the block ends the chain;
     ``reversible_check_bytes``: the samples a reversible stack starting with this block keeps
-    for its default invertibility check (once per stack)."""
+    for its default invertibility check (once per stack); ``grads_new``: the step creates the
+    block's parameter gradients (they are ``None`` before it, as after ``zero_grad()``): they
+    stay alive from the block's backward to the end of the step, and its backward transients
+    were measured so (their own gradients included); ``input_kept``: a stored block keeps its
+    input alive until its backward (it saves it, or the block before saves its own output);
+    if not, its input goes once it has run."""
 
     forward_s: float
     backward_s: float
@@ -164,6 +170,8 @@ class BlockCost:
     rng_late_bytes: Mapping[str, int] = field(default_factory=dict)
     loss_bytes: int = 0
     reversible_check_bytes: int = 0
+    grads_new: bool = False
+    input_kept: bool = True
 
     @property
     def capture_peak(self) -> int:
@@ -350,10 +358,14 @@ def _approx_error(part: Sequence[BlockCost], codec: str) -> float:
     return math.sqrt(own + head.upstream_grad_sq * upstream) / math.sqrt(head.chain_grad_sq)
 
 
-def segment_cost(blocks: Sequence[BlockCost], seg: Segment) -> SegmentCost:
-    """Kept bytes, working peak, recompute time and error of one segment (see module doc)."""
+def segment_cost(
+    blocks: Sequence[BlockCost], seg: Segment, step: StepCosts | None = None
+) -> SegmentCost:
+    """Kept bytes, working peak, recompute time and error of one segment (see module doc);
+    ``step``: the whole step's costs outside the chain (:class:`StepCosts`), whose
+    ``backward_held`` replaces the chain output and loss in backward."""
     _check_strategy(blocks, seg)
-    out = blocks[-1].output_bytes + blocks[-1].loss_bytes
+    out = _backward_held(blocks, step)
     j, k, strategy = seg.start, seg.stop, seg.strategy
     part = blocks[j:k]
     time, error = 0.0, 0.0
@@ -380,8 +392,29 @@ def segment_cost(blocks: Sequence[BlockCost], seg: Segment) -> SegmentCost:
         time,
         error,
         backward_work=bwd + rng,
-        late=_replay_bytes(part, strategy, late=True),
+        late=_replay_bytes(part, strategy, late=True) + sum(_new_grads(b) for b in part),
     )
+
+
+def _backward_held(blocks: Sequence[BlockCost], step: StepCosts | None) -> int:
+    if step is not None:
+        return step.backward_held
+    return blocks[-1].output_bytes + blocks[-1].loss_bytes
+
+
+def _new_grads(b: BlockCost) -> int:
+    """The parameter-gradient bytes the block's backward creates and leaves alive."""
+    return b.param_bytes if b.grads_new else 0
+
+
+def _grads_after(part: Sequence[BlockCost]) -> list[int]:
+    """Per block of a segment, the new gradients of the blocks after it in the segment (alive
+    during its backward)."""
+    after, total = [], 0
+    for b in reversed(part):
+        after.append(total)
+        total += _new_grads(b)
+    return after[::-1]
 
 
 def _replay_bytes(part: Sequence[BlockCost], strategy: str, *, late: bool) -> int:
@@ -401,12 +434,17 @@ def _store_work(part: Sequence[BlockCost], out: int) -> Work:
     fwd = bwd = acc = 0
     for b in part:
         fwd = max(fwd, acc + b.input_bytes + b.forward_peak_bytes)
-        acc += b.input_bytes + b.saved_bytes
+        acc += _stored(b)
     kept = acc
-    for b in reversed(part):  # acc = sum over [j, i]
-        bwd = max(bwd, acc + out + b.output_bytes + b.backward_peak_bytes)
-        acc -= b.input_bytes + b.saved_bytes
+    for b, grads in zip(reversed(part), reversed(_grads_after(part)), strict=True):
+        bwd = max(bwd, acc + out + b.output_bytes + b.backward_peak_bytes + grads)
+        acc -= _stored(b)  # acc = sum over [j, i] above
     return kept, fwd, bwd
+
+
+def _stored(b: BlockCost) -> int:
+    """What a stored block keeps: its saved tensors, and its input if it stays alive."""
+    return (b.input_bytes if b.input_kept else 0) + b.saved_bytes
 
 
 def _selective_work(b: BlockCost, policy: str, out: int) -> Work:
@@ -421,15 +459,18 @@ def _reversible_work(part: Sequence[BlockCost], first: bool, last: bool, out: in
     # own output is O, counted already
     kept_output = 0 if last else part[-1].output_bytes
     fwd = bwd = 0
-    for i, b in enumerate(part):
+    for i, (b, grads) in enumerate(zip(part, _grads_after(part), strict=True)):
         current = b.input_bytes if (i > 0 or not first) else 0
         fwd = max(fwd, held + current + b.forward_peak_nograd_bytes)
         if b.reversible_peak_bytes is not None:  # tr, measured: rebuild and backward
-            bwd = max(bwd, held + kept_output + out + b.output_bytes + b.reversible_peak_bytes)
+            bwd = max(
+                bwd, held + kept_output + out + b.output_bytes + b.reversible_peak_bytes + grads
+            )
             continue
         bwd = max(  # an upper bound when tr was not measured
             bwd,
             held
+            + grads
             + kept_output
             + out
             + 2 * b.output_bytes
@@ -468,10 +509,11 @@ def _recompute_work(part: Sequence[BlockCost], strategy: str, first: bool, out: 
             bwd = max(bwd, held + acc + b.input_bytes + b.forward_peak_bytes + out + grad_out)
         acc += b.input_bytes + b.saved_bytes
     if strategy == CHECKPOINT:
+        grads_after = _grads_after(part)
         for i in reversed(range(len(part))):  # its backward
             b = part[i]
             if not (i == len(part) - 1 and measured_last):
-                bwd = max(bwd, acc + out + b.output_bytes + b.backward_peak_bytes)
+                bwd = max(bwd, acc + out + b.output_bytes + b.backward_peak_bytes + grads_after[i])
             acc -= b.input_bytes + b.saved_bytes
         return kept, fwd, bwd
     # one node: the recomputed segment output stays alive and it returns the segment's
@@ -493,7 +535,7 @@ def _offload_work(part: Sequence[BlockCost], first: bool, out: int) -> Work:
     kept = 0  # D_i
     fwd = bwd = 0
     moved_before = 0  # m_{i-1}, being prefetched during block i's backward
-    for i, b in enumerate(part):
+    for i, (b, grads) in enumerate(zip(part, _grads_after(part), strict=True)):
         assert b.offload_kept_bytes is not None
         d = b.offload_kept_bytes
         g = b.output_bytes
@@ -504,8 +546,8 @@ def _offload_work(part: Sequence[BlockCost], first: bool, out: int) -> Work:
         fwd = max(fwd, kept + b.input_bytes + b.forward_peak_nograd_bytes)
         bwd = max(
             bwd,
-            kept + back + b.forward_peak_bytes + out + g + prefetch,
-            kept + back + b.saved_bytes + out + 2 * g + b.capture_peak + prefetch,
+            kept + back + b.forward_peak_bytes + out + g + prefetch + grads,
+            kept + back + b.saved_bytes + out + 2 * g + b.capture_peak + prefetch + grads,
         )
         kept += b.input_bytes if (first and i == 0) else d
         moved_before = b.input_bytes - d
@@ -522,10 +564,33 @@ class Evaluation:
     kept_bytes: int
 
 
-def evaluate(blocks: Sequence[BlockCost], segments: Sequence[Segment]) -> Evaluation:
+def evaluate(
+    blocks: Sequence[BlockCost], segments: Sequence[Segment], *, step: StepCosts | None = None
+) -> Evaluation:
     """Predicted peak, recompute overhead and error of a plan (segments in order, covering the
     chain). The peak is ``max_p max(P_p + W_p, P_p + L_p + Wb_p)`` over segments ``p`` (see the
-    module docstring); the error ``sqrt(sum_p e_p^2)``."""
+    module docstring); the error ``sqrt(sum_p e_p^2)``. With ``step`` (:class:`StepCosts`),
+    the peak of the whole training step around the chain (see :mod:`~revckpt.schedule.step`)."""
+    _check_sequence(blocks, segments)
+    costs = [segment_cost(blocks, seg, step) for seg in segments]
+    late_after = [sum(c.late for c in costs[p + 1 :]) for p in range(len(costs))]
+    prefix, peak = 0, 0
+    for cost, late in zip(costs, late_after, strict=True):
+        peak = max(peak, prefix + cost.work, prefix + late + cost.backward_work)
+        prefix += cost.kept
+    if step is not None:
+        late = sum(c.late for c in costs)
+        peak = max(step.before_peak, step.held + peak, step.held + prefix + step.head)
+        peak = max(peak, step.after + late)
+    return Evaluation(
+        peak_bytes=peak,
+        overhead_s=sum(c.time for c in costs),
+        error=math.sqrt(sum(c.error**2 for c in costs)),
+        kept_bytes=prefix,
+    )
+
+
+def _check_sequence(blocks: Sequence[BlockCost], segments: Sequence[Segment]) -> None:
     if not segments or segments[0].start != 0 or segments[-1].stop != len(blocks):
         raise InvalidArgumentError("a plan's segments must cover the chain from block 0 to the end")
     for a, b in itertools.pairwise(segments):
@@ -544,23 +609,12 @@ def evaluate(blocks: Sequence[BlockCost], segments: Sequence[Segment]) -> Evalua
                     "anyway; checkpoint that block or store the next one"
                 )
             )
-    costs = [segment_cost(blocks, seg) for seg in segments]
-    late_after = [sum(c.late for c in costs[p + 1 :]) for p in range(len(costs))]
-    prefix, peak = 0, 0
-    for cost, late in zip(costs, late_after, strict=True):
-        peak = max(peak, prefix + cost.work, prefix + late + cost.backward_work)
-        prefix += cost.kept
-    return Evaluation(
-        peak_bytes=peak,
-        overhead_s=sum(c.time for c in costs),
-        error=math.sqrt(sum(c.error**2 for c in costs)),
-        kept_bytes=prefix,
-    )
 
 
-def chain_totals(blocks: Sequence[BlockCost]) -> tuple[float, int]:
-    """Forward+backward seconds of the plain chain and its store-everything peak bytes."""
-    plain = evaluate(blocks, [Segment(0, len(blocks), STORE)])
+def chain_totals(blocks: Sequence[BlockCost], step: StepCosts | None = None) -> tuple[float, int]:
+    """Forward+backward seconds of the plain chain and its store-everything peak bytes (of
+    the whole step, with ``step``)."""
+    plain = evaluate(blocks, [Segment(0, len(blocks), STORE)], step=step)
     base = sum(b.forward_s + b.backward_s for b in blocks)
     return base, plain.peak_bytes
 

@@ -39,6 +39,12 @@ def _mib(n: float) -> str:
 class Plan:
     """Segments of a chain with a strategy each, and the predictions of the cost model.
 
+    A plan made by :func:`revckpt.fit` covers a whole training step: ``block_names`` are
+    the blocks' names in the model, ``block_shapes`` the hidden-state shapes it was made for
+    (every batch no larger in any dimension holds), ``model_digest`` a digest of the model's
+    parameter names and shapes (a saved plan is applied to the model it was made for only),
+    and the predictions are those of the whole step.
+
     ``predicted_peak_bytes``: forward+backward peak of live tensor bytes; ``predicted_overhead``:
     recompute time over the plain chain's forward+backward time; ``predicted_error``: summed
     estimated relative gradient error of the approx segments. ``name`` says where the plan came
@@ -56,6 +62,8 @@ class Plan:
     name: str = "optimal"
     block_names: tuple[str, ...] = field(default=())
     input_signature: tuple[Any, ...] | None = None
+    block_shapes: tuple[tuple[int, ...], ...] = field(default=())
+    model_digest: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "segments", _checked_segments(self.segments))
@@ -112,6 +120,7 @@ class Plan:
         d = asdict(self)
         d["segments"] = [[s.start, s.stop, s.strategy] for s in self.segments]
         d["block_names"] = list(self.block_names)
+        d["block_shapes"] = [list(s) for s in self.block_shapes]
         if self.input_signature is not None:
             shape, dtype, device = self.input_signature
             d["input_signature"] = [list(shape), dtype, device]
@@ -155,6 +164,10 @@ class Plan:
         fields["segments"] = _segments_from_json(fields["segments"])
         fields["block_names"] = tuple(_json_list(fields.get("block_names", []), "block_names"))
         fields["input_signature"] = _signature_from_json(fields.get("input_signature"))
+        shapes = _json_list(fields.get("block_shapes", []), "block_shapes")
+        if not all(isinstance(s, list) and all(_is_int(n) for n in s) for s in shapes):
+            raise InvalidInputTypeError("block_shapes in plan JSON is a list of lists of ints")
+        fields["block_shapes"] = tuple(tuple(s) for s in shapes)
         return cls(**fields)
 
     @classmethod

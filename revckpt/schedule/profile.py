@@ -54,6 +54,7 @@ from .costs import (
     STORE,
     BlockCost,
 )
+from .step import StepCosts
 
 __all__ = ["Profile", "profile"]
 
@@ -67,11 +68,14 @@ def _signature(x: torch.Tensor) -> tuple[tuple[int, ...], str, str]:
 
 @dataclass(frozen=True)
 class Profile:
-    """Per-block costs of a chain, the block names, and the example input's signature."""
+    """Per-block costs of a chain, the block names, and the example input's signature;
+    ``step``: for a profile made in situ (:func:`revckpt.fit`), the whole training step's
+    costs outside the chain, which the predictions then include."""
 
     blocks: tuple[BlockCost, ...]
     names: tuple[str, ...]
-    input_signature: tuple[tuple[int, ...], str, str]
+    input_signature: tuple[tuple[int, ...], str, str] | None
+    step: StepCosts | None = None
 
     def table(self) -> str:
         """Markdown: per block times, bytes, transient peaks, invertibility, codec errors."""
@@ -326,6 +330,22 @@ def _output_op(block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> Any
     return mode.producer.get(y.untyped_storage()._cdata)
 
 
+def saves_input(block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+    """Whether the block's forward saves its input (or a view of it) for backward: if not,
+    a stored block lets its input go once it has run (unless something else keeps it)."""
+    leaf = x.detach().requires_grad_(x.is_floating_point())
+    packed: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.add(t.untyped_storage()._cdata)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = block(leaf, **kwargs)
+    del y
+    return leaf.untyped_storage()._cdata in packed
+
+
 def _saves_own_output(block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> bool:
     """Whether the block's forward saves its own output for backward (e.g. a final ReLU)."""
     packed: set[int] = set()
@@ -350,6 +370,7 @@ def _profile_block(
     cotangent: torch.Tensor | None = None,
     *,
     offload: bool = False,
+    grads_new: bool = False,
 ) -> BlockCost:
     leaf = x.detach().requires_grad_(x.is_floating_point())
     with MemoryMeter(device) as fwd:
@@ -389,7 +410,9 @@ def _profile_block(
         modes.append(OFFLOAD)
     runs = _Runs(block, leaf, wrt, kwargs, reversible)
     accounted = {APPROX_PREFIX + fmt: n for fmt, n in approx_bytes.items()}
-    metered = _metered_modes(runs, modes, grad_out, accounted, device, backward=bool(wrt))
+    metered = _metered_modes(
+        runs, modes, grad_out, accounted, device, backward=bool(wrt), grads_new=grads_new
+    )
     transients = metered.transient
     leaf.grad = None
     selective_bytes, selective_fwd = {}, {}
@@ -479,6 +502,7 @@ def _profile_block(
         rng_late_bytes=metered.late,
         loss_bytes=_loss_bytes(grad_out, device),
         reversible_check_bytes=_check_bytes(leaf, block) if reversible is not None else 0,
+        grads_new=grads_new,
     )
 
 
@@ -555,15 +579,22 @@ def _metered_modes(
     device: Any,
     *,
     backward: bool,
+    grads_new: bool = False,
 ) -> _Metered:
     """One metered step per mode: ``capture`` returns the gradients, the others accumulate
     them; ``accounted``: per mode, the bytes its forward keeps that the cost model counts
-    (the compressed input of approx). Selective modes count their replay state in what they
-    keep (``selective_bytes``): only what outlives their backward is recorded here."""
+    (the compressed input of approx). ``grads_new``: the parameter gradients are ``None``
+    before each step (created by it, counted in its transients) rather than existing.
+    Selective modes count their replay state in what they keep (``selective_bytes``): only
+    what outlives their backward is recorded here."""
     metered = _Metered({}, {}, {})
     leaf = runs.leaf
+    params = [t for t in runs.wrt if t is not leaf]
     for mode in modes:
         leaf.grad = None
+        if grads_new:
+            for p in params:
+                p.grad = None
         with MemoryMeter(device) as meter:
             y = runs.forward(mode)
             kept = meter.live_bytes - _nbytes(y) - accounted.get(mode, 0)
@@ -576,6 +607,8 @@ def _metered_modes(
             elif backward:
                 y.backward(g)
             grads_made = 0 if leaf.grad is None else _nbytes(leaf.grad)
+            if grads_new:
+                grads_made += sum(_nbytes(p.grad) for p in params if p.grad is not None)
             left = meter.live_bytes - 2 * _nbytes(y) - grads_made  # y and g alive
             del y, g
         metered.transient[mode] = max(0, meter.since_reset_peak_bytes - start)

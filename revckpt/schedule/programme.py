@@ -30,6 +30,7 @@ import numpy as np
 
 from .costs import (
     APPROX_PREFIX,
+    CHECKPOINT,
     OFFLOAD,
     REVERSIBLE,
     SELECTIVE_PREFIX,
@@ -42,6 +43,7 @@ from .costs import (
     segment_cost,
     slots_of,
 )
+from .step import StepCosts
 
 __all__ = [
     "Candidate",
@@ -75,11 +77,17 @@ class Instance:
     budget: int
     error_budget: int
     limits: tuple[int, ...] = ()  # per candidate: what may follow it (costs.follow_limit)
+    tail: int = 0  # slots the step needs above what the chain keeps once its forward ends
 
 
-def _possible(blocks: Sequence[BlockCost], j: int, k: int, s: str) -> bool:
+def _possible(
+    blocks: Sequence[BlockCost], j: int, k: int, s: str, step: StepCosts | None = None
+) -> bool:
     """Whether segment ``[j, k)`` may run with ``s``; once not, no longer segment from ``j``
-    may either."""
+    may either. In a whole step (``step``) the blocks are called by the model's own code, one
+    at a time: a segment of several blocks is a checkpoint segment of chained blocks."""
+    if step is not None and k > j + 1 and not (s == CHECKPOINT and step.chained):
+        return False
     if s == REVERSIBLE:
         return blocks[k - 1].invertible
     if s == OFFLOAD:
@@ -93,27 +101,32 @@ def _possible(blocks: Sequence[BlockCost], j: int, k: int, s: str) -> bool:
     return True
 
 
-def candidates(blocks: Sequence[BlockCost], strategies: Sequence[str]) -> list[Candidate]:
+def candidates(
+    blocks: Sequence[BlockCost], strategies: Sequence[str], step: StepCosts | None = None
+) -> list[Candidate]:
     """Every segment a plan with ``strategies`` may use, with its cost."""
     found = []
     n = len(blocks)
     for s in strategies:
         for j in range(n):
             for k in range(j + 1, n + 1):
-                if not _possible(blocks, j, k, s):
+                if not _possible(blocks, j, k, s, step):
                     break
                 seg = Segment(j, k, s)
-                found.append(Candidate(seg, segment_cost(blocks, seg), follow_limit(blocks, seg)))
+                cost = segment_cost(blocks, seg, step)
+                found.append(Candidate(seg, cost, follow_limit(blocks, seg)))
     return found
 
 
 def late_bounds(blocks: Sequence[BlockCost], strategies: Sequence[str]) -> list[int]:
-    """Per position ``k``: the most replay-state bytes segments from ``k`` on can keep to the
-    end of the step (``L`` of any plan), each block's largest over ``strategies``."""
+    """Per position ``k``: the most bytes segments from ``k`` on can keep to the end of the
+    step (``L`` of any plan): each block's largest replay state over ``strategies``, and the
+    parameter gradients its backward creates."""
     bounds = [0] * (len(blocks) + 1)
     for i in reversed(range(len(blocks))):
-        late = blocks[i].rng_late_bytes
-        bounds[i] = bounds[i + 1] + max((late.get(s, 0) for s in strategies), default=0)
+        b = blocks[i]
+        late = max((b.rng_late_bytes.get(s, 0) for s in strategies), default=0)
+        bounds[i] = bounds[i + 1] + late + (b.param_bytes if b.grads_new else 0)
     return bounds
 
 
@@ -127,11 +140,18 @@ def quantise(
     error_slots: int,
     rounding: Rounding = "up",
     found: Sequence[Candidate] | None = None,
+    step: StepCosts | None = None,
 ) -> Instance:
     """The instance at ``slots`` slots of ``budget_bytes / slots`` bytes, rounded ``"up"``
     (its plans fit) or ``"down"`` (a relaxation; see the module docstring). ``found``: the
-    :func:`candidates`, if already computed."""
+    :func:`candidates`, if already computed. With ``step``, ``budget_bytes`` is the whole
+    step's: the chain gets what the step holds outside it (``step.held``) less, and its kept
+    bytes at the end of the forward must leave room for the head (``step.head``)."""
     up = rounding == "up"
+    if step is not None:
+        budget_bytes -= step.held
+    if budget_bytes <= 0:
+        return Instance(len(blocks), tuple(strategies), (), 0, 0, (), 1)  # nothing fits
     slot = budget_bytes / slots
     err_slot = error_budget**2 / error_slots if error_budget > 0 else 0.0
     bounds = late_bounds(blocks, strategies) if up else [0] * (len(blocks) + 1)
@@ -152,6 +172,7 @@ def quantise(
         limits=tuple(limits),
         budget=slots,
         error_budget=error_slots if err_slot > 0 else 0,
+        tail=0 if step is None else slots_of(step.head, slot, up=up),
     )
 
 
@@ -223,6 +244,12 @@ def _run(inst: Instance, *, peak: bool) -> tuple[list[Segment], float] | None:
         reached[k].add(flag)
         parent[k][flag, kept : kept + rows, err:][better] = idx * 3 + f
     final = best[n]
+    level = np.arange(budget + 1, dtype=float)[None, :, None]  # kept slots at the chain's end
+    if peak:  # the head runs on top of what the chain keeps
+        final = np.maximum(final, level + inst.tail)
+        final[:, max(0, budget - inst.tail + 1) :, :] = np.inf
+    else:
+        final = np.where(level + inst.tail <= budget, final, np.inf)
     if not np.isfinite(final).any():
         return None
     return _backtrack(inst, parent, final), float(final.min())

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InvalidArgumentError, InvalidInputTypeError
+from ..errors import InfeasibleBudgetError, InvalidArgumentError, InvalidInputTypeError
 from .budget import human_bytes, parse_budget
 from .costs import (
     APPROX_PREFIX,
@@ -43,6 +43,7 @@ from .costs import (
 )
 from .plan import Plan
 from .programme import Candidate, Rounding, candidates, min_peak_segments, quantise, solve_segments
+from .step import StepCosts
 
 __all__ = ["baseline", "make_plan", "parse_budget", "solve"]
 
@@ -87,8 +88,9 @@ def _plan(
     budget: int | None,
     error_budget: float,
 ) -> Plan:
-    base, store_peak = chain_totals(blocks)
-    ev = evaluate(blocks, segments)
+    step = _step_of(profile)
+    base, store_peak = chain_totals(blocks, step)
+    ev = evaluate(blocks, segments, step=step)
     return Plan(
         segments=tuple(segments),
         predicted_peak_bytes=ev.peak_bytes,
@@ -102,6 +104,11 @@ def _plan(
         block_names=tuple(getattr(profile, "names", ())),
         input_signature=getattr(profile, "input_signature", None),
     )
+
+
+def _step_of(profile: Any) -> StepCosts | None:
+    """The whole step's costs outside the chain, for a profile made in situ."""
+    return getattr(profile, "step", None)
 
 
 def _chosen(blocks: Sequence[BlockCost], strategies: Sequence[str] | None) -> list[str]:
@@ -147,14 +154,23 @@ class _Problem:
     error_slots: int
     found: tuple[Candidate, ...]
     asked: tuple[str, ...]
+    step: StepCosts | None = None
 
     @classmethod
     def of(
-        cls, blocks: Sequence[BlockCost], chosen: Sequence[str], error_budget: float, es: int
+        cls,
+        blocks: Sequence[BlockCost],
+        chosen: Sequence[str],
+        error_budget: float,
+        es: int,
+        step: StepCosts | None = None,
     ) -> _Problem:
         usable = tuple(s for s in chosen if error_budget > 0 or not s.startswith(APPROX_PREFIX))
-        found = tuple(candidates(blocks, usable))
-        return cls(blocks, usable, error_budget, es, found, tuple(chosen))
+        found = tuple(candidates(blocks, usable, step))
+        return cls(blocks, usable, error_budget, es, found, tuple(chosen), step)
+
+    def evaluate(self, segments: Sequence[Segment]) -> Any:
+        return evaluate(self.blocks, segments, step=self.step)
 
     def run(self, budget: int, slots: int, rounding: Rounding, *, peak: bool = False) -> Any:
         inst = quantise(
@@ -166,6 +182,7 @@ class _Problem:
             error_slots=self.error_slots,
             rounding=rounding,
             found=self.found,
+            step=self.step,
         )
         if peak:
             return min_peak_segments(inst)
@@ -176,10 +193,10 @@ class _Problem:
         """Whether a plan was found and fits ``budget`` and the error budget, exactly."""
         if segments is None:
             return False
-        return evaluate(self.blocks, segments).peak_bytes <= budget and self.within_error(segments)
+        return self.evaluate(segments).peak_bytes <= budget and self.within_error(segments)
 
     def within_error(self, segments: Sequence[Segment]) -> bool:
-        return evaluate(self.blocks, segments).error <= self.error_budget * (1 + 1e-9)
+        return self.evaluate(segments).error <= self.error_budget * (1 + 1e-9)
 
     def grids(self, budget: int, slots: int) -> list[tuple[int, int]]:
         """``(budget bytes, slots)`` to solve at: the given resolution, then the finest one
@@ -188,6 +205,8 @@ class _Problem:
         costs = [c.cost for c in self.found]
         figures = [v for c in costs for v in (c.kept, c.work, c.backward_work, c.late)]
         figures += [v for b in self.blocks for v in b.rng_late_bytes.values()]
+        if self.step is not None:
+            figures += [self.step.held, self.step.head]
         step = math.gcd(*figures) or 1
         cols = self.error_slots + 1 if self.error_budget > 0 else 1
         cap = _MAX_CELLS // (3 * (len(self.blocks) + 1) * cols)
@@ -217,9 +236,9 @@ def _least_peak(problem: _Problem, store_peak: int, slots: int) -> tuple[int, li
             f"no plan with strategies {list(problem.strategies)} fits even twice the store-all "
             f"peak ({2 * store_peak:,} bytes); allow 'store' or 'checkpoint'"
         )
-    peak = evaluate(problem.blocks, segments).peak_bytes
+    peak = problem.evaluate(segments).peak_bytes
     finer = _lowest_peak(problem, *problem.grids(peak, slots)[-1])
-    finer_peak = peak if finer is None else evaluate(problem.blocks, finer).peak_bytes
+    finer_peak = peak if finer is None else problem.evaluate(finer).peak_bytes
     return (finer_peak, finer) if finer is not None and finer_peak < peak else (peak, segments)
 
 
@@ -257,7 +276,7 @@ def _cures(problem: _Problem, smallest: int, store_peak: int, slots: int) -> lis
     exact = [s for s in available if not s.startswith(APPROX_PREFIX)]
     left_out = [s for s in exact if s not in problem.strategies]
     if left_out:
-        wider = _Problem.of(blocks, exact, problem.error_budget, problem.error_slots)
+        wider = _Problem.of(blocks, exact, problem.error_budget, problem.error_slots, problem.step)
         peak, segments = _least_peak(wider, store_peak, slots)
         if peak < smallest:
             used = sorted({s.strategy for s in segments} & set(left_out))
@@ -267,10 +286,10 @@ def _cures(problem: _Problem, smallest: int, store_peak: int, slots: int) -> lis
             )
             smallest = peak
     if len(available) > len(exact):
-        anything = _Problem.of(blocks, available, math.inf, problem.error_slots)
+        anything = _Problem.of(blocks, available, math.inf, problem.error_slots, problem.step)
         peak, segments = _least_peak(anything, store_peak, slots)
         if peak < smallest:
-            error = evaluate(blocks, segments).error
+            error = anything.evaluate(segments).error
             used = sorted({s.strategy for s in segments} - set(problem.asked))
             cures.append(
                 f"allow approx boundaries: a plan with a predicted gradient error of "
@@ -279,7 +298,7 @@ def _cures(problem: _Problem, smallest: int, store_peak: int, slots: int) -> lis
                 + (f" and strategies including {used}" if used else "")
                 + ")"
             )
-    if not any(b.invertible for b in blocks):
+    if not any(b.invertible for b in blocks) and problem.step is None:
         cures.append(
             "make blocks reversible (revckpt.layers.ReversibleUnit: a reversible segment "
             "keeps nothing for backward)"
@@ -289,15 +308,16 @@ def _cures(problem: _Problem, smallest: int, store_peak: int, slots: int) -> lis
 
 def _infeasible(
     problem: _Problem, budget: int, smallest: int, store_peak: int, slots: int
-) -> InvalidArgumentError:
+) -> InfeasibleBudgetError:
     cures = _cures(problem, smallest, store_peak, slots)
-    return InvalidArgumentError(
+    return InfeasibleBudgetError(
         f"no plan fits a memory budget of {human_bytes(budget)} ({budget:,} bytes) with "
         f"strategies {list(problem.strategies)} and error budget {problem.error_budget:g}: "
         f"the smallest budget a plan fits is {human_bytes(smallest)} ({smallest:,} bytes, "
         f"{smallest / store_peak:.1%} of store-all). Raise the budget to at least that, or "
         "use a smaller batch"
-        + ("; or lower that smallest budget: " + "; or ".join(cures) if cures else "")
+        + ("; or lower that smallest budget: " + "; or ".join(cures) if cures else ""),
+        smallest_budget_bytes=smallest,
     )
 
 
@@ -327,7 +347,8 @@ def solve(
     budget that does and what would lower it.
     """
     blocks = _blocks_of(profile)
-    _, store_peak = chain_totals(blocks)
+    step = _step_of(profile)
+    _, store_peak = chain_totals(blocks, step)
     budget = parse_budget(memory_budget, store_peak)
     if not error_budget >= 0 or not math.isfinite(error_budget):
         raise InvalidArgumentError(f"error_budget={error_budget!r}: pass a number >= 0")
@@ -337,7 +358,7 @@ def solve(
     if STORE in chosen and store_peak <= budget:  # nothing to recompute: optimal, no rounding
         segments = [Segment(0, len(blocks), STORE)]
     else:
-        problem = _Problem.of(blocks, chosen, error_budget, error_slots)
+        problem = _Problem.of(blocks, chosen, error_budget, error_slots, step)
         segments = _search(problem, budget, slots)
         if segments is None:
             smallest, segments = _smallest_budget(problem, store_peak, slots)
@@ -369,7 +390,8 @@ def baseline(profile: Any, name: str, *, memory_budget: Any = None) -> Plan:
     lowers the predicted peak most per second of recompute, until ``memory_budget`` fits)."""
     blocks = _blocks_of(profile)
     n = len(blocks)
-    _, store_peak = chain_totals(blocks)
+    step = _step_of(profile)
+    _, store_peak = chain_totals(blocks, step)
     budget = None if memory_budget is None else parse_budget(memory_budget, store_peak)
 
     def every(k: int) -> list[Segment]:
@@ -388,7 +410,7 @@ def baseline(profile: Any, name: str, *, memory_budget: Any = None) -> Plan:
             raise InvalidArgumentError("the greedy baseline needs memory_budget")
         strategy = [STORE] * n
         while True:
-            current = evaluate(blocks, _runs(strategy))
+            current = evaluate(blocks, _runs(strategy), step=step)
             if current.peak_bytes <= budget:
                 break
             best, best_score = None, -math.inf
@@ -397,7 +419,7 @@ def baseline(profile: Any, name: str, *, memory_budget: Any = None) -> Plan:
                     continue
                 trial = strategy.copy()
                 trial[i] = CHECKPOINT
-                ev = evaluate(blocks, _runs(trial))
+                ev = evaluate(blocks, _runs(trial), step=step)
                 gain = current.peak_bytes - ev.peak_bytes
                 score = gain / max(ev.overhead_s - current.overhead_s, 1e-12)
                 if gain > 0 and score > best_score:

@@ -1,0 +1,135 @@
+"""Find a model's repeated blocks: the units every whole-model strategy works on.
+
+The rule: among the containers (``nn.ModuleList``, ``nn.Sequential``) whose children are two or
+more modules of one class, take the class with the most such children in the model (ties: the
+one with more parameters per block), and every child of that class in those containers, in
+module order. That finds ``transformer.h`` (GPT-2, nanoGPT), ``model.layers`` (Llama, Qwen2),
+``bert.encoder.layer``, ``encoder.layers`` (``nn.TransformerEncoder``) and the residual blocks
+of every stage of a ResNet (``layer1.0`` .. ``layer4.1``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from ..errors import InvalidArgumentError, InvalidInputTypeError
+
+__all__ = ["Blocks", "find_blocks"]
+
+#: What ``blocks=`` takes: an attribute path (``"model.layers"``) or a filter
+#: ``(module, fqn) -> bool`` selecting the blocks themselves.
+Blocks = str | Callable[[nn.Module, str], bool] | None
+
+
+def find_blocks(model: nn.Module, blocks: Blocks = None) -> list[tuple[str, nn.Module]]:
+    """The model's blocks as ``(fully qualified name, module)`` pairs, in module order."""
+    if not isinstance(model, nn.Module):
+        raise InvalidInputTypeError(f"expected an nn.Module, got {type(model).__name__}")
+    if blocks is None:
+        found = _repeated(model)
+    elif isinstance(blocks, str):
+        found = _at_path(model, blocks)
+    elif callable(blocks):
+        found = _filtered(model, blocks)
+    else:
+        raise InvalidInputTypeError(
+            f"blocks= takes an attribute path such as 'model.layers' or a function "
+            f"(module, fqn) -> bool, got {type(blocks).__name__}"
+        )
+    _check_disjoint(found)
+    return found
+
+
+def _containers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2
+    ]
+
+
+def _repeated(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    by_class: dict[type, list[tuple[str, nn.Module]]] = {}
+    for name, container in _containers(model):
+        kinds = {type(child) for child in container}
+        if len(kinds) != 1:
+            continue
+        for child_name, child in container.named_children():
+            fqn = f"{name}.{child_name}" if name else child_name
+            by_class.setdefault(type(child), []).append((fqn, child))
+    by_class = {k: v for k, v in by_class.items() if _has_parameters(v)}
+    if not by_class:
+        raise InvalidArgumentError(
+            f"{type(model).__name__} has no repeated blocks (no nn.ModuleList or nn.Sequential "
+            "of two or more modules of one class with parameters); name them with "
+            "blocks='attribute.path' or blocks=lambda module, fqn: ..."
+        )
+
+    def rank(kind: type) -> tuple[int, int]:
+        members = by_class[kind]
+        return len(members), sum(p.numel() for p in members[0][1].parameters())
+
+    best = max(by_class, key=rank)
+    order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
+    return sorted(by_class[best], key=lambda item: order[item[0]])
+
+
+def _has_parameters(members: list[tuple[str, nn.Module]]) -> bool:
+    return any(p.requires_grad for _, m in members for p in m.parameters())
+
+
+def _at_path(model: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
+    target: Any = model
+    walked: list[str] = []
+    for part in path.split(".") if path else []:
+        child = target._modules.get(part) if isinstance(target, nn.Module) else None
+        if child is None:
+            here = ".".join(walked) or type(model).__name__
+            options = sorted(target._modules) if isinstance(target, nn.Module) else []
+            raise InvalidArgumentError(
+                f"blocks={path!r}: {here} has no submodule {part!r} (it has {options[:12]}); "
+                "pass the attribute path of the container of blocks, e.g. 'model.layers'"
+            )
+        walked.append(part)
+        target = child
+    if not isinstance(target, (nn.ModuleList, nn.Sequential)) or len(target) < 1:
+        raise InvalidArgumentError(
+            f"blocks={path!r} is a {type(target).__name__}, not an nn.ModuleList or "
+            "nn.Sequential of blocks; pass the container's path, or blocks=lambda module, fqn: "
+            "... to pick the blocks themselves"
+        )
+    return [(f"{path}.{name}" if path else name, m) for name, m in target.named_children()]
+
+
+def _filtered(
+    model: nn.Module, keep: Callable[[nn.Module, str], bool]
+) -> list[tuple[str, nn.Module]]:
+    found = [(fqn, m) for fqn, m in model.named_modules() if fqn and keep(m, fqn)]
+    if not found:
+        raise InvalidArgumentError(
+            "blocks=<function> selected no module; it is called as fn(module, fqn) for every "
+            "submodule and returns True for the blocks"
+        )
+    return found
+
+
+def _check_disjoint(found: list[tuple[str, nn.Module]]) -> None:
+    names = [fqn for fqn, _ in found]
+    for fqn in names:
+        inner = [other for other in names if other.startswith(fqn + ".")]
+        if inner:
+            raise InvalidArgumentError(
+                f"the blocks overlap: {inner[0]!r} is inside {fqn!r}; select blocks none of "
+                "which contains another"
+            )
+    seen: dict[int, str] = {}
+    for fqn, m in found:
+        if id(m) in seen:
+            raise InvalidArgumentError(
+                f"blocks {seen[id(m)]!r} and {fqn!r} are the same module; a block used twice "
+                "cannot be planned as two"
+            )
+        seen[id(m)] = fqn

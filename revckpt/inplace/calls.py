@@ -1,0 +1,130 @@
+"""How a block is called by the model's own code: its arguments, the hidden state it carries
+from block to block, and the key/value caches a recompute must not update twice."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import InvalidInputTypeError
+
+__all__ = ["carried_key", "drop_caches", "hidden_of", "replaced", "run_with"]
+
+Key = int | str  # a positional index or a keyword name
+
+_HIDDEN_NAMES = ("hidden_states", "x", "src", "input", "inputs", "hidden")
+_CACHE_KEYWORDS = ("cache", "layer_past", "past_key_value", "past_key_values")
+_warned: set[str] = set()
+
+
+def _floating(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def carried_key(args: tuple[Any, ...], kwargs: dict[str, Any], previous: Any = None) -> Key | None:
+    """Where the hidden state is among a block's arguments: the argument that *is* the
+    previous block's output when there is one, else the first floating-point positional
+    tensor, else a floating-point keyword tensor of a usual name (``hidden_states``, ``x``)."""
+    if previous is not None:
+        for i, a in enumerate(args):
+            if a is previous:
+                return i
+        for k, v in kwargs.items():
+            if v is previous:
+                return k
+    for i, a in enumerate(args):
+        if _floating(a):
+            return i
+    for name in _HIDDEN_NAMES:
+        if _floating(kwargs.get(name)):
+            return name
+    return None
+
+
+def get(args: tuple[Any, ...], kwargs: dict[str, Any], key: Key) -> Any:
+    return args[key] if isinstance(key, int) else kwargs[key]
+
+
+def replaced(
+    args: tuple[Any, ...], kwargs: dict[str, Any], key: Key, value: Any
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments with the one at ``key`` replaced by ``value``."""
+    if isinstance(key, int):
+        return (*args[:key], value, *args[key + 1 :]), kwargs
+    return args, {**kwargs, key: value}
+
+
+def hidden_of(out: Any, what: str) -> torch.Tensor:
+    """The hidden state a block returns: the output itself, or the first item of a tuple, a
+    list, a ``ModelOutput`` or a dataclass."""
+    if isinstance(out, torch.Tensor):
+        return out
+    first: Any = None
+    if isinstance(out, (tuple, list)) and out:
+        first = out[0]
+    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
+        fields = dataclasses.fields(out)
+        first = getattr(out, fields[0].name) if fields else None
+    if isinstance(first, torch.Tensor):
+        return first
+    raise InvalidInputTypeError(
+        f"{what} returned {type(out).__name__}; revckpt plans blocks that return their hidden "
+        "state as a tensor, or as the first item of a tuple, list or dataclass; pick other "
+        "blocks with blocks='attribute.path'"
+    )
+
+
+def _is_cache(obj: Any) -> bool:
+    """A key/value cache object (transformers' ``Cache`` and look-alikes)."""
+    return callable(getattr(obj, "update", None)) and callable(getattr(obj, "get_seq_length", None))
+
+
+def drop_caches(
+    args: tuple[Any, ...], kwargs: dict[str, Any], what: str
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """What Hugging Face does under gradient checkpointing in training: no cache. A recomputed
+    layer would append its keys and values to the cache a second time, so caches passed to a
+    planned block while training are dropped (``use_cache=False``, cache arguments ``None``),
+    with one warning per block class."""
+    changed = False
+    new_kwargs = dict(kwargs)
+    if new_kwargs.get("use_cache"):
+        new_kwargs["use_cache"] = False
+        changed = True
+    for name in _CACHE_KEYWORDS:
+        if new_kwargs.get(name) is not None:
+            new_kwargs[name] = None
+            changed = True
+    new_args = list(args)
+    for i, a in enumerate(args):
+        if _is_cache(a):
+            new_args[i] = None
+            changed = True
+    if not changed:
+        return args, kwargs
+    if what not in _warned:
+        _warned.add(what)
+        warnings.warn(
+            f"{what}: a key/value cache is not updated while training with revckpt (a "
+            "recompute would update it twice); caching is off in training, as with Hugging "
+            "Face gradient checkpointing. Pass use_cache=False to silence this",
+            stacklevel=4,
+        )
+    return tuple(new_args), new_kwargs
+
+
+def run_with(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    key: Key,
+    hidden: torch.Tensor,
+) -> Any:
+    """``fn`` called with its captured arguments and ``hidden`` at ``key`` (the form in which
+    ``functools.partial`` hands a block to strategies that keep only the hidden state)."""
+    a, k = replaced(args, kwargs, key, hidden)
+    return fn(*a, **k)

@@ -1,0 +1,266 @@
+"""The front door: :func:`fit`, :func:`convert` and :func:`restore`, on the user's own model.
+
+``fit`` finds the model's blocks (:mod:`~revckpt.inplace.blocks`), runs the user's training
+step on one example to see how the model calls them and what the step does outside them
+(:mod:`~revckpt.inplace.trace`), profiles each block on its real arguments
+(:mod:`~revckpt.inplace.measure`), solves for the cheapest plan whose **whole step** fits the
+budget (:func:`revckpt.schedule.solve` with the step's costs) and installs it in place
+(:mod:`~revckpt.inplace.install`): module types, parameters, ``state_dict`` keys and the
+model's forward stay as they were. ``convert`` installs one strategy without profiling;
+``restore`` removes either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..errors import InfeasibleBudgetError, InvalidArgumentError, InvalidInputTypeError
+from ..schedule.budget import human_bytes, parse_budget
+from ..schedule.costs import chain_totals
+from ..schedule.plan import Plan
+from ..schedule.solver import solve
+from .blocks import Blocks, find_blocks
+from .install import Planned, install, planned, uninstall
+from .measure import profile_in_situ
+from .runners import runner_for, segment_runners
+from .trace import LossFn, Recorder, measure_step, trace
+
+__all__ = ["convert", "fit", "restore"]
+
+_EXACT = ("store", "checkpoint", "selective:matmul+attention")
+_CODECS = ("bf16", "e4m3")
+
+
+def model_digest(model: nn.Module) -> str:
+    """A digest of the model's parameter names, shapes and dtypes."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+    return h.hexdigest()[:16]
+
+
+def _strategies(strategies: Sequence[str] | None, error_budget: float) -> list[str]:
+    if strategies is None:
+        chosen = list(_EXACT)
+        if error_budget > 0:
+            chosen += [f"approx:{c}" for c in _CODECS]
+        return chosen
+    if isinstance(strategies, str):
+        raise InvalidInputTypeError(
+            f"strategies={strategies!r}: pass a list of names, e.g. [{strategies!r}]"
+        )
+    chosen = list(strategies)
+    for s in chosen:
+        if s == "reversible":
+            raise InvalidArgumentError(
+                "strategies=['reversible'] changes the architecture: fit plans reversible "
+                "segments only for blocks that already are reversible (revckpt.layers), and "
+                "this model's blocks are not; leave 'reversible' out"
+            )
+        runner_for(s)  # raises for a strategy that cannot run in place
+    return chosen
+
+
+def fit(
+    model: nn.Module,
+    example: Any,
+    *,
+    memory_budget: int | float | str,
+    error_budget: float = 0.0,
+    loss_fn: LossFn = None,
+    strategies: Sequence[str] | None = None,
+    blocks: Blocks = None,
+    plan: Plan | str | Path | None = None,
+    repeats: int = 3,
+) -> Plan:
+    """Make the model's training step fit ``memory_budget``, in place, and return the plan.
+
+    The step planned for is ``loss_fn(model(*args, **kwargs))`` then ``.backward()``, with
+    ``example`` one batch: a tensor, a tuple of positional arguments or a dict of keyword
+    arguments. Without ``loss_fn`` the loss is ``output.loss`` (Hugging Face models given
+    labels), or the output when it is a scalar.
+
+    Args:
+        memory_budget: bytes (int), a string (``"8GiB"``, ``"30%"``) or a fraction in
+            ``(0, 1]`` of the whole step's store-all peak. A byte budget bounds what the step
+            allocates above what exists before it (parameters, optimizer state, gradients
+            that already exist): what :class:`~revckpt.MemoryMeter` measures around the step.
+            Gradients that are ``None`` before the step (``optimizer.zero_grad()``) count in
+            it, and the plan assumes they are.
+        error_budget: the largest predicted relative gradient error (0: exact strategies
+            only; above 0, approx boundaries in bf16 or fp8 may be chosen).
+        strategies: the strategies a plan may use (default: store, checkpoint and
+            selective recompute; plus approx codecs when ``error_budget > 0``).
+        blocks: the blocks to plan: an attribute path (``"model.layers"``) or a function
+            ``(module, fqn) -> bool``; default: the model's repeated blocks.
+        plan: a plan saved by :meth:`Plan.to_json` (a path or JSON text) or a :class:`Plan` to
+            apply instead of solving, after checking it was made for this model.
+        repeats: timing repeats of the profile (median).
+
+    Returns the :class:`~revckpt.schedule.Plan`, whose predicted peak is the whole step's.
+    Batches no larger in any dimension than ``example`` keep within the budget; a larger one
+    raises an error in training. Eval mode and ``torch.no_grad()`` run the model plainly.
+    Undo with :func:`restore`.
+    """
+    if not isinstance(model, nn.Module):
+        raise InvalidInputTypeError(f"fit(model, ...) needs an nn.Module, got {type(model)}")
+    parse_budget(memory_budget, 1 << 62)  # the syntax, before any profiling
+    if not (isinstance(error_budget, (int, float)) and 0 <= error_budget < float("inf")):
+        raise InvalidArgumentError(f"error_budget={error_budget!r}: pass a number >= 0")
+    if loss_fn is not None and not callable(loss_fn):
+        raise InvalidInputTypeError("loss_fn is a function from the model output to a scalar")
+    chosen = _strategies(strategies, error_budget)
+    restore(model)
+    found = find_blocks(model, blocks)
+    saved = _load(plan, model, found) if plan is not None else None
+    try:
+        for fqn, block in found:
+            install(block, Planned(fqn, "store", runner_for("store")))
+        if saved is not None:
+            _apply(saved, found, [None] * len(found))
+            return saved
+        start = time.perf_counter()
+        traced = trace(model, example, loss_fn, found, _recorder_slot(found))
+        policies = [s.partition(":")[2] for s in chosen if s.startswith("selective:")]
+        codecs = [s.partition(":")[2] for s in chosen if s.startswith("approx:")]
+        profile = profile_in_situ(model, traced, codecs=codecs, policies=policies, repeats=repeats)
+        keys = [c.key for c in traced.calls]
+
+        def checked(budget: Any) -> Plan:
+            found_plan = solve(
+                profile, memory_budget=budget, error_budget=error_budget, strategies=chosen
+            )
+            found_plan = dataclasses.replace(
+                found_plan,
+                block_shapes=tuple(tuple(c.input.shape) for c in traced.calls),
+                model_digest=model_digest(model),
+            )
+            _apply(found_plan, found, keys)
+            measured = measure_step(model, example, loss_fn)
+            if measured <= found_plan.predicted_peak_bytes:
+                return found_plan
+            return dataclasses.replace(found_plan, predicted_peak_bytes=measured)
+
+        result = _within_budget(checked, memory_budget, profile)
+        object.__setattr__(result, "_fit_seconds", time.perf_counter() - start)
+        object.__setattr__(result, "_step_seconds", traced.step_seconds)
+        return result
+    except BaseException:
+        restore(model)
+        raise
+
+
+def _within_budget(checked: Callable[[Any], Plan], memory_budget: Any, profile: Any) -> Plan:
+    """The plan solved for the budget, confirmed by one metered step: the prediction is raised
+    to what the step measured when the cost model was short of it, and the budget solved again
+    with the difference taken off when the step went over; an infeasible budget is answered
+    with the smallest budget a plan meets in the measured step."""
+    _, store_peak = chain_totals(profile.blocks, profile.step)
+    budget = parse_budget(memory_budget, store_peak)
+    target = budget
+    for _ in range(4):
+        try:
+            plan = checked(target)
+        except InfeasibleBudgetError as err:
+            smallest = checked(err.smallest_budget_bytes).predicted_peak_bytes
+            raise _infeasible(err, budget, smallest, store_peak) from None
+        if plan.predicted_peak_bytes <= budget:
+            return dataclasses.replace(plan, memory_budget_bytes=budget)
+        target -= plan.predicted_peak_bytes - budget
+    raise InvalidArgumentError(  # pragma: no cover - the cost model is not that far off
+        f"no plan met {budget:,} bytes in a measured step; raise the budget"
+    )
+
+
+def _infeasible(
+    err: InfeasibleBudgetError, budget: int, smallest: int, store_peak: int
+) -> InfeasibleBudgetError:
+    cures = str(err).partition("; or lower that smallest budget: ")[2]
+    return InfeasibleBudgetError(
+        f"no plan fits a memory budget of {human_bytes(budget)} ({budget:,} bytes) for the "
+        f"whole training step: the smallest budget a plan fits is {human_bytes(smallest)} "
+        f"({smallest:,} bytes, {smallest / store_peak:.1%} of the step with every block "
+        "stored, as measured on the example). Raise the budget to at least that, or use a "
+        "smaller batch" + (f"; or lower that smallest budget: {cures}" if cures else ""),
+        smallest_budget_bytes=smallest,
+    )
+
+
+def _recorder_slot(found: list[tuple[str, nn.Module]]) -> Callable[[Recorder | None], None]:
+    def slot(recorder: Recorder | None) -> None:
+        for _, block in found:
+            info = planned(block)
+            assert info is not None
+            info.recorder = recorder
+
+    return slot
+
+
+def _apply(plan: Plan, found: list[tuple[str, nn.Module]], keys: Sequence[Any]) -> None:
+    shapes = plan.block_shapes or (None,) * len(found)
+    for seg in plan.segments:
+        labels = tuple(fqn for fqn, _ in found[seg.start : seg.stop])
+        if seg.strategy == "checkpoint":
+            runners = segment_runners(labels)
+        else:
+            runners = [runner_for(seg.strategy)] * len(labels)
+        for i, run in zip(range(seg.start, seg.stop), runners, strict=True):
+            fqn, block = found[i]
+            info = Planned(fqn, seg.strategy, run, key=keys[i], limit=shapes[i])
+            install(block, info)
+
+
+def _load(plan: Any, model: nn.Module, found: list[tuple[str, nn.Module]]) -> Plan:
+    if not isinstance(plan, Plan):
+        plan = Plan.from_json(plan)
+    names = tuple(fqn for fqn, _ in found)
+    if plan.model_digest is None or plan.block_names != names:
+        raise InvalidArgumentError(
+            f"the plan covers blocks {list(plan.block_names)[:3]}... but this model's blocks "
+            f"are {list(names)[:3]}...: it was made for another model; make one for this "
+            "model with revckpt.fit(model, example, memory_budget=...)"
+        )
+    if plan.model_digest != model_digest(model):
+        raise InvalidArgumentError(
+            "the plan was made for a model with other parameters (names or shapes differ); "
+            "make one for this model with revckpt.fit(model, example, memory_budget=...)"
+        )
+    return plan
+
+
+def convert(
+    model: nn.Module,
+    strategy: str = "checkpoint",
+    *,
+    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    every: int = 1,
+) -> list[str]:
+    """Apply one ``strategy`` in place to the model's blocks, without profiling, in the style
+    of torchao's ``convert_to_float8_training``: ``"checkpoint"``, ``"selective:<policy>"``,
+    ``"approx:<codec>"`` or ``"offload"``, on every ``every``-th block (the first of each
+    group of ``every``) of the blocks ``module_filter_fn(module, fqn)`` selects (default: the
+    model's repeated blocks). Returns the names of the converted blocks; undo with
+    :func:`restore`. Eval mode and ``torch.no_grad()`` run the model plainly."""
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise InvalidArgumentError(f"every={every!r}: pass a positive int (1: every block)")
+    run = runner_for(strategy)
+    found = find_blocks(model, module_filter_fn)
+    chosen = found[::every]
+    for fqn, block in chosen:
+        install(block, Planned(fqn, strategy, run))
+    return [fqn for fqn, _ in chosen]
+
+
+def restore(model: nn.Module) -> int:
+    """Undo :func:`fit` or :func:`convert`: every block runs plainly again. Returns how many
+    blocks were restored."""
+    if not isinstance(model, nn.Module):
+        raise InvalidInputTypeError(f"restore(model) needs an nn.Module, got {type(model)}")
+    return sum(uninstall(m) for m in model.modules())

@@ -1,0 +1,113 @@
+"""Planned blocks, in place: a block's ``forward`` is replaced on the instance only.
+
+The module keeps its class, its parameters and its ``state_dict`` keys; the model's own
+``forward`` (its loop over the blocks) is untouched. The installed forward runs the block
+plainly in eval mode and under ``no_grad`` (one attribute read and one flag test), and in
+training hands it to the block's runner (a strategy of :mod:`revckpt.inplace.runners`).
+``copy.deepcopy`` of a planned model gives a planned copy; :func:`uninstall` (what
+:func:`revckpt.restore` calls) removes every trace.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import InvalidArgumentError
+from .calls import Key, carried_key, drop_caches
+
+__all__ = ["Planned", "Runner", "install", "planned", "uninstall"]
+
+#: ``runner(block, fn, args, kwargs, key) -> output``: runs ``fn`` (the block's own forward).
+Runner = Callable[[nn.Module, Callable[..., Any], tuple[Any, ...], dict[str, Any], Key], Any]
+
+_ATTR = "_revckpt_planned"
+
+
+@dataclass
+class Planned:
+    """What is installed on one block."""
+
+    fqn: str
+    strategy: str
+    runner: Runner
+    original: Any = None  # an instance ``forward`` the block had before, if any
+    key: Key | None = None  # where its hidden state is among its arguments (None: find it)
+    limit: tuple[int, ...] | None = None  # the largest hidden-state shape the plan holds for
+    recorder: Any = None  # set while tracing (revckpt.inplace.trace.Recorder)
+
+    def function(self, block: nn.Module) -> Callable[..., Any]:
+        if self.original is not None:
+            return self.original
+        return types.MethodType(type(block).forward, block)
+
+
+def planned(block: nn.Module) -> Planned | None:
+    """What is installed on ``block``, or ``None``."""
+    return block.__dict__.get(_ATTR)
+
+
+def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The forward of a planned block (see the module docstring)."""
+    info: Planned = self.__dict__[_ATTR]
+    fn = info.function(self)
+    if not (self.training and torch.is_grad_enabled()):
+        return fn(*args, **kwargs)
+    args, kwargs = drop_caches(args, kwargs, f"{type(self).__name__} ({info.fqn})")
+    key = info.key if info.key is not None else carried_key(args, kwargs)
+    if key is None:
+        return fn(*args, **kwargs)  # nothing to carry: nothing to plan
+    if info.limit is not None:
+        _check_shape(info, args[key] if isinstance(key, int) else kwargs.get(key))
+    if info.recorder is not None:
+        info.recorder.called(self, args, kwargs)
+    out = info.runner(self, fn, args, kwargs, key)
+    if info.recorder is not None:
+        info.recorder.returned(self, args, kwargs, out)
+    return out
+
+
+def _check_shape(info: Planned, hidden: Any) -> None:
+    if not isinstance(hidden, torch.Tensor):
+        return
+    limit = info.limit
+    assert limit is not None
+    shape = tuple(hidden.shape)
+    if len(shape) == len(limit) and all(a <= b for a, b in zip(shape, limit, strict=True)):
+        return
+    raise InvalidArgumentError(
+        f"block {info.fqn} was planned for hidden states of shape {list(limit)} (the example "
+        f"given to revckpt.fit) and got {list(shape)}: the memory plan holds for batches no "
+        "larger in any dimension. Plan for the largest batch you train on "
+        "(revckpt.fit(model, largest_batch, ...))"
+    )
+
+
+def install(block: nn.Module, info: Planned) -> None:
+    """Install ``info`` on ``block`` (replacing what revckpt installed before)."""
+    old = planned(block)
+    if old is not None:
+        info.original = old.original
+    else:
+        info.original = block.__dict__.get("forward")
+    method = types.MethodType(forward, block)
+    object.__setattr__(block, "forward", method)
+    object.__setattr__(block, _ATTR, info)
+
+
+def uninstall(block: nn.Module) -> bool:
+    """Remove what :func:`install` put on ``block``; ``False`` if nothing was there."""
+    info = planned(block)
+    if info is None:
+        return False
+    del block.__dict__[_ATTR]
+    if info.original is not None:
+        object.__setattr__(block, "forward", info.original)
+    else:
+        block.__dict__.pop("forward", None)
+    return True

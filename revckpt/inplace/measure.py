@@ -1,0 +1,132 @@
+"""Profile a model's blocks in situ: each block on the arguments the model really gave it.
+
+Each traced call becomes a one-input unit (:class:`InSitu`: the block with its other arguments
+fixed, returning its hidden state), which the chain profiler measures as it measures any
+block (:mod:`revckpt.schedule.profile`), with the parameter gradients created by the step
+(``grads_new``). Blocks of one class called on arguments of the same shapes cost the same
+bytes: without approx codecs to price (whose error depends on each block's place in the
+chain) such a block is measured once and its costs reused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..measure.state import preserved
+from ..schedule.costs import BlockCost
+from ..schedule.profile import Profile, _profile_block, _sensitivities, saves_input
+from .calls import Key, hidden_of, replaced, run_with
+from .trace import Call, Trace
+
+__all__ = ["InSitu", "profile_in_situ"]
+
+
+class InSitu(nn.Module):
+    """A traced block call as a unit of one input: ``unit(h)`` runs the block with ``h`` as its
+    hidden state and the rest of the arguments it was called with, and returns its hidden
+    state."""
+
+    def __init__(self, call: Call) -> None:
+        super().__init__()
+        self.block = call.block
+        self.fqn = call.fqn
+        self._key: Key = call.key
+        self._args, self._kwargs = replaced(call.args, call.kwargs, call.key, None)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out = run_with(self.block, self._args, self._kwargs, self._key, h)
+        return hidden_of(out, f"block {self.fqn}")
+
+
+def _signature(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return ("T", tuple(obj.shape), str(obj.dtype), obj.device.type, obj.requires_grad)
+    if isinstance(obj, (tuple, list)):
+        return (type(obj).__name__, tuple(_signature(o) for o in obj))
+    if isinstance(obj, dict):
+        return ("dict", tuple((k, _signature(v)) for k, v in obj.items()))
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return ("obj", type(obj).__qualname__, id(obj))
+
+
+def _same_costs_key(call: Call) -> Any:
+    params = tuple(
+        (n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in call.block.named_parameters()
+    )
+    return (
+        type(call.block),
+        repr(call.block),
+        params,
+        call.key,
+        _signature(call.args),
+        _signature(call.kwargs),
+        call.block.training,
+    )
+
+
+def profile_in_situ(
+    model: nn.Module,
+    trace: Trace,
+    *,
+    codecs: Sequence[str] = (),
+    policies: Sequence[str] = ("matmul+attention",),
+    repeats: int = 3,
+) -> Profile:
+    """The :class:`~revckpt.schedule.Profile` of the traced blocks, with the whole step's
+    costs outside them (``step``), so that plans solved on it predict the whole step."""
+    units = [InSitu(c) for c in trace.calls]
+    inputs = [c.input.detach() for c in trace.calls]
+    device = inputs[0].device
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.enable_grad(), preserved(model):
+        if codecs:
+            cotangents, grad_sq, input_sq = _sensitivities(units, inputs[0], {})
+        costs: list[BlockCost] = []
+        reuse: dict[Any, BlockCost] = {}
+        upstream = input_sq if codecs else 0.0
+        for i, (unit, x) in enumerate(zip(units, inputs, strict=True)):
+            key = None if codecs else _same_costs_key(trace.calls[i])
+            if key is not None and key in reuse:
+                costs.append(reuse[key])
+                continue
+            cost = _profile_block(
+                unit,
+                x,
+                codecs,
+                policies,
+                repeats,
+                device,
+                {},
+                cotangents[i] if codecs else None,
+                grads_new=True,
+            )
+            if codecs:
+                total = input_sq + sum(grad_sq)
+                cost = dataclasses.replace(
+                    cost, grad_sq=grad_sq[i], upstream_grad_sq=upstream, chain_grad_sq=total
+                )
+                upstream += grad_sq[i]
+            if key is not None:
+                reuse[key] = cost
+            costs.append(cost)
+        # a block's input stays alive when it saves it or the block before saves its output
+        # (the first block's input counts as held, as by the caller of a chain)
+        kept = [True] + [
+            saves_input(u, x, {}) or prev.output_saved
+            for u, x, prev in zip(units[1:], inputs[1:], costs, strict=False)
+        ]
+    costs = [dataclasses.replace(c, input_kept=k) for c, k in zip(costs, kept, strict=True)]
+    names = tuple(c.fqn for c in trace.calls)
+    step = trace.step
+    if not kept[-1]:
+        # the trace marks the chain's end inside the last block's call, where its caller still
+        # holds the block's input; it goes right after, so the head runs without it
+        x = costs[-1].input_bytes
+        step = dataclasses.replace(step, head=step.head + x, backward_held=step.backward_held + x)
+    return Profile(tuple(costs), names, None, step=step)

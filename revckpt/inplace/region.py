@@ -1,0 +1,148 @@
+"""A checkpoint segment of several blocks that the model's own code calls one by one.
+
+``checkpoint(fn, x)`` needs the whole segment as one callable; in place, the loop over the
+blocks is in the user's forward. A :class:`Region` spans the calls instead: while a block of
+the segment runs, the tensors autograd saves are replaced by handles (saved-tensor hooks, as
+torch's non-reentrant checkpoint does), so the segment keeps only its first block's
+arguments. The first handle unpacked in backward re-runs the segment's blocks in order from
+that input, each under its forward's replayed state (:mod:`revckpt.replay`: RNG, autocast,
+module state, frozen running statistics), and serves every saved tensor from that recompute.
+Code between the blocks runs outside the hooks (what it saves is kept as usual); a block's
+input must be the output of the block before it, which :func:`revckpt.fit` checks.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointMismatchError, ReplayError
+from ..replay import ForwardState
+from .calls import Key, hidden_of, replaced
+
+__all__ = ["Region"]
+
+
+@dataclass
+class _Record:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    key: Key
+    state: ForwardState
+    label: str
+    packed: int = 0
+
+
+class _Run:
+    """One forward of the segment: its records and, in backward, the recomputed tensors."""
+
+    def __init__(self, first_input: torch.Tensor) -> None:
+        self.first_input = first_input
+        self.records: list[_Record] = []
+        self.count = 0
+        self.store: dict[int, torch.Tensor] = {}
+        self.last_output: torch.Tensor | None = None
+        self.lock = threading.Lock()
+
+    def pack(self, t: torch.Tensor) -> Any:
+        index = self.count
+        self.count += 1
+        return self, index
+
+    @staticmethod
+    def unpack(handle: Any) -> torch.Tensor:
+        run, index = handle
+        with run.lock:
+            if index not in run.store:
+                run.recompute()
+            if index not in run.store:
+                raise CheckpointMismatchError(
+                    f"the recompute of a checkpoint segment ({run.records[0].label} .. "
+                    f"{run.records[-1].label}) saved fewer tensors than its forward; the blocks "
+                    "must run the same operations when re-run (no data-dependent branches on "
+                    "state that changed)"
+                )
+            return run.store.pop(index)
+
+    def recompute(self) -> None:
+        store: dict[int, torch.Tensor] = {}
+
+        def keep(t: torch.Tensor) -> None:
+            store[len(store)] = t
+
+        x = self.first_input
+        h = x.detach().requires_grad_(x.requires_grad)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(keep, _never):
+            for record in self.records:
+                args, kwargs = replaced(record.args, record.kwargs, record.key, h)
+                before = len(store)
+                with record.state.replay(label=record.label, exact_draws=True):
+                    out = record.fn(*args, **kwargs)
+                if len(store) - before != record.packed:
+                    raise CheckpointMismatchError(
+                        f"the recompute of {record.label} saved {len(store) - before} tensors "
+                        f"for backward, its forward {record.packed}; it must run the same "
+                        "operations when re-run"
+                    )
+                h = hidden_of(out, record.label)
+        self.store = store
+
+
+def _never(packed: Any) -> torch.Tensor:
+    raise RuntimeError("revckpt: a recomputed segment's own graph is never differentiated")
+
+
+class Region:
+    """Blocks ``0 .. size - 1`` of one checkpoint segment (see the module docstring)."""
+
+    def __init__(self, size: int, labels: tuple[str, ...]) -> None:
+        self.size = size
+        self.labels = labels
+        self._local = threading.local()
+
+    def call(
+        self,
+        position: int,
+        block: nn.Module,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        key: Key,
+    ) -> Any:
+        """Run the segment's block at ``position`` (0 starts a new forward of the segment)."""
+        hidden = args[key] if isinstance(key, int) else kwargs[key]
+        run: _Run | None = getattr(self._local, "run", None)
+        if position == 0:
+            run = _Run(hidden)
+        elif run is None or len(run.records) != position or run.last_output is not hidden:
+            self._local.run = None
+            raise ReplayError(
+                f"{self.labels[position]} is planned inside a checkpoint segment with "
+                f"{self.labels[0]}, but it was not called right after {self.labels[position - 1]} "
+                "on that block's output; plan with revckpt.fit again (it checks how the model "
+                "calls its blocks), or use one-block segments"
+            )
+        self._local.run = run
+        # the segment's first input is kept by the run; later ones are rebuilt in backward
+        kept_args, kept_kwargs = replaced(args, kwargs, key, None) if position else (args, kwargs)
+        state = ForwardState.capture(args, kwargs, modules=(block,))
+        record = _Record(fn, kept_args, kept_kwargs, key, state, self.labels[position])
+        run.records.append(record)
+        start = run.count
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(run.pack, _Run.unpack):
+                out = fn(*args, **kwargs)
+        finally:
+            state.forward_finished()
+        record.packed = run.count - start
+        run.last_output = hidden_of(out, self.labels[position])
+        if position == self.size - 1:
+            self._local.run = None
+            run.last_output = None
+        return out

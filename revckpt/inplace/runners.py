@@ -1,0 +1,89 @@
+"""One runner per strategy: how a planned block's forward is run in training.
+
+Every runner calls the strategy's own public entry point (``revckpt.checkpoint``,
+``revckpt.approx.checkpoint``, ``revckpt.offload.checkpoint``) on the block's forward; only a
+checkpoint segment spanning several blocks needs a mechanism of its own
+(:class:`~revckpt.inplace.region.Region`). Strategies that keep only the hidden state
+(approx, offload) get the block as a ``functools.partial`` holding its other arguments (masks,
+rotary tables, flags), which stay as they are.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from ..approx import checkpoint as approx_checkpoint
+from ..approx.formats import FORMATS
+from ..checkpoint import POLICY_PRESETS, checkpoint
+from ..errors import InvalidArgumentError
+from ..offload import checkpoint as offload_checkpoint
+from .calls import Key, replaced, run_with
+from .install import Runner
+from .region import Region
+
+__all__ = ["runner_for", "segment_runners"]
+
+
+def _store(block: nn.Module, fn: Callable[..., Any], args: Any, kwargs: Any, key: Key) -> Any:
+    return fn(*args, **kwargs)
+
+
+def _checkpoint(block: nn.Module, fn: Callable[..., Any], args: Any, kwargs: Any, key: Key) -> Any:
+    return checkpoint(fn, *args, **kwargs)
+
+
+def _selective(policy: str) -> Runner:
+    def run(block: nn.Module, fn: Callable[..., Any], args: Any, kwargs: Any, key: Key) -> Any:
+        return checkpoint(fn, *args, policy=policy, **kwargs)
+
+    return run
+
+
+def _hidden_only(entry: Callable[..., Any], **options: Any) -> Runner:
+    def run(block: nn.Module, fn: Callable[..., Any], args: Any, kwargs: Any, key: Key) -> Any:
+        hidden = args[key] if isinstance(key, int) else kwargs[key]
+        rest_args, rest_kwargs = replaced(args, kwargs, key, None)
+        call = functools.partial(run_with, fn, rest_args, rest_kwargs, key)
+        return entry(call, hidden, **options)
+
+    return run
+
+
+def runner_for(strategy: str) -> Runner:
+    """The runner of a one-block ``strategy``: ``store``, ``checkpoint``,
+    ``selective:<policy>``, ``approx:<codec>`` or ``offload``."""
+    if strategy == "store":
+        return _store
+    if strategy == "checkpoint":
+        return _checkpoint
+    if strategy == "offload":
+        return _hidden_only(offload_checkpoint)
+    kind, _, arg = strategy.partition(":")
+    if kind == "selective" and arg in POLICY_PRESETS:
+        return _selective(arg)
+    if kind == "approx" and arg in FORMATS:
+        return _hidden_only(approx_checkpoint, store=arg)
+    raise InvalidArgumentError(
+        f"strategy {strategy!r} cannot be applied to a block in place; use 'store', "
+        f"'checkpoint', 'offload', 'selective:<policy>' with a policy of "
+        f"{sorted(POLICY_PRESETS)} or 'approx:<codec>' with a codec of {sorted(FORMATS)}"
+    )
+
+
+def segment_runners(labels: tuple[str, ...]) -> list[Runner]:
+    """The runners of the blocks of one checkpoint segment of ``len(labels)`` blocks."""
+    if len(labels) == 1:
+        return [_checkpoint]
+    region = Region(len(labels), labels)
+
+    def at(position: int) -> Runner:
+        def run(block: nn.Module, fn: Callable[..., Any], args: Any, kwargs: Any, key: Key) -> Any:
+            return region.call(position, block, fn, args, kwargs, key)
+
+        return run
+
+    return [at(i) for i in range(len(labels))]

@@ -1,0 +1,291 @@
+"""The user's own training step, run once to see how the model calls its blocks and once,
+metered, to measure what the step does outside them (:class:`~revckpt.schedule.StepCosts`).
+
+The step is ``loss_fn(model(*args, **kwargs))`` then ``loss.backward()``, the model output held
+until the backward ends (as ``out = model(**batch); out.loss.backward()`` holds it). Both runs
+leave the model as they found it: gradients, buffers and the RNG state are put back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import InvalidArgumentError, InvalidInputTypeError
+from ..measure import MemoryMeter
+from ..measure.state import preserved
+from ..schedule.step import StepCosts
+from .calls import Key, carried_key, get, hidden_of
+
+__all__ = [
+    "Call",
+    "LossFn",
+    "Trace",
+    "loss_of",
+    "measure_step",
+    "run_step",
+    "split_example",
+    "trace",
+]
+
+LossFn = Callable[[Any], torch.Tensor] | None
+
+
+def split_example(example: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """One batch as positional and keyword arguments: a tensor, a tuple (or list) of positional
+    arguments, or a dict of keyword arguments (Hugging Face style)."""
+    if isinstance(example, torch.Tensor):
+        return (example,), {}
+    if isinstance(example, (tuple, list)):
+        return tuple(example), {}
+    if isinstance(example, dict):
+        if not all(isinstance(k, str) for k in example):
+            raise InvalidInputTypeError("an example dict has string keys (keyword arguments)")
+        return (), dict(example)
+    raise InvalidInputTypeError(
+        f"example is one batch: a tensor, a tuple of positional arguments or a dict of keyword "
+        f"arguments (dict(input_ids=..., labels=...)), got {type(example).__name__}"
+    )
+
+
+def loss_of(out: Any, loss_fn: LossFn) -> torch.Tensor:
+    """The step's loss: ``loss_fn(out)``; without one, ``out.loss`` when the output has one,
+    else the output itself when it is a scalar."""
+    if loss_fn is not None:
+        loss = loss_fn(out)
+        what = "loss_fn(output)"
+    elif getattr(out, "loss", None) is not None:
+        loss, what = out.loss, "output.loss"
+    elif isinstance(out, torch.Tensor) and out.dim() == 0:
+        loss, what = out, "the output"
+    else:
+        raise InvalidArgumentError(
+            f"the model returned {type(out).__name__} with no .loss and not a scalar: pass "
+            "loss_fn=, a function from the model output to a scalar loss (or include labels "
+            "in the example, for a Hugging Face model)"
+        )
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+        shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise InvalidArgumentError(
+            f"{what} is {shape}, not a floating-point scalar; return a scalar loss from loss_fn "
+            "(e.g. .mean() it)"
+        )
+    if not loss.requires_grad:
+        raise InvalidArgumentError(
+            f"{what} does not require grad: no parameter reaches it (are the parameters "
+            "frozen, or the model in a torch.no_grad() context?)"
+        )
+    return loss
+
+
+def run_step(model: nn.Module, example: Any, loss_fn: LossFn) -> torch.Tensor:
+    """One training step as :func:`revckpt.fit` plans it; returns the detached loss."""
+    args, kwargs = split_example(example)
+    out = model(*args, **kwargs)
+    loss = loss_of(out, loss_fn)
+    loss.backward()
+    del out
+    return loss.detach()
+
+
+@dataclass
+class Call:
+    """One block call of the traced forward: its arguments, where the hidden state is among
+    them, and the hidden state it returned."""
+
+    fqn: str
+    block: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    key: Key
+    output: torch.Tensor
+
+    @property
+    def input(self) -> torch.Tensor:
+        return get(self.args, self.kwargs, self.key)
+
+
+@dataclass(frozen=True)
+class Trace:
+    """What one step showed: the block calls, whether each block takes the previous block's
+    output, the step's costs outside the chain, its measured store-all peak and wall time."""
+
+    calls: tuple[Call, ...]
+    chained: bool
+    step: StepCosts
+    store_peak: int
+    step_seconds: float
+
+
+class Recorder:
+    """Set on the installed forwards while tracing: receives every block call."""
+
+    def __init__(self, blocks: list[tuple[str, nn.Module]]) -> None:
+        self.index = {id(m): (i, fqn) for i, (fqn, m) in enumerate(blocks)}
+        self.calls: list[Call] = []
+        self.counts = [0] * len(blocks)
+        self.events: list[tuple[str, int]] = []  # (what, index) for the metered run
+        self.hooks: list[Callable[[str, int, Any], None]] = []
+
+    def called(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        i, _fqn = self.index[id(block)]
+        self.counts[i] += 1
+        for hook in self.hooks:
+            hook("enter", i, (args, kwargs))
+
+    def returned(self, block: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+        i, _fqn = self.index[id(block)]
+        for hook in self.hooks:
+            hook("exit", i, (args, kwargs, out))
+
+
+@contextlib.contextmanager
+def _left_as_found(model: nn.Module) -> Iterator[None]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    devices = sorted({p.device for p in params if p.device.type == "cuda"}, key=str)
+    with torch.random.fork_rng(devices=devices), preserved(model):
+        for p in params:  # the step creates them, as after zero_grad()
+            p.grad = None
+        yield
+
+
+def trace(
+    model: nn.Module,
+    example: Any,
+    loss_fn: LossFn,
+    blocks: list[tuple[str, nn.Module]],
+    recorder_slot: Callable[[Recorder | None], None],
+) -> Trace:
+    """Run the step twice (see the module docstring) with every block stored; ``recorder_slot``
+    installs a :class:`Recorder` on the blocks' forwards (and removes it with ``None``)."""
+    names = [fqn for fqn, _ in blocks]
+    recorder = Recorder(blocks)
+    calls: list[Call] = []
+
+    def capture(what: str, i: int, payload: Any) -> None:
+        if what == "exit":
+            args, kwargs, out = payload
+            previous = calls[-1].output if calls else None
+            key = carried_key(args, kwargs, previous)
+            if key is None:
+                raise InvalidInputTypeError(
+                    f"block {names[i]} got no floating-point tensor argument to carry as its "
+                    "hidden state; pick other blocks with blocks='attribute.path'"
+                )
+            hidden = hidden_of(out, f"block {names[i]}")
+            calls.append(Call(names[i], blocks[i][1], args, kwargs, key, hidden))
+
+    recorder.hooks.append(capture)
+    recorder_slot(recorder)
+    try:
+        with _left_as_found(model):
+            start = time.perf_counter()
+            try:
+                run_step(model, example, loss_fn)
+            except Exception as err:
+                if isinstance(err, (InvalidArgumentError, InvalidInputTypeError)):
+                    raise
+                raise InvalidArgumentError(
+                    f"the model cannot run the example: {type(err).__name__}: {err}"[:600]
+                    + "; pass one batch the model takes (model(*example), model(**example) or "
+                    "model(example))"
+                ) from err
+            seconds = time.perf_counter() - start
+        _check_calls(recorder.counts, names, [c.fqn for c in calls])
+        recorder.hooks.clear()
+        chained = all(c.input is p.output for p, c in itertools.pairwise(calls))
+        step, peak = _metered(model, example, loss_fn, recorder, calls, chained)
+    finally:
+        recorder_slot(None)
+    return Trace(tuple(calls), chained, step, peak, seconds)
+
+
+def _check_calls(counts: list[int], names: list[str], order: list[str]) -> None:
+    wrong = [(n, c) for n, c in zip(names, counts, strict=True) if c != 1]
+    if wrong:
+        shown = ", ".join(f"{n} {c} times" for n, c in wrong[:4])
+        raise InvalidArgumentError(
+            f"each block must run exactly once per step, but the example ran {shown}; pick the "
+            "blocks with blocks='attribute.path' or blocks=lambda module, fqn: ..."
+        )
+    if order != names:
+        raise InvalidArgumentError(
+            f"the blocks ran in the order {order[:6]}..., not in module order {names[:6]}...; "
+            "revckpt plans a chain of blocks called one after the other"
+        )
+
+
+def measure_step(model: nn.Module, example: Any, loss_fn: LossFn) -> int:
+    """The peak bytes of one step as planned (gradients ``None`` before it), leaving the model
+    as it was."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    with _left_as_found(model), MemoryMeter(device) as meter:
+        run_step(model, example, loss_fn)
+    return meter.peak_bytes
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _metered(
+    model: nn.Module,
+    example: Any,
+    loss_fn: LossFn,
+    recorder: Recorder,
+    calls: list[Call],
+    chained: bool,
+) -> tuple[StepCosts, int]:
+    """The store-all step metered, with a mark at every phase boundary."""
+    last = len(calls) - 1
+    marks: dict[str, int] = {}
+    device = calls[0].input.device
+    x0_bytes = _nbytes(calls[0].input)
+    out_bytes = _nbytes(calls[-1].output)
+    with MemoryMeter(device) as meter:
+
+        def mark(name: str) -> None:
+            marks[name] = meter.live_bytes
+            marks[name + "_peak"] = meter.phase_peak_bytes
+            meter.reset_peak()
+
+        def on_event(what: str, i: int, payload: Any) -> None:
+            if what == "enter" and i == 0:
+                mark("chain_start")
+                x0 = get(*payload, calls[0].key)
+                if isinstance(x0, torch.Tensor) and x0.requires_grad:
+                    x0.register_hook(lambda g: mark("chain_done"))
+            elif what == "exit" and i == last:
+                mark("chain_end")
+                out = hidden_of(payload[2], calls[-1].fqn)
+                if out.requires_grad:
+                    out.register_hook(lambda g: mark("head_done"))
+
+        recorder.hooks.append(on_event)
+        with _left_as_found(model):
+            run_step(model, example, loss_fn)
+        recorder.hooks.clear()
+        if "chain_done" not in marks:  # nothing before the chain to backpropagate into
+            mark("chain_done")
+    if "head_done" not in marks:
+        raise InvalidArgumentError(
+            f"no gradient reached the output of the last block ({calls[-1].fqn}): the loss does "
+            "not depend on it; pick the blocks the loss goes through"
+        )
+    new_grads = sum(_nbytes(p) for c in calls for p in c.block.parameters() if p.requires_grad)
+    step = StepCosts(
+        before_peak=marks["chain_start_peak"],
+        held=marks["chain_start"] - x0_bytes,
+        head=out_bytes + marks["head_done_peak"] - marks["chain_end"],
+        backward_held=marks["head_done"] - marks["chain_end"],
+        after=max(meter.stats.since_reset_peak_bytes, marks["chain_done"]) - new_grads,
+        chained=chained,
+    )
+    return step, meter.peak_bytes

@@ -1,0 +1,46 @@
+"""What a whole training step does outside the chain of blocks, for the cost model.
+
+A user's step runs more than the blocks: the embedding before them, the head, the loss and
+their backward after them, and it allocates the parameter gradients. :class:`StepCosts` holds
+those figures, measured in situ by :func:`revckpt.fit` around the user's own step with every
+block stored (see :mod:`revckpt.inplace.trace`); with them,
+:func:`~revckpt.schedule.evaluate` predicts the peak of the **whole step**::
+
+    peak = max(before, held + chain, held + kept + head, after + late)
+
+``chain``: the chain's own peak (the cost model of :mod:`~revckpt.schedule.costs`, its
+backward with ``backward_held`` in place of the chain output and loss); ``kept``: what the
+plan keeps at the end of the chain's forward; ``late``: what the plan keeps from each
+segment's backward to the end of the step (replay state and, when the step creates them,
+the parameter gradients).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["StepCosts"]
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Bytes of the step outside the chain, relative to what was alive when the step began.
+
+    ``before_peak``: the peak before the first block starts (embedding, masks, rotary tables).
+    ``held``: what is alive outside the chain from the first block's start to the end of the
+    chain's backward (everything the step made before the chain, less the chain input, which
+    the chain's cost model counts). ``head``: the peak after the last block's forward and
+    before the chain's backward, above what the chain keeps (the chain output, the head, the
+    loss, their backward, the head's parameter gradients). ``backward_held``: what is alive
+    outside the chain during its backward (the head's gradients, the loss, outputs the caller
+    holds), in place of the chain output and the loss of the chain-only model. ``after``: the
+    peak after the chain's backward, above what the chain keeps to the end of the step
+    (``late``). ``chained``: every block's input is the output of the block before it, so a
+    checkpoint segment may span several blocks (its recompute re-runs them in order)."""
+
+    before_peak: int
+    held: int
+    head: int
+    backward_held: int
+    after: int
+    chained: bool = True
