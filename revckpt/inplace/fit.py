@@ -79,6 +79,7 @@ def fit(
     blocks: Blocks = None,
     plan: Plan | str | Path | None = None,
     repeats: int = 3,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Plan:
     """Make the model's training step fit ``memory_budget``, in place, and return the plan.
 
@@ -103,6 +104,8 @@ def fit(
         plan: a plan saved by :meth:`Plan.to_json` (a path or JSON text) or a :class:`Plan` to
             apply instead of solving, after checking it was made for this model.
         repeats: timing repeats of the profile (median).
+        progress: called as ``progress(done, total)`` while the blocks are profiled (the
+            CLI draws a progress bar with it).
 
     Returns the :class:`~revckpt.schedule.Plan`, whose predicted peak is the whole step's.
     Batches no larger in any dimension than ``example`` keep within the budget; a larger one

@@ -11,7 +11,7 @@ chain) such a block is measured once and its costs reused.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -77,6 +77,7 @@ def profile_in_situ(
     codecs: Sequence[str] = (),
     policies: Sequence[str] = ("matmul+attention",),
     repeats: int = 3,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Profile:
     """The :class:`~revckpt.schedule.Profile` of the traced blocks, with the whole step's
     costs outside them (``step``), so that plans solved on it predict the whole step."""
@@ -92,6 +93,8 @@ def profile_in_situ(
         upstream = input_sq if codecs else 0.0
         for i, (unit, x) in enumerate(zip(units, inputs, strict=True)):
             key = None if codecs else _same_costs_key(trace.calls[i])
+            if progress is not None:
+                progress(i, len(units))
             if key is not None and key in reuse:
                 costs.append(reuse[key])
                 continue
@@ -115,6 +118,8 @@ def profile_in_situ(
             if key is not None:
                 reuse[key] = cost
             costs.append(cost)
+        if progress is not None:
+            progress(len(units), len(units))
         # a block's input stays alive when it saves it or the block before saves its output
         # (the first block's input counts as held, as by the caller of a chain)
         kept = [True] + [

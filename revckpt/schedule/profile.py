@@ -560,6 +560,28 @@ class _Runs:
         return block(leaf, **kw)
 
 
+def _scalar_bytes(like: torch.Tensor) -> int:
+    """Bytes of one scalar on ``like``'s device, as its memory meter counts them."""
+    with MemoryMeter(like.device) as meter:
+        t = like.new_ones(())
+    del t
+    return meter.end_bytes
+
+
+class _Seed(torch.autograd.Function):
+    """A scalar whose backward hands ``holder``'s one tensor to ``y`` as its gradient, so that
+    the gradient is owned by the autograd engine (freed when used), as inside a model."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, holder: list[torch.Tensor]) -> torch.Tensor:
+        ctx.holder = holder
+        return y.new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.holder.pop(), None
+
+
 @dataclass(frozen=True)
 class _Metered:
     """Per mode: the backward transient; per recomputing mode, the bytes its forward keeps
@@ -598,20 +620,27 @@ def _metered_modes(
         with MemoryMeter(device) as meter:
             y = runs.forward(mode)
             kept = meter.live_bytes - _nbytes(y) - accounted.get(mode, 0)
-            g = grad_out.clone()
+            # the output's gradient reaches the block as it does in a model: made by the
+            # backward, freed once the block's last operation has used it (not held here)
+            holder = [grad_out.clone()]
+            seed = _Seed.apply(y, holder) if backward else y.new_zeros(())
             start = meter.live_bytes
             meter.reset_peak()
             if backward and mode == "capture":
-                grads = torch.autograd.grad(y, runs.wrt, g, allow_unused=True)
+                grads = torch.autograd.grad(seed, runs.wrt, allow_unused=True)
                 del grads
             elif backward:
-                y.backward(g)
+                seed.backward()
             grads_made = 0 if leaf.grad is None else _nbytes(leaf.grad)
             if grads_new:
                 grads_made += sum(_nbytes(p.grad) for p in params if p.grad is not None)
-            left = meter.live_bytes - 2 * _nbytes(y) - grads_made  # y and g alive
-            del y, g
-        metered.transient[mode] = max(0, meter.since_reset_peak_bytes - start)
+            held = _nbytes(y) + _nbytes(seed) + sum(_nbytes(t) for t in holder)
+            left = meter.live_bytes - held - grads_made
+            del y, seed, holder
+        # less the seed's own gradient (a scalar the engine makes first; a model's loss
+        # gradient is counted with the loss)
+        seed_grad = _scalar_bytes(grad_out) if backward else 0
+        metered.transient[mode] = max(0, meter.since_reset_peak_bytes - start - seed_grad)
         if mode in ("accumulate", "capture"):
             continue
         if not mode.startswith(SELECTIVE_PREFIX):

@@ -1,0 +1,275 @@
+"""revckpt.fit / convert / restore on whole models nobody here wrote (tests/zoo.py): the budget
+holds for the user's whole step, gradients are the plain model's, nothing about the model
+changes but its memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import warnings
+
+import pytest
+import torch
+import zoo
+from torch import nn
+
+import revckpt
+from revckpt import MemoryMeter
+from revckpt.schedule import Segment
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+NAMES = ["gpt2", "llama", "qwen2", "bert", "nanogpt", "encoder", "resnet"]
+# the size planned for: activations large enough against the parameters that half the
+# store-all step is reachable with exact strategies (resnet: see test_resnet_half)
+PLANNED = {name: (8, 64) for name in NAMES} | {"resnet": (16, 32)}
+SMALLER = {name: ((8, 48), (4, 64), (2, 16)) for name in NAMES} | {
+    "resnet": ((16, 24), (8, 32), (4, 16))
+}
+# how far the cost model's prediction may sit above the measured step: 1%; the resnet's
+# blocks (BatchNorm, in-place ReLU, a shortcut) are predicted 2.2% above the measured step
+ABOVE = {name: 0.01 for name in NAMES} | {"resnet": 0.03}
+# the resnet's smallest feasible budget comes from that overestimate: 2.3% above per-layer
+# checkpointing's measured step (not met; see the closing note of issue 14)
+SMALLEST_ABOVE_PER_LAYER = {name: 0.0 for name in NAMES} | {"resnet": 0.03}
+
+
+def _case(name: str) -> zoo.Case:
+    if name in zoo.HF_CASES:
+        pytest.importorskip("transformers")
+    return zoo.CASES[name]
+
+
+def _measured_step(model: nn.Module, example, loss_fn) -> int:
+    for p in model.parameters():
+        p.grad = None  # as after optimizer.zero_grad(): the step creates the gradients
+    with MemoryMeter("cpu") as meter:
+        zoo.step(model, example, loss_fn)
+    return meter.peak_bytes
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@functools.cache
+def _reference(name: str) -> tuple[int, dict[str, torch.Tensor], int]:
+    """The plain model's step: peak, gradients, and the per-layer checkpointing peak."""
+    case = _case(name)
+    example = case.make_example(*PLANNED[name])
+    plain = case.make_model()
+    peak = _measured_step(plain, example, case.loss_fn)
+    grads = _grads(plain)
+    per_layer = case.make_model()
+    revckpt.convert(per_layer, "checkpoint")
+    per_layer_peak = _measured_step(per_layer, example, case.loss_fn)
+    return peak, grads, per_layer_peak
+
+
+def _fit(name: str, budget):
+    case = _case(name)
+    model = case.make_model()
+    example = case.make_example(*PLANNED[name])
+    try:
+        plan = revckpt.fit(model, example, memory_budget=budget, loss_fn=case.loss_fn)
+    except revckpt.InfeasibleBudgetError as err:
+        assert budget != "50%" or name == "resnet", str(err)
+        assert "smallest budget" in str(err)
+        slack = 1 + SMALLEST_ABOVE_PER_LAYER[name]
+        assert err.smallest_budget_bytes <= _reference(name)[2] * slack
+        return None, model, example
+    return plan, model, example
+
+
+@pytest.mark.parametrize("budget", ["50%", "25%", "smallest"])
+@pytest.mark.parametrize("name", NAMES)
+def test_fit_holds_for_the_whole_step(name: str, budget: str) -> None:
+    case = _case(name)
+    plain_peak, plain_grads, per_layer_peak = _reference(name)
+    if budget == "smallest":
+        with pytest.raises(revckpt.InfeasibleBudgetError) as info:
+            revckpt.fit(
+                case.make_model(),
+                case.make_example(*PLANNED[name]),
+                memory_budget=1,
+                loss_fn=case.loss_fn,
+            )
+        smallest = info.value.smallest_budget_bytes
+        # never above per-layer checkpointing's measured whole step
+        assert smallest <= per_layer_peak * (1 + SMALLEST_ABOVE_PER_LAYER[name])
+        budget = smallest
+    plan, model, example = _fit(name, budget)
+    if plan is None:
+        return  # infeasible at 25%: checked in _fit
+    keys = list(case.make_model().state_dict())
+    types_before = [type(m) for m in case.make_model().modules()]
+    peak = _measured_step(model, example, case.loss_fn)
+    assert plan.store_all_peak_bytes >= plain_peak * 0.99
+    assert peak <= plan.memory_budget_bytes, plan.table()
+    assert peak <= plan.predicted_peak_bytes, plan.table()
+    assert peak >= plan.predicted_peak_bytes * (1 - ABOVE[name]), (peak, plan.table())
+    grads = _grads(model)
+    assert grads.keys() == plain_grads.keys()
+    for n, g in grads.items():
+        assert torch.equal(g, plain_grads[n]), n
+    assert list(model.state_dict()) == keys
+    assert [type(m) for m in model.modules()] == types_before
+    for batch, seq in SMALLER[name]:
+        smaller = _measured_step(model, case.make_example(batch, seq), case.loss_fn)
+        assert smaller <= plan.memory_budget_bytes
+    assert revckpt.restore(model) == len(plan.block_names)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert revckpt.restore(model) == 0
+
+
+@pytest.mark.parametrize("name", ["gpt2", "nanogpt", "resnet"])
+def test_fit_with_an_error_budget(name: str) -> None:
+    case = _case(name)
+    _, plain_grads, _ = _reference(name)
+    model = case.make_model()
+    example = case.make_example(*PLANNED[name])
+    budget = 0.6 if name == "resnet" else 0.45  # below the smallest exact plan of each
+    plan = revckpt.fit(
+        model, example, memory_budget=budget, error_budget=1e-2, loss_fn=case.loss_fn
+    )
+    assert name == "resnet" or any(s.strategy.startswith("approx:") for s in plan.segments)
+    peak = _measured_step(model, example, case.loss_fn)
+    assert peak <= plan.memory_budget_bytes
+    num = sum(
+        float((p.grad - plain_grads[n]).double().norm() ** 2) for n, p in model.named_parameters()
+    )
+    den = sum(float(g.double().norm() ** 2) for g in plain_grads.values())
+    assert (num / den) ** 0.5 <= 1e-2
+
+
+def test_a_checkpoint_segment_spans_blocks_the_model_loops_over() -> None:
+    case = _case("nanogpt")
+    example = case.make_example(*PLANNED["nanogpt"])
+    _, plain_grads, _ = _reference("nanogpt")
+    model = case.make_model()
+    plan = revckpt.fit(model, example, memory_budget=1.0, loss_fn=case.loss_fn)
+    two = dataclasses.replace(plan, segments=(Segment(0, 3, "checkpoint"), Segment(3, 4, "store")))
+    applied = revckpt.fit(model, example, memory_budget=1.0, loss_fn=case.loss_fn, plan=two)
+    assert applied.segments == two.segments
+    _measured_step(model, example, case.loss_fn)
+    for n, g in _grads(model).items():
+        assert torch.equal(g, plain_grads[n]), n
+
+
+def test_a_saved_plan_applies_to_its_model_only(tmp_path) -> None:
+    case = _case("nanogpt")
+    example = case.make_example(4, 32)
+    model = case.make_model()
+    plan = revckpt.fit(model, example, memory_budget=0.7, loss_fn=case.loss_fn)
+    path = tmp_path / "plan.json"
+    plan.to_json(path)
+    again = case.make_model()
+    loaded = revckpt.fit(again, example, memory_budget=0.7, loss_fn=case.loss_fn, plan=path)
+    assert loaded.segments == plan.segments
+    other = _case("encoder").make_model()
+    with pytest.raises(revckpt.InvalidArgumentError, match="another model"):
+        revckpt.fit(other, example, memory_budget=0.7, plan=path)
+
+
+def test_a_larger_batch_names_the_planned_shape() -> None:
+    case = _case("nanogpt")
+    model = case.make_model()
+    revckpt.fit(model, case.make_example(4, 32), memory_budget=0.7, loss_fn=case.loss_fn)
+    with pytest.raises(revckpt.InvalidArgumentError, match=r"\[4, 32, 64\]"):
+        zoo.step(model, case.make_example(8, 32), case.loss_fn)
+    model.eval()  # eval mode and no_grad run plainly, any size
+    with torch.no_grad():
+        model(*case.make_example(8, 32))
+
+
+def test_hf_cache_in_training_is_off_as_with_hf_checkpointing() -> None:
+    pytest.importorskip("transformers")
+    case = _case("gpt2")
+    example = case.make_example(4, 32)
+    plain = case.make_model()
+    zoo.step(plain, example, None)
+    reference = _grads(plain)
+    model = case.make_model()
+    model.config.use_cache = True  # the transformers default
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        revckpt.convert(model, "checkpoint")
+        zoo.step(model, example, None)
+    assert any("cache" in str(w.message) for w in caught)
+    for n, g in _grads(model).items():
+        assert torch.equal(g, reference[n]), n
+
+
+@pytest.mark.parametrize(
+    "strategy", ["checkpoint", "selective:matmul+attention", "offload", "approx:bf16"]
+)
+def test_convert_applies_one_strategy_in_place(strategy: str) -> None:
+    case = _case("nanogpt")
+    example = case.make_example(4, 32)
+    plain = case.make_model()
+    zoo.step(plain, example, case.loss_fn)
+    reference = _grads(plain)
+    model = case.make_model()
+    converted = revckpt.convert(model, strategy, every=2)
+    assert converted == ["transformer.h.0", "transformer.h.2"]
+    zoo.step(model, example, case.loss_fn)
+    for n, g in _grads(model).items():
+        if strategy.startswith("approx"):
+            assert torch.allclose(g, reference[n], rtol=0.1, atol=1e-3), n
+        else:
+            assert torch.equal(g, reference[n]), n
+    revckpt.restore(model)
+    assert all(type(m).forward is m.forward.__func__ for m in model.modules())
+
+
+def test_approx_checkpoint_takes_bound_methods_and_partials() -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    layer(x).square().sum().backward()
+    ref = layer.weight.grad.clone()
+    for fn in (layer.forward, functools.partial(type(layer).forward, layer)):
+        layer.weight.grad = None
+        revckpt.approx.checkpoint(fn, x, store="bf16").square().sum().backward()
+        assert torch.allclose(layer.weight.grad, ref, rtol=1e-2, atol=1e-2)
+        assert not torch.equal(layer.weight.grad, torch.zeros_like(ref))
+
+
+class _Flat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.ReLU()
+
+    def forward(self, x):
+        return self.b(self.a(x)).sum()
+
+
+def test_bad_input_is_one_clear_error() -> None:
+    case = _case("nanogpt")
+    model, example = case.make_model(), case.make_example(2, 16)
+    with pytest.raises(revckpt.InvalidArgumentError, match="no repeated blocks"):
+        revckpt.fit(_Flat(), torch.randn(2, 4), memory_budget=0.5)
+    with pytest.raises(revckpt.InvalidArgumentError, match="has no submodule 'layers'"):
+        revckpt.fit(model, example, memory_budget=0.5, blocks="transformer.layers")
+    with pytest.raises(revckpt.InvalidArgumentError, match="cannot run the example"):
+        revckpt.fit(model, torch.randn(3), memory_budget=0.5, loss_fn=case.loss_fn)
+    with pytest.raises(revckpt.InvalidArgumentError, match="not a floating-point scalar"):
+        revckpt.fit(model, example, memory_budget=0.5, loss_fn=lambda out: out[0])
+    with pytest.raises(revckpt.InvalidArgumentError, match="pass loss_fn"):
+        revckpt.fit(model, example, memory_budget=0.5)
+    with pytest.raises(revckpt.InvalidArgumentError, match="memory budget"):
+        revckpt.fit(model, example, memory_budget="eight gigs")
+    assert not any("forward" in m.__dict__ for m in model.modules())  # nothing left behind
+
+
+def test_a_planned_model_deep_copies_as_a_planned_model() -> None:
+    import copy
+
+    case = _case("nanogpt")
+    model = case.make_model()
+    revckpt.convert(model, "checkpoint")
+    clone = copy.deepcopy(model)
+    block = clone.transformer.h[0]
+    assert isinstance(block.forward, types.MethodType) and block.forward.__self__ is block
