@@ -133,7 +133,9 @@ def fit(
         traced = trace(model, example, loss_fn, found, _recorder_slot(found))
         policies = [s.partition(":")[2] for s in chosen if s.startswith("selective:")]
         codecs = [s.partition(":")[2] for s in chosen if s.startswith("approx:")]
-        profile = profile_in_situ(model, traced, codecs=codecs, policies=policies, repeats=repeats)
+        profile = profile_in_situ(
+            model, traced, codecs=codecs, policies=policies, repeats=repeats, progress=progress
+        )
         keys = [c.key for c in traced.calls]
 
         def checked(budget: Any) -> Plan:
