@@ -34,6 +34,7 @@ from .measure import (
     time_ratio,
     time_ratios,
 )
+from .strategy import Strategy
 
 __version__ = "0.1.0"
 
@@ -54,6 +55,7 @@ __all__ = [
     "ReconstructionError",
     "ReplayError",
     "RevckptError",
+    "Strategy",
     "TimeRatio",
     "checkpoint",
     "checkpoint_sequential",

@@ -26,6 +26,7 @@ from ..schedule.budget import human_bytes, parse_budget
 from ..schedule.costs import chain_totals
 from ..schedule.plan import Plan
 from ..schedule.solver import solve
+from ..strategy import Strategy, StrategyLike
 from .blocks import Blocks, find_blocks
 from .install import Planned, install, planned, uninstall
 from .measure import profile_in_situ
@@ -46,26 +47,26 @@ def model_digest(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def _strategies(strategies: Sequence[str] | None, error_budget: float) -> list[str]:
+def _strategies(strategies: Sequence[StrategyLike] | None, error_budget: float) -> list[str]:
+    """The strategies a plan may use, in their text form (the solver's)."""
     if strategies is None:
         chosen = list(_EXACT)
         if error_budget > 0:
             chosen += [f"approx:{c}" for c in _CODECS]
         return chosen
-    if isinstance(strategies, str):
+    if isinstance(strategies, (str, Strategy)):
         raise InvalidInputTypeError(
-            f"strategies={strategies!r}: pass a list of names, e.g. [{strategies!r}]"
+            f"strategies={strategies!r}: pass a list, e.g. [{str(strategies)!r}]"
         )
-    chosen = list(strategies)
-    for s in chosen:
-        if s == "reversible":
+    parsed = [Strategy.parse(s) for s in strategies]
+    for s in parsed:
+        if s.kind == "reversible":
             raise InvalidArgumentError(
                 "strategies=['reversible'] changes the architecture: fit plans reversible "
                 "segments only for blocks that already are reversible (revckpt.layers), and "
                 "this model's blocks are not; leave 'reversible' out"
             )
-        runner_for(s)  # raises for a strategy that cannot run in place
-    return chosen
+    return [str(s) for s in parsed]
 
 
 def fit(
@@ -75,7 +76,7 @@ def fit(
     memory_budget: int | float | str,
     error_budget: float = 0.0,
     loss_fn: LossFn = None,
-    strategies: Sequence[str] | None = None,
+    strategies: Sequence[StrategyLike] | None = None,
     blocks: Blocks = None,
     plan: Plan | str | Path | None = None,
     repeats: int = 3,
@@ -242,24 +243,25 @@ def _load(plan: Any, model: nn.Module, found: list[tuple[str, nn.Module]]) -> Pl
 
 def convert(
     model: nn.Module,
-    strategy: str = "checkpoint",
+    strategy: StrategyLike = "checkpoint",
     *,
     module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
     every: int = 1,
 ) -> list[str]:
     """Apply one ``strategy`` in place to the model's blocks, without profiling, in the style
     of torchao's ``convert_to_float8_training``: ``"checkpoint"``, ``"selective:<policy>"``,
-    ``"approx:<codec>"`` or ``"offload"``, on every ``every``-th block (the first of each
-    group of ``every``) of the blocks ``module_filter_fn(module, fqn)`` selects (default: the
-    model's repeated blocks). Returns the names of the converted blocks; undo with
-    :func:`restore`. Eval mode and ``torch.no_grad()`` run the model plainly."""
+    ``"approx:<codec>"`` or ``"offload"`` (or a :class:`~revckpt.Strategy`), on every
+    ``every``-th block (the first of each group of ``every``) of the blocks
+    ``module_filter_fn(module, fqn)`` selects (default: the model's repeated blocks).
+    Returns the names of the converted blocks; undo with :func:`restore`. Eval mode and
+    ``torch.no_grad()`` run the model plainly."""
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise InvalidArgumentError(f"every={every!r}: pass a positive int (1: every block)")
     run = runner_for(strategy)
     found = find_blocks(model, module_filter_fn)
     chosen = found[::every]
     for fqn, block in chosen:
-        install(block, Planned(fqn, strategy, run))
+        install(block, Planned(fqn, str(Strategy.parse(strategy)), run))
     return [fqn for fqn, _ in chosen]
 
 

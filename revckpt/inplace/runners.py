@@ -17,10 +17,10 @@ from typing import Any
 from torch import nn
 
 from ..approx import checkpoint as approx_checkpoint
-from ..approx.formats import FORMATS
-from ..checkpoint import POLICY_PRESETS, checkpoint
+from ..checkpoint import checkpoint
 from ..errors import InvalidArgumentError
 from ..offload import checkpoint as offload_checkpoint
+from ..strategy import Strategy, StrategyLike
 from .calls import Key, replaced, run_with
 from .install import Runner
 from .region import Region
@@ -53,24 +53,25 @@ def _hidden_only(entry: Callable[..., Any], **options: Any) -> Runner:
     return run
 
 
-def runner_for(strategy: str) -> Runner:
-    """The runner of a one-block ``strategy``: ``store``, ``checkpoint``,
-    ``selective:<policy>``, ``approx:<codec>`` or ``offload``."""
-    if strategy == "store":
+def runner_for(strategy: StrategyLike) -> Runner:
+    """The runner of a one-block ``strategy``: store, checkpoint, selective, approx or
+    offload (reversible changes the architecture: it has no in-place runner)."""
+    s = Strategy.parse(strategy)
+    if s.kind == "store":
         return _store
-    if strategy == "checkpoint":
+    if s.kind == "checkpoint":
         return _checkpoint
-    if strategy == "offload":
+    if s.kind == "offload":
         return _hidden_only(offload_checkpoint)
-    kind, _, arg = strategy.partition(":")
-    if kind == "selective" and arg in POLICY_PRESETS:
-        return _selective(arg)
-    if kind == "approx" and arg in FORMATS:
-        return _hidden_only(approx_checkpoint, store=arg)
+    if s.kind == "selective":
+        assert s.arg is not None
+        return _selective(s.arg)
+    if s.kind == "approx":
+        return _hidden_only(approx_checkpoint, store=s.arg)
     raise InvalidArgumentError(
-        f"strategy {strategy!r} cannot be applied to a block in place; use 'store', "
-        f"'checkpoint', 'offload', 'selective:<policy>' with a policy of "
-        f"{sorted(POLICY_PRESETS)} or 'approx:<codec>' with a codec of {sorted(FORMATS)}"
+        "'reversible' changes the architecture and cannot be applied to a block in place; "
+        "build the model from revckpt.layers reversible blocks, or choose 'checkpoint', "
+        "'selective:<policy>', 'approx:<codec>' or 'offload'"
     )
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InfeasibleBudgetError, InvalidArgumentError, InvalidInputTypeError
+from ..strategy import Strategy
 from .budget import human_bytes, parse_budget
 from .costs import (
     APPROX_PREFIX,
@@ -118,7 +119,7 @@ def _chosen(blocks: Sequence[BlockCost], strategies: Sequence[str] | None) -> li
         raise InvalidInputTypeError(
             f"strategies={strategies!r}: pass a list of names, e.g. [{strategies!r}]"
         )
-    chosen = list(strategies) if strategies is not None else available
+    chosen = [str(Strategy.parse(s)) for s in strategies] if strategies is not None else available
     unknown = [s for s in chosen if s not in available]
     if unknown:
         hint = (
