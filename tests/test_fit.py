@@ -261,7 +261,14 @@ def test_bad_input_is_one_clear_error() -> None:
         revckpt.fit(model, example, memory_budget=0.5)
     with pytest.raises(revckpt.InvalidArgumentError, match="memory budget"):
         revckpt.fit(model, example, memory_budget="eight gigs")
+    with pytest.raises(revckpt.InvalidArgumentError, match=r"must be in \(0, 1\]; pass"):
+        revckpt.fit(model, example, memory_budget="150%")
+    with pytest.raises(revckpt.InvalidArgumentError, match="does not price 'offload'"):
+        revckpt.fit(model, example, memory_budget=0.5, strategies=["offload"])
     assert not any("forward" in m.__dict__ for m in model.modules())  # nothing left behind
+    plan = revckpt.fit(model, example, memory_budget=0.8, loss_fn=case.loss_fn)
+    with pytest.raises(revckpt.InvalidArgumentError, match="above memory_budget"):
+        revckpt.fit(model, example, memory_budget="1KiB", loss_fn=case.loss_fn, plan=plan)
 
 
 def test_a_planned_model_deep_copies_as_a_planned_model() -> None:

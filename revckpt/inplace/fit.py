@@ -39,6 +39,16 @@ _EXACT = ("store", "checkpoint", "selective:matmul+attention")
 _CODECS = ("bf16", "e4m3")
 
 
+def _check_budget_syntax(memory_budget: Any) -> None:
+    """The budget's syntax, before any profiling (a fraction is read once the step's store-all
+    peak is known)."""
+    dummy = 1 << 62
+    try:
+        parse_budget(memory_budget, dummy)
+    except InvalidArgumentError as err:
+        raise InvalidArgumentError(str(err).replace(f" ({dummy:,} bytes)", "")) from None
+
+
 def model_digest(model: nn.Module) -> str:
     """A digest of the model's parameter names, shapes and dtypes."""
     h = hashlib.sha256()
@@ -60,6 +70,12 @@ def _strategies(strategies: Sequence[StrategyLike] | None, error_budget: float) 
         )
     parsed = [Strategy.parse(s) for s in strategies]
     for s in parsed:
+        if s.kind == "offload":
+            raise InvalidArgumentError(
+                "fit does not price 'offload' yet (on a CPU the host is the device and it saves "
+                "nothing); leave it out, or apply it to every block with "
+                "revckpt.convert(model, 'offload')"
+            )
         if s.kind == "reversible":
             raise InvalidArgumentError(
                 "strategies=['reversible'] changes the architecture: fit plans reversible "
@@ -115,7 +131,7 @@ def fit(
     """
     if not isinstance(model, nn.Module):
         raise InvalidInputTypeError(f"fit(model, ...) needs an nn.Module, got {type(model)}")
-    parse_budget(memory_budget, 1 << 62)  # the syntax, before any profiling
+    _check_budget_syntax(memory_budget)
     if not (isinstance(error_budget, (int, float)) and 0 <= error_budget < float("inf")):
         raise InvalidArgumentError(f"error_budget={error_budget!r}: pass a number >= 0")
     if loss_fn is not None and not callable(loss_fn):
@@ -128,6 +144,13 @@ def fit(
         for fqn, block in found:
             install(block, Planned(fqn, "store", runner_for("store")))
         if saved is not None:
+            budget = parse_budget(memory_budget, saved.store_all_peak_bytes)
+            if saved.predicted_peak_bytes > budget:
+                raise InvalidArgumentError(
+                    f"the saved plan's whole step peaks at {saved.predicted_peak_bytes:,} bytes, "
+                    f"above memory_budget={memory_budget!r} ({budget:,} bytes); make a plan for "
+                    "this budget with revckpt.fit(model, example, memory_budget=...)"
+                )
             _apply(saved, found, [None] * len(found))
             return saved
         start = time.perf_counter()
