@@ -13,7 +13,6 @@ import functools
 import io
 import os
 import pathlib
-import pickle
 import socket
 import subprocess
 import sys
@@ -230,13 +229,6 @@ def test_state_dicts_load_strictly_both_ways(name: str) -> None:
         assert torch.equal(p, q), n
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=(AttributeError, pickle.PicklingError),
-    reason="a fitted model does not pickle: the runners of selective, offload, approx and "
-    "multi-block checkpoint segments are local closures (revckpt/inplace/runners.py) kept "
-    "in each block's __dict__",
-)
 def test_a_fitted_model_pickles() -> None:
     # torch.save(model), and torch.multiprocessing.spawn / DataLoader workers handing it to
     # another process, pickle the whole model

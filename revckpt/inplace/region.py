@@ -106,6 +106,12 @@ class Region:
         self.labels = labels
         self._local = threading.local()
 
+    def __getstate__(self) -> dict[str, Any]:  # a planned model pickles; runs do not
+        return {"size": self.size, "labels": self.labels}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["size"], state["labels"])  # type: ignore[misc]
+
     def call(
         self,
         position: int,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -36,21 +37,43 @@ def _checkpoint(block: nn.Module, fn: Callable[..., Any], args: Any, kwargs: Any
     return checkpoint(fn, *args, **kwargs)
 
 
-def _selective(policy: str) -> Runner:
-    def run(block: nn.Module, fn: Callable[..., Any], args: Any, kwargs: Any, key: Key) -> Any:
-        return checkpoint(fn, *args, policy=policy, **kwargs)
+@dataclass(frozen=True)
+class _Selective:
+    policy: str
 
-    return run
+    def __call__(
+        self, block: nn.Module, fn: Callable[..., Any], args: Any, kwargs: Any, key: Key
+    ) -> Any:
+        return checkpoint(fn, *args, policy=self.policy, **kwargs)
 
 
-def _hidden_only(entry: Callable[..., Any], **options: Any) -> Runner:
-    def run(block: nn.Module, fn: Callable[..., Any], args: Any, kwargs: Any, key: Key) -> Any:
+@dataclass(frozen=True)
+class _HiddenOnly:
+    """A strategy keeping only the hidden state (module-level, so planned models pickle)."""
+
+    entry: str  # "approx" or "offload"
+    store: str | None = None
+
+    def __call__(
+        self, block: nn.Module, fn: Callable[..., Any], args: Any, kwargs: Any, key: Key
+    ) -> Any:
         hidden = args[key] if isinstance(key, int) else kwargs[key]
         rest_args, rest_kwargs = replaced(args, kwargs, key, None)
         call = functools.partial(run_with, fn, rest_args, rest_kwargs, key)
-        return entry(call, hidden, **options)
+        if self.entry == "offload":
+            return offload_checkpoint(call, hidden)
+        return approx_checkpoint(call, hidden, store=self.store)
 
-    return run
+
+@dataclass(frozen=True)
+class _InRegion:
+    region: Region
+    position: int
+
+    def __call__(
+        self, block: nn.Module, fn: Callable[..., Any], args: Any, kwargs: Any, key: Key
+    ) -> Any:
+        return self.region.call(self.position, block, fn, args, kwargs, key)
 
 
 def runner_for(strategy: StrategyLike) -> Runner:
@@ -62,12 +85,12 @@ def runner_for(strategy: StrategyLike) -> Runner:
     if s.kind == "checkpoint":
         return _checkpoint
     if s.kind == "offload":
-        return _hidden_only(offload_checkpoint)
+        return _HiddenOnly("offload")
     if s.kind == "selective":
         assert s.arg is not None
-        return _selective(s.arg)
+        return _Selective(s.arg)
     if s.kind == "approx":
-        return _hidden_only(approx_checkpoint, store=s.arg)
+        return _HiddenOnly("approx", s.arg)
     raise InvalidArgumentError(
         "'reversible' changes the architecture and cannot be applied to a block in place; "
         "build the model from revckpt.layers reversible blocks, or choose 'checkpoint', "
@@ -80,11 +103,4 @@ def segment_runners(labels: tuple[str, ...]) -> list[Runner]:
     if len(labels) == 1:
         return [_checkpoint]
     region = Region(len(labels), labels)
-
-    def at(position: int) -> Runner:
-        def run(block: nn.Module, fn: Callable[..., Any], args: Any, kwargs: Any, key: Key) -> Any:
-            return region.call(position, block, fn, args, kwargs, key)
-
-        return run
-
-    return [at(i) for i in range(len(labels))]
+    return [_InRegion(region, i) for i in range(len(labels))]
