@@ -134,4 +134,9 @@ def profile_in_situ(
         # holds the block's input; it goes right after, so the head runs without it
         x = costs[-1].input_bytes
         step = dataclasses.replace(step, head=step.head + x, backward_held=step.backward_held + x)
+    if costs[-1].output_saved:
+        # the trace measures what the head leaves alive when the chain output's gradient
+        # arrives; it counts that gradient, and the output is still alive there only because
+        # the last block saved it (its own backward frees it, counted in its transient)
+        step = dataclasses.replace(step, backward_held=step.backward_held - costs[-1].output_bytes)
     return Profile(tuple(costs), names, None, step=step)

@@ -249,7 +249,8 @@ def _metered(
     device = calls[0].input.device
     x0_bytes = _nbytes(calls[0].input)
     out_bytes = _nbytes(calls[-1].output)
-    with MemoryMeter(device) as meter:
+    # the model's state is saved and put back outside the meter (it is not the step's)
+    with _left_as_found(model), MemoryMeter(device) as meter:
 
         def mark(name: str) -> None:
             marks[name] = meter.live_bytes
@@ -269,8 +270,7 @@ def _metered(
                     out.register_hook(lambda g: mark("head_done"))
 
         recorder.hooks.append(on_event)
-        with _left_as_found(model):
-            run_step(model, example, loss_fn)
+        run_step(model, example, loss_fn)
         recorder.hooks.clear()
         if "chain_done" not in marks:  # nothing before the chain to backpropagate into
             mark("chain_done")

@@ -624,7 +624,14 @@ def _metered_modes(
             # backward, freed once the block's last operation has used it (not held here)
             holder = [grad_out.clone()]
             seed = _Seed.apply(y, holder) if backward else y.new_zeros(())
-            start = meter.live_bytes
+            # nor is the output held: in a model it is gone by the block's backward unless the
+            # block saved it (then it counts in the transient until the backward frees it). A
+            # reversible stack rebuilds from its output, which its caller holds (the model
+            # counts it), so there it stays.
+            out_bytes = _nbytes(y)
+            kept_output = [y] if mode == REVERSIBLE else []
+            start = meter.live_bytes - (0 if kept_output else out_bytes)
+            del y
             meter.reset_peak()
             if backward and mode == "capture":
                 grads = torch.autograd.grad(seed, runs.wrt, allow_unused=True)
@@ -634,9 +641,9 @@ def _metered_modes(
             grads_made = 0 if leaf.grad is None else _nbytes(leaf.grad)
             if grads_new:
                 grads_made += sum(_nbytes(p.grad) for p in params if p.grad is not None)
-            held = _nbytes(y) + _nbytes(seed) + sum(_nbytes(t) for t in holder)
+            held = _nbytes(seed) + sum(_nbytes(t) for t in holder) + out_bytes * len(kept_output)
             left = meter.live_bytes - held - grads_made
-            del y, seed, holder
+            del seed, holder, kept_output
         # less the seed's own gradient (a scalar the engine makes first; a model's loss
         # gradient is counted with the loss)
         seed_grad = _scalar_bytes(grad_out) if backward else 0
