@@ -128,7 +128,11 @@ def test_trainer_trains_a_fitted_model_as_the_plain_one(tmp_path) -> None:
 
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     assert losses == expected
-    assert calls == [3 if s == "store" else 6 for s in strategies], (calls, strategies)
+    # (a selective recompute stops after the last tensor its backward needs: its MLP's forward
+    # hook may not fire again; which strategy a plan picks depends on measured times)
+    for count, s in zip(calls, strategies, strict=True):
+        assert count == {"store": 3, "checkpoint": 6}.get(s, count), (calls, strategies)
+        assert 3 <= count <= 6, (calls, strategies)
     for (n, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
         assert torch.equal(p, q), n
     assert _installed(model) == len(blocks)  # the Trainer left the plan in place
@@ -419,7 +423,8 @@ def _check(result: dict[str, Any], name: str) -> None:
     assert torch.equal(result["loss"], loss), (result["loss"], loss)
     for n, g in grads.items():
         assert torch.equal(result["grads"][n], g), n
-    # every rank fitted its own plan, and each plan recomputes something
+    # every rank fitted, all apply rank 0's plan, and it recomputes something
+    assert all(plan == result["plans"][0] for plan in result["plans"]), result["plans"]
     assert all(any(s != "store" for s in plan) for plan in result["plans"]), result["plans"]
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -127,7 +126,8 @@ def fit(
     Returns the :class:`~revckpt.schedule.Plan`, whose predicted peak is the whole step's.
     Batches no larger in any dimension than ``example`` keep within the budget; a larger one
     raises an error in training. Eval mode and ``torch.no_grad()`` run the model plainly.
-    Undo with :func:`restore`.
+    Undo with :func:`restore`. Under ``torch.distributed`` (initialised before ``fit``) every
+    rank applies rank 0's plan; the budget is per rank.
     """
     if not isinstance(model, nn.Module):
         raise InvalidInputTypeError(f"fit(model, ...) needs an nn.Module, got {type(model)}")
@@ -153,7 +153,6 @@ def fit(
                 )
             _apply(saved, found, [None] * len(found))
             return saved
-        start = time.perf_counter()
         traced = trace(model, example, loss_fn, found, _recorder_slot(found))
         policies = [s.partition(":")[2] for s in chosen if s.startswith("selective:")]
         codecs = [s.partition(":")[2] for s in chosen if s.startswith("approx:")]
@@ -177,9 +176,8 @@ def fit(
                 return found_plan
             return dataclasses.replace(found_plan, predicted_peak_bytes=measured)
 
-        result = _within_budget(checked, memory_budget, profile)
-        object.__setattr__(result, "_fit_seconds", time.perf_counter() - start)
-        object.__setattr__(result, "_step_seconds", traced.step_seconds)
+        result = _agreed(_within_budget(checked, memory_budget, profile))
+        _apply(result, found, keys)
         return result
     except BaseException:
         restore(model)
@@ -220,6 +218,19 @@ def _infeasible(
         "smaller batch" + (f"; or lower that smallest budget: {cures}" if cures else ""),
         smallest_budget_bytes=smallest,
     )
+
+
+def _agreed(plan: Plan) -> Plan:
+    """Under ``torch.distributed``, every rank takes rank 0's plan: plans weigh measured times,
+    which differ between processes, and ranks whose blocks recompute differently would hold
+    different memory (and FSDP2 needs every rank to run the same blocks the same way)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return plan
+    box: list[Any] = [plan if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _recorder_slot(found: list[tuple[str, nn.Module]]) -> Callable[[Recorder | None], None]:
