@@ -275,3 +275,15 @@ def test_a_planned_model_deep_copies_as_a_planned_model() -> None:
     clone = copy.deepcopy(model)
     block = clone.transformer.h[0]
     assert isinstance(block.forward, types.MethodType) and block.forward.__self__ is block
+
+
+def test_a_converted_model_compiles() -> None:
+    case = _case("nanogpt")
+    example = case.make_example(2, 16)
+    plain = case.make_model()
+    zoo.step(plain, example, case.loss_fn)
+    model = case.make_model()
+    revckpt.convert(model, "checkpoint")
+    zoo.step(torch.compile(model), example, case.loss_fn)
+    for n, p in model.named_parameters():  # compiled kernels: equal to round-off
+        assert torch.allclose(p.grad, _grads(plain)[n], atol=1e-6), n
