@@ -115,7 +115,7 @@ def test_resnet_stages():
     model = _fresh("resnet")
     assert blocks(model, case) is model
     stages = [model.get_submodule(f"layer{i}") for i in (1, 2, 3)]
-    assert all(isinstance(s, nn.Sequential) and len(s) == 2 for s in stages)
+    assert all(isinstance(s, nn.Sequential) and len(s) == 3 for s in stages)
     assert [s[0].downsample is not None for s in stages] == [False, True, True]
 
 
