@@ -287,3 +287,20 @@ def test_a_converted_model_compiles() -> None:
     zoo.step(torch.compile(model), example, case.loss_fn)
     for n, p in model.named_parameters():  # compiled kernels: equal to round-off
         assert torch.allclose(p.grad, _grads(plain)[n], atol=1e-6), n
+
+
+def test_segment_blocks_bounds_a_checkpoint_segment() -> None:
+    case = _case("nanogpt")
+    example = case.make_example(8, 64)
+    model = case.make_model()
+    plan = revckpt.fit(
+        model,
+        example,
+        memory_budget=0.5,
+        loss_fn=case.loss_fn,
+        strategies=["checkpoint"],
+        segment_blocks=1,
+    )
+    assert all(s.stop - s.start == 1 for s in plan.segments), plan.table()
+    with pytest.raises(revckpt.InvalidArgumentError, match="segment_blocks=0"):
+        revckpt.fit(model, example, memory_budget=0.5, segment_blocks=0)

@@ -27,7 +27,7 @@ from ..schedule.plan import Plan
 from ..schedule.solver import solve
 from ..strategy import Strategy, StrategyLike
 from .blocks import Blocks, find_blocks
-from .install import Planned, install, planned, uninstall
+from .install import Planned, install, is_fsdp, planned, uninstall
 from .measure import profile_in_situ
 from .runners import runner_for, segment_runners
 from .trace import LossFn, Recorder, measure_step, trace
@@ -96,6 +96,7 @@ def fit(
     plan: Plan | str | Path | None = None,
     repeats: int = 3,
     progress: Callable[[int, int], None] | None = None,
+    segment_blocks: int | None = None,
 ) -> Plan:
     """Make the model's training step fit ``memory_budget``, in place, and return the plan.
 
@@ -122,6 +123,9 @@ def fit(
         repeats: timing repeats of the profile (median).
         progress: called as ``progress(done, total)`` while the blocks are profiled (the
             CLI draws a progress bar with it).
+        segment_blocks: the most blocks one checkpoint segment may span (default: any). Pass
+            1 for FSDP2 with ``fully_shard`` per block: re-running earlier blocks of a
+            segment would need their parameters gathered, which only their own hooks do.
 
     Returns the :class:`~revckpt.schedule.Plan`, whose predicted peak is the whole step's.
     Batches no larger in any dimension than ``example`` keep within the budget; a larger one
@@ -137,8 +141,21 @@ def fit(
     if loss_fn is not None and not callable(loss_fn):
         raise InvalidInputTypeError("loss_fn is a function from the model output to a scalar")
     chosen = _strategies(strategies, error_budget)
+    if segment_blocks is not None and (
+        not isinstance(segment_blocks, int)
+        or isinstance(segment_blocks, bool)
+        or segment_blocks < 1
+    ):
+        raise InvalidArgumentError(f"segment_blocks={segment_blocks!r}: pass None or an int >= 1")
     restore(model)
     found = find_blocks(model, blocks)
+    sharded = [fqn for fqn, m in found if is_fsdp(m)]
+    if sharded:
+        raise InvalidArgumentError(
+            f"block {sharded[0]} is already sharded by FSDP2 (fully_shard): fit runs blocks "
+            "alone to profile them, which sharded blocks cannot do. Call revckpt.fit before "
+            "fully_shard (with segment_blocks=1), then shard"
+        )
     saved = _load(plan, model, found) if plan is not None else None
     try:
         for fqn, block in found:
@@ -154,6 +171,9 @@ def fit(
             _apply(saved, found, [None] * len(found))
             return saved
         traced = trace(model, example, loss_fn, found, _recorder_slot(found))
+        if segment_blocks is not None:
+            step = dataclasses.replace(traced.step, max_span=segment_blocks)
+            traced = dataclasses.replace(traced, step=step)
         policies = [s.partition(":")[2] for s in chosen if s.startswith("selective:")]
         codecs = [s.partition(":")[2] for s in chosen if s.startswith("approx:")]
         profile = profile_in_situ(

@@ -21,7 +21,7 @@ from torch import nn
 from ..errors import InvalidArgumentError
 from .calls import Key, carried_key, drop_caches
 
-__all__ = ["Planned", "Runner", "install", "planned", "uninstall"]
+__all__ = ["Planned", "Runner", "install", "is_fsdp", "planned", "uninstall"]
 
 #: ``runner(block, fn, args, kwargs, key) -> output``: runs ``fn`` (the block's own forward).
 Runner = Callable[[nn.Module, Callable[..., Any], tuple[Any, ...], dict[str, Any], Key], Any]
@@ -45,6 +45,11 @@ class Planned:
         if self.original is not None:
             return self.original
         return types.MethodType(type(block).forward, block)
+
+
+def is_fsdp(module: nn.Module) -> bool:
+    """Whether FSDP2's ``fully_shard`` manages the module (its class is FSDP's subclass)."""
+    return type(module).__name__.startswith("FSDP") and callable(getattr(module, "unshard", None))
 
 
 def planned(block: nn.Module) -> Planned | None:

@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import CheckpointMismatchError, ReplayError
+from ..errors import CheckpointMismatchError, InvalidArgumentError, ReplayError
 from ..replay import ForwardState
 from .calls import Key, hidden_of, replaced
+from .install import is_fsdp
 
 __all__ = ["Region"]
 
@@ -122,6 +123,13 @@ class Region:
         key: Key,
     ) -> Any:
         """Run the segment's block at ``position`` (0 starts a new forward of the segment)."""
+        if is_fsdp(block):
+            raise InvalidArgumentError(
+                f"{self.labels[position]} is sharded by FSDP2 (fully_shard) inside a checkpoint "
+                f"segment of {self.size} blocks: re-running the segment's earlier blocks would "
+                "need their parameters gathered, which only their own FSDP hooks do. Plan with "
+                "revckpt.fit(..., segment_blocks=1) before fully_shard"
+            )
         hidden = args[key] if isinstance(key, int) else kwargs[key]
         run: _Run | None = getattr(self._local, "run", None)
         if position == 0:

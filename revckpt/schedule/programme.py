@@ -86,8 +86,11 @@ def _possible(
     """Whether segment ``[j, k)`` may run with ``s``; once not, no longer segment from ``j``
     may either. In a whole step (``step``) the blocks are called by the model's own code, one
     at a time: a segment of several blocks is a checkpoint segment of chained blocks."""
-    if step is not None and k > j + 1 and not (s == CHECKPOINT and step.chained):
-        return False
+    if step is not None and k > j + 1:
+        if not (s == CHECKPOINT and step.chained):
+            return False
+        if step.max_span is not None and k - j > step.max_span:
+            return False
     if s == REVERSIBLE:
         return blocks[k - 1].invertible
     if s == OFFLOAD:

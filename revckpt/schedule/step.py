@@ -36,7 +36,8 @@ class StepCosts:
     holds), in place of the chain output and the loss of the chain-only model. ``after``: the
     peak after the chain's backward, above what the chain keeps to the end of the step
     (``late``). ``chained``: every block's input is the output of the block before it, so a
-    checkpoint segment may span several blocks (its recompute re-runs them in order)."""
+    checkpoint segment may span several blocks (its recompute re-runs them in order), at most
+    ``max_span`` (``None``: any number)."""
 
     before_peak: int
     held: int
@@ -44,3 +45,4 @@ class StepCosts:
     backward_held: int
     after: int
     chained: bool = True
+    max_span: int | None = None
