@@ -181,7 +181,7 @@ def fit(
         )
         keys = [c.key for c in traced.calls]
 
-        def checked(budget: Any) -> Plan:
+        def checked(budget: Any) -> tuple[Plan, int]:
             found_plan = solve(
                 profile, memory_budget=budget, error_budget=error_budget, strategies=chosen
             )
@@ -193,8 +193,9 @@ def fit(
             _apply(found_plan, found, keys)
             measured = measure_step(model, example, loss_fn)
             if measured <= found_plan.predicted_peak_bytes:
-                return found_plan
-            return dataclasses.replace(found_plan, predicted_peak_bytes=measured)
+                return found_plan, 0
+            short = measured - found_plan.predicted_peak_bytes
+            return dataclasses.replace(found_plan, predicted_peak_bytes=measured), short
 
         result = _agreed(_within_budget(checked, memory_budget, profile))
         _apply(result, found, keys)
@@ -204,25 +205,33 @@ def fit(
         raise
 
 
-def _within_budget(checked: Callable[[Any], Plan], memory_budget: Any, profile: Any) -> Plan:
-    """The plan solved for the budget, confirmed by one metered step: the prediction is raised
-    to what the step measured when the cost model was short of it, and the budget solved again
-    with the difference taken off when the step went over; an infeasible budget is answered
-    with the smallest budget a plan meets in the measured step."""
+def _within_budget(
+    checked: Callable[[Any], tuple[Plan, int]], memory_budget: Any, profile: Any
+) -> Plan:
+    """The plan solved for the budget, confirmed by one metered step (``checked`` returns the
+    plan, its prediction raised to what the step measured, and by how much the cost model was
+    short). A plan that measured over the budget is solved again with the largest shortfall
+    seen taken off the budget. An infeasible budget is answered with the smallest budget a
+    plan met in a measured step."""
     _, store_peak = chain_totals(profile.blocks, profile.step)
     budget = parse_budget(memory_budget, store_peak)
-    target = budget
-    for _ in range(4):
+    target, worst, tried = budget, 0, []
+    for _ in range(8):
         try:
-            plan = checked(target)
+            plan, short = checked(target)
         except InfeasibleBudgetError as err:
-            smallest = checked(err.smallest_budget_bytes).predicted_peak_bytes
-            raise _infeasible(err, budget, smallest, store_peak) from None
+            smallest, _ = checked(err.smallest_budget_bytes)
+            least = min([smallest.predicted_peak_bytes, *tried])
+            raise _infeasible(err, budget, least, store_peak) from None
         if plan.predicted_peak_bytes <= budget:
             return dataclasses.replace(plan, memory_budget_bytes=budget)
-        target -= plan.predicted_peak_bytes - budget
-    raise InvalidArgumentError(  # pragma: no cover - the cost model is not that far off
-        f"no plan met {budget:,} bytes in a measured step; raise the budget"
+        tried.append(plan.predicted_peak_bytes)
+        worst = max(worst, short)
+        target = min(target - 1, budget - worst)
+    raise InfeasibleBudgetError(  # pragma: no cover - eight plans each short of the model
+        f"no plan met {budget:,} bytes in a measured step (the cost model was up to {worst:,} "
+        f"bytes short of these plans); raise the budget to {min(tried):,} bytes",
+        smallest_budget_bytes=min(tried),
     )
 
 
