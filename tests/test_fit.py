@@ -304,3 +304,12 @@ def test_segment_blocks_bounds_a_checkpoint_segment() -> None:
     assert all(s.stop - s.start == 1 for s in plan.segments), plan.table()
     with pytest.raises(revckpt.InvalidArgumentError, match="segment_blocks=0"):
         revckpt.fit(model, example, memory_budget=0.5, segment_blocks=0)
+
+
+def test_convert_replaces_what_was_installed() -> None:
+    case = _case("nanogpt")
+    model = case.make_model()
+    revckpt.convert(model, "checkpoint")
+    assert revckpt.convert(model, "checkpoint", every=2) == ["transformer.h.0", "transformer.h.2"]
+    installed = [fqn for fqn, m in model.named_modules() if "forward" in m.__dict__]
+    assert installed == ["transformer.h.0", "transformer.h.2"]

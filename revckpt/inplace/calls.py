@@ -106,8 +106,9 @@ def drop_caches(
             changed = True
     if not changed:
         return args, kwargs
-    if what not in _warned:
-        _warned.add(what)
+    kind = what.split(" ")[0]  # once per block class
+    if kind not in _warned:
+        _warned.add(kind)
         warnings.warn(
             f"{what}: a key/value cache is not updated while training with revckpt (a "
             "recompute would update it twice); caching is off in training, as with Hugging "

@@ -316,11 +316,13 @@ def convert(
     ``"approx:<codec>"`` or ``"offload"`` (or a :class:`~revckpt.Strategy`), on every
     ``every``-th block (the first of each group of ``every``) of the blocks
     ``module_filter_fn(module, fqn)`` selects (default: the model's repeated blocks).
-    Returns the names of the converted blocks; undo with :func:`restore`. Eval mode and
+    Returns the names of the converted blocks; undo with :func:`restore` (a later ``convert``
+    or ``fit`` replaces it). Eval mode and
     ``torch.no_grad()`` run the model plainly."""
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise InvalidArgumentError(f"every={every!r}: pass a positive int (1: every block)")
     run = runner_for(strategy)
+    restore(model)  # a model is converted once: what was installed before goes
     found = find_blocks(model, module_filter_fn)
     chosen = found[::every]
     for fqn, block in chosen:
