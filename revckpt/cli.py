@@ -336,21 +336,24 @@ def _profile_options(strategies: Sequence[str] | None, offload: bool) -> dict[st
     which takes a while): only the codecs and policies named, offload when named or asked."""
     from .approx import FORMATS
     from .checkpoint import POLICY_PRESETS
+    from .strategy import Strategy
 
     if strategies is None:
         return {"offload": True} if offload else {}
     codecs, policies = [], []
     for name in strategies:
-        if name.startswith("approx:") and name[len("approx:") :] in FORMATS:
-            codecs.append(name[len("approx:") :])
-        elif name.startswith("selective:") and name[len("selective:") :] in POLICY_PRESETS:
-            policies.append(name[len("selective:") :])
-        elif name not in ("store", "checkpoint", "reversible", "offload"):
+        try:
+            strategy = Strategy.parse(name)
+        except RevckptError:
             raise _UsageError(
                 f"unknown strategy {name!r}; use store, checkpoint, reversible, offload, "
                 f"approx:<{'|'.join(sorted(FORMATS))}> or "
                 f"selective:<{'|'.join(sorted(POLICY_PRESETS))}>"
-            )
+            ) from None
+        if strategy.kind == "approx":
+            codecs.append(strategy.arg)
+        elif strategy.kind == "selective":
+            policies.append(strategy.arg)
     return {
         "codecs": tuple(codecs),
         "policies": tuple(policies),

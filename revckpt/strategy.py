@@ -5,16 +5,20 @@ A :class:`Strategy` is a kind and, for two kinds, an argument: ``Strategy("check
 ``Strategy("selective", "matmul+attention")``, ``Strategy("approx", "e4m3")``. Its text form
 (``str(s)``: ``"checkpoint"``, ``"selective:matmul+attention"``, ``"approx:e4m3"``) is what
 JSON plans and the command line use; :meth:`Strategy.parse` is the one place that reads it.
+:func:`kind_of` and :func:`argument_of` read the two parts of a text form (cached: the
+scheduler asks in its loops), checking its form but not whether the argument is a known policy
+or codec.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
 from .errors import InvalidArgumentError, InvalidInputTypeError
 
-__all__ = ["Strategy", "StrategyLike", "parse_strategy"]
+__all__ = ["Strategy", "StrategyLike", "argument_of", "kind_of", "parse_strategy"]
 
 
 @dataclass(frozen=True)
@@ -36,17 +40,7 @@ class Strategy:
     _WITH_ARG: ClassVar[frozenset[str]] = frozenset({"selective", "approx"})
 
     def __post_init__(self) -> None:
-        if self.kind not in self.KINDS:
-            raise InvalidArgumentError(
-                f"unknown strategy {self.kind!r}; use one of {list(self.KINDS)}"
-                " ('selective:<policy>', 'approx:<codec>')"
-            )
-        if (self.arg is not None) != (self.kind in self._WITH_ARG):
-            form = f"{self.kind}:<{'policy' if self.kind == 'selective' else 'codec'}>"
-            raise InvalidArgumentError(
-                f"strategy {self.kind!r} "
-                + (f"needs an argument: {form}" if self.arg is None else "takes no argument")
-            )
+        _check_form(self.kind, self.arg)
         if self.kind in self._WITH_ARG:
             self._check_arg()
 
@@ -74,8 +68,7 @@ class Strategy:
                 f"a strategy is a revckpt.Strategy or its text form ('checkpoint', "
                 f"'approx:e4m3'), got {type(value).__name__}"
             )
-        kind, sep, arg = value.strip().partition(":")
-        return cls(kind, arg if sep else None)
+        return cls(*_parts(value.strip()))
 
 
 StrategyLike = Strategy | str
@@ -84,3 +77,53 @@ StrategyLike = Strategy | str
 def parse_strategy(value: StrategyLike) -> Strategy:
     """:meth:`Strategy.parse`."""
     return Strategy.parse(value)
+
+
+def _parts(text: str) -> tuple[str, str | None]:
+    """The kind and argument of a text form, unchecked."""
+    kind, sep, arg = text.partition(":")
+    return kind, (arg if sep else None)
+
+
+def _check_form(kind: str, arg: str | None) -> None:
+    """A known kind, with an argument where (and only where) it takes one."""
+    if kind not in Strategy.KINDS:
+        raise InvalidArgumentError(
+            f"unknown strategy {kind!r}; use one of {list(Strategy.KINDS)}"
+            " ('selective:<policy>', 'approx:<codec>')"
+        )
+    if (arg is not None) != (kind in Strategy._WITH_ARG):
+        form = f"{kind}:<{'policy' if kind == 'selective' else 'codec'}>"
+        raise InvalidArgumentError(
+            f"strategy {kind!r} "
+            + (f"needs an argument: {form}" if arg is None else "takes no argument")
+        )
+
+
+def _checked_parts(text: str) -> tuple[str, str | None]:
+    if not isinstance(text, str):
+        raise InvalidInputTypeError(
+            f"a strategy's text form is a string ('checkpoint', 'approx:e4m3'), got "
+            f"{type(text).__name__}"
+        )
+    kind, arg = _parts(text)
+    _check_form(kind, arg)
+    return kind, arg
+
+
+# cached: the scheduler's dynamic programme asks in its loops (a few distinct texts)
+@functools.lru_cache(maxsize=1024)
+def kind_of(text: str) -> str:
+    """The kind of a strategy's text form: ``"approx"`` for ``"approx:e4m3"``, ``"checkpoint"``
+    for ``"checkpoint"``. Raises :class:`~revckpt.InvalidArgumentError` unless ``text`` is a
+    known kind with an argument exactly where the kind takes one (no surrounding spaces); the
+    argument's value is not checked (the scheduler checks it against what was profiled,
+    :meth:`Strategy.parse` against the known policies and codecs)."""
+    return _checked_parts(text)[0]
+
+
+@functools.lru_cache(maxsize=1024)
+def argument_of(text: str) -> str | None:
+    """The argument of a strategy's text form: the codec of ``"approx:e4m3"``, the policy of
+    ``"selective:matmul"``, ``None`` for the kinds without one; checked as :func:`kind_of`."""
+    return _checked_parts(text)[1]

@@ -94,7 +94,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, RevckptError
+from ..strategy import Strategy, argument_of, kind_of
 from .step import StepCosts
 
 __all__ = [
@@ -112,6 +113,9 @@ __all__ = [
 ]
 
 STORE, CHECKPOINT, REVERSIBLE, OFFLOAD = "store", "checkpoint", "reversible", "offload"
+APPROX, SELECTIVE = "approx", "selective"  # the kinds with an argument (revckpt.strategy)
+# the text forms' prefixes, kept for code that imports them; read a text form with
+# revckpt.strategy.kind_of and argument_of, write one with str(Strategy(kind, arg))
 APPROX_PREFIX = "approx:"
 SELECTIVE_PREFIX = "selective:"
 
@@ -217,9 +221,9 @@ def strategy_names(blocks: Sequence[BlockCost]) -> list[str]:
     if any(b.offload_kept_bytes is not None for b in blocks):
         names.append(OFFLOAD)
     codecs = sorted({c for b in blocks for c in b.approx_bytes})
-    names += [APPROX_PREFIX + c for c in codecs]
+    names += [str(Strategy(APPROX, c)) for c in codecs]
     policies = sorted({p for b in blocks for p in b.selective_bytes})
-    names += [SELECTIVE_PREFIX + p for p in policies]
+    names += [str(Strategy(SELECTIVE, p)) for p in policies]
     return names
 
 
@@ -239,15 +243,15 @@ def follow_limit(blocks: Sequence[BlockCost], seg: Segment) -> int:
         return NO_APPROX_OR_REVERSIBLE
     if seg.strategy == STORE and last.output_saved:
         return NO_APPROX_OR_REVERSIBLE
-    if seg.strategy.startswith(SELECTIVE_PREFIX) and last.selective_output_kept.get(
-        seg.strategy[len(SELECTIVE_PREFIX) :], False
+    if kind_of(seg.strategy) == SELECTIVE and last.selective_output_kept.get(
+        argument_of(seg.strategy), False
     ):
         return NO_APPROX_OR_REVERSIBLE
     return NO_LIMIT
 
 
 def allowed_after(limit: int, strategy: str) -> bool:
-    if strategy.startswith(APPROX_PREFIX) or strategy == OFFLOAD:
+    if strategy == OFFLOAD or kind_of(strategy) == APPROX:
         return limit == NO_LIMIT
     if strategy == REVERSIBLE:
         return limit != NO_APPROX_OR_REVERSIBLE
@@ -259,30 +263,37 @@ def _check_strategy(blocks: Sequence[BlockCost], seg: Segment) -> None:
         raise InvalidArgumentError(
             f"segment [{seg.start}, {seg.stop}) does not fit a chain of {len(blocks)} blocks"
         )
-    if seg.strategy == REVERSIBLE:
+    try:
+        kind = kind_of(seg.strategy)
+    except (RevckptError, TypeError):  # not a text form (TypeError: unhashable)
+        raise InvalidArgumentError(
+            f"unknown strategy {seg.strategy!r}; use 'store', 'checkpoint', 'reversible', "
+            "'offload', 'approx:<codec>' or 'selective:<policy>'"
+        ) from None
+    if kind == REVERSIBLE:
         bad = [i for i in range(seg.start, seg.stop) if not blocks[i].invertible]
         if bad:
             raise InvalidArgumentError(
                 f"blocks {bad} are not invertible, so segment [{seg.start}, {seg.stop}) cannot "
                 "be reversible; mark only reversible-coupling blocks as invertible"
             )
-    elif seg.strategy == OFFLOAD:
+    elif kind == OFFLOAD:
         bad = [i for i in range(seg.start, seg.stop) if blocks[i].offload_kept_bytes is None]
         if bad:
             raise InvalidArgumentError(
                 f"offload was not profiled for blocks {bad}; profile with "
                 "schedule.profile(..., offload=True)"
             )
-    elif seg.strategy.startswith(APPROX_PREFIX):
-        codec = seg.strategy[len(APPROX_PREFIX) :]
+    elif kind == APPROX:
+        codec = argument_of(seg.strategy)
         if codec not in blocks[seg.start].approx_bytes:
             raise InvalidArgumentError(
                 f"codec {codec!r} was not profiled for block {seg.start}; profile it "
                 "(schedule.profile(..., codecs=[...])) or choose one of "
                 f"{sorted(blocks[seg.start].approx_bytes)}"
             )
-    elif seg.strategy.startswith(SELECTIVE_PREFIX):
-        policy = seg.strategy[len(SELECTIVE_PREFIX) :]
+    elif kind == SELECTIVE:
+        policy = argument_of(seg.strategy)
         if seg.stop != seg.start + 1:
             raise InvalidArgumentError(
                 f"a selective segment covers one block, got [{seg.start}, {seg.stop}); split it"
@@ -293,11 +304,6 @@ def _check_strategy(blocks: Sequence[BlockCost], seg: Segment) -> None:
                 "(schedule.profile(..., policies=[...])) or choose one of "
                 f"{sorted(blocks[seg.start].selective_bytes)}"
             )
-    elif seg.strategy not in (STORE, CHECKPOINT):
-        raise InvalidArgumentError(
-            f"unknown strategy {seg.strategy!r}; use 'store', 'checkpoint', 'reversible', "
-            "'offload', 'approx:<codec>' or 'selective:<policy>'"
-        )
 
 
 def _segment_time(part: Sequence[BlockCost], strategy: str) -> float:
@@ -371,16 +377,16 @@ def segment_cost(
     time, error = 0.0, 0.0
     if strategy == STORE:
         kept, fwd, bwd = _store_work(part, out)
-    elif strategy.startswith(SELECTIVE_PREFIX):
-        kept, fwd, bwd = _selective_work(part[0], strategy[len(SELECTIVE_PREFIX) :], out)
+    elif kind_of(strategy) == SELECTIVE:
+        kept, fwd, bwd = _selective_work(part[0], argument_of(strategy), out)
     elif strategy == OFFLOAD:
         kept, fwd, bwd = _offload_work(part, j == 0, out)
     elif strategy == REVERSIBLE:
         kept, fwd, bwd = _reversible_work(part, j == 0, k == len(blocks), out)
     else:
         kept, fwd, bwd = _recompute_work(part, strategy, j == 0, out)
-        if strategy.startswith(APPROX_PREFIX):
-            error = _approx_error(part, strategy[len(APPROX_PREFIX) :])
+        if kind_of(strategy) == APPROX:
+            error = _approx_error(part, argument_of(strategy))
     if strategy != STORE:
         time = _segment_time(part, strategy)
     rng = _replay_bytes(part, strategy, late=False)
@@ -486,7 +492,7 @@ def _recompute_work(part: Sequence[BlockCost], strategy: str, first: bool, out: 
     if strategy == CHECKPOINT:
         kept, held = part[0].input_bytes, 0
     else:
-        kept = held = part[0].approx_bytes[strategy[len(APPROX_PREFIX) :]]
+        kept = held = part[0].approx_bytes[argument_of(strategy)]
         if first:  # the caller's chain input stays alive next to its compressed copy
             kept += part[0].input_bytes
             held += part[0].input_bytes

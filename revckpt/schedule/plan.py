@@ -18,12 +18,12 @@ from ..checkpoint import POLICY_PRESETS, checkpoint, checkpoint_sequential
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..layers import ReversibleSequential, ReversibleUnit
 from ..offload import checkpoint_sequential as offload_sequential
+from ..strategy import Strategy, argument_of, kind_of
 from .costs import (
-    APPROX_PREFIX,
     CHECKPOINT,
     OFFLOAD,
     REVERSIBLE,
-    SELECTIVE_PREFIX,
+    SELECTIVE,
     STORE,
     Segment,
 )
@@ -214,13 +214,12 @@ def _strategy_form() -> str:
 
 
 def _known_strategy(strategy: str) -> bool:
-    if strategy in (STORE, CHECKPOINT, REVERSIBLE, OFFLOAD):
-        return True
-    if strategy.startswith(APPROX_PREFIX):
-        return strategy[len(APPROX_PREFIX) :] in FORMATS
-    return strategy.startswith(SELECTIVE_PREFIX) and (
-        strategy[len(SELECTIVE_PREFIX) :] in POLICY_PRESETS
-    )
+    """Whether ``strategy`` is the text form of a :class:`~revckpt.Strategy` (exactly: no
+    spaces around it, a known policy or codec)."""
+    try:
+        return str(Strategy.parse(strategy)) == strategy
+    except InvalidArgumentError:
+        return False
 
 
 def _is_int(v: Any) -> bool:
@@ -253,7 +252,7 @@ def _checked_segments(segments: Any) -> tuple[Segment, ...]:
             raise InvalidArgumentError(
                 f"segment {i} {_show(seg)}: unknown strategy; use {_strategy_form()}"
             )
-        if seg.strategy.startswith(SELECTIVE_PREFIX) and seg.stop != seg.start + 1:
+        if kind_of(seg.strategy) == SELECTIVE and seg.stop != seg.start + 1:
             raise InvalidArgumentError(
                 f"segment {i} {_show(seg)}: a selective segment covers one block (its policy "
                 f"applies per block); split it into {seg.stop - seg.start} segments of one"
@@ -445,10 +444,10 @@ class Scheduled(nn.Module):
                 x = run(x, **kwargs)
             elif strategy == OFFLOAD:
                 x = offload_sequential(run, len(run), x, **kwargs)
-            elif strategy.startswith(SELECTIVE_PREFIX):
-                x = checkpoint(run[0], x, policy=strategy[len(SELECTIVE_PREFIX) :], **kwargs)
-            else:
-                fmt = strategy[len(APPROX_PREFIX) :]
+            elif kind_of(strategy) == SELECTIVE:
+                x = checkpoint(run[0], x, policy=argument_of(strategy), **kwargs)
+            else:  # approx
+                fmt = argument_of(strategy)
                 x = checkpoint_sequential(run, 1, x, approx=Approx(store=fmt), **kwargs)
         return x
 

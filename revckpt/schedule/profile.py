@@ -45,12 +45,13 @@ from ..measure.state import preserved
 from ..measure.timing import wall_time
 from ..offload import checkpoint as offload_checkpoint
 from ..offload import record as offload_record
+from ..strategy import Strategy, argument_of, kind_of
 from .costs import (
-    APPROX_PREFIX,
+    APPROX,
     CHECKPOINT,
     OFFLOAD,
     REVERSIBLE,
-    SELECTIVE_PREFIX,
+    SELECTIVE,
     STORE,
     BlockCost,
 )
@@ -60,6 +61,9 @@ __all__ = ["Profile", "profile"]
 
 DEFAULT_CODECS = ("bf16", "e4m3", "e5m2")
 DEFAULT_POLICIES = ("matmul+attention",)
+# metered modes that are not strategies: the block stored, its gradients accumulated into
+# .grad or returned
+_PLAIN_MODES = ("accumulate", "capture")
 
 
 def _signature(x: torch.Tensor) -> tuple[tuple[int, ...], str, str]:
@@ -396,8 +400,9 @@ def _profile_block(
     # ``tr``: the same for an invertible block run reversibly (nothing stored; the input is
     # rebuilt from the output in backward). Every recomputing mode also gives the replay state
     # its forward keeps and what of it outlives its backward.
-    modes = ["accumulate", "capture", CHECKPOINT] + [SELECTIVE_PREFIX + p for p in policies]
-    modes += [APPROX_PREFIX + fmt for fmt in approx_bytes]
+    selective_modes = {p: str(Strategy(SELECTIVE, p)) for p in policies}  # text forms
+    approx_modes = {fmt: str(Strategy(APPROX, fmt)) for fmt in approx_bytes}
+    modes = [*_PLAIN_MODES, CHECKPOINT, *selective_modes.values(), *approx_modes.values()]
     reversible = None
     if isinstance(block, ReversibleUnit):
         modes.append(REVERSIBLE)
@@ -409,7 +414,7 @@ def _profile_block(
     if offload:
         modes.append(OFFLOAD)
     runs = _Runs(block, leaf, wrt, kwargs, reversible)
-    accounted = {APPROX_PREFIX + fmt: n for fmt, n in approx_bytes.items()}
+    accounted = {approx_modes[fmt]: n for fmt, n in approx_bytes.items()}
     metered = _metered_modes(
         runs, modes, grad_out, accounted, device, backward=bool(wrt), grads_new=grads_new
     )
@@ -444,12 +449,12 @@ def _profile_block(
         if isinstance(block, ReversibleUnit):
             steps[REVERSIBLE] = lambda: runs.forward(REVERSIBLE).backward(grad_out)
         for policy in policies:
-            steps[SELECTIVE_PREFIX + policy] = functools.partial(
+            steps[selective_modes[policy]] = functools.partial(
                 _wrapped_step, checkpoint, {"policy": policy}, block, leaf, grad_out, kwargs
             )
         if x.is_floating_point():
             for fmt in codecs:
-                steps[APPROX_PREFIX + fmt] = functools.partial(
+                steps[approx_modes[fmt]] = functools.partial(
                     _wrapped_step, approx_checkpoint, {"store": fmt}, block, leaf, grad_out, kwargs
                 )
         if offload:  # a view: an activation, as inside a chain (a leaf would stay in place)
@@ -485,7 +490,7 @@ def _profile_block(
         reversible_peak_bytes=transients.get("reversible"),
         selective_bytes=selective_bytes,
         selective_forward_peak_bytes=selective_fwd,
-        selective_backward_peak_bytes={p: transients[SELECTIVE_PREFIX + p] for p in policies},
+        selective_backward_peak_bytes={p: transients[selective_modes[p]] for p in policies},
         selective_output_kept=selective_kept,
         output_saved=output_saved,
         strategy_overhead_s=overhead,
@@ -546,15 +551,16 @@ class _Runs:
 
     def forward(self, mode: str) -> torch.Tensor:
         block, leaf, kw = self.block, self.leaf, self.kwargs
-        if mode == CHECKPOINT:
+        kind = None if mode in _PLAIN_MODES else kind_of(mode)
+        if kind == CHECKPOINT:
             return checkpoint(block, leaf, **kw)
-        if mode.startswith(SELECTIVE_PREFIX):
-            return checkpoint(block, leaf, policy=mode[len(SELECTIVE_PREFIX) :], **kw)
-        if mode.startswith(APPROX_PREFIX):
-            return approx_checkpoint(block, leaf, store=mode[len(APPROX_PREFIX) :], **kw)
-        if mode == OFFLOAD:
+        if kind == SELECTIVE:
+            return checkpoint(block, leaf, policy=argument_of(mode), **kw)
+        if kind == APPROX:
+            return approx_checkpoint(block, leaf, store=argument_of(mode), **kw)
+        if kind == OFFLOAD:
             return offload_checkpoint(block, _activation(leaf), **kw)
-        if mode == REVERSIBLE:
+        if kind == REVERSIBLE:
             assert self.reversible is not None
             return self.reversible(leaf, **kw)
         return block(leaf, **kw)
@@ -648,9 +654,9 @@ def _metered_modes(
         # gradient is counted with the loss)
         seed_grad = _scalar_bytes(grad_out) if backward else 0
         metered.transient[mode] = max(0, meter.since_reset_peak_bytes - start - seed_grad)
-        if mode in ("accumulate", "capture"):
+        if mode in _PLAIN_MODES:
             continue
-        if not mode.startswith(SELECTIVE_PREFIX):
+        if kind_of(mode) != SELECTIVE:
             metered.rng[mode] = max(0, kept)
         if backward:
             metered.late[mode] = max(0, min(left, kept))

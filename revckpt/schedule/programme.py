@@ -28,12 +28,13 @@ from typing import Literal
 
 import numpy as np
 
+from ..strategy import argument_of, kind_of
 from .costs import (
-    APPROX_PREFIX,
+    APPROX,
     CHECKPOINT,
     OFFLOAD,
     REVERSIBLE,
-    SELECTIVE_PREFIX,
+    SELECTIVE,
     STORE,
     BlockCost,
     Segment,
@@ -91,16 +92,17 @@ def _possible(
             return False
         if step.max_span is not None and k - j > step.max_span:
             return False
-    if s == REVERSIBLE:
+    kind = kind_of(s)
+    if kind == REVERSIBLE:
         return blocks[k - 1].invertible
-    if s == OFFLOAD:
+    if kind == OFFLOAD:
         return blocks[k - 1].offload_kept_bytes is not None
-    if s.startswith(APPROX_PREFIX):
-        return s[len(APPROX_PREFIX) :] in blocks[j].approx_bytes
-    if s == STORE:
+    if kind == APPROX:
+        return argument_of(s) in blocks[j].approx_bytes
+    if kind == STORE:
         return k == j + 1  # a store segment of n blocks = n store segments of one
-    if s.startswith(SELECTIVE_PREFIX):  # one block, and only where profiled
-        return k == j + 1 and s[len(SELECTIVE_PREFIX) :] in blocks[j].selective_bytes
+    if kind == SELECTIVE:  # one block, and only where profiled
+        return k == j + 1 and argument_of(s) in blocks[j].selective_bytes
     return True
 
 

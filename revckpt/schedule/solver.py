@@ -27,14 +27,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InfeasibleBudgetError, InvalidArgumentError, InvalidInputTypeError
-from ..strategy import Strategy
+from ..strategy import Strategy, argument_of, kind_of
 from .budget import human_bytes, parse_budget
 from .costs import (
-    APPROX_PREFIX,
+    APPROX,
     CHECKPOINT,
     OFFLOAD,
     REVERSIBLE,
-    SELECTIVE_PREFIX,
+    SELECTIVE,
     STORE,
     BlockCost,
     Segment,
@@ -54,15 +54,16 @@ _MAX_CELLS = 1 << 22  # table cells of the finest grid: (L + 1) x 3 x slots x er
 def _can_run(block: BlockCost, strategies: Sequence[str]) -> bool:
     """Whether some segment with one of ``strategies`` can contain ``block``."""
     for s in strategies:
-        if s in (STORE, CHECKPOINT):
+        kind = kind_of(s)
+        if kind in (STORE, CHECKPOINT):
             return True
-        if s == REVERSIBLE and block.invertible:
+        if kind == REVERSIBLE and block.invertible:
             return True
-        if s == OFFLOAD and block.offload_kept_bytes is not None:
+        if kind == OFFLOAD and block.offload_kept_bytes is not None:
             return True
-        if s.startswith(SELECTIVE_PREFIX) and s[len(SELECTIVE_PREFIX) :] in block.selective_bytes:
+        if kind == SELECTIVE and argument_of(s) in block.selective_bytes:
             return True
-        if s.startswith(APPROX_PREFIX):
+        if kind == APPROX:
             return True  # inside a segment whose first block has the codec
     return False
 
@@ -166,7 +167,7 @@ class _Problem:
         es: int,
         step: StepCosts | None = None,
     ) -> _Problem:
-        usable = tuple(s for s in chosen if error_budget > 0 or not s.startswith(APPROX_PREFIX))
+        usable = tuple(s for s in chosen if error_budget > 0 or kind_of(s) != APPROX)
         found = tuple(candidates(blocks, usable, step))
         return cls(blocks, usable, error_budget, es, found, tuple(chosen), step)
 
@@ -274,7 +275,7 @@ def _cures(problem: _Problem, smallest: int, store_peak: int, slots: int) -> lis
     cures: list[str] = []
     blocks = problem.blocks
     available = strategy_names(blocks)
-    exact = [s for s in available if not s.startswith(APPROX_PREFIX)]
+    exact = [s for s in available if kind_of(s) != APPROX]
     left_out = [s for s in exact if s not in problem.strategies]
     if left_out:
         wider = _Problem.of(blocks, exact, problem.error_budget, problem.error_slots, problem.step)
