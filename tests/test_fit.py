@@ -313,3 +313,26 @@ def test_convert_replaces_what_was_installed() -> None:
     assert revckpt.convert(model, "checkpoint", every=2) == ["transformer.h.0", "transformer.h.2"]
     installed = [fqn for fqn, m in model.named_modules() if "forward" in m.__dict__]
     assert installed == ["transformer.h.0", "transformer.h.2"]
+
+
+@pytest.mark.parametrize("name", ["encoder", "bert"])
+def test_an_error_budget_never_raises_the_smallest_budget(name: str) -> None:
+    case = _case(name)
+    example = case.make_example(*PLANNED[name])
+    smallest = {}
+    for error_budget in (0.0, 1e-2):
+        with pytest.raises(revckpt.InfeasibleBudgetError) as info:
+            revckpt.fit(
+                case.make_model(),
+                example,
+                memory_budget="10%",
+                error_budget=error_budget,
+                loss_fn=case.loss_fn,
+            )
+        smallest[error_budget] = info.value.smallest_budget_bytes
+    assert smallest[1e-2] <= smallest[0.0]
+    model = case.make_model()  # and fit at the smallest budget it named works
+    plan = revckpt.fit(
+        model, example, memory_budget=smallest[1e-2], error_budget=1e-2, loss_fn=case.loss_fn
+    )
+    assert _measured_step(model, example, case.loss_fn) <= plan.memory_budget_bytes

@@ -25,7 +25,7 @@ from ..schedule.budget import human_bytes, parse_budget
 from ..schedule.costs import chain_totals
 from ..schedule.plan import Plan
 from ..schedule.solver import solve
-from ..strategy import Strategy, StrategyLike
+from ..strategy import Strategy, StrategyLike, argument_of, kind_of
 from .blocks import Blocks, find_blocks
 from .install import Planned, install, is_fsdp, planned, uninstall
 from .measure import profile_in_situ
@@ -174,8 +174,8 @@ def fit(
         if segment_blocks is not None:
             step = dataclasses.replace(traced.step, max_span=segment_blocks)
             traced = dataclasses.replace(traced, step=step)
-        policies = [s.partition(":")[2] for s in chosen if s.startswith("selective:")]
-        codecs = [s.partition(":")[2] for s in chosen if s.startswith("approx:")]
+        policies = [argument_of(s) for s in chosen if kind_of(s) == "selective"]
+        codecs = [argument_of(s) for s in chosen if kind_of(s) == "approx"]
         profile = profile_in_situ(
             model, traced, codecs=codecs, policies=policies, repeats=repeats, progress=progress
         )

@@ -245,14 +245,17 @@ def _least_peak(problem: _Problem, store_peak: int, slots: int) -> tuple[int, li
 
 
 def _lowest_peak(problem: _Problem, span: int, slots: int) -> list[Segment] | None:
-    """The plan of least peak among those the programme fits in ``span`` at this resolution:
-    from the relaxation (every plan that fits is in it), or, where its plan breaks the error
-    budget (rounded down), from the instance rounded up."""
+    """The plan of least exact peak among those the programme fits in ``span`` at this
+    resolution, from the relaxation (every plan that fits is in it) and from the instance
+    rounded up: rounding moves bytes and errors, so either may hold the lower exact peak
+    (with an error budget, the relaxation's least-peak plan can be an approx plan above an
+    exact one the rounded-up instance finds)."""
+    found = []
     for rounding in ("down", "up"):
         segments = problem.run(span, slots, rounding, peak=True)
         if segments is not None and problem.within_error(segments):
-            return segments
-    return None
+            found.append(segments)
+    return min(found, key=lambda segs: problem.evaluate(segs).peak_bytes, default=None)
 
 
 def _smallest_budget(problem: _Problem, store_peak: int, slots: int) -> tuple[int, list[Segment]]:
