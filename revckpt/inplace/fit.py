@@ -22,7 +22,6 @@ from torch import nn
 
 from ..errors import InfeasibleBudgetError, InvalidArgumentError, InvalidInputTypeError
 from ..schedule.budget import human_bytes, parse_budget
-from ..schedule.costs import chain_totals
 from ..schedule.plan import Plan
 from ..schedule.solver import solve
 from ..strategy import Strategy, StrategyLike, argument_of, kind_of
@@ -197,7 +196,7 @@ def fit(
             short = measured - found_plan.predicted_peak_bytes
             return dataclasses.replace(found_plan, predicted_peak_bytes=measured), short
 
-        result = _agreed(_within_budget(checked, memory_budget, profile))
+        result = _agreed(_within_budget(checked, memory_budget, traced.store_peak))
         _apply(result, found, keys)
         return result
     except BaseException:
@@ -206,14 +205,14 @@ def fit(
 
 
 def _within_budget(
-    checked: Callable[[Any], tuple[Plan, int]], memory_budget: Any, profile: Any
+    checked: Callable[[Any], tuple[Plan, int]], memory_budget: Any, store_peak: int
 ) -> Plan:
     """The plan solved for the budget, confirmed by one metered step (``checked`` returns the
     plan, its prediction raised to what the step measured, and by how much the cost model was
     short). A plan that measured over the budget is solved again with the largest shortfall
     seen taken off the budget. An infeasible budget is answered with the smallest budget a
-    plan met in a measured step."""
-    _, store_peak = chain_totals(profile.blocks, profile.step)
+    plan met in a measured step. ``store_peak``: the store-all step's measured peak, of which
+    a fractional budget is a fraction (and the plan's ``store_all_peak_bytes``)."""
     budget = parse_budget(memory_budget, store_peak)
     target, worst, tried = budget, 0, []
     for _ in range(8):
@@ -224,7 +223,9 @@ def _within_budget(
             least = min([smallest.predicted_peak_bytes, *tried])
             raise _infeasible(err, budget, least, store_peak) from None
         if plan.predicted_peak_bytes <= budget:
-            return dataclasses.replace(plan, memory_budget_bytes=budget)
+            return dataclasses.replace(
+                plan, memory_budget_bytes=budget, store_all_peak_bytes=store_peak
+            )
         tried.append(plan.predicted_peak_bytes)
         worst = max(worst, short)
         target = min(target - 1, budget - worst)

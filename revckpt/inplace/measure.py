@@ -36,9 +36,27 @@ class InSitu(nn.Module):
         self.block = call.block
         self.fqn = call.fqn
         self._key: Key = call.key
-        self._args, self._kwargs = replaced(call.args, call.kwargs, call.key, None)
+        args, kwargs = replaced(call.args, call.kwargs, call.key, None)
+        # other arguments made with a graph (T5's position bias, a U-Net's skip tensor) become
+        # leaves: the traced step's graph is gone, and the block's backward still computes
+        # their gradients, as in the model
+        self._leaves: list[torch.Tensor] = []
+        self._args, self._kwargs = self._detached(args), self._detached(kwargs)
+
+    def _detached(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.requires_grad:
+            leaf = obj.detach().requires_grad_()
+            self._leaves.append(leaf)
+            return leaf
+        if isinstance(obj, (tuple, list)):
+            return type(obj)(self._detached(o) for o in obj)
+        if isinstance(obj, dict):
+            return {k: self._detached(v) for k, v in obj.items()}
+        return obj
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for leaf in self._leaves:  # each profiled step makes their gradients anew
+            leaf.grad = None
         out = run_with(self.block, self._args, self._kwargs, self._key, h)
         return hidden_of(out, f"block {self.fqn}")
 
