@@ -334,24 +334,10 @@ def _output_op(block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> Any
     return mode.producer.get(y.untyped_storage()._cdata)
 
 
-def saves_input(block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> bool:
-    """Whether the block's forward saves its input (or a view of it) for backward: if not,
-    a stored block lets its input go once it has run (unless something else keeps it)."""
-    leaf = x.detach().requires_grad_(x.is_floating_point())
-    packed: set[int] = set()
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        packed.add(t.untyped_storage()._cdata)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = block(leaf, **kwargs)
-    del y
-    return leaf.untyped_storage()._cdata in packed
-
-
-def _saves_own_output(block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> bool:
-    """Whether the block's forward saves its own output for backward (e.g. a final ReLU)."""
+def _saved_storages(
+    block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]
+) -> tuple[set[int], int]:
+    """The storages the block's forward on ``x`` saves for backward, and its output's."""
     packed: set[int] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -360,7 +346,20 @@ def _saves_own_output(block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any])
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = block(x, **kwargs)
-    return y.untyped_storage()._cdata in packed
+    return packed, y.untyped_storage()._cdata
+
+
+def saves_input(block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+    """Whether the block's forward saves its input (or a view of it) for backward: if not,
+    a stored block lets its input go once it has run (unless something else keeps it)."""
+    leaf = x.detach().requires_grad_(x.is_floating_point())
+    return leaf.untyped_storage()._cdata in _saved_storages(block, leaf, kwargs)[0]
+
+
+def _saves_own_output(block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+    """Whether the block's forward saves its own output for backward (e.g. a final ReLU)."""
+    packed, output = _saved_storages(block, x, kwargs)
+    return output in packed
 
 
 def _profile_block(
