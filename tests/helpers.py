@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -53,3 +54,10 @@ class Chain(nn.Module):
             return self.chain(x)
         segments = len(self.chain) if self.segments == "per-block" else self.segments
         return checkpoint_sequential(self.chain, segments, x, **self.options)
+
+
+def free_port() -> int:
+    """A TCP port free on localhost now (for a gloo process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

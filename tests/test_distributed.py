@@ -7,7 +7,6 @@ each with the same model run on the whole batch in this process.
 
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import free_port
 from torch import nn
 
 import revckpt
@@ -137,12 +137,6 @@ def _worker(rank: int, port: int, plan_path: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(port: int, plan_path: str, out: str) -> None:
     mp.start_processes(_worker, args=(port, plan_path, out), nprocs=WORLD, start_method="fork")
 
@@ -162,7 +156,7 @@ def distributed_grads(tmp_path_factory):
     here = pathlib.Path(__file__).resolve().parent
     code = (
         f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; "
-        f"import test_distributed as t; t._launch({_free_port()}, {str(plan_path)!r}, "
+        f"import test_distributed as t; t._launch({free_port()}, {str(plan_path)!r}, "
         f"{str(out)!r})"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=600)

@@ -13,7 +13,6 @@ import functools
 import io
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import traceback
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import zoo
+from helpers import free_port
 from torch import nn
 
 import revckpt
@@ -366,12 +366,6 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(port: int, out: str) -> None:
     mp.start_processes(_worker, args=(port, out), nprocs=WORLD, start_method="fork")
 
@@ -385,7 +379,7 @@ def distributed(tmp_path_factory) -> dict[str, Any]:
     here = pathlib.Path(__file__).resolve().parent
     code = (
         f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; "
-        f"import test_fit_integration as t; t._launch({_free_port()}, {str(out)!r})"
+        f"import test_fit_integration as t; t._launch({free_port()}, {str(out)!r})"
     )
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=180, env=env)

@@ -90,6 +90,12 @@ def drop_caches(
     layer would append its keys and values to the cache a second time, so caches passed to a
     planned block while training are dropped (``use_cache=False``, cache arguments ``None``),
     with one warning per block class."""
+    if not (
+        kwargs.get("use_cache")
+        or any(kwargs.get(name) is not None for name in _CACHE_KEYWORDS)
+        or any(_is_cache(a) for a in args)
+    ):
+        return args, kwargs  # the usual training call: nothing to drop, nothing copied
     changed = False
     new_kwargs = dict(kwargs)
     if new_kwargs.get("use_cache"):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -115,13 +114,12 @@ class Call:
 @dataclass(frozen=True)
 class Trace:
     """What one step showed: the block calls, whether each block takes the previous block's
-    output, the step's costs outside the chain, its measured store-all peak and wall time."""
+    output, the step's costs outside the chain and its measured store-all peak."""
 
     calls: tuple[Call, ...]
     chained: bool
     step: StepCosts
     store_peak: int
-    step_seconds: float
 
 
 class Recorder:
@@ -131,7 +129,6 @@ class Recorder:
         self.index = {id(m): (i, fqn) for i, (fqn, m) in enumerate(blocks)}
         self.calls: list[Call] = []
         self.counts = [0] * len(blocks)
-        self.events: list[tuple[str, int]] = []  # (what, index) for the metered run
         self.hooks: list[Callable[[str, int, Any], None]] = []
 
     def called(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -186,7 +183,6 @@ def trace(
     recorder_slot(recorder)
     try:
         with _left_as_found(model):
-            start = time.perf_counter()
             try:
                 run_step(model, example, loss_fn)
             except Exception as err:
@@ -197,14 +193,13 @@ def trace(
                     + "; pass one batch the model takes (model(*example), model(**example) or "
                     "model(example))"
                 ) from err
-            seconds = time.perf_counter() - start
         _check_calls(recorder.counts, names, [c.fqn for c in calls])
         recorder.hooks.clear()
         chained = all(c.input is p.output for p, c in itertools.pairwise(calls))
         step, peak = _metered(model, example, loss_fn, recorder, calls, chained)
     finally:
         recorder_slot(None)
-    return Trace(tuple(calls), chained, step, peak, seconds)
+    return Trace(tuple(calls), chained, step, peak)
 
 
 def _check_calls(counts: list[int], names: list[str], order: list[str]) -> None:
