@@ -168,15 +168,27 @@ class PlanMeasurement:
             return None
         return self.measured_peak_bytes <= self.memory_budget_bytes
 
+    def within_error(self, error_budget: float, *, floor: float = 0.0) -> bool:
+        """Whether the measured gradient error is within ``error_budget`` of the float32
+        round-off ``floor`` (store-all's measured error, which exact strategies share to the
+        last bits): ``gradient_error <= error_budget + 2 * floor``. ``False`` when the error
+        was not measured (``nan``)."""
+        return self.gradient_error <= error_budget + 2 * floor
+
 
 @dataclass(frozen=True)
 class Report:
-    """Measured figures of several plans of one chain, with store-all first."""
+    """Measured figures of several plans of one chain, with store-all first.
+
+    ``error_budget`` (optional): the largest relative gradient error a plan may have; plans
+    measured over it (:meth:`over_error_budget`) are marked in the table and the plot and are
+    left out of the Pareto front."""
 
     rows: tuple[PlanMeasurement, ...]
     store_all_peak_bytes: int
     input_shape: tuple[int, ...]
     chosen: str | None = None
+    error_budget: float | None = None
 
     def row(self, name: str) -> PlanMeasurement:
         """The measurement of the plan named ``name``."""
@@ -189,6 +201,24 @@ class Report:
     def names(self) -> list[str]:
         """Plan names, store-all first."""
         return [r.name for r in self.rows]
+
+    @property
+    def error_floor(self) -> float:
+        """Store-all's measured gradient error: the float32 round-off of the model, which
+        every exact strategy shares (0 when not measured)."""
+        plain = next((r for r in self.rows if r.name == STORE_ALL), None)
+        if plain is None or not math.isfinite(plain.gradient_error):
+            return 0.0
+        return plain.gradient_error
+
+    def over_error_budget(self, name: str) -> bool:
+        """Whether the plan named ``name`` measured a gradient error over the report's
+        ``error_budget`` (see :meth:`PlanMeasurement.within_error`; an error not measured
+        counts as over); ``False`` when the report has no error budget."""
+        row = self.row(name)
+        if self.error_budget is None:
+            return False
+        return not row.within_error(self.error_budget, floor=self.error_floor)
 
     def table(self) -> str:
         """Markdown: measured and predicted peak, time ratio, gradient error per plan."""
@@ -203,6 +233,7 @@ class Report:
                 "-" if r.memory_budget_bytes is None else f"{r.memory_budget_bytes / 2**20:.2f}"
             )
             mark = " (chosen)" if r.name == self.chosen else ""
+            mark += " (over the error budget)" if self.over_error_budget(r.name) else ""
             lines.append(
                 f"| {r.name}{mark} | {r.measured_peak_bytes / 2**20:.2f} | "
                 f"{r.measured_peak_bytes / self.store_all_peak_bytes:.1%} | "
@@ -223,6 +254,7 @@ class Report:
             "store_all_peak_bytes": self.store_all_peak_bytes,
             "input_shape": list(self.input_shape),
             "chosen": self.chosen,
+            "error_budget": self.error_budget,
             "rows": [
                 {**asdict(r), "peak_ratio": r.peak_ratio, "within_budget": r.within_budget}
                 for r in self.rows
@@ -247,14 +279,17 @@ class Report:
         return text
 
     def pareto(self) -> list[str]:
-        """Names of the plans no other plan beats on both measured peak and measured time."""
+        """Names of the plans no other plan beats on both measured peak and measured time (at
+        least as good on both, better on one). With an ``error_budget``, the plans measured
+        over it are left out: they are not on the front and beat no other plan."""
+        rows = [r for r in self.rows if not self.over_error_budget(r.name)]
         front = []
-        for r in self.rows:
+        for r in rows:
             dominated = any(
                 o.measured_peak_bytes <= r.measured_peak_bytes
                 and o.time_ratio <= r.time_ratio
                 and (o.measured_peak_bytes, o.time_ratio) != (r.measured_peak_bytes, r.time_ratio)
-                for o in self.rows
+                for o in rows
             )
             if not dominated:
                 front.append(r.name)
@@ -263,22 +298,28 @@ class Report:
     def plot(self, path: str | Path, *, title: str | None = None) -> Path:
         """Measured peak (% of store-all) against measured time ratio, one point per plan, the
         Pareto front as a step line, the chosen plan as a star and its budget as a vertical
-        line. Written as PNG (or any format matplotlib infers from ``path``)."""
+        line; plans over the report's ``error_budget`` as grey crosses. Written as PNG (or any
+        format matplotlib infers from ``path``)."""
         plt = _pyplot()
         fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
         base = self.store_all_peak_bytes
         xs = {r.name: 100 * r.measured_peak_bytes / base for r in self.rows}
         ys = {r.name: r.time_ratio for r in self.rows}
+        over_label = "over the error budget"
         for r in self.rows:
             chosen = r.name == self.chosen
+            over = self.over_error_budget(r.name)
             ax.scatter(
                 xs[r.name],
                 ys[r.name],
-                marker="*" if chosen else "o",
+                marker="*" if chosen else ("x" if over else "o"),
                 s=220 if chosen else 40,
-                color="tab:red" if chosen else "tab:blue",
+                color="tab:red" if chosen else ("tab:gray" if over else "tab:blue"),
                 zorder=3,
+                label=over_label if over and not chosen else None,
             )
+            if over and not chosen:
+                over_label = None  # one legend entry
             ax.annotate(
                 r.name,
                 (xs[r.name], ys[r.name]),

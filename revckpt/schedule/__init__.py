@@ -15,6 +15,7 @@ from .costs import BlockCost, Segment, evaluate
 from .plan import Plan, Scheduled, apply
 from .profile import Profile, profile
 from .solver import baseline, make_plan, solve
+from .verify import Verified, verify
 
 __all__ = [
     "BlockCost",
@@ -22,6 +23,7 @@ __all__ = [
     "Profile",
     "Scheduled",
     "Segment",
+    "Verified",
     "apply",
     "baseline",
     "evaluate",
@@ -29,4 +31,5 @@ __all__ = [
     "parse_budget",
     "profile",
     "solve",
+    "verify",
 ]
