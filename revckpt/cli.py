@@ -107,7 +107,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     from .models import gpt_like, rev_gpt_like
     from .report import report
-    from .schedule import Segment, baseline, make_plan, parse_budget, profile, solve
+    from .schedule import Segment, baseline, make_plan, parse_budget, profile, solve, verify
 
     device = _demo_device(args.device)
     parse_budget(args.budget, 1)  # its syntax, checked before the model is profiled
@@ -145,13 +145,26 @@ def _demo(args: argparse.Namespace) -> int:
         make_plan(prof, [Segment(i, i + 1, "approx:e4m3") for i in range(n)], name="approx e4m3"),
     ]
     try:
-        chosen = solve(prof, memory_budget=budget, error_budget=args.error_budget)
-        plans.append(dataclasses.replace(chosen, name="scheduler"))
+        solved = solve(prof, memory_budget=budget, error_budget=args.error_budget)
     except RevckptError as err:
         raise _UsageError(f"--budget {args.budget}: {err}") from err
 
-    progress.step("measuring the plans (memory, time, gradient error)")
-    rep = report(chain, x, plans, chosen="scheduler", repeats=args.repeats)
+    # the plans shown are measured with the recipes verify tries, in one interleaved run; the
+    # scheduler's row is the fastest plan that fits both budgets by measurement
+    progress.step("measuring the plans and the recipes (memory, time, gradient error)")
+    try:
+        verified = verify(
+            chain,
+            x,
+            dataclasses.replace(solved, name=SCHEDULER),
+            prof,
+            also=plans,
+            repeats=args.repeats,
+        )
+    except RevckptError as err:
+        raise _UsageError(f"--budget {args.budget}: {err}") from err
+    rep = _demo_report(verified)
+    chosen = verified.plan
 
     progress.step("measuring a reversible GPT-like model of the same size")
     rev_chain = rev_gpt_like(depth, dim, heads).to(device)
@@ -160,7 +173,10 @@ def _demo(args: argparse.Namespace) -> int:
     rev = report(rev_chain, x, [rev_plan], chosen=None, repeats=args.repeats)
 
     progress.step("writing the report")
-    rows = [dataclasses.asdict(r) for r in rep.rows]
+    rows = [
+        {**dataclasses.asdict(r), "over_error_budget": rep.over_error_budget(r.name)}
+        for r in rep.rows
+    ]
     rev_row = dataclasses.asdict(rev.row("reversible"))
     rev_row["name"] = "reversible (RevGPT variant)"
     rev_row["note"] = (
@@ -181,6 +197,12 @@ def _demo(args: argparse.Namespace) -> int:
         "rows": rows,
         "reversible": rev_row,
         "plan": chosen.to_dict(),
+        "verify": {
+            "note": verified.note,
+            "replaced": verified.replaced,
+            "solved": verified.solved.to_dict(),
+            "pareto": rep.pareto(),
+        },
     }
     (out / "report.json").write_text(json.dumps(_finite(data), indent=2) + "\n")
     chosen.to_json(out / "plan.json")
@@ -194,11 +216,37 @@ def _demo(args: argparse.Namespace) -> int:
 
     print(_demo_table(rep, rev, device.type))
     print()
+    print(f"verify: {verified.note}.")
+    print()
     print(chosen.table())
     print()
     written = ["report.json", "plan.json", *(p.name for p in plots)]
     print(f"wrote {', '.join(written)} to {out.resolve()}")
     return 0
+
+
+SCHEDULER = "scheduler"
+REPLACED = "solved plan (replaced)"
+
+
+def _demo_report(verified: Any) -> Any:
+    """The demo's rows: what :func:`~revckpt.schedule.verify` measured, with the
+    ``"scheduler"`` row the plan it returned (a copy of that plan's row when it replaced the
+    solved plan, which is then shown as ``"solved plan (replaced)"``)."""
+    rep = verified.report
+    rows = [r for r in rep.rows if r.name != SCHEDULER]
+    if verified.replaced:
+        rows.append(dataclasses.replace(rep.row(SCHEDULER), name=REPLACED))
+    budget = verified.solved.memory_budget_bytes
+    rows.append(
+        dataclasses.replace(
+            verified.measured,
+            name=SCHEDULER,
+            strategies=tuple(verified.plan.strategies),
+            memory_budget_bytes=budget,
+        )
+    )
+    return dataclasses.replace(rep, rows=tuple(rows), chosen=SCHEDULER)
 
 
 def _demo_device(name: str) -> Any:
@@ -240,6 +288,7 @@ def _demo_table(rep: Any, rev: Any, device_type: str) -> str:
     ]
     for r in rep.rows:
         mark = " *" if r.name == rep.chosen else ""
+        mark += " (over the error budget)" if rep.over_error_budget(r.name) else ""
         lines.append(
             f"| {r.name}{mark} | {r.measured_peak_bytes / 2**20:.2f} | "
             f"{r.measured_peak_bytes / base:.1%} | {r.measured_retained_bytes / 2**20:.2f} | "
@@ -252,10 +301,18 @@ def _demo_table(rep: Any, rev: Any, device_type: str) -> str:
         f"{r.measured_retained_bytes / 2**20:.2f} | {r.time_ratio:.2f} | "
         f"{r.gradient_error:.1e} |"
     )
+    over = (
+        f" Over the error budget: a measured gradient error above {rep.error_budget:g} (plus "
+        "twice store-all's float32 round-off); such plans are never chosen and not compared."
+        if rep.error_budget is not None
+        else ""
+    )
     lines.append(
-        "\n* the scheduler's plan. Peak: one training step (MemoryMeter); retained: kept "
-        "between forward and backward; time: median of interleaved rounds against store-all."
-        + (_CPU_SCOPE if device_type == "cpu" else "")
+        "\n* the scheduler's plan: the solved plan, or the fastest measured plan that fits both "
+        "budgets if one beat it (revckpt.schedule.verify). Peak: one training step "
+        "(MemoryMeter); retained: kept between forward and backward; time: median of "
+        "interleaved rounds against store-all." + over + " The RevGPT variant is another "
+        "model, relative to its own store-all." + (_CPU_SCOPE if device_type == "cpu" else "")
     )
     return "\n".join(lines)
 

@@ -39,6 +39,30 @@ def test_demo_writes_report_plots_and_table(tmp_path, capsys):
     assert json.loads((out / "plan.json").read_text())["format"] == "revckpt.Plan/1"
 
 
+@pytest.mark.parametrize("budget", ["0.7", "0.9"])
+def test_demo_never_shows_the_scheduler_beaten_on_both_axes(tmp_path, capsys, budget):
+    out = tmp_path / "demo"
+    args = ["demo", "--size", "tiny", "--budget", budget, "--out", str(out), "--repeats", "2"]
+    assert main([*args, "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    data = json.loads((out / "report.json").read_text())
+    rows = {r["name"]: r for r in data["rows"]}
+    floor = rows["store-all"]["gradient_error"]
+    scheduler = rows["scheduler"]
+    assert scheduler["measured_peak_bytes"] <= data["budget_bytes"]
+    assert "scheduler" in data["verify"]["pareto"] and f"verify: {data['verify']['note']}" in text
+    for name, r in rows.items():
+        over = r["gradient_error"] > data["error_budget"] + 2 * floor
+        assert r["over_error_budget"] == over
+        assert (f"| {name} (over the error budget) |" in text) == over
+        if over:
+            continue  # over the error budget: not a plan the scheduler may pick
+        figures = (r["measured_peak_bytes"], r["time_ratio"])
+        mine = (scheduler["measured_peak_bytes"], scheduler["time_ratio"])
+        beaten = figures[0] <= mine[0] and figures[1] <= mine[1] and figures != mine
+        assert not beaten, f"{name} {figures} beats the scheduler {mine}"
+
+
 def test_plan_on_the_example_model_measures_within_budget(monkeypatch, tmp_path, capsys):
     monkeypatch.chdir(ROOT)
     out = tmp_path / "plan.json"
