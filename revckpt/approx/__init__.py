@@ -7,11 +7,15 @@
 * :mod:`~revckpt.approx.bounds`: :func:`estimate_error`, a first-order hard bound and a cheap
   random-probe estimate of the parameter-gradient error; :func:`estimate_totals`, the estimate
   alone for several codecs at once.
+* :mod:`~revckpt.approx.saved`: :func:`compress_saved`, a block's saved tensors kept in bf16 or
+  fp8 with no recompute, and :func:`compress_saved_error`, its gradient error measured in
+  float64.
 """
 
 from .bounds import ErrorEstimate, TotalEstimate, estimate_error, estimate_totals
 from .formats import FORMATS, Codec, Encoded, NonFiniteInputError
 from .recompute import Approx, checkpoint
+from .saved import RelativeErrors, compress_saved, compress_saved_error
 
 __all__ = [
     "FORMATS",
@@ -20,8 +24,11 @@ __all__ = [
     "Encoded",
     "ErrorEstimate",
     "NonFiniteInputError",
+    "RelativeErrors",
     "TotalEstimate",
     "checkpoint",
+    "compress_saved",
+    "compress_saved_error",
     "estimate_error",
     "estimate_totals",
 ]
