@@ -18,8 +18,10 @@ import torch
 from torch import nn
 
 from ..measure.state import preserved
+from ..schedule.block_errors import sensitivities
+from ..schedule.block_memory import saves_input
 from ..schedule.costs import BlockCost
-from ..schedule.profile import Profile, _profile_block, _sensitivities, saves_input
+from ..schedule.profile import Profile, profile_block
 from .calls import Key, hidden_of, replaced, run_with
 from .trace import Call, Trace
 
@@ -105,7 +107,7 @@ def profile_in_situ(
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.enable_grad(), preserved(model):
         if codecs:
-            cotangents, grad_sq, input_sq = _sensitivities(units, inputs[0], {})
+            cotangents, grad_sq, input_sq = sensitivities(units, inputs[0], {})
         costs: list[BlockCost] = []
         reuse: dict[Any, BlockCost] = {}
         upstream = input_sq if codecs else 0.0
@@ -116,15 +118,15 @@ def profile_in_situ(
             if key is not None and key in reuse:
                 costs.append(reuse[key])
                 continue
-            cost = _profile_block(
+            cost = profile_block(
                 unit,
                 x,
-                codecs,
-                policies,
-                repeats,
-                device,
-                {},
-                cotangents[i] if codecs else None,
+                codecs=codecs,
+                policies=policies,
+                repeats=repeats,
+                device=device,
+                kwargs={},
+                cotangent=cotangents[i] if codecs else None,
                 grads_new=True,
             )
             if codecs:

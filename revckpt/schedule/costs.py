@@ -139,7 +139,9 @@ class BlockCost:
     stay alive from the block's backward to the end of the step, and its backward transients
     were measured so (their own gradients included); ``input_kept``: a stored block keeps its
     input alive until its backward (it saves it, or the block before saves its own output);
-    if not, its input goes once it has run."""
+    if not, its input goes once it has run; ``chained_s``: the extra seconds the block adds
+    when it is recomputed inside a longer checkpoint or approx segment, not first in it (its
+    recompute without a node of its own; ``None``: its forward time is assumed)."""
 
     forward_s: float
     backward_s: float
@@ -176,6 +178,7 @@ class BlockCost:
     reversible_check_bytes: int = 0
     grads_new: bool = False
     input_kept: bool = True
+    chained_s: float | None = None
 
     @property
     def capture_peak(self) -> int:
@@ -313,8 +316,9 @@ def _segment_time(part: Sequence[BlockCost], strategy: str) -> float:
     reversible ``sum_i o_i``; offload ``sum_i o_i - sum_{i < k-1} h_i`` (``h_i``, the measured
     copy back of block ``i``'s input, overlapped with block ``i + 1``'s backward when
     prefetched; the copy out, overlapped with the next forward, is not credited);
-    checkpoint / approx ``o_j + sum_{i > j} f_i`` (one call, one compression of the segment
-    input, every block recomputed). Unmeasured: ``sum_i f_i``."""
+    checkpoint / approx ``o_j + sum_{i > j} c_i`` (one call, one compression of the segment
+    input, every block recomputed; ``c_i``, ``chained_s``: what block ``i`` measured adding
+    inside a longer checkpoint segment, ``f_i`` if not measured). Unmeasured: ``sum_i f_i``."""
     if strategy == REVERSIBLE:
         return sum(b.strategy_overhead_s.get(REVERSIBLE, b.forward_s) for b in part)
     if strategy == OFFLOAD:
@@ -322,7 +326,7 @@ def _segment_time(part: Sequence[BlockCost], strategy: str) -> float:
         prefetched = zip(own[:-1], part[:-1], strict=True)
         return sum(max(0.0, o - b.offload_fetch_s) for o, b in prefetched) + own[-1]
     head = part[0].strategy_overhead_s.get(strategy, part[0].forward_s)
-    return head + sum(b.forward_s for b in part[1:])
+    return head + sum(b.forward_s if b.chained_s is None else b.chained_s for b in part[1:])
 
 
 def _approx_error(part: Sequence[BlockCost], codec: str) -> float:

@@ -400,25 +400,7 @@ class Scheduled(nn.Module):
             self.add_module(name, block)
         self._order = [name for name, _ in named]
         self.plan = plan
-        self._runs: list[tuple[str, Any]] = []
-        chain = [block for _, block in named]
-        for seg in plan.segments:
-            part = chain[seg.start : seg.stop]
-            if seg.strategy == REVERSIBLE:
-                if not all(isinstance(b, ReversibleUnit) for b in part):
-                    raise InvalidArgumentError(
-                        f"segment {seg.start}-{seg.stop - 1} is planned reversible but holds "
-                        "blocks that are not ReversibleUnit; re-profile the chain"
-                    )
-                dims = {b.split_dim for b in part}
-                if len(dims) != 1:
-                    raise InvalidArgumentError(
-                        "reversible units of one segment must share split_dim"
-                    )
-                rev = ReversibleSequential(*[b.block for b in part], split_dim=dims.pop())
-                self._runs.append((REVERSIBLE, rev))
-            else:
-                self._runs.append((seg.strategy, part))
+        self._runs = segment_runs([block for _, block in named], plan.segments)
 
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         sig = self.plan.input_signature
@@ -435,21 +417,48 @@ class Scheduled(nn.Module):
                 "(schedule.profile(blocks, x))"
             )
         for strategy, run in self._runs:
-            if strategy == STORE:
-                for block in run:
-                    x = block(x, **kwargs)
-            elif strategy == CHECKPOINT:
-                x = checkpoint_sequential(run, 1, x, **kwargs)
-            elif strategy == REVERSIBLE:
-                x = run(x, **kwargs)
-            elif strategy == OFFLOAD:
-                x = offload_sequential(run, len(run), x, **kwargs)
-            elif kind_of(strategy) == SELECTIVE:
-                x = checkpoint(run[0], x, policy=argument_of(strategy), **kwargs)
-            else:  # approx
-                fmt = argument_of(strategy)
-                x = checkpoint_sequential(run, 1, x, approx=Approx(store=fmt), **kwargs)
+            x = run_segment(strategy, run, x, kwargs)
         return x
+
+
+def segment_runs(chain: Sequence[nn.Module], segments: Sequence[Segment]) -> list[tuple[str, Any]]:
+    """Per segment, its strategy and what runs it: its blocks, or for a reversible segment the
+    :class:`~revckpt.layers.ReversibleSequential` of their branches (sharing their modules)."""
+    runs: list[tuple[str, Any]] = []
+    for seg in segments:
+        part = list(chain[seg.start : seg.stop])
+        if seg.strategy != REVERSIBLE:
+            runs.append((seg.strategy, part))
+            continue
+        if not all(isinstance(b, ReversibleUnit) for b in part):
+            raise InvalidArgumentError(
+                f"segment {seg.start}-{seg.stop - 1} is planned reversible but holds "
+                "blocks that are not ReversibleUnit; re-profile the chain"
+            )
+        dims = {b.split_dim for b in part}
+        if len(dims) != 1:
+            raise InvalidArgumentError("reversible units of one segment must share split_dim")
+        runs.append(
+            (REVERSIBLE, ReversibleSequential(*[b.block for b in part], split_dim=dims.pop()))
+        )
+    return runs
+
+
+def run_segment(strategy: str, run: Any, x: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+    """Run one segment (as :func:`segment_runs` gives it) on ``x`` with its strategy."""
+    if strategy == STORE:
+        for block in run:
+            x = block(x, **kwargs)
+        return x
+    if strategy == CHECKPOINT:
+        return checkpoint_sequential(run, 1, x, **kwargs)
+    if strategy == REVERSIBLE:
+        return run(x, **kwargs)
+    if strategy == OFFLOAD:
+        return offload_sequential(run, len(run), x, **kwargs)
+    if kind_of(strategy) == SELECTIVE:
+        return checkpoint(run[0], x, policy=argument_of(strategy), **kwargs)
+    return checkpoint_sequential(run, 1, x, approx=Approx(store=argument_of(strategy)), **kwargs)
 
 
 def apply(blocks: nn.Sequential | Sequence[nn.Module], plan: Plan) -> Scheduled:

@@ -21,7 +21,7 @@ def _grads(model, x):
 
 def test_profile_measures_every_block():
     chain = mlp_chain(3, 32, 64)
-    prof = profile(chain, torch.randn(16, 32), repeats=2)
+    prof = profile(chain, torch.randn(16, 32), repeats=2, codecs=("bf16", "e4m3", "e5m2"))
     assert len(prof.blocks) == 3 and prof.names == ("0", "1", "2")
     b = prof.blocks[0]
     assert b.input_bytes == 16 * 32 * 4 and b.output_bytes == 16 * 32 * 4

@@ -64,8 +64,9 @@ def test_measured_peak_never_above_prediction_with_dropout(name):
 def test_replay_state_is_measured_per_strategy_and_kept_once_per_segment():
     torch.manual_seed(0)
     x = torch.randn(8, 16)
-    drawing = profile(mlp_chain(3, 16, 32, dropout=0.1), x, repeats=1, offload=True)
-    plain = profile(mlp_chain(3, 16, 32), x, repeats=1, offload=True)
+    codecs = ("bf16", "e4m3", "e5m2")
+    drawing = profile(mlp_chain(3, 16, 32, dropout=0.1), x, repeats=1, offload=True, codecs=codecs)
+    plain = profile(mlp_chain(3, 16, 32), x, repeats=1, offload=True, codecs=codecs)
     state = torch.get_rng_state().nbytes  # the CPU generator's state
     for b in drawing.blocks:
         assert set(b.rng_bytes) == {

@@ -1,0 +1,371 @@
+"""What a block keeps for backward and the transient peaks of its forward and backward, in
+every mode a plan can run it in, metered by :class:`~revckpt.MemoryMeter` (see
+:class:`~revckpt.schedule.costs.BlockCost` for what each figure means).
+
+:func:`memory_costs` gives every memory field of a block's ``BlockCost``; the helpers below it
+answer one question each (does the forward save its input, its own output; which operation
+produced the output; what a selective policy keeps; what offload moves).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..approx import Approx
+from ..approx import checkpoint as approx_checkpoint
+from ..checkpoint import POLICY_PRESETS, checkpoint
+from ..errors import InvalidInputTypeError
+from ..layers import ReversibleSequential, ReversibleUnit
+from ..measure import MemoryMeter
+from ..measure.timing import wall_time
+from ..offload import checkpoint as offload_checkpoint
+from ..offload import record as offload_record
+from ..strategy import Strategy, argument_of, kind_of
+from .costs import APPROX, CHECKPOINT, OFFLOAD, REVERSIBLE, SELECTIVE
+
+__all__ = ["activation", "memory_costs", "nbytes", "saves_input"]
+
+# metered modes that are not strategies: the block stored, its gradients accumulated into
+# .grad or returned
+PLAIN_MODES = ("accumulate", "capture")
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _LastWriter(TorchDispatchMode):
+    """Records, per output storage, the aten operation that produced it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.producer: dict[int, Any] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                key = t.untyped_storage()._cdata
+                self.producer.setdefault(key, func.overloadpacket)
+        return out
+
+
+def _output_op(block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+    """The aten operation whose result holds the block's output (its storage)."""
+    with torch.no_grad(), _LastWriter() as mode:
+        y = block(x, **kwargs)
+    return mode.producer.get(y.untyped_storage()._cdata)
+
+
+def _saved_storages(
+    block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]
+) -> tuple[set[int], int]:
+    """The storages the block's forward on ``x`` saves for backward, and its output's."""
+    packed: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.add(t.untyped_storage()._cdata)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = block(x, **kwargs)
+    return packed, y.untyped_storage()._cdata
+
+
+def saves_input(block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+    """Whether the block's forward saves its input (or a view of it) for backward: if not,
+    a stored block lets its input go once it has run (unless something else keeps it)."""
+    leaf = x.detach().requires_grad_(x.is_floating_point())
+    return leaf.untyped_storage()._cdata in _saved_storages(block, leaf, kwargs)[0]
+
+
+def _saves_own_output(block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+    """Whether the block's forward saves its own output for backward (e.g. a final ReLU)."""
+    packed, output = _saved_storages(block, x, kwargs)
+    return output in packed
+
+
+def _check_bytes(x: torch.Tensor, unit: ReversibleUnit) -> int:
+    """What a reversible stack starting with this block keeps for its default invertibility
+    check: up to 64 elements of each half of its input."""
+    return sum(min(64, h.numel()) * h.element_size() for h in x.chunk(2, dim=unit.split_dim))
+
+
+def _loss_bytes(like: torch.Tensor, device: Any) -> int:
+    """Bytes of a scalar loss and its gradient on the metered device, as the allocator gives
+    them (a scalar takes a whole allocator block on CUDA)."""
+    with MemoryMeter(device) as meter:
+        loss = like.sum()
+        grad = torch.ones_like(loss)
+    del loss, grad
+    return meter.end_bytes
+
+
+@dataclass(frozen=True)
+class _Runs:
+    """One block run with each strategy, on one input leaf."""
+
+    block: nn.Module
+    leaf: torch.Tensor
+    wrt: list[torch.Tensor]
+    kwargs: dict[str, Any]
+    reversible: ReversibleSequential | None
+
+    def forward(self, mode: str) -> torch.Tensor:
+        block, leaf, kw = self.block, self.leaf, self.kwargs
+        kind = None if mode in PLAIN_MODES else kind_of(mode)
+        if kind == CHECKPOINT:
+            return checkpoint(block, leaf, **kw)
+        if kind == SELECTIVE:
+            return checkpoint(block, leaf, policy=argument_of(mode), **kw)
+        if kind == APPROX:
+            return approx_checkpoint(block, leaf, store=argument_of(mode), **kw)
+        if kind == OFFLOAD:
+            return offload_checkpoint(block, activation(leaf), **kw)
+        if kind == REVERSIBLE:
+            assert self.reversible is not None
+            return self.reversible(leaf, **kw)
+        return block(leaf, **kw)
+
+
+def _scalar_bytes(like: torch.Tensor) -> int:
+    """Bytes of one scalar on ``like``'s device, as its memory meter counts them."""
+    with MemoryMeter(like.device) as meter:
+        t = like.new_ones(())
+    del t
+    return meter.end_bytes
+
+
+class _Seed(torch.autograd.Function):
+    """A scalar whose backward hands ``holder``'s one tensor to ``y`` as its gradient, so that
+    the gradient is owned by the autograd engine (freed when used), as inside a model."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, holder: list[torch.Tensor]) -> torch.Tensor:
+        ctx.holder = holder
+        return y.new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.holder.pop(), None
+
+
+@dataclass(frozen=True)
+class _Metered:
+    """Per mode: the backward transient; per recomputing mode, the bytes its forward keeps
+    beyond what the cost model counts for it (the replay state: generator states of a forward
+    that draws random numbers) and what of them is still alive after its backward."""
+
+    transient: dict[str, int]
+    rng: dict[str, int]
+    late: dict[str, int]
+
+
+def _metered_modes(
+    runs: _Runs,
+    modes: Sequence[str],
+    grad_out: torch.Tensor,
+    accounted: dict[str, int],
+    device: Any,
+    *,
+    backward: bool,
+    grads_new: bool = False,
+) -> _Metered:
+    """One metered step per mode: ``capture`` returns the gradients, the others accumulate
+    them; ``accounted``: per mode, the bytes its forward keeps that the cost model counts
+    (the compressed input of approx). ``grads_new``: the parameter gradients are ``None``
+    before each step (created by it, counted in its transients) rather than existing.
+    Selective modes count their replay state in what they keep (``selective_bytes``): only
+    what outlives their backward is recorded here."""
+    metered = _Metered({}, {}, {})
+    leaf = runs.leaf
+    params = [t for t in runs.wrt if t is not leaf]
+    for mode in modes:
+        leaf.grad = None
+        if grads_new:
+            for p in params:
+                p.grad = None
+        with MemoryMeter(device) as meter:
+            y = runs.forward(mode)
+            kept = meter.live_bytes - nbytes(y) - accounted.get(mode, 0)
+            # the output's gradient reaches the block as it does in a model: made by the
+            # backward, freed once the block's last operation has used it (not held here)
+            holder = [grad_out.clone()]
+            seed = _Seed.apply(y, holder) if backward else y.new_zeros(())
+            # nor is the output held: in a model it is gone by the block's backward unless the
+            # block saved it (then it counts in the transient until the backward frees it). A
+            # reversible stack rebuilds from its output, which its caller holds (the model
+            # counts it), so there it stays.
+            out_bytes = nbytes(y)
+            kept_output = [y] if mode == REVERSIBLE else []
+            start = meter.live_bytes - (0 if kept_output else out_bytes)
+            del y
+            meter.reset_peak()
+            if backward and mode == "capture":
+                grads = torch.autograd.grad(seed, runs.wrt, allow_unused=True)
+                del grads
+            elif backward:
+                seed.backward()
+            grads_made = 0 if leaf.grad is None else nbytes(leaf.grad)
+            if grads_new:
+                grads_made += sum(nbytes(p.grad) for p in params if p.grad is not None)
+            held = nbytes(seed) + sum(nbytes(t) for t in holder) + out_bytes * len(kept_output)
+            left = meter.live_bytes - held - grads_made
+            del seed, holder, kept_output
+        # less the seed's own gradient (a scalar the engine makes first; a model's loss
+        # gradient is counted with the loss)
+        seed_grad = _scalar_bytes(grad_out) if backward else 0
+        metered.transient[mode] = max(0, meter.since_reset_peak_bytes - start - seed_grad)
+        if mode in PLAIN_MODES:
+            continue
+        if kind_of(mode) != SELECTIVE:
+            metered.rng[mode] = max(0, kept)
+        if backward:
+            metered.late[mode] = max(0, min(left, kept))
+    return metered
+
+
+def activation(leaf: torch.Tensor) -> torch.Tensor:
+    return leaf.view_as(leaf) if leaf.requires_grad else leaf
+
+
+def _offload_costs(
+    block: nn.Module, leaf: torch.Tensor, kwargs: dict[str, Any], repeats: int
+) -> tuple[int, float]:
+    """Bytes of the block input that stay on the device when it is offloaded (measured: its
+    bytes minus what :mod:`revckpt.offload` moved), and the median time of copying what moved
+    back to the device (saved when the copy is prefetched)."""
+    with offload_record() as stats:
+        y = offload_checkpoint(block, activation(leaf), **kwargs)
+    del y
+    kept = max(0, nbytes(leaf) - stats.to_host_bytes)
+    if stats.to_host_bytes == 0:
+        return kept, 0.0
+    pinned = leaf.device.type == "cuda"
+    host = leaf.detach().to("cpu").pin_memory() if pinned else leaf.detach().clone()
+    fetch = statistics.median(
+        wall_time(lambda: host.to(leaf.device, non_blocking=pinned)) for _ in range(repeats)
+    )
+    return kept, fetch
+
+
+def compressed_sizes(x: torch.Tensor, codecs: Sequence[str]) -> dict[str, int]:
+    """Per codec, the bytes of ``x`` compressed (none for an input that is not floating)."""
+    if not x.is_floating_point():
+        return {}
+    sizes = {}
+    for fmt in codecs:
+        codec = Approx(store=fmt).codec
+        assert codec is not None
+        sizes[fmt] = codec.encode(x).nbytes
+    return sizes
+
+
+@dataclass(frozen=True)
+class BlockMemory:
+    """The memory fields of a block's ``BlockCost`` (``fields``), and what the timing needs of
+    the run that measured them: the output's gradient used and the block's runner."""
+
+    fields: dict[str, Any]
+    grad_out: torch.Tensor
+    runs: _Runs
+
+
+def memory_costs(
+    block: nn.Module,
+    leaf: torch.Tensor,
+    codecs: Sequence[str],
+    policies: Sequence[str],
+    device: Any,
+    kwargs: dict[str, Any],
+    *,
+    offload: bool = False,
+    grads_new: bool = False,
+) -> BlockMemory:
+    """Every memory figure of ``block`` on the input ``leaf`` (a leaf requiring grad if
+    floating): bytes kept, transient peaks per mode, replay state, what policies keep."""
+    with MemoryMeter(device) as fwd:
+        y = block(leaf, **kwargs)
+    if not isinstance(y, torch.Tensor):
+        raise InvalidInputTypeError(
+            f"the scheduler handles chains of blocks returning one tensor; {type(block).__name__} "
+            f"returned {type(y).__name__}"
+        )
+    out_bytes = nbytes(y)
+    grad_out = torch.randn_like(y)
+    del y
+    params = [p for p in block.parameters() if p.requires_grad]
+    wrt = ([leaf] if leaf.requires_grad else []) + params
+    approx_bytes = compressed_sizes(leaf.detach(), codecs)
+    # Backward transients, metered together with their forward (see _metered_modes): per
+    # plain mode, checkpoint, every selective policy and codec, reversible and offload
+    selective_modes = {p: str(Strategy(SELECTIVE, p)) for p in policies}  # text forms
+    approx_modes = {fmt: str(Strategy(APPROX, fmt)) for fmt in approx_bytes}
+    modes = [*PLAIN_MODES, CHECKPOINT, *selective_modes.values(), *approx_modes.values()]
+    reversible = None
+    if isinstance(block, ReversibleUnit):
+        modes.append(REVERSIBLE)
+        # without the invertibility check: its samples are kept once per stack, not per
+        # block (``reversible_check_bytes``)
+        reversible = ReversibleSequential(
+            block.block, split_dim=block.split_dim, check_inverse=None
+        )
+    if offload:
+        modes.append(OFFLOAD)
+    runs = _Runs(block, leaf, wrt, kwargs, reversible)
+    accounted = {approx_modes[fmt]: n for fmt, n in approx_bytes.items()}
+    metered = _metered_modes(
+        runs, modes, grad_out, accounted, device, backward=bool(wrt), grads_new=grads_new
+    )
+    transients = metered.transient
+    leaf.grad = None
+    selective_bytes, selective_fwd = {}, {}
+    output_op = _output_op(block, leaf.detach(), kwargs) if policies else None
+    for policy in policies:  # the forward alone: what the policy keeps, and its peak
+        with MemoryMeter(device) as meter:
+            y = checkpoint(block, leaf, policy=policy, **kwargs)
+        selective_bytes[policy] = max(0, meter.end_bytes - out_bytes)
+        selective_fwd[policy] = meter.peak_bytes
+        del y
+    with torch.no_grad(), MemoryMeter(device) as nograd:
+        z = block(leaf.detach(), **kwargs)
+    del z
+    offload_kept, fetch_s = (None, 0.0)
+    if offload:
+        offload_kept, fetch_s = _offload_costs(block, leaf, kwargs, 3)
+    fields = {
+        "input_bytes": nbytes(leaf),
+        "output_bytes": out_bytes,
+        "saved_bytes": max(0, fwd.end_bytes - out_bytes),
+        "forward_peak_bytes": fwd.peak_bytes,
+        "forward_peak_nograd_bytes": nograd.peak_bytes,
+        "backward_peak_bytes": transients["accumulate"],
+        "backward_capture_peak_bytes": transients["capture"],
+        "checkpoint_peak_bytes": transients["checkpoint"],
+        "reversible_peak_bytes": transients.get("reversible"),
+        "selective_bytes": selective_bytes,
+        "selective_forward_peak_bytes": selective_fwd,
+        "selective_backward_peak_bytes": {p: transients[selective_modes[p]] for p in policies},
+        # a policy that keeps the operation producing the output keeps the output itself
+        "selective_output_kept": {p: output_op in POLICY_PRESETS[p] for p in policies},
+        "output_saved": _saves_own_output(block, leaf, kwargs),
+        "invertible": isinstance(block, ReversibleUnit),
+        "param_bytes": sum(nbytes(p) for p in params),
+        "approx_bytes": approx_bytes,
+        "offload_kept_bytes": offload_kept,
+        "offload_fetch_s": fetch_s,
+        "rng_bytes": metered.rng,
+        "rng_late_bytes": metered.late,
+        "loss_bytes": _loss_bytes(grad_out, device),
+        "reversible_check_bytes": _check_bytes(leaf, block) if reversible is not None else 0,
+        "grads_new": grads_new,
+    }
+    return BlockMemory(fields, grad_out, runs)

@@ -1,0 +1,127 @@
+"""A block's time under each strategy measured on its own: the block on one input, each
+strategy's step against the stored step in rotated rounds (:func:`~revckpt.time_ratios`).
+
+This is what :func:`revckpt.fit` uses for the blocks of a whole model, and what the chain
+profiler falls back on for a block and strategy its in-chain rounds (:mod:`.probe`) did not
+reach. A block alone runs with its weights and input hot in the caches, so these figures are
+a little off the same block's time inside a chain; the chain profiler prefers the in-chain
+ones.
+
+Approx codecs all re-run the same forward: only the first codec is timed as a step; another
+codec costs that plus the difference of the two codecs' encode and decode times
+(:func:`codec_seconds`).
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..approx import Approx
+from ..approx import checkpoint as approx_checkpoint
+from ..checkpoint import checkpoint
+from ..measure import time_ratios
+from ..measure.timing import wall_time
+from ..offload import checkpoint as offload_checkpoint
+from ..strategy import argument_of, kind_of
+from .block_memory import activation
+from .costs import APPROX, CHECKPOINT, OFFLOAD, REVERSIBLE, SELECTIVE, STORE
+
+__all__ = ["BlockTimes", "block_times", "codec_seconds", "derived_codecs"]
+
+BlockTimes = tuple[float, float, dict[str, float]]  # forward s, backward s, extra s per strategy
+
+
+def codec_seconds(x: torch.Tensor, codecs: Sequence[str], repeats: int = 3) -> dict[str, float]:
+    """Per codec, the median seconds of encoding ``x`` and decoding it back."""
+    if not x.is_floating_point():
+        return {}
+    out = {}
+    x_ = x.detach()
+    for fmt in codecs:
+        codec = Approx(store=fmt).codec
+        assert codec is not None
+        run = functools.partial(codec.roundtrip, x_)
+        run()  # warm
+        out[fmt] = statistics.median(wall_time(run) for _ in range(repeats))
+    return out
+
+
+def derived_codecs(
+    overhead: dict[str, float], codec_s: dict[str, float], timed: str | None
+) -> dict[str, float]:
+    """``overhead`` with every codec of ``codec_s`` priced from the timed one: its extra time
+    plus the difference of the two codecs' own times."""
+    key = f"{APPROX}:{timed}"
+    if timed is None or key not in overhead:
+        return overhead
+    out = dict(overhead)
+    for fmt, secs in codec_s.items():
+        if fmt != timed:
+            out[f"{APPROX}:{fmt}"] = max(0.0, overhead[key] + secs - codec_s[timed])
+    return out
+
+
+def _step(run: Callable[[], torch.Tensor], grad_out: torch.Tensor) -> None:
+    run().backward(grad_out)
+
+
+def block_times(
+    block: nn.Module,
+    leaf: torch.Tensor,
+    grad_out: torch.Tensor,
+    strategies: Sequence[str],
+    kwargs: dict[str, Any],
+    repeats: int,
+    *,
+    reversible: nn.Module | None = None,
+) -> BlockTimes:
+    """Forward and backward seconds of ``block`` stored, and each of ``strategies``' extra
+    seconds of a step of the block alone (``leaf``: its input; ``grad_out``: its output's
+    gradient)."""
+
+    def forward() -> None:
+        block(leaf, **kwargs)
+
+    forward()
+    f = statistics.median(wall_time(forward) for _ in range(repeats))
+    steps: dict[str, Callable[[], Any]] = {
+        STORE: functools.partial(_step, functools.partial(block, leaf, **kwargs), grad_out)
+    }
+    for s in strategies:
+        run = _runner(s, block, leaf, kwargs, reversible)
+        if run is not None:
+            steps[s] = functools.partial(_step, run, grad_out)
+    ratios = time_ratios(steps, baseline=STORE, repeats=repeats, warmup=1)
+    fb = ratios[STORE].baseline_seconds
+    overhead = {s: max(0.0, (r.ratio - 1.0) * fb) for s, r in ratios.items() if s != STORE}
+    leaf.grad = None
+    return f, max(fb - f, 0.0), overhead
+
+
+def _runner(
+    strategy: str,
+    block: nn.Module,
+    leaf: torch.Tensor,
+    kwargs: dict[str, Any],
+    reversible: nn.Module | None,
+) -> Callable[[], torch.Tensor] | None:
+    kind = kind_of(strategy)
+    if kind == CHECKPOINT:
+        return functools.partial(checkpoint, block, leaf, **kwargs)
+    if kind == SELECTIVE:
+        return functools.partial(checkpoint, block, leaf, policy=argument_of(strategy), **kwargs)
+    if kind == APPROX and leaf.is_floating_point():
+        return functools.partial(
+            approx_checkpoint, block, leaf, store=argument_of(strategy), **kwargs
+        )
+    if kind == REVERSIBLE and reversible is not None:
+        return functools.partial(reversible, leaf, **kwargs)
+    if kind == OFFLOAD:  # a view: an activation, as inside a chain (a leaf would stay in place)
+        return lambda: offload_checkpoint(block, activation(leaf), **kwargs)
+    return None
