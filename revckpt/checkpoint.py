@@ -18,7 +18,8 @@ Compared with ``torch.utils.checkpoint`` (whose non-reentrant engine does the bo
   differs;
 * ``policy=`` selects op-level selective recompute (keep matrix-multiply / attention outputs,
   recompute the cheap pointwise and normalisation work), built on torch's selective-checkpoint
-  contexts.
+  contexts; a policy spec names any keep-set of aten operations (``"matmul+gelu"``,
+  :func:`parse_policy`) and has one canonical text (:func:`canonical_policy`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import functools
 import itertools
 import math
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -50,8 +51,11 @@ __all__ = [
     "POLICY_PRESETS",
     "DeterminismCheck",
     "Policy",
+    "canonical_policy",
     "checkpoint",
     "checkpoint_sequential",
+    "parse_policy",
+    "policy_text",
     "segment_bounds",
 ]
 
@@ -86,15 +90,121 @@ POLICY_PRESETS: dict[str, frozenset[Any]] = {
     "matmul+attention": _MATMUL | _ATTENTION,
 }
 
+# The groups a policy spec may name (disjoint), in the order its canonical text writes them.
+_GROUPS: dict[str, frozenset[Any]] = {k: v for k, v in POLICY_PRESETS.items() if "+" not in k}
+# Words that read as something a spec cannot mean (aten.all is a boolean reduction).
+_RESERVED = {
+    "all": "keeping everything autograd saves is Strategy('store')",
+    "none": "keeping nothing is plain checkpoint (policy=None, Strategy('checkpoint'))",
+}
+
+
+def _spec_form() -> str:
+    groups = ", ".join(repr(g) for g in _GROUPS)
+    return (
+        f"a policy spec is '+'-joined tokens, each a group ({groups}) or an aten operation "
+        "named by its overload packet, as in torch.ops.aten.<name> ('addmm', "
+        "'native_layer_norm', 'gelu', '_softmax'), e.g. 'matmul+gelu'"
+    )
+
+
+def _is_random(packet: Any) -> bool:
+    return any(
+        torch.Tag.nondeterministic_seeded in getattr(packet, name).tags
+        for name in packet.overloads()
+    )
+
+
+def _aten_packet(token: str, spec: str) -> Any:
+    what = repr(token) if token == spec else f"{token!r} in {spec!r}"
+    if not token:
+        raise InvalidArgumentError(f"policy {spec!r} has an empty token; {_spec_form()}")
+    if token in _RESERVED:
+        raise InvalidArgumentError(
+            f"{what} is not a policy token: {_RESERVED[token]}; {_spec_form()}"
+        )
+    if "." in token or ":" in token:
+        raise InvalidArgumentError(
+            f"{what}: name an aten operation by its packet alone ('addmm' for "
+            f"torch.ops.aten.addmm.default); {_spec_form()}"
+        )
+    try:
+        packet = getattr(torch.ops.aten, token)
+    except (AttributeError, RuntimeError):
+        packet = None
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        raise InvalidArgumentError(f"unknown checkpoint policy {what}; {_spec_form()}")
+    if _is_random(packet) and not any(packet in g for g in _GROUPS.values()):
+        raise InvalidArgumentError(
+            f"{what} is a random operation: a policy keeping its output would skip its draws "
+            "in the recompute, so the random operations after it would draw other numbers "
+            "(other dropout masks); leave it out (recomputed, it replays the forward's draws)"
+        )
+    return packet
+
+
+def parse_policy(spec: str) -> frozenset[Any]:
+    """The aten operation packets a selective-recompute policy spec keeps the outputs of.
+
+    A spec is ``"+"``-joined tokens; each is a group (``"matmul"``: matrix multiplies and
+    convolutions; ``"attention"``: fused attention kernels) or an aten operation named by its
+    overload packet (``"addmm"``, ``"native_layer_norm"``, ``"gelu"``, ``"_softmax"``,
+    ``"mul"``): every call of that operation, all overloads, keeps its outputs. The presets of
+    :data:`POLICY_PRESETS` are specs (``"matmul+attention"``); ``"matmul+gelu"`` keeps every
+    matrix multiply and every GELU output. Group names take precedence over aten names (aten's
+    ``matmul`` is composite and never reaches a policy). Random operations (dropout's
+    ``native_dropout``, ``bernoulli``) are refused: a kept one would not draw again during the
+    recompute, shifting the numbers of every random operation after it.
+    """
+    if not isinstance(spec, str):
+        raise InvalidInputTypeError(
+            f"a policy spec is a string such as 'matmul+gelu', got {type(spec).__name__}"
+        )
+    keep: set[Any] = set()
+    for raw in spec.split("+"):
+        token = raw.strip()
+        keep |= _GROUPS[token] if token in _GROUPS else {_aten_packet(token, spec)}
+    return frozenset(keep)
+
+
+def policy_text(ops: Iterable[Any]) -> str:
+    """The canonical spec of a keep-set of aten operation packets (or overloads): the groups it
+    contains whole, in the order of :data:`POLICY_PRESETS` (``"matmul"``, ``"attention"``),
+    then the names of the other operations, sorted; joined by ``"+"``. Two specs of one
+    keep-set have one canonical text (``"gelu+mm+matmul"`` and ``"matmul+gelu"``:
+    ``"matmul+gelu"``); each preset is its own canonical text."""
+    keep = frozenset(getattr(op, "overloadpacket", op) for op in ops)
+    if not keep:
+        raise InvalidArgumentError(
+            "an empty keep-set is plain checkpoint, not a selective policy: use policy=None "
+            "(Strategy('checkpoint'))"
+        )
+    bad = [op for op in keep if not isinstance(op, torch._ops.OpOverloadPacket)]
+    if bad or any(not op._qualified_op_name.startswith("aten::") for op in keep):
+        raise InvalidInputTypeError(
+            "a keep-set holds aten operation packets (torch.ops.aten.<name>), got "
+            f"{sorted(map(str, keep))}"
+        )
+    rest, parts = set(keep), []
+    for name, group in _GROUPS.items():
+        if group and group <= rest:
+            parts.append(name)
+            rest -= group
+    text = "+".join([*parts, *sorted(op.__name__ for op in rest)])
+    parse_policy(text)  # the operations' names are tokens a spec accepts
+    return text
+
+
+@functools.lru_cache(maxsize=1024)
+def canonical_policy(spec: str) -> str:
+    """The canonical text (:func:`policy_text`) of a policy spec, checked by
+    :func:`parse_policy`: ``canonical_policy("attention+matmul") == "matmul+attention"``."""
+    return policy_text(parse_policy(spec))
+
 
 def _policy_context_fn(policy: Policy) -> Callable[[], tuple[Any, Any]]:
     if isinstance(policy, str):
-        if policy not in POLICY_PRESETS:
-            raise InvalidArgumentError(
-                f"unknown checkpoint policy {policy!r}; use one of {sorted(POLICY_PRESETS)}, or a "
-                "function op -> bool that returns True for the aten ops whose outputs to keep"
-            )
-        keep = POLICY_PRESETS[policy]
+        keep = parse_policy(policy)
 
         def decide(op: Any) -> bool | CheckpointPolicy:
             return op.overloadpacket in keep
@@ -102,8 +212,9 @@ def _policy_context_fn(policy: Policy) -> Callable[[], tuple[Any, Any]]:
         decide = policy
     else:
         raise InvalidInputTypeError(
-            f"policy must be a preset name {sorted(POLICY_PRESETS)} or a function op -> bool, "
-            f"got {type(policy).__name__}"
+            f"policy must be a spec (a preset name {sorted(POLICY_PRESETS)}, or groups and aten "
+            f"operation names joined by '+') or a function op -> bool, got "
+            f"{type(policy).__name__}"
         )
 
     def torch_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -300,9 +411,12 @@ def checkpoint(
             shapes or dtypes; ``"values"`` also fingerprints the value of every operation's output
             during the forward and raises :class:`~revckpt.CheckpointMismatchError` naming the
             first operation whose recomputed value differs; ``"none"`` checks nothing.
-        policy: op-level selective recompute: a preset in :data:`POLICY_PRESETS`
-            (``"matmul"``, ``"attention"``, ``"matmul+attention"``) or a function
-            ``op -> bool`` returning True for the aten ops whose outputs to keep. torch's
+        policy: op-level selective recompute: a spec naming the aten ops whose outputs to
+            keep (see :func:`parse_policy`): a preset in :data:`POLICY_PRESETS` (``"matmul"``,
+            ``"attention"``, ``"matmul+attention"``) or groups and aten op names joined by
+            ``"+"`` (``"matmul+gelu"``); or a function ``op -> bool`` returning True for the
+            aten ops whose outputs to keep (it may keep random ops: keep all of them or none,
+            else later dropout masks differ). torch's
             selective-checkpoint cache is consumed by the first backward: a second backward
             over the same graph (``retain_graph=True``) is not supported with a policy.
 

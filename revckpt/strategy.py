@@ -23,8 +23,10 @@ __all__ = ["Strategy", "StrategyLike", "argument_of", "kind_of", "parse_strategy
 
 @dataclass(frozen=True)
 class Strategy:
-    """One strategy: ``kind`` in :attr:`KINDS`; ``arg``: the selective policy (a name of
-    ``revckpt.POLICY_PRESETS``) or the approx codec (``"bf16"``, ``"e4m3"``, ``"e5m2"``)."""
+    """One strategy: ``kind`` in :attr:`KINDS`; ``arg``: the selective policy (a spec:
+    a name of ``revckpt.POLICY_PRESETS``, or groups and aten op names joined by ``"+"``, see
+    :func:`revckpt.checkpoint.parse_policy`; kept in its canonical text, so two spellings of
+    one keep-set are one value) or the approx codec (``"bf16"``, ``"e4m3"``, ``"e5m2"``)."""
 
     kind: str
     arg: str | None = None
@@ -45,14 +47,17 @@ class Strategy:
             self._check_arg()
 
     def _check_arg(self) -> None:
-        from .approx.formats import FORMATS
-        from .checkpoint import POLICY_PRESETS
+        if self.kind == "selective":
+            from .checkpoint import canonical_policy
 
-        known = POLICY_PRESETS if self.kind == "selective" else FORMATS
-        if self.arg not in known:
-            what = "policy" if self.kind == "selective" else "codec"
+            # one value per keep-set: "attention+matmul" is stored as "matmul+attention"
+            object.__setattr__(self, "arg", canonical_policy(self.arg))  # type: ignore[arg-type]
+            return
+        from .approx.formats import FORMATS
+
+        if self.arg not in FORMATS:
             raise InvalidArgumentError(
-                f"unknown {what} {self.arg!r} for {self.kind}; use one of {sorted(known)}"
+                f"unknown codec {self.arg!r} for {self.kind}; use one of {sorted(FORMATS)}"
             )
 
     def __str__(self) -> str:

@@ -16,6 +16,7 @@ from revckpt import (
     InvalidInputTypeError,
     MemoryMeter,
     RevckptError,
+    Strategy,
     checkpoint,
     checkpoint_sequential,
     segment_bounds,
@@ -320,6 +321,93 @@ def test_policy_errors():
         checkpoint(nn.Linear(4, 4), x, policy="fast")
     with pytest.raises(InvalidInputTypeError, match="preset name"):
         checkpoint(nn.Linear(4, 4), x, policy=3)
+
+
+_TOKENS = ["matmul", "attention", "addmm", "native_layer_norm", "gelu", "_softmax", "mul", "mm"]
+
+
+@given(tokens=st.lists(st.sampled_from(_TOKENS), min_size=1, max_size=6), data=st.data())
+def test_policy_spec_canonical_text_round_trips(tokens, data):
+    from revckpt.checkpoint import canonical_policy, parse_policy, policy_text
+
+    spec = "+".join(tokens)
+    again = "+".join(data.draw(st.permutations(tokens + tokens[:1])))  # shuffled, duplicated
+    text = canonical_policy(spec)
+    assert (
+        canonical_policy(again) == text == canonical_policy(text) == policy_text(parse_policy(spec))
+    )
+    assert parse_policy(text) == parse_policy(spec)
+    assert Strategy("selective", again) == Strategy("selective", spec)
+    assert str(Strategy.parse(f"selective:{again}")) == f"selective:{text}"
+
+
+def test_policy_spec_groups_ops_and_presets():
+    from revckpt.checkpoint import canonical_policy, parse_policy
+
+    aten = torch.ops.aten
+    for name, ops in revckpt.POLICY_PRESETS.items():  # every preset is its own canonical text
+        assert parse_policy(name) == ops and canonical_policy(name) == name
+    assert canonical_policy("attention+matmul") == "matmul+attention"
+    assert parse_policy("matmul+gelu") == revckpt.POLICY_PRESETS["matmul"] | {aten.gelu}
+    assert canonical_policy("gelu+mm+matmul") == "matmul+gelu"  # mm is in the matmul group
+    assert canonical_policy("native_layer_norm+addmm") == "addmm+native_layer_norm"
+    assert Strategy("selective", "gelu+matmul") == Strategy.parse("selective:matmul+gelu")
+
+
+def test_policy_spec_keeps_the_ops_it_names():
+    torch.manual_seed(0)
+    model = transformer_chain(1, 32, 4)
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    ref = train_step(twin(model), x)
+
+    def kept(policy):
+        with MemoryMeter("cpu") as m:
+            y = checkpoint(model, x, policy=policy)
+        return m.end_bytes - y.numel() * y.element_size()
+
+    gelu = kept("gelu")
+    assert gelu == 2 * 8 * 4 * 32 * 4  # the one GELU output
+    assert kept("matmul+gelu") == kept("matmul") + gelu
+    assert kept("gelu+matmul") == kept(
+        lambda op: op.overloadpacket in revckpt.POLICY_PRESETS["matmul"] | {torch.ops.aten.gelu}
+    )
+    got = train_step(model, x, lambda m, z: checkpoint(m, z, policy="addmm+native_layer_norm"))
+    assert bitwise_equal(ref[1], got[1]) and torch.equal(ref[2], got[2])
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            "matmul+fast",
+            r"unknown checkpoint policy 'fast' in 'matmul\+fast'.*'matmul', 'attention'",
+        ),
+        ("matmul+", r"'matmul\+' has an empty token"),
+        ("aten.addmm", r"'aten\.addmm': name an aten operation by its packet alone \('addmm'"),
+        ("addmm.default", r"'addmm\.default': name an aten operation by its packet"),
+        ("all", r"'all' is not a policy token.*Strategy\('store'\)"),
+        ("gelu+native_dropout", r"'native_dropout' in .* is a random operation.*leave it out"),
+        ("bernoulli", r"'bernoulli' is a random operation"),
+    ],
+)
+def test_policy_spec_errors_name_the_token(spec, message):
+    from revckpt.checkpoint import parse_policy
+
+    with pytest.raises(InvalidArgumentError, match=message):
+        parse_policy(spec)
+    with pytest.raises(InvalidArgumentError, match=message):
+        Strategy("selective", spec)
+    with pytest.raises(InvalidArgumentError, match=message):
+        checkpoint(nn.Linear(4, 4), torch.randn(2, 4, requires_grad=True), policy=spec)
+
+
+def test_policy_text_errors():
+    from revckpt.checkpoint import policy_text
+
+    with pytest.raises(InvalidArgumentError, match=r"empty keep-set is plain checkpoint"):
+        policy_text([])
+    with pytest.raises(InvalidInputTypeError, match=r"aten operation packets"):
+        policy_text(["addmm"])
 
 
 # --- segments --------------------------------------------------------------------------------
