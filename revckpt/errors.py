@@ -18,6 +18,7 @@ __all__ = [
     "MeasurementError",
     "ModifiedInputError",
     "ModifiedParameterError",
+    "PlanWarning",
     "ReconstructionError",
     "ReplayError",
     "RevckptError",
@@ -77,3 +78,8 @@ class ReconstructionError(RevckptError, RuntimeError):
 
 class GradientMismatchError(RevckptError, AssertionError):
     """Gradients of a candidate differ from the reference by more than the tolerance."""
+
+
+class PlanWarning(UserWarning):
+    """A plan runs off the conditions its predictions were made for (another intra-op thread
+    count than it was profiled with: its time predictions do not hold)."""

@@ -283,7 +283,9 @@ def _apply(plan: Plan, found: list[tuple[str, nn.Module]], keys: Sequence[Any]) 
             runners = [runner_for(seg.strategy)] * len(labels)
         for i, run in zip(range(seg.start, seg.stop), runners, strict=True):
             fqn, block = found[i]
-            info = Planned(fqn, seg.strategy, run, key=keys[i], limit=shapes[i])
+            info = Planned(
+                fqn, seg.strategy, run, key=keys[i], limit=shapes[i], threads=plan.threads
+            )
             install(block, info)
 
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError
+from ..schedule.plan import warn_if_threads_differ
 from .calls import Key, carried_key, drop_caches
 
 __all__ = ["Planned", "Runner", "install", "is_fsdp", "planned", "uninstall"]
@@ -39,6 +40,7 @@ class Planned:
     original: Any = None  # an instance ``forward`` the block had before, if any
     key: Key | None = None  # where its hidden state is among its arguments (None: find it)
     limit: tuple[int, ...] | None = None  # the largest hidden-state shape the plan holds for
+    threads: int | None = None  # the intra-op threads its times were measured with
     recorder: Any = None  # set while tracing (revckpt.inplace.trace.Recorder)
 
     def function(self, block: nn.Module) -> Callable[..., Any]:
@@ -69,6 +71,7 @@ def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)  # nothing to carry: nothing to plan
     if info.limit is not None:
         _check_shape(info, args[key] if isinstance(key, int) else kwargs.get(key))
+    warn_if_threads_differ(info.threads)
     if info.recorder is not None:
         info.recorder.called(self, args, kwargs)
     out = info.runner(self, fn, args, kwargs, key)

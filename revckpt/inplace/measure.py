@@ -107,7 +107,8 @@ def profile_in_situ(
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.enable_grad(), preserved(model):
         if codecs:
-            cotangents, grad_sq, input_sq = sensitivities(units, inputs[0], {})
+            weights = sensitivities(units, inputs[0], {})
+            cotangents, grad_sq, input_sq = weights.cotangents, weights.grad_sq, weights.input_sq
         costs: list[BlockCost] = []
         reuse: dict[Any, BlockCost] = {}
         upstream = input_sq if codecs else 0.0
@@ -159,4 +160,4 @@ def profile_in_situ(
         # arrives; it counts that gradient, and the output is still alive there only because
         # the last block saved it (its own backward frees it, counted in its transient)
         step = dataclasses.replace(step, backward_held=step.backward_held - costs[-1].output_bytes)
-    return Profile(tuple(costs), names, None, step=step)
+    return Profile(tuple(costs), names, None, step=step, threads=torch.get_num_threads())

@@ -24,19 +24,47 @@ from ..approx import Approx
 from ..errors import InvalidInputTypeError
 from ..measure import TensorError
 
-__all__ = ["CodecErrors", "codec_errors", "sensitivities"]
+__all__ = ["CodecErrors", "Exact", "Sensitivities", "codec_errors", "sensitivities"]
+
+
+@dataclass(frozen=True)
+class Exact:
+    """One block's exact gradients in the chain (flattened): of its input and of its
+    parameters, its output, and the generator states its forward started from."""
+
+    input_grad: torch.Tensor
+    param_grad: torch.Tensor
+    output: torch.Tensor
+    rng: tuple[torch.Tensor, list[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Sensitivities:
+    """For a seeded random projection loss ``<w, y>`` of the chain output: the gradient with
+    respect to every block's output (the cotangent block ``j`` sees in the chain), the squared
+    norm of every block's parameter gradients, that of the chain input's gradient, and per
+    block its :class:`Exact` gradients (``None`` where it has none)."""
+
+    cotangents: list[torch.Tensor | None]
+    grad_sq: list[float]
+    input_sq: float
+    exact: list[Exact | None]
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    cuda = [torch.cuda.get_rng_state(device)] if device.type == "cuda" else []
+    return torch.get_rng_state(), cuda
 
 
 def sensitivities(
     chain: Sequence[nn.Module], x: torch.Tensor, kwargs: dict[str, Any]
-) -> tuple[list[torch.Tensor | None], list[float], float]:
-    """For a seeded random projection loss ``<w, y>`` of the chain output: the gradient with
-    respect to every block's output (the cotangent block ``j`` sees in the chain), the squared
-    norm of every block's parameter gradients, and that of the chain input's gradient."""
+) -> Sensitivities:
+    """:class:`Sensitivities` of the chain on ``x``: one forward and backward."""
     leaf = x.detach().requires_grad_(x.is_floating_point())
     h = leaf
-    outs = []
+    outs, states = [], []
     for block in chain:
+        states.append(_rng_state(x.device))
         h = block(h, **kwargs)
         if not isinstance(h, torch.Tensor):
             raise InvalidInputTypeError(
@@ -50,8 +78,9 @@ def sensitivities(
     flat = [p for ps in per_block for p in ps]
     inputs = [leaf] if leaf.requires_grad else []
     wrt = inputs + [o for o in outs[:-1] if o.requires_grad] + flat
+    n = len(chain)
     if not h.requires_grad or not wrt:
-        return [None] * len(chain), [0.0] * len(chain), 0.0
+        return Sensitivities([None] * n, [0.0] * n, 0.0, [None] * n)
     grads = torch.autograd.grad((h * w).sum(), wrt, allow_unused=True)
     by_id = {id(t): g for t, g in zip(wrt, grads, strict=True)}
 
@@ -61,7 +90,18 @@ def sensitivities(
     cotangents = [by_id.get(id(o)) for o in outs[:-1]] + [w]
     grad_sq = [sum(sq(by_id[id(p)]) for p in ps) for ps in per_block]
     input_sq = sq(by_id.get(id(leaf))) if leaf.requires_grad else 0.0
-    return [None if c is None else c.detach() for c in cotangents], grad_sq, input_sq
+    exact: list[Exact | None] = []
+    for i, ps in enumerate(per_block):
+        g_in = by_id.get(id(leaf if i == 0 else outs[i - 1]))
+        g_par = [by_id[id(p)] for p in ps]
+        if g_in is None or any(g is None for g in g_par):
+            exact.append(None)
+            continue
+        par = torch.cat([g.reshape(-1) for g in g_par]) if g_par else outs[i].new_zeros(0)
+        exact.append(Exact(g_in.reshape(-1), par, outs[i].detach().reshape(-1), states[i]))
+    return Sensitivities(
+        [None if c is None else c.detach() for c in cotangents], grad_sq, input_sq, exact
+    )
 
 
 @dataclass(frozen=True)
@@ -82,10 +122,13 @@ def codec_errors(
     codecs: Sequence[str],
     cotangent: torch.Tensor | None,
     kwargs: dict[str, Any],
+    exact: Exact | None = None,
 ) -> CodecErrors:
     """Measured, per codec (see :class:`CodecErrors`), with the chain's cotangent, in float32
     (float64 for a float64 block; see the module docstring). A direct measurement, not a
-    linearisation: it sees ReLU kinks and saturation too."""
+    linearisation: it sees ReLU kinks and saturation too. ``exact``: the block's exact
+    gradients from :func:`sensitivities`, which spare the exact run when the block works in
+    its own precision (the codec runs then replay the chain's random draws)."""
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     model = block
     if any(p.dtype != work for p in block.parameters()):
@@ -99,12 +142,19 @@ def codec_errors(
         for k, v in kwargs.items()
     }
     seed = int(torch.randint(0, 2**31 - 1, ()))
+    reuse = exact is not None and model is block and x.dtype == work
 
     def grads(z: torch.Tensor) -> tuple[torch.Tensor, ...]:
         leaf = z.detach().to(work).requires_grad_(True)
         devices = [z.device] if z.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)  # the same dropout masks for every codec
+            if reuse:  # the chain's draws, as in the exact run
+                assert exact is not None
+                torch.set_rng_state(exact.rng[0])
+                for state in exact.rng[1]:
+                    torch.cuda.set_rng_state(state, z.device)
+            else:
+                torch.manual_seed(seed)  # the same dropout masks for every codec
             y = model(leaf, **kw)
         ct = torch.ones_like(y) if cotangent is None else cotangent.detach().to(work)
         got = torch.autograd.grad(y, [leaf, *params], ct, allow_unused=True)
@@ -113,7 +163,12 @@ def codec_errors(
         return got[0].reshape(-1), par, y.detach().reshape(-1), leaf.detach().reshape(-1)
 
     errors = CodecErrors({}, {}, {}, {})
-    exact_in, exact_par, exact_y, exact_x = grads(x)
+    if reuse:
+        assert exact is not None
+        exact_in, exact_par, exact_y = exact.input_grad, exact.param_grad, exact.output
+        exact_x = x.detach().reshape(-1)
+    else:
+        exact_in, exact_par, exact_y, exact_x = grads(x)
     for fmt in codecs:
         codec = Approx(store=fmt).codec
         assert codec is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ from torch import nn
 from ..approx import Approx
 from ..approx.formats import FORMATS
 from ..checkpoint import POLICY_PRESETS, checkpoint, checkpoint_sequential
-from ..errors import InvalidArgumentError, InvalidInputTypeError
+from ..errors import InvalidArgumentError, InvalidInputTypeError, PlanWarning
 from ..layers import ReversibleSequential, ReversibleUnit
 from ..offload import checkpoint_sequential as offload_sequential
 from ..strategy import Strategy, argument_of, kind_of
@@ -43,7 +44,9 @@ class Plan:
     the blocks' names in the model, ``block_shapes`` the hidden-state shapes it was made for
     (every batch no larger in any dimension holds), ``model_digest`` a digest of the model's
     parameter names and shapes (a saved plan is applied to the model it was made for only),
-    and the predictions are those of the whole step.
+    and the predictions are those of the whole step. ``threads``: the intra-op thread count
+    the times were measured with; running with another warns once (:class:`~revckpt.PlanWarning`):
+    the memory predictions hold, the time predictions do not.
 
     ``predicted_peak_bytes``: forward+backward peak of live tensor bytes; ``predicted_overhead``:
     recompute time over the plain chain's forward+backward time; ``predicted_error``: summed
@@ -64,6 +67,7 @@ class Plan:
     input_signature: tuple[Any, ...] | None = None
     block_shapes: tuple[tuple[int, ...], ...] = field(default=())
     model_digest: str | None = None
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "segments", _checked_segments(self.segments))
@@ -416,9 +420,30 @@ class Scheduled(nn.Module):
                 "or no grad, is fine). Profile and solve again for this input "
                 "(schedule.profile(blocks, x))"
             )
+        if torch.is_grad_enabled():
+            warn_if_threads_differ(self.plan.threads)
         for strategy, run in self._runs:
             x = run_segment(strategy, run, x, kwargs)
         return x
+
+
+_threads_warned: set[tuple[int, int]] = set()
+
+
+def warn_if_threads_differ(threads: int | None) -> None:
+    """Warn once per (planned, current) pair when a plan whose times were measured with
+    ``threads`` intra-op threads runs with another count."""
+    now = torch.get_num_threads()
+    if threads is None or threads == now or (threads, now) in _threads_warned:
+        return
+    _threads_warned.add((threads, now))
+    warnings.warn(
+        f"this plan's times were measured with {threads} intra-op thread(s) and it runs "
+        f"with {now}: its memory predictions hold, its time predictions do not. Profile "
+        f"again under torch.set_num_threads({now}), or set {threads} threads",
+        PlanWarning,
+        stacklevel=3,
+    )
 
 
 def segment_runs(chain: Sequence[nn.Module], segments: Sequence[Segment]) -> list[tuple[str, Any]]:

@@ -1,29 +1,30 @@
-"""What each block costs inside the whole step, under each strategy: in-chain timing rounds.
+"""What each block costs inside the whole step, under each strategy: in-chain timing steps.
 
 A block timed on its own (:mod:`.block_time`) runs with its weights and input hot in the
 caches, over and over; inside the chain it does not, and the two disagree by 10-25% on a CPU.
-So the chain profiler times blocks where they run: it runs the whole training step of the
-chain a few times, each time with a *mix* of one-block strategies, and times every segment in
-place, its forward with the clock around it and its backward between the moments the
-gradients of its output and of its input are ready (tensor hooks; the single-threaded CPU
-engine, or a CUDA synchronisation at each mark, makes these moments the segment's bounds).
+So the chain profiler times blocks where they run: it runs the chain's whole training step a
+few times and times every segment in place, its forward with the clock around it and its
+backward between the moments the gradients of its output and of its input are ready (tensor
+hooks; the single-threaded CPU engine, or a CUDA synchronisation at each mark, makes these
+moments the segment's bounds).
 
-In round ``r`` block ``i`` runs with strategy ``(n_i + r) mod M_i`` of its own list (``n_i``:
-its position among the blocks of its group, identical blocks of the chain; ``M_i``: how many
-strategies it can run with, store first). Blocks of one group pool their samples, so 24
-identical blocks measure four strategies six times each in two rounds; a block of its own
-needs ``M_i`` rounds, and what the rounds did not reach is left to :mod:`.block_time`. A last
-round cuts the chain into checkpoint segments of two blocks: what the second block of a
-segment adds over its stored time, less the first block's one-block checkpoint overhead, is
-its cost *inside* a longer segment (``chained``: its recompute, without a node of its own).
+One step stores every block: each block's forward and backward. Each further step cuts the
+chain into contiguous *parts*, one per strategy and one stored, every block of a part run
+with it as a segment of its own. The stored part measures how the machine's load drifted
+since the stored step (that step's times are divided by its ratio). The last part,
+``chained``, is cut into checkpoint segments of up to four blocks, whose blocks after the
+first measure what a block adds *inside* a longer segment (its recompute without a node of
+its own). Step ``r`` rotates the parts by ``r``, so each strategy meets other blocks. Parts,
+not alternating blocks: a step that switches strategy at every block measures each 5-15%
+slower than the same strategy run on a stretch of blocks, as in the plans the solver makes.
 
-Per group the figures are medians over samples: the stored forward and backward, each
-strategy's step less the stored step.
+Per group (identical blocks) a strategy's extra time is the median over its samples; a group
+no part reached gets the median ratio of extra time to stored forward time over the blocks
+that were reached (recomputing costs in proportion to the forward).
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections import defaultdict
@@ -38,49 +39,21 @@ from ..measure.timing import Clock
 from .costs import CHECKPOINT, STORE, Segment
 from .plan import run_segment, segment_runs
 
-__all__ = ["InChain", "plan_rounds", "probe_chain"]
-
-_MAX_ROUNDS = 4  # mixed rounds at most; what a block of its own misses is timed on its own
+__all__ = ["CHAINED", "InChain", "probe_chain", "timed_step"]
 
 
 @dataclass(frozen=True)
 class InChain:
     """Per block (the figures of its group): stored forward and backward seconds, the extra
-    seconds of each strategy run on the block alone as a segment (only those measured), and
-    the extra seconds it adds inside a longer checkpoint segment (``None``: not measured);
-    ``rounds``: whole steps run."""
+    seconds of each strategy run on the block as a segment of its own, and the extra seconds
+    it adds inside a longer checkpoint segment (``None``: not measured); ``rounds``: whole
+    steps run."""
 
     forward_s: tuple[float, ...]
     backward_s: tuple[float, ...]
     overhead_s: tuple[dict[str, float], ...]
     chained_s: tuple[float | None, ...]
     rounds: int
-
-
-def plan_rounds(groups: Sequence[int], options: Sequence[Sequence[str]]) -> int:
-    """Mixed rounds so that every group meets each of its strategies about twice (at most
-    :data:`_MAX_ROUNDS`, at least 2)."""
-    size: dict[int, int] = defaultdict(int)
-    for g in groups:
-        size[g] += 1
-    need = max(math.ceil(2 * len(options[i]) / size[g]) for i, g in enumerate(groups))
-    widest = max(len(o) for o in options)
-    return max(2, min(need, widest, _MAX_ROUNDS))
-
-
-def _mixed(groups: Sequence[int], options: Sequence[Sequence[str]], r: int) -> list[Segment]:
-    position: dict[int, int] = defaultdict(int)
-    segments = []
-    for i, g in enumerate(groups):
-        choices = options[i]
-        segments.append(Segment(i, i + 1, choices[(position[g] + r) % len(choices)]))
-        position[g] += 1
-    return segments
-
-
-def _pairs(n: int) -> list[Segment]:
-    segs = [Segment(i, min(i + 2, n), CHECKPOINT) for i in range(0, n, 2)]
-    return segs
 
 
 def _now(clock: Clock, device: torch.device) -> float:
@@ -132,6 +105,36 @@ def timed_step(
     return [(forward[p], max(0.0, done[p] - done[p + 1])) for p in range(n)]
 
 
+def _parts(n: int, strategies: Sequence[str], r: int) -> list[tuple[int, int, str]]:
+    """Contiguous parts ``(start, stop, strategy)`` of ``n`` blocks, rotated by ``r``."""
+    k = len(strategies)
+    size = max(1, -(-n // k))
+    return [
+        (p * size, min(n, (p + 1) * size), strategies[(p + r) % k])
+        for p in range(k)
+        if p * size < n
+    ]
+
+
+_SPAN = 4  # blocks per checkpoint segment of the chained part
+
+
+def _segments(parts: list[tuple[int, int, str]], options: Sequence[Sequence[str]]) -> list[Segment]:
+    segments = []
+    for start, stop, strategy in parts:
+        if strategy == CHAINED:
+            for a in range(start, stop, _SPAN):
+                segments.append(Segment(a, min(stop, a + _SPAN), CHECKPOINT))
+            continue
+        for i in range(start, stop):  # a block that cannot run it is checkpointed instead
+            own = strategy if strategy in options[i] else CHECKPOINT
+            segments.append(Segment(i, i + 1, own))
+    return segments
+
+
+CHAINED = "chained"  # the part of multi-block checkpoint segments
+
+
 def probe_chain(
     chain: Sequence[nn.Module],
     x: torch.Tensor,
@@ -140,56 +143,122 @@ def probe_chain(
     groups: Sequence[int],
     options: Sequence[Sequence[str]],
     *,
-    rounds: int | None = None,
+    rounds: int = 2,
+    warm: bool = True,
     clock: Clock = time.perf_counter,
-    progress: Callable[[], None] | None = None,
 ) -> InChain:
-    """Time the chain's step in mixed rounds and one round of two-block checkpoint segments
-    (see the module docstring). ``groups[i]``: block ``i``'s group (identical blocks share
-    one); ``options[i]``: the one-block strategies it can run with, ``"store"`` first;
-    ``grad``: the chain output's gradient."""
+    """Time the chain's step stored and in ``rounds`` steps of rotated parts (see the module
+    docstring). ``groups[i]``: block ``i``'s group (identical blocks share one); ``options[i]``:
+    the one-block strategies it can run with, ``"store"`` first; ``grad``: the chain output's
+    gradient; ``warm``: the caches and allocator are warm (a stored step ran just before), or
+    one untimed stored step runs first."""
     n = len(chain)
-    rounds = plan_rounds(groups, options) if rounds is None else rounds
-    stored: dict[int, list[tuple[float, float]]] = defaultdict(list)
-    steps: dict[tuple[int, str], list[float]] = defaultdict(list)
-    for r in range(rounds):
-        segments = _mixed(groups, options, r)
-        for seg, (f, b) in zip(
-            segments, timed_step(chain, segments, x, grad, kwargs, clock=clock), strict=True
-        ):
+    stored_segments = [Segment(i, i + 1, STORE) for i in range(n)]
+    if not warm:
+        timed_step(chain, stored_segments, x, grad, kwargs, clock=clock)
+    stored = timed_step(chain, stored_segments, x, grad, kwargs, clock=clock)
+    fwd = _by_group(groups, [f for f, _ in stored])
+    bwd = _by_group(groups, [b for _, b in stored])
+    own = [fwd[g] + bwd[g] for g in groups]  # the group's median: less noise than one sample
+    strategies = sorted({s for o in options for s in o if s != STORE}, key=_order(options))
+    # a stored part in every step: the load of a shared machine drifts between steps, and
+    # each step's times are divided by its stored part's ratio to the stored step
+    kinds = [STORE, *strategies, CHAINED] if n > 1 else [STORE, *strategies]
+    samples: dict[tuple[int, str], list[float]] = defaultdict(list)
+    spans: list[tuple[Segment, float]] = []
+    for r in range(rounds if strategies else 0):
+        segments = _segments(_parts(n, kinds, r), options)
+        times = timed_step(chain, segments, x, grad, kwargs, clock=clock)
+        drift = _drift(segments, times, own)
+        for seg, (f, b) in zip(segments, times, strict=True):
             if seg.strategy == STORE:
-                stored[groups[seg.start]].append((f, b))
+                continue
+            extra = (f + b) / drift - sum(own[seg.start : seg.stop])
+            if seg.stop - seg.start == 1:
+                samples[(groups[seg.start], seg.strategy)].append(extra)
             else:
-                steps[(groups[seg.start], seg.strategy)].append(f + b)
-        if progress is not None:
-            progress()
-    fwd = {g: statistics.median(f for f, _ in s) for g, s in stored.items()}
-    bwd = {g: statistics.median(b for _, b in s) for g, s in stored.items()}
-    extra: dict[int, dict[str, float]] = defaultdict(dict)
-    for (g, s), times in steps.items():
-        if g in fwd:
-            extra[g][s] = max(0.0, statistics.median(times) - fwd[g] - bwd[g])
-    chained: dict[int, list[float]] = defaultdict(list)
-    if n > 1:
-        pairs = _pairs(n)
-        for seg, (f, b) in zip(
-            pairs, timed_step(chain, pairs, x, grad, kwargs, clock=clock), strict=True
-        ):
-            if seg.stop - seg.start != 2:
-                continue
-            g0, g1 = groups[seg.start], groups[seg.start + 1]
-            head = extra[g0].get(CHECKPOINT)
-            if head is None or g0 not in fwd or g1 not in fwd:
-                continue
-            chained[g1].append(f + b - fwd[g0] - bwd[g0] - fwd[g1] - bwd[g1] - head)
-        if progress is not None:
-            progress()
+                spans.append((seg, extra))
+    extra = {key: max(0.0, statistics.median(v)) for key, v in samples.items()}
+    ratio = _ratios(extra, fwd)
+    overhead = []
+    for i, g in enumerate(groups):
+        mine = {s: extra[(g, s)] for s in options[i] if (g, s) in extra}
+        for s in options[i]:
+            if s != STORE and s not in mine and s in ratio:
+                mine[s] = ratio[s] * fwd[g]
+        overhead.append(mine)
+    chained = _chained(spans, groups, overhead, fwd)
     return InChain(
-        forward_s=tuple(fwd.get(g, math.nan) for g in groups),
-        backward_s=tuple(bwd.get(g, math.nan) for g in groups),
-        overhead_s=tuple(dict(extra[g]) for g in groups),
-        chained_s=tuple(
-            max(0.0, statistics.median(chained[g])) if chained[g] else None for g in groups
-        ),
-        rounds=rounds + (1 if n > 1 else 0),
+        forward_s=tuple(fwd[g] for g in groups),
+        backward_s=tuple(bwd[g] for g in groups),
+        overhead_s=tuple(overhead),
+        chained_s=tuple(chained[i] for i in range(n)),
+        rounds=1 + (rounds if strategies else 0) + (0 if warm else 1),
     )
+
+
+def _drift(
+    segments: Sequence[Segment], times: Sequence[tuple[float, float]], own: Sequence[float]
+) -> float:
+    """How much slower this step's stored blocks ran than in the stored step (median ratio;
+    1 without stored blocks)."""
+    ratios = [
+        (f + b) / own[seg.start]
+        for seg, (f, b) in zip(segments, times, strict=True)
+        if seg.strategy == STORE and own[seg.start] > 0
+    ]
+    return statistics.median(ratios) if ratios else 1.0
+
+
+def _order(options: Sequence[Sequence[str]]) -> Callable[[str], int]:
+    first: dict[str, int] = {}
+    for opts in options:
+        for s in opts:
+            first.setdefault(s, len(first))
+    return lambda s: first[s]
+
+
+def _by_group(groups: Sequence[int], values: Sequence[float]) -> dict[int, float]:
+    pooled: dict[int, list[float]] = defaultdict(list)
+    for g, v in zip(groups, values, strict=True):
+        pooled[g].append(v)
+    return {g: statistics.median(v) for g, v in pooled.items()}
+
+
+def _ratios(extra: dict[tuple[int, str], float], fwd: dict[int, float]) -> dict[str, float]:
+    """Per strategy, the median ratio of extra time to stored forward time over groups."""
+    by: dict[str, list[float]] = defaultdict(list)
+    for (g, s), v in extra.items():
+        if fwd[g] > 0:
+            by[s].append(v / fwd[g])
+    return {s: statistics.median(v) for s, v in by.items()}
+
+
+def _chained(
+    spans: list[tuple[Segment, float]],
+    groups: Sequence[int],
+    overhead: list[dict[str, float]],
+    fwd: dict[int, float],
+) -> list[float | None]:
+    """Per block, what it adds inside a longer checkpoint segment: a segment's extra time less
+    its first block's one-block checkpoint overhead, shared by its other blocks in proportion
+    to their forward times; per group the median, else the median ratio to the forward."""
+    samples: dict[int, list[float]] = defaultdict(list)
+    for seg, extra in spans:
+        head = overhead[seg.start].get(CHECKPOINT)
+        rest = range(seg.start + 1, seg.stop)
+        total_f = sum(fwd[groups[i]] for i in rest)
+        if head is None or total_f <= 0:
+            continue
+        for i in rest:
+            samples[groups[i]].append((extra - head) * fwd[groups[i]] / total_f)
+    per_group = {g: max(0.0, statistics.median(v)) for g, v in samples.items()}
+    ratios = [per_group[g] / fwd[g] for g in per_group if fwd[g] > 0]
+    ratio = statistics.median(ratios) if ratios else None
+    out: list[float | None] = []
+    for g in groups:
+        if g in per_group:
+            out.append(per_group[g])
+        else:
+            out.append(None if ratio is None else ratio * fwd[g])
+    return out

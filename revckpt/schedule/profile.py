@@ -223,7 +223,7 @@ class _Chain:
             tick()
         options = [self._options(memory[g].fields, inputs[g], offload) for g in groups]
         grad = memory[groups[-1]].grad_out
-        probed = probe_chain(chain, self.x, grad, kw, groups, options, progress=None)
+        probed = probe_chain(chain, self.x, grad, kw, groups, options, warm=weights is not None)
         tick()
         costs = []
         times = {g: self._times(g, memory[g], inputs[g], options[g], probed) for g in reps}
@@ -232,8 +232,10 @@ class _Chain:
             fields = dict(memory[g].fields)
             fields.update(times[g])
             if weights is not None and i in errors_needed:
-                cotangents, grad_sq, input_sq = weights
-                measured = codec_errors(block, inputs[i], codecs, cotangents[i], kw)
+                grad_sq, input_sq = weights.grad_sq, weights.input_sq
+                measured = codec_errors(
+                    block, inputs[i], codecs, weights.cotangents[i], kw, weights.exact[i]
+                )
                 fields.update(
                     approx_error=measured.parameters,
                     approx_input_error=measured.input_gradient,

@@ -105,6 +105,7 @@ def _plan(
         name=name,
         block_names=tuple(getattr(profile, "names", ())),
         input_signature=getattr(profile, "input_signature", None),
+        threads=getattr(profile, "threads", None),
     )
 
 
