@@ -89,3 +89,30 @@ def test_offload_is_priced_when_asked_and_measures_what_moves(monkeypatch):
     assert all(b.offload_kept_bytes == 0 for b in moved.blocks)
     with pytest.raises(InvalidArgumentError, match="offload"):
         profile(chain, x, repeats=1, offload="yes")
+
+
+def test_threads_are_part_of_the_profile_and_the_plans_validity():
+    import warnings
+
+    from revckpt import PlanWarning
+    from revckpt.models import mlp_chain
+    from revckpt.schedule import apply, baseline, profile
+
+    chain, x = mlp_chain(3, 16, 32), torch.randn(8, 16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        prof = profile(chain, x, repeats=1, codecs=(), policies=())
+        plan = baseline(prof, "per-block")
+        assert prof.threads == plan.threads == 1
+        assert prof.seconds > 0 and prof.cost_in_steps > 0
+        assert type(plan).from_json(plan.to_json()).threads == 1
+        model = apply(chain, plan)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model(x).sum().backward()  # same count: silent
+        torch.set_num_threads(2)
+        with pytest.warns(PlanWarning, match="measured with 1 intra-op thread"):
+            model(x).sum().backward()
+    finally:
+        torch.set_num_threads(before)
