@@ -112,3 +112,33 @@ def test_gpu_check_smoke_mode_on_cpu(tmp_path):
     for exact in ("checkpoint per block", "offload per block"):  # same arithmetic as store-all
         assert fp16[exact]["relative_difference_from_store_all"] == 0.0
     assert 0 < fp16["approx e4m3"]["relative_difference_from_store_all"] < 0.1
+
+
+def test_bench_vs_torch_quick(tmp_path, capsys):
+    out = tmp_path / "vs.json"
+    args = ["--quick", "--repeats", "1", "--profile-repeats", "1", "--budgets", "0.5"]
+    args += ["--max-tries", "3", "--compiled-warmup", "2", "--out", str(out)]
+    result = load("bench_vs_torch").main(args)
+    assert json.loads(out.read_text())["benchmark"] == "bench_vs_torch"
+    assert "| mode | option | variant |" in capsys.readouterr().out
+    groups = {}
+    for r in result["rows"]:
+        groups.setdefault((r["mode"], r["option"]), {})[r["variant"]] = r
+    store = groups[("eager", "-")]["store-all"]
+    assert store["storages_peak_bytes"] == store["predicted_peak_bytes"]
+    options = [key for key in groups if key[1] != "-"]
+    assert [mode for mode, _ in options] == ["eager", "eager", "compiled"]
+    for key in options:
+        rows = groups[key]
+        assert len(rows) == 3 and "torch" in rows
+        torch_peak = rows["torch"]["peak_bytes"]
+        assert torch_peak < store["peak_bytes"]
+        for name, r in rows.items():
+            if name == "torch":
+                continue
+            assert name.startswith("revckpt") and "time_ratio" in r and "vs_torch" in r
+            assert r["no_more_memory"] == (r["peak_bytes"] <= torch_peak)
+            if key[0] == "eager":  # the plan measures as predicted, within the option's peak
+                assert r["storages_peak_bytes"] == r["predicted_peak_bytes"]
+                assert r["peak_bytes"] <= torch_peak
+    assert result["budget_takes_effect"]  # budget 0.5 peaks below compiled store-all
