@@ -1,7 +1,7 @@
 """The strategies, as typed values: what :func:`revckpt.fit`, :func:`revckpt.convert`,
 :func:`revckpt.schedule.solve` and a :class:`~revckpt.schedule.Plan` speak of.
 
-A :class:`Strategy` is a kind and, for two kinds, an argument: ``Strategy("checkpoint")``,
+A :class:`Strategy` is a kind and, for three kinds, an argument: ``Strategy("checkpoint")``,
 ``Strategy("selective", "matmul+attention")``, ``Strategy("approx", "e4m3")``. Its text form
 (``str(s)``: ``"checkpoint"``, ``"selective:matmul+attention"``, ``"approx:e4m3"``) is what
 JSON plans and the command line use; :meth:`Strategy.parse` is the one place that reads it.
@@ -26,7 +26,9 @@ class Strategy:
     """One strategy: ``kind`` in :attr:`KINDS`; ``arg``: the selective policy (a spec:
     a name of ``revckpt.POLICY_PRESETS``, or groups and aten op names joined by ``"+"``, see
     :func:`revckpt.checkpoint.parse_policy`; kept in its canonical text, so two spellings of
-    one keep-set are one value) or the approx codec (``"bf16"``, ``"e4m3"``, ``"e5m2"``)."""
+    one keep-set are one value) or the codec of approx (the block input kept compressed,
+    the forward re-run) and compress (every saved tensor kept compressed, no recompute:
+    :func:`revckpt.approx.compress_saved`): ``"bf16"``, ``"e4m3"``, ``"e5m2"``."""
 
     kind: str
     arg: str | None = None
@@ -38,8 +40,9 @@ class Strategy:
         "approx",
         "offload",
         "reversible",
+        "compress",
     )
-    _WITH_ARG: ClassVar[frozenset[str]] = frozenset({"selective", "approx"})
+    _WITH_ARG: ClassVar[frozenset[str]] = frozenset({"selective", "approx", "compress"})
 
     def __post_init__(self) -> None:
         _check_form(self.kind, self.arg)
@@ -95,7 +98,7 @@ def _check_form(kind: str, arg: str | None) -> None:
     if kind not in Strategy.KINDS:
         raise InvalidArgumentError(
             f"unknown strategy {kind!r}; use one of {list(Strategy.KINDS)}"
-            " ('selective:<policy>', 'approx:<codec>')"
+            " ('selective:<policy>', 'approx:<codec>', 'compress:<codec>')"
         )
     if (arg is not None) != (kind in Strategy._WITH_ARG):
         form = f"{kind}:<{'policy' if kind == 'selective' else 'codec'}>"

@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from ..approx import checkpoint as approx_checkpoint
+from ..approx import compress_saved
 from ..checkpoint import checkpoint
 from ..errors import InvalidArgumentError
 from ..offload import checkpoint as offload_checkpoint
@@ -45,6 +46,16 @@ class _Selective:
         self, block: nn.Module, fn: Callable[..., Any], args: Any, kwargs: Any, key: Key
     ) -> Any:
         return checkpoint(fn, *args, policy=self.policy, **kwargs)
+
+
+@dataclass(frozen=True)
+class _Compress:
+    store: str
+
+    def __call__(
+        self, block: nn.Module, fn: Callable[..., Any], args: Any, kwargs: Any, key: Key
+    ) -> Any:
+        return compress_saved(fn, *args, store=self.store, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -77,8 +88,8 @@ class _InRegion:
 
 
 def runner_for(strategy: StrategyLike) -> Runner:
-    """The runner of a one-block ``strategy``: store, checkpoint, selective, approx or
-    offload (reversible changes the architecture: it has no in-place runner)."""
+    """The runner of a one-block ``strategy``: store, checkpoint, selective, approx, compress
+    or offload (reversible changes the architecture: it has no in-place runner)."""
     s = Strategy.parse(strategy)
     if s.kind == "store":
         return _store
@@ -91,6 +102,9 @@ def runner_for(strategy: StrategyLike) -> Runner:
         return _Selective(s.arg)
     if s.kind == "approx":
         return _HiddenOnly("approx", s.arg)
+    if s.kind == "compress":
+        assert s.arg is not None
+        return _Compress(s.arg)
     raise InvalidArgumentError(
         "'reversible' changes the architecture and cannot be applied to a block in place; "
         "build the model from revckpt.layers reversible blocks, or choose 'checkpoint', "

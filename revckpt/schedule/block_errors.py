@@ -12,7 +12,8 @@ round-off, so a wider reference would show nothing more, at twice the cost.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,11 +21,18 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from ..approx import Approx
+from ..approx import Approx, compress_saved
 from ..errors import InvalidInputTypeError
 from ..measure import TensorError
 
-__all__ = ["CodecErrors", "Exact", "Sensitivities", "codec_errors", "sensitivities"]
+__all__ = [
+    "CodecErrors",
+    "Exact",
+    "Sensitivities",
+    "codec_errors",
+    "compress_errors",
+    "sensitivities",
+]
 
 
 @dataclass(frozen=True)
@@ -116,6 +124,75 @@ class CodecErrors:
     amplification: dict[str, float]
 
 
+@dataclass
+class _Runner:
+    """A block in the working precision, run on an input with the chain's cotangent and its
+    random draws (see :func:`codec_errors`)."""
+
+    model: nn.Module
+    params: list[torch.Tensor]
+    kwargs: dict[str, Any]
+    work: torch.dtype
+    cotangent: torch.Tensor | None
+    exact: Exact | None  # set when the exact figures can be reused
+    seed: int
+
+    @classmethod
+    def of(
+        cls,
+        block: nn.Module,
+        x: torch.Tensor,
+        cotangent: torch.Tensor | None,
+        kwargs: dict[str, Any],
+        exact: Exact | None,
+    ) -> _Runner:
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        model = block
+        if any(p.dtype != work for p in block.parameters()):
+            model = copy.deepcopy(block).to(work)
+            for m in model.modules():
+                if isinstance(m, _NormBase) and m.training:
+                    m.track_running_stats = False  # batch statistics, as in training
+        kw = {
+            k: v.to(work) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+            for k, v in kwargs.items()
+        }
+        reuse = exact is not None and model is block and x.dtype == work
+        params = [p for p in model.parameters() if p.requires_grad]
+        seed = int(torch.randint(0, 2**31 - 1, ()))
+        return cls(model, params, kw, work, cotangent, exact if reuse else None, seed)
+
+    def grads(
+        self, z: torch.Tensor, wrap: Callable[..., Any] | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """Input and parameter gradients, output and input (flattened) of the block on ``z``
+        (run through ``wrap(model, h, **kwargs)`` if given, ``h`` a non-leaf copy of ``z``)."""
+        leaf = z.detach().to(self.work).requires_grad_(True)
+        devices = [z.device] if z.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            if self.exact is not None:  # the chain's draws, as in the exact run
+                torch.set_rng_state(self.exact.rng[0])
+                for state in self.exact.rng[1]:
+                    torch.cuda.set_rng_state(state, z.device)
+            else:
+                torch.manual_seed(self.seed)  # the same dropout masks for every run
+            if wrap is None:
+                y = self.model(leaf, **self.kwargs)
+            else:  # an activation, as inside a model (a leaf is never compressed)
+                y = wrap(self.model, leaf.clone(), **self.kwargs)
+        ct = torch.ones_like(y) if self.cotangent is None else self.cotangent.detach().to(self.work)
+        got = torch.autograd.grad(y, [leaf, *self.params], ct, allow_unused=True)
+        flat = [g.reshape(-1) for g in got[1:] if g is not None]
+        par = torch.cat(flat) if flat else torch.zeros(0, dtype=y.dtype)
+        return got[0].reshape(-1), par, y.detach().reshape(-1), leaf.detach().reshape(-1)
+
+    def exact_figures(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.exact is not None:
+            e = self.exact
+            return e.input_grad, e.param_grad, e.output, x.detach().reshape(-1)
+        return self.grads(x)
+
+
 def codec_errors(
     block: nn.Module,
     x: torch.Tensor,
@@ -129,56 +206,41 @@ def codec_errors(
     linearisation: it sees ReLU kinks and saturation too. ``exact``: the block's exact
     gradients from :func:`sensitivities`, which spare the exact run when the block works in
     its own precision (the codec runs then replay the chain's random draws)."""
-    work = torch.float64 if x.dtype == torch.float64 else torch.float32
-    model = block
-    if any(p.dtype != work for p in block.parameters()):
-        model = copy.deepcopy(block).to(work)
-        for m in model.modules():
-            if isinstance(m, _NormBase) and m.training:
-                m.track_running_stats = False  # batch statistics, as in training, no updates
-    params = [p for p in model.parameters() if p.requires_grad]
-    kw = {
-        k: v.to(work) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-        for k, v in kwargs.items()
-    }
-    seed = int(torch.randint(0, 2**31 - 1, ()))
-    reuse = exact is not None and model is block and x.dtype == work
-
-    def grads(z: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        leaf = z.detach().to(work).requires_grad_(True)
-        devices = [z.device] if z.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            if reuse:  # the chain's draws, as in the exact run
-                assert exact is not None
-                torch.set_rng_state(exact.rng[0])
-                for state in exact.rng[1]:
-                    torch.cuda.set_rng_state(state, z.device)
-            else:
-                torch.manual_seed(seed)  # the same dropout masks for every codec
-            y = model(leaf, **kw)
-        ct = torch.ones_like(y) if cotangent is None else cotangent.detach().to(work)
-        got = torch.autograd.grad(y, [leaf, *params], ct, allow_unused=True)
-        flat = [g.reshape(-1) for g in got[1:] if g is not None]
-        par = torch.cat(flat) if flat else torch.zeros(0, dtype=y.dtype)
-        return got[0].reshape(-1), par, y.detach().reshape(-1), leaf.detach().reshape(-1)
-
+    run = _Runner.of(block, x, cotangent, kwargs, exact)
+    exact_in, exact_par, exact_y, exact_x = run.exact_figures(x)
     errors = CodecErrors({}, {}, {}, {})
-    if reuse:
-        assert exact is not None
-        exact_in, exact_par, exact_y = exact.input_grad, exact.param_grad, exact.output
-        exact_x = x.detach().reshape(-1)
-    else:
-        exact_in, exact_par, exact_y, exact_x = grads(x)
     for fmt in codecs:
         codec = Approx(store=fmt).codec
         assert codec is not None
-        got_in, got_par, got_y, got_x = grads(codec.roundtrip(x))
+        got_in, got_par, got_y, got_x = run.grads(codec.roundtrip(x))
         errors.parameters[fmt] = _relative(got_par, exact_par)
         errors.input_gradient[fmt] = _relative(got_in, exact_in)
         moved = _relative(got_x, exact_x)
         errors.perturbation[fmt] = moved
         errors.amplification[fmt] = _relative(got_y, exact_y) / moved if moved > 0 else 1.0
     return errors
+
+
+def compress_errors(
+    block: nn.Module,
+    x: torch.Tensor,
+    codecs: Sequence[str],
+    cotangent: torch.Tensor | None,
+    kwargs: dict[str, Any],
+    exact: Exact | None = None,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Per codec, the relative errors of the block's parameter and input gradients when its
+    saved tensors are compressed (:func:`revckpt.approx.compress_saved`), measured as
+    :func:`codec_errors` measures (one run per codec)."""
+    run = _Runner.of(block, x, cotangent, kwargs, exact)
+    exact_in, exact_par, _, _ = run.exact_figures(x)
+    params, inputs = {}, {}
+    for fmt in codecs:
+        wrap = functools.partial(compress_saved, store=fmt)
+        got_in, got_par, _, _ = run.grads(x, wrap)
+        params[fmt] = _relative(got_par, exact_par)
+        inputs[fmt] = _relative(got_in, exact_in)
+    return params, inputs
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:

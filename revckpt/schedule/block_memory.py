@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..approx import Approx
+from ..approx import Approx, compress_saved
 from ..approx import checkpoint as approx_checkpoint
 from ..checkpoint import POLICY_PRESETS, checkpoint
 from ..errors import InvalidInputTypeError
@@ -29,7 +29,7 @@ from ..measure.timing import wall_time
 from ..offload import checkpoint as offload_checkpoint
 from ..offload import record as offload_record
 from ..strategy import Strategy, argument_of, kind_of
-from .costs import APPROX, CHECKPOINT, OFFLOAD, REVERSIBLE, SELECTIVE
+from .costs import APPROX, CHECKPOINT, COMPRESS, OFFLOAD, REVERSIBLE, SELECTIVE
 
 __all__ = ["activation", "memory_costs", "nbytes", "saves_input"]
 
@@ -128,6 +128,8 @@ class _Runs:
             return checkpoint(block, leaf, policy=argument_of(mode), **kw)
         if kind == APPROX:
             return approx_checkpoint(block, leaf, store=argument_of(mode), **kw)
+        if kind == COMPRESS:
+            return compress_saved(block, leaf, store=argument_of(mode), **kw)
         if kind == OFFLOAD:
             return offload_checkpoint(block, activation(leaf), **kw)
         if kind == REVERSIBLE:
@@ -287,6 +289,7 @@ def memory_costs(
     device: Any,
     kwargs: dict[str, Any],
     *,
+    compress: Sequence[str] = (),
     offload: bool = False,
     grads_new: bool = False,
 ) -> BlockMemory:
@@ -309,7 +312,15 @@ def memory_costs(
     # plain mode, checkpoint, every selective policy and codec, reversible and offload
     selective_modes = {p: str(Strategy(SELECTIVE, p)) for p in policies}  # text forms
     approx_modes = {fmt: str(Strategy(APPROX, fmt)) for fmt in approx_bytes}
-    modes = [*PLAIN_MODES, CHECKPOINT, *selective_modes.values(), *approx_modes.values()]
+    floating = leaf.is_floating_point()
+    compress_modes = {c: str(Strategy(COMPRESS, c)) for c in compress} if floating else {}
+    modes = [
+        *PLAIN_MODES,
+        CHECKPOINT,
+        *selective_modes.values(),
+        *approx_modes.values(),
+        *compress_modes.values(),
+    ]
     reversible = None
     if isinstance(block, ReversibleUnit):
         modes.append(REVERSIBLE)
@@ -322,6 +333,14 @@ def memory_costs(
         modes.append(OFFLOAD)
     runs = _Runs(block, leaf, wrt, kwargs, reversible)
     accounted = {approx_modes[fmt]: n for fmt, n in approx_bytes.items()}
+    compress_bytes, compress_fwd = {}, {}
+    for c, mode in compress_modes.items():  # the forward alone: what it keeps, its peak
+        with MemoryMeter(device) as meter:
+            y = runs.forward(mode)
+        compress_bytes[c] = max(0, meter.end_bytes - out_bytes)
+        compress_fwd[c] = meter.peak_bytes
+        accounted[mode] = compress_bytes[c]
+        del y
     metered = _metered_modes(
         runs, modes, grad_out, accounted, device, backward=bool(wrt), grads_new=grads_new
     )
@@ -360,6 +379,9 @@ def memory_costs(
         "invertible": isinstance(block, ReversibleUnit),
         "param_bytes": sum(nbytes(p) for p in params),
         "approx_bytes": approx_bytes,
+        "compress_bytes": compress_bytes,
+        "compress_forward_peak_bytes": compress_fwd,
+        "compress_backward_peak_bytes": {c: transients[m] for c, m in compress_modes.items()},
         "offload_kept_bytes": offload_kept,
         "offload_fetch_s": fetch_s,
         "rng_bytes": metered.rng,

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..approx import Approx
+from ..approx import Approx, compress_saved
 from ..approx import checkpoint as approx_checkpoint
 from ..checkpoint import checkpoint
 from ..measure import time_ratios
@@ -30,7 +30,7 @@ from ..measure.timing import wall_time
 from ..offload import checkpoint as offload_checkpoint
 from ..strategy import argument_of, kind_of
 from .block_memory import activation
-from .costs import APPROX, CHECKPOINT, OFFLOAD, REVERSIBLE, SELECTIVE, STORE
+from .costs import APPROX, CHECKPOINT, COMPRESS, OFFLOAD, REVERSIBLE, SELECTIVE, STORE
 
 __all__ = ["BlockTimes", "block_times", "codec_seconds", "derived_codecs"]
 
@@ -120,6 +120,8 @@ def _runner(
         return functools.partial(
             approx_checkpoint, block, leaf, store=argument_of(strategy), **kwargs
         )
+    if kind == COMPRESS and leaf.is_floating_point():
+        return functools.partial(compress_saved, block, leaf, store=argument_of(strategy), **kwargs)
     if kind == REVERSIBLE and reversible is not None:
         return functools.partial(reversible, leaf, **kwargs)
     if kind == OFFLOAD:  # a view: an activation, as inside a chain (a leaf would stay in place)

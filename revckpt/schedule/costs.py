@@ -112,8 +112,18 @@ __all__ = [
     "strategy_names",
 ]
 
-STORE, CHECKPOINT, REVERSIBLE, OFFLOAD = "store", "checkpoint", "reversible", "offload"
-APPROX, SELECTIVE = "approx", "selective"  # the kinds with an argument (revckpt.strategy)
+from .kinds import (  # the kinds' names; their costs: .kinds.KINDS
+    APPROX,
+    CHECKPOINT,
+    COMPRESS,
+    KINDS,
+    OFFLOAD,
+    REVERSIBLE,
+    SELECTIVE,
+    STORE,
+    _new_grads,
+)
+
 # the text forms' prefixes, kept for code that imports them; read a text form with
 # revckpt.strategy.kind_of and argument_of, write one with str(Strategy(kind, arg))
 APPROX_PREFIX = "approx:"
@@ -141,7 +151,10 @@ class BlockCost:
     input alive until its backward (it saves it, or the block before saves its own output);
     if not, its input goes once it has run; ``chained_s``: the extra seconds the block adds
     when it is recomputed inside a longer checkpoint or approx segment, not first in it (its
-    recompute without a node of its own; ``None``: its forward time is assumed)."""
+    recompute without a node of its own; ``None``: its forward time is assumed);
+    ``compress_*[c]``: run with its saved tensors compressed by codec ``c``
+    (:func:`revckpt.approx.compress_saved`): the bytes they keep, the forward and backward
+    transients, and the relative errors of its parameter and input gradients."""
 
     forward_s: float
     backward_s: float
@@ -179,6 +192,11 @@ class BlockCost:
     grads_new: bool = False
     input_kept: bool = True
     chained_s: float | None = None
+    compress_bytes: Mapping[str, int] = field(default_factory=dict)
+    compress_forward_peak_bytes: Mapping[str, int] = field(default_factory=dict)
+    compress_backward_peak_bytes: Mapping[str, int] = field(default_factory=dict)
+    compress_error: Mapping[str, float] = field(default_factory=dict)
+    compress_input_error: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def capture_peak(self) -> int:
@@ -227,6 +245,8 @@ def strategy_names(blocks: Sequence[BlockCost]) -> list[str]:
     names += [str(Strategy(APPROX, c)) for c in codecs]
     policies = sorted({p for b in blocks for p in b.selective_bytes})
     names += [str(Strategy(SELECTIVE, p)) for p in policies]
+    compressed = sorted({c for b in blocks for c in b.compress_bytes})
+    names += [str(Strategy(COMPRESS, c)) for c in compressed]
     return names
 
 
@@ -244,7 +264,7 @@ def follow_limit(blocks: Sequence[BlockCost], seg: Segment) -> int:
     last = blocks[seg.stop - 1]
     if seg.strategy == REVERSIBLE:
         return NO_APPROX_OR_REVERSIBLE
-    if seg.strategy == STORE and last.output_saved:
+    if kind_of(seg.strategy) in (STORE, COMPRESS) and last.output_saved:
         return NO_APPROX_OR_REVERSIBLE
     if kind_of(seg.strategy) == SELECTIVE and last.selective_output_kept.get(
         argument_of(seg.strategy), False
@@ -271,101 +291,13 @@ def _check_strategy(blocks: Sequence[BlockCost], seg: Segment) -> None:
     except (RevckptError, TypeError):  # not a text form (TypeError: unhashable)
         raise InvalidArgumentError(
             f"unknown strategy {seg.strategy!r}; use 'store', 'checkpoint', 'reversible', "
-            "'offload', 'approx:<codec>' or 'selective:<policy>'"
+            "'offload', 'approx:<codec>', 'selective:<policy>' or 'compress:<codec>'"
         ) from None
-    if kind == REVERSIBLE:
-        bad = [i for i in range(seg.start, seg.stop) if not blocks[i].invertible]
-        if bad:
-            raise InvalidArgumentError(
-                f"blocks {bad} are not invertible, so segment [{seg.start}, {seg.stop}) cannot "
-                "be reversible; mark only reversible-coupling blocks as invertible"
-            )
-    elif kind == OFFLOAD:
-        bad = [i for i in range(seg.start, seg.stop) if blocks[i].offload_kept_bytes is None]
-        if bad:
-            raise InvalidArgumentError(
-                f"offload was not profiled for blocks {bad}; profile with "
-                "schedule.profile(..., offload=True)"
-            )
-    elif kind == APPROX:
-        codec = argument_of(seg.strategy)
-        if codec not in blocks[seg.start].approx_bytes:
-            raise InvalidArgumentError(
-                f"codec {codec!r} was not profiled for block {seg.start}; profile it "
-                "(schedule.profile(..., codecs=[...])) or choose one of "
-                f"{sorted(blocks[seg.start].approx_bytes)}"
-            )
-    elif kind == SELECTIVE:
-        policy = argument_of(seg.strategy)
-        if seg.stop != seg.start + 1:
-            raise InvalidArgumentError(
-                f"a selective segment covers one block, got [{seg.start}, {seg.stop}); split it"
-            )
-        if policy not in blocks[seg.start].selective_bytes:
-            raise InvalidArgumentError(
-                f"policy {policy!r} was not profiled for block {seg.start}; profile it "
-                "(schedule.profile(..., policies=[...])) or choose one of "
-                f"{sorted(blocks[seg.start].selective_bytes)}"
-            )
-
-
-def _segment_time(part: Sequence[BlockCost], strategy: str) -> float:
-    """Extra seconds of a segment over storing it. With ``o_i(s)``, block ``i``'s measured
-    extra time of a step run alone with strategy ``s`` (``strategy_overhead_s``; it includes
-    one recompute and the strategy's fixed costs: RNG capture, codec, autograd node):
-    reversible ``sum_i o_i``; offload ``sum_i o_i - sum_{i < k-1} h_i`` (``h_i``, the measured
-    copy back of block ``i``'s input, overlapped with block ``i + 1``'s backward when
-    prefetched; the copy out, overlapped with the next forward, is not credited);
-    checkpoint / approx ``o_j + sum_{i > j} c_i`` (one call, one compression of the segment
-    input, every block recomputed; ``c_i``, ``chained_s``: what block ``i`` measured adding
-    inside a longer checkpoint segment, ``f_i`` if not measured). Unmeasured: ``sum_i f_i``."""
-    if strategy == REVERSIBLE:
-        return sum(b.strategy_overhead_s.get(REVERSIBLE, b.forward_s) for b in part)
-    if strategy == OFFLOAD:
-        own = [b.strategy_overhead_s.get(OFFLOAD, b.forward_s) for b in part]
-        prefetched = zip(own[:-1], part[:-1], strict=True)
-        return sum(max(0.0, o - b.offload_fetch_s) for o, b in prefetched) + own[-1]
-    head = part[0].strategy_overhead_s.get(strategy, part[0].forward_s)
-    return head + sum(b.forward_s if b.chained_s is None else b.chained_s for b in part[1:])
-
-
-def _approx_error(part: Sequence[BlockCost], codec: str) -> float:
-    """Estimated relative error of all the chain's gradients when the segment's input is
-    compressed by ``codec``, from per-block measurements (:func:`revckpt.schedule.profile`):
-    ``r_i``, ``q_i``, the relative errors of block ``i``'s parameter and input gradients when
-    its input goes through the codec; ``d_i``, how far the codec moves that input; ``A_i``,
-    how much a perturbation of its input grows through it; ``N_i^2``, the squared norm of its
-    parameter gradients in the chain, ``U_j = sum_{i<j} N_i^2`` and ``N^2`` their total. The
-    compressed ``x_j`` moves block ``i``'s input by ``m_i = d_j prod_{j<=l<i} A_l``, scaling
-    its errors by ``s_i = m_i / d_i`` (first order), so::
-
-        e^2 = (sum_{i in [j, k)} (r_i s_i N_i)^2 + U_j sum_{i in [j, k)} (q_i s_i)^2) / N^2
-
-    (the input-gradient error reaches every earlier block with its relative size). Without
-    the chain norms: ``r_j``. Segments combine by root-sum-square (independent rounding):
-    :func:`evaluate` adds ``e^2``."""
-    head = part[0]
-    r0 = head.approx_error.get(codec, 0.0)
-    if head.chain_grad_sq is None or head.upstream_grad_sq is None:
-        return r0
-    if head.chain_grad_sq <= 0:  # no gradient in the chain itself: what flows out of it
-        return max(r0, head.approx_input_error.get(codec, 0.0))
-    d_j = head.approx_perturbation.get(codec)
-    own = upstream = 0.0
-    moved = d_j
-    for b in part:
-        r, q = b.approx_error.get(codec), b.approx_input_error.get(codec)
-        d, amp = b.approx_perturbation.get(codec), b.approx_amplification.get(codec)
-        n2 = b.grad_sq
-        if None in (r, q, d, amp, n2, moved):
-            return r0
-        assert r is not None and q is not None and d is not None and amp is not None
-        assert n2 is not None and moved is not None and d_j is not None
-        scale = moved / d if d > 0 else 1.0
-        own += (r * scale) ** 2 * n2
-        upstream += (q * scale) ** 2
-        moved *= amp
-    return math.sqrt(own + head.upstream_grad_sq * upstream) / math.sqrt(head.chain_grad_sq)
+    if KINDS[kind].one_block and seg.stop != seg.start + 1:
+        raise InvalidArgumentError(
+            f"a {kind} segment covers one block, got [{seg.start}, {seg.stop}); split it"
+        )
+    KINDS[kind].check(blocks, seg, argument_of(seg.strategy))
 
 
 def segment_cost(
@@ -378,21 +310,11 @@ def segment_cost(
     out = _backward_held(blocks, step)
     j, k, strategy = seg.start, seg.stop, seg.strategy
     part = blocks[j:k]
-    time, error = 0.0, 0.0
-    if strategy == STORE:
-        kept, fwd, bwd = _store_work(part, out)
-    elif kind_of(strategy) == SELECTIVE:
-        kept, fwd, bwd = _selective_work(part[0], argument_of(strategy), out)
-    elif strategy == OFFLOAD:
-        kept, fwd, bwd = _offload_work(part, j == 0, out)
-    elif strategy == REVERSIBLE:
-        kept, fwd, bwd = _reversible_work(part, j == 0, k == len(blocks), out)
-    else:
-        kept, fwd, bwd = _recompute_work(part, strategy, j == 0, out)
-        if kind_of(strategy) == APPROX:
-            error = _approx_error(part, argument_of(strategy))
-    if strategy != STORE:
-        time = _segment_time(part, strategy)
+    kind = KINDS[kind_of(strategy)]
+    arg = argument_of(strategy)
+    kept, fwd, bwd = kind.work(part, arg, j == 0, k == len(blocks), out)
+    time = kind.time(part, strategy)
+    error = kind.error(part, arg)
     rng = _replay_bytes(part, strategy, late=False)
     if strategy in (REVERSIBLE, OFFLOAD):  # one state per block, kept as its forward ends
         fwd += rng
@@ -412,21 +334,6 @@ def _backward_held(blocks: Sequence[BlockCost], step: StepCosts | None) -> int:
     return blocks[-1].output_bytes + blocks[-1].loss_bytes
 
 
-def _new_grads(b: BlockCost) -> int:
-    """The parameter-gradient bytes the block's backward creates and leaves alive."""
-    return b.param_bytes if b.grads_new else 0
-
-
-def _grads_after(part: Sequence[BlockCost]) -> list[int]:
-    """Per block of a segment, the new gradients of the blocks after it in the segment (alive
-    during its backward)."""
-    after, total = [], 0
-    for b in reversed(part):
-        after.append(total)
-        total += _new_grads(b)
-    return after[::-1]
-
-
 def _replay_bytes(part: Sequence[BlockCost], strategy: str, *, late: bool) -> int:
     """``r`` (or ``l`` with ``late``) of a segment: one replay state per recomputed node, so
     the sum over the blocks of reversible and offload segments (a node per block, or per
@@ -435,133 +342,6 @@ def _replay_bytes(part: Sequence[BlockCost], strategy: str, *, late: bool) -> in
     if strategy == REVERSIBLE and not late:  # and the stack's invertibility-check samples
         return sum(per_block) + part[0].reversible_check_bytes
     return sum(per_block) if strategy in (REVERSIBLE, OFFLOAD) else max(per_block)
-
-
-Work = tuple[int, int, int]  # kept bytes, forward peak and backward peak above P
-
-
-def _store_work(part: Sequence[BlockCost], out: int) -> Work:
-    fwd = bwd = acc = 0
-    for b in part:
-        fwd = max(fwd, acc + b.input_bytes + b.forward_peak_bytes)
-        acc += _stored(b)
-    kept = acc
-    for b, grads in zip(reversed(part), reversed(_grads_after(part)), strict=True):
-        bwd = max(bwd, acc + out + b.output_bytes + b.backward_peak_bytes + grads)
-        acc -= _stored(b)  # acc = sum over [j, i] above
-    return kept, fwd, bwd
-
-
-def _stored(b: BlockCost) -> int:
-    """What a stored block keeps: its saved tensors, and its input if it stays alive."""
-    return (b.input_bytes if b.input_kept else 0) + b.saved_bytes
-
-
-def _selective_work(b: BlockCost, policy: str, out: int) -> Work:
-    kept = b.input_bytes + b.selective_bytes[policy]
-    fwd = b.input_bytes + b.selective_forward_peak_bytes[policy]
-    return kept, fwd, kept + out + b.output_bytes + b.selective_backward_peak_bytes[policy]
-
-
-def _reversible_work(part: Sequence[BlockCost], first: bool, last: bool, out: int) -> Work:
-    held = part[0].input_bytes if first else 0  # the caller's chain input, if ours
-    # the stack keeps its output x_k for its whole backward (it rebuilds from it); the chain's
-    # own output is O, counted already
-    kept_output = 0 if last else part[-1].output_bytes
-    fwd = bwd = 0
-    for i, (b, grads) in enumerate(zip(part, _grads_after(part), strict=True)):
-        current = b.input_bytes if (i > 0 or not first) else 0
-        fwd = max(fwd, held + current + b.forward_peak_nograd_bytes)
-        if b.reversible_peak_bytes is not None:  # tr, measured: rebuild and backward
-            bwd = max(
-                bwd, held + kept_output + out + b.output_bytes + b.reversible_peak_bytes + grads
-            )
-            continue
-        bwd = max(  # an upper bound when tr was not measured
-            bwd,
-            held
-            + grads
-            + kept_output
-            + out
-            + 2 * b.output_bytes
-            + b.input_bytes
-            # its node returns the block's parameter gradients at once
-            + max(b.saved_bytes + b.capture_peak, b.forward_peak_bytes + b.param_bytes),
-        )
-    return held, fwd, bwd
-
-
-def _recompute_work(part: Sequence[BlockCost], strategy: str, first: bool, out: int) -> Work:
-    """A checkpoint or approx segment: its forward records nothing; its backward re-runs it."""
-    if strategy == CHECKPOINT:
-        kept, held = part[0].input_bytes, 0
-    else:
-        kept = held = part[0].approx_bytes[argument_of(strategy)]
-        if first:  # the caller's chain input stays alive next to its compressed copy
-            kept += part[0].input_bytes
-            held += part[0].input_bytes
-    fwd = 0
-    for i, b in enumerate(part):
-        alive = kept if strategy == CHECKPOINT else held
-        current = b.input_bytes if (i > 0 or strategy != CHECKPOINT) else 0
-        fwd = max(fwd, alive + current + b.forward_peak_nograd_bytes)
-    grad_out = part[-1].output_bytes
-    last = part[-1]
-    measured_last = strategy == CHECKPOINT and last.checkpoint_peak_bytes is not None
-    bwd = acc = 0
-    for i, b in enumerate(part):  # the recompute in backward
-        if i == len(part) - 1 and measured_last:
-            # tk: the last block's recompute and backward measured together (the recompute
-            # stops after the last tensor its backward needs)
-            assert last.checkpoint_peak_bytes is not None
-            bwd = max(bwd, acc + b.input_bytes + out + grad_out + last.checkpoint_peak_bytes)
-        else:
-            bwd = max(bwd, held + acc + b.input_bytes + b.forward_peak_bytes + out + grad_out)
-        acc += b.input_bytes + b.saved_bytes
-    if strategy == CHECKPOINT:
-        grads_after = _grads_after(part)
-        for i in reversed(range(len(part))):  # its backward
-            b = part[i]
-            if not (i == len(part) - 1 and measured_last):
-                bwd = max(bwd, acc + out + b.output_bytes + b.backward_peak_bytes + grads_after[i])
-            acc -= b.input_bytes + b.saved_bytes
-        return kept, fwd, bwd
-    # one node: the recomputed segment output stays alive and it returns the segment's
-    # parameter gradients at its end, so those made so far are kept
-    captured = 0
-    for i in reversed(range(len(part))):
-        b = part[i]
-        inner = b.output_bytes if i < len(part) - 1 else 0  # g_i, unless it is g_k
-        recomputed = grad_out  # the segment output, rebuilt, alive until the node returns
-        bwd = max(bwd, held + acc + out + grad_out + recomputed + inner + b.capture_peak + captured)
-        captured += b.param_bytes
-        acc -= b.input_bytes + b.saved_bytes
-    return kept, fwd, bwd
-
-
-def _offload_work(part: Sequence[BlockCost], first: bool, out: int) -> Work:
-    """An offload segment (see the module docstring): per block ``d_i`` stays on the device,
-    ``m_i`` moves; ``first``: the segment starts the chain, whose input the caller holds."""
-    kept = 0  # D_i
-    fwd = bwd = 0
-    moved_before = 0  # m_{i-1}, being prefetched during block i's backward
-    for i, (b, grads) in enumerate(zip(part, _grads_after(part), strict=True)):
-        assert b.offload_kept_bytes is not None
-        d = b.offload_kept_bytes
-        g = b.output_bytes
-        prefetch = moved_before if i > 0 else 0
-        # the caller's chain input stays on the device whatever is moved: its copy comes back
-        # next to it
-        back = b.input_bytes + (b.input_bytes - d if first and i == 0 else 0)
-        fwd = max(fwd, kept + b.input_bytes + b.forward_peak_nograd_bytes)
-        bwd = max(
-            bwd,
-            kept + back + b.forward_peak_bytes + out + g + prefetch + grads,
-            kept + back + b.saved_bytes + out + 2 * g + b.capture_peak + prefetch + grads,
-        )
-        kept += b.input_bytes if (first and i == 0) else d
-        moved_before = b.input_bytes - d
-    return kept, fwd, bwd
 
 
 @dataclass(frozen=True)

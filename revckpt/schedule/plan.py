@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..approx import Approx
+from ..approx import Approx, compress_saved
 from ..approx.formats import FORMATS
 from ..checkpoint import POLICY_PRESETS, checkpoint, checkpoint_sequential
 from ..errors import InvalidArgumentError, InvalidInputTypeError, PlanWarning
@@ -22,6 +22,7 @@ from ..offload import checkpoint_sequential as offload_sequential
 from ..strategy import Strategy, argument_of, kind_of
 from .costs import (
     CHECKPOINT,
+    COMPRESS,
     OFFLOAD,
     REVERSIBLE,
     SELECTIVE,
@@ -212,8 +213,9 @@ _SEGMENT_FORM = (
 
 def _strategy_form() -> str:
     return (
-        "'store', 'checkpoint', 'reversible', 'offload', 'approx:<codec>' with a codec of "
-        f"{sorted(FORMATS)} or 'selective:<policy>' with a policy of {sorted(POLICY_PRESETS)}"
+        "'store', 'checkpoint', 'reversible', 'offload', 'approx:<codec>' or "
+        f"'compress:<codec>' with a codec of {sorted(FORMATS)}, or 'selective:<policy>' with a "
+        f"policy of {sorted(POLICY_PRESETS)} (or groups and aten ops joined by '+')"
     )
 
 
@@ -255,6 +257,11 @@ def _checked_segments(segments: Any) -> tuple[Segment, ...]:
         if not _known_strategy(seg.strategy):
             raise InvalidArgumentError(
                 f"segment {i} {_show(seg)}: unknown strategy; use {_strategy_form()}"
+            )
+        if kind_of(seg.strategy) == COMPRESS and seg.stop != seg.start + 1:
+            raise InvalidArgumentError(
+                f"segment {i} {_show(seg)}: a compress segment covers one block; give one "
+                "segment per block"
             )
         if kind_of(seg.strategy) == SELECTIVE and seg.stop != seg.start + 1:
             raise InvalidArgumentError(
@@ -483,6 +490,8 @@ def run_segment(strategy: str, run: Any, x: torch.Tensor, kwargs: dict[str, Any]
         return offload_sequential(run, len(run), x, **kwargs)
     if kind_of(strategy) == SELECTIVE:
         return checkpoint(run[0], x, policy=argument_of(strategy), **kwargs)
+    if kind_of(strategy) == COMPRESS:
+        return compress_saved(run[0], x, store=argument_of(strategy), **kwargs)
     return checkpoint_sequential(run, 1, x, approx=Approx(store=argument_of(strategy)), **kwargs)
 
 

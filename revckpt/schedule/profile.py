@@ -36,10 +36,19 @@ from ..checkpoint import POLICY_PRESETS
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..measure.state import preserved
 from ..strategy import Strategy
-from .block_errors import codec_errors, sensitivities
+from .block_errors import codec_errors, compress_errors, sensitivities
 from .block_memory import memory_costs
 from .block_time import block_times, codec_seconds, derived_codecs
-from .costs import APPROX, CHECKPOINT, OFFLOAD, REVERSIBLE, SELECTIVE, STORE, BlockCost
+from .costs import (
+    APPROX,
+    CHECKPOINT,
+    COMPRESS,
+    OFFLOAD,
+    REVERSIBLE,
+    SELECTIVE,
+    STORE,
+    BlockCost,
+)
 from .probe import InChain, probe_chain
 from .step import StepCosts
 
@@ -105,6 +114,7 @@ def profile(
     *,
     codecs: Sequence[str] = DEFAULT_CODECS,
     policies: Sequence[str] = DEFAULT_POLICIES,
+    compress: Sequence[str] = (),
     repeats: int = 5,
     device: str | torch.device | None = None,
     offload: bool | None = None,
@@ -115,6 +125,9 @@ def profile(
 
     ``codecs``: the approx formats to price (``()`` for none). ``policies``: the selective
     recompute presets to price (names in :data:`revckpt.POLICY_PRESETS`; ``()`` for none).
+    ``compress``: the formats to price for compressed saved activations
+    (:func:`revckpt.approx.compress_saved`; default none: each costs one more run of every
+    block to measure its error, and on a CPU its codec time makes it slower than recomputing).
     ``repeats``: timing rounds of a block timed on its own (what the in-chain rounds did not
     reach). ``device``: where memory is metered (default: ``x``'s device). ``offload``: price
     host offload (:mod:`revckpt.offload`): how many of each block input's bytes leave the
@@ -146,7 +159,16 @@ def profile(
         else tuple(str(i) for i in range(len(chain)))
     )
     started = time.perf_counter()
-    job = _Chain(chain, x, tuple(codecs), tuple(policies), repeats, device or x.device, kwargs)
+    job = _Chain(
+        chain,
+        x,
+        tuple(codecs),
+        tuple(policies),
+        tuple(compress),
+        repeats,
+        device or x.device,
+        kwargs,
+    )
     rng_devices = [x.device] if x.device.type == "cuda" else []
     # leave the model as it was: gradients, running statistics, RNG
     with torch.random.fork_rng(devices=rng_devices), torch.enable_grad(), preserved(chain):
@@ -196,6 +218,7 @@ class _Chain:
     x: torch.Tensor
     codecs: tuple[str, ...]
     policies: tuple[str, ...]
+    compress: tuple[str, ...]
     repeats: int
     device: Any
     kwargs: dict[str, Any]
@@ -206,11 +229,15 @@ class _Chain:
         keys = [same_costs_key(b, h, kw) for b, h in zip(chain, inputs, strict=True)]
         groups = [keys.index(k) for k in keys]  # a group: its first block's index
         reps = sorted(set(groups))
-        codecs = self.codecs if self.x.is_floating_point() else ()
-        errors_needed = [i for i, h in enumerate(inputs) if codecs and h.is_floating_point()]
+        floating = self.x.is_floating_point()
+        codecs = self.codecs if floating else ()
+        compress = self.compress if floating else ()
+        errors_needed = [
+            i for i, h in enumerate(inputs) if (codecs or compress) and h.is_floating_point()
+        ]
         total = len(reps) + 1 + (len(errors_needed) if codecs else 0)
         tick = _Ticker(progress, total)
-        weights = sensitivities(chain, self.x, kw) if codecs else None
+        weights = sensitivities(chain, self.x, kw) if codecs or compress else None
         params = [p for b in chain for p in b.parameters() if p.requires_grad]
         for p in params:  # steady state: gradients exist
             p.grad = torch.zeros_like(p)
@@ -218,7 +245,14 @@ class _Chain:
         for g in reps:
             leaf = inputs[g].requires_grad_(inputs[g].is_floating_point())
             memory[g] = memory_costs(
-                chain[g], leaf, codecs, self.policies, self.device, kw, offload=offload
+                chain[g],
+                leaf,
+                codecs,
+                self.policies,
+                self.device,
+                kw,
+                compress=compress,
+                offload=offload,
             )
             tick()
         options = [self._options(memory[g].fields, inputs[g], offload) for g in groups]
@@ -232,22 +266,31 @@ class _Chain:
             fields = dict(memory[g].fields)
             fields.update(times[g])
             if weights is not None and i in errors_needed:
-                grad_sq, input_sq = weights.grad_sq, weights.input_sq
-                measured = codec_errors(
-                    block, inputs[i], codecs, weights.cotangents[i], kw, weights.exact[i]
-                )
-                fields.update(
-                    approx_error=measured.parameters,
-                    approx_input_error=measured.input_gradient,
-                    approx_perturbation=measured.perturbation,
-                    approx_amplification=measured.amplification,
-                    grad_sq=grad_sq[i],
-                    upstream_grad_sq=input_sq + sum(grad_sq[:i]),
-                    chain_grad_sq=input_sq + sum(grad_sq),
-                )
+                fields.update(self._errors(block, inputs[i], weights, i, fields))
                 tick()
             costs.append(BlockCost(**fields))
         return costs
+
+    def _errors(
+        self, block: nn.Module, x: torch.Tensor, weights: Any, i: int, fields: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The error fields of block ``i`` (input ``x``): per codec for approx and compress,
+        and the weights of the chain's error model."""
+        args = (weights.cotangents[i], self.kwargs, weights.exact[i])
+        measured = codec_errors(block, x, list(fields["approx_bytes"]), *args)
+        out: dict[str, Any] = {
+            "approx_error": measured.parameters,
+            "approx_input_error": measured.input_gradient,
+            "approx_perturbation": measured.perturbation,
+            "approx_amplification": measured.amplification,
+            "grad_sq": weights.grad_sq[i],
+            "upstream_grad_sq": weights.input_sq + sum(weights.grad_sq[:i]),
+            "chain_grad_sq": weights.input_sq + sum(weights.grad_sq),
+        }
+        if fields["compress_bytes"]:
+            r, q = compress_errors(block, x, list(fields["compress_bytes"]), *args)
+            out.update(compress_error=r, compress_input_error=q)
+        return out
 
     def _options(self, fields: dict[str, Any], x: torch.Tensor, offload: bool) -> list[str]:
         """The one-block strategies a block can run with, store first."""
@@ -255,6 +298,7 @@ class _Chain:
         if fields["approx_bytes"]:
             opts.append(str(Strategy(APPROX, next(iter(fields["approx_bytes"])))))
         opts += [str(Strategy(SELECTIVE, p)) for p in self.policies]
+        opts += [str(Strategy(COMPRESS, c)) for c in fields["compress_bytes"]]
         if fields["invertible"]:
             opts.append(REVERSIBLE)
         if offload:

@@ -44,6 +44,7 @@ from .costs import (
     segment_cost,
     slots_of,
 )
+from .kinds import COMPRESS
 from .step import StepCosts
 
 __all__ = [
@@ -103,6 +104,8 @@ def _possible(
         return k == j + 1  # a store segment of n blocks = n store segments of one
     if kind == SELECTIVE:  # one block, and only where profiled
         return k == j + 1 and argument_of(s) in blocks[j].selective_bytes
+    if kind == COMPRESS:
+        return k == j + 1 and argument_of(s) in blocks[j].compress_bytes
     return True
 
 

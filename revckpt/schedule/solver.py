@@ -42,6 +42,7 @@ from .costs import (
     evaluate,
     strategy_names,
 )
+from .kinds import COMPRESS, approximate
 from .plan import Plan
 from .programme import Candidate, Rounding, candidates, min_peak_segments, quantise, solve_segments
 from .step import StepCosts
@@ -65,6 +66,8 @@ def _can_run(block: BlockCost, strategies: Sequence[str]) -> bool:
             return True
         if kind == APPROX:
             return True  # inside a segment whose first block has the codec
+        if kind == COMPRESS and argument_of(s) in block.compress_bytes:
+            return True
     return False
 
 
@@ -168,7 +171,7 @@ class _Problem:
         es: int,
         step: StepCosts | None = None,
     ) -> _Problem:
-        usable = tuple(s for s in chosen if error_budget > 0 or kind_of(s) != APPROX)
+        usable = tuple(s for s in chosen if error_budget > 0 or not approximate(s))
         found = tuple(candidates(blocks, usable, step))
         return cls(blocks, usable, error_budget, es, found, tuple(chosen), step)
 
@@ -279,7 +282,7 @@ def _cures(problem: _Problem, smallest: int, store_peak: int, slots: int) -> lis
     cures: list[str] = []
     blocks = problem.blocks
     available = strategy_names(blocks)
-    exact = [s for s in available if kind_of(s) != APPROX]
+    exact = [s for s in available if not approximate(s)]
     left_out = [s for s in exact if s not in problem.strategies]
     if left_out:
         wider = _Problem.of(blocks, exact, problem.error_budget, problem.error_slots, problem.step)

@@ -30,7 +30,7 @@ from torch import nn
 from ..errors import InfeasibleBudgetError, InvalidArgumentError, InvalidInputTypeError
 from ..strategy import argument_of, kind_of
 from .budget import human_bytes, parse_budget
-from .costs import APPROX, OFFLOAD, REVERSIBLE, SELECTIVE, STORE, Segment, strategy_names
+from .costs import APPROX, COMPRESS, OFFLOAD, REVERSIBLE, SELECTIVE, STORE, Segment, strategy_names
 from .plan import Plan
 from .solver import baseline, make_plan
 
@@ -253,6 +253,8 @@ def _recipes(prof: Any) -> list[Plan]:
             wanted.append((f"approx {arg}", [Segment(i, i + 1, strategy) for i in range(n)]))
         elif kind == SELECTIVE and all(arg in b.selective_bytes for b in costs):
             wanted.append((f"selective {arg}", [Segment(i, i + 1, strategy) for i in range(n)]))
+        elif kind == COMPRESS and all(arg in b.compress_bytes for b in costs):
+            wanted.append((f"compress {arg}", [Segment(i, i + 1, strategy) for i in range(n)]))
         elif kind == REVERSIBLE and all(b.invertible for b in costs):
             wanted.append(("reversible", [Segment(0, n, strategy)]))
         elif kind == OFFLOAD and all(b.offload_kept_bytes is not None for b in costs):

@@ -1,0 +1,391 @@
+"""One cost entry per strategy kind: what a segment run with it keeps, its working peaks, its
+extra time and its error (the formulas of :mod:`revckpt.schedule.costs`' module docstring).
+
+:data:`KINDS` maps a kind (:class:`revckpt.Strategy`'s ``kind``) to its :class:`Kind`; the
+cost model, the solver and the profiler ask the registry rather than parse strategy text. A
+new strategy is one entry here (and its runner and its measurements).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..errors import InvalidArgumentError
+from ..strategy import argument_of, kind_of
+
+if TYPE_CHECKING:
+    from .costs import BlockCost, Segment
+
+__all__ = ["KINDS", "Kind", "Work", "approximate"]
+
+STORE, CHECKPOINT, REVERSIBLE, OFFLOAD = "store", "checkpoint", "reversible", "offload"
+APPROX, SELECTIVE, COMPRESS = "approx", "selective", "compress"  # kinds with an argument
+
+Work = tuple[int, int, int]  # kept bytes, forward peak and backward peak above P
+
+
+def _new_grads(b: BlockCost) -> int:
+    """The parameter-gradient bytes the block's backward creates and leaves alive."""
+    return b.param_bytes if b.grads_new else 0
+
+
+def _grads_after(part: Sequence[BlockCost]) -> list[int]:
+    """Per block of a segment, the new gradients of the blocks after it in the segment (alive
+    during its backward)."""
+    after, total = [], 0
+    for b in reversed(part):
+        after.append(total)
+        total += _new_grads(b)
+    return after[::-1]
+
+
+def _store_work(part: Sequence[BlockCost], out: int) -> Work:
+    fwd = bwd = acc = 0
+    for b in part:
+        fwd = max(fwd, acc + b.input_bytes + b.forward_peak_bytes)
+        acc += _stored(b)
+    kept = acc
+    for b, grads in zip(reversed(part), reversed(_grads_after(part)), strict=True):
+        bwd = max(bwd, acc + out + b.output_bytes + b.backward_peak_bytes + grads)
+        acc -= _stored(b)  # acc = sum over [j, i] above
+    return kept, fwd, bwd
+
+
+def _stored(b: BlockCost) -> int:
+    """What a stored block keeps: its saved tensors, and its input if it stays alive."""
+    return (b.input_bytes if b.input_kept else 0) + b.saved_bytes
+
+
+def _selective_work(b: BlockCost, policy: str, out: int) -> Work:
+    kept = b.input_bytes + b.selective_bytes[policy]
+    fwd = b.input_bytes + b.selective_forward_peak_bytes[policy]
+    return kept, fwd, kept + out + b.output_bytes + b.selective_backward_peak_bytes[policy]
+
+
+def _reversible_work(part: Sequence[BlockCost], first: bool, last: bool, out: int) -> Work:
+    held = part[0].input_bytes if first else 0  # the caller's chain input, if ours
+    # the stack keeps its output x_k for its whole backward (it rebuilds from it); the chain's
+    # own output is O, counted already
+    kept_output = 0 if last else part[-1].output_bytes
+    fwd = bwd = 0
+    for i, (b, grads) in enumerate(zip(part, _grads_after(part), strict=True)):
+        current = b.input_bytes if (i > 0 or not first) else 0
+        fwd = max(fwd, held + current + b.forward_peak_nograd_bytes)
+        if b.reversible_peak_bytes is not None:  # tr, measured: rebuild and backward
+            bwd = max(
+                bwd, held + kept_output + out + b.output_bytes + b.reversible_peak_bytes + grads
+            )
+            continue
+        bwd = max(  # an upper bound when tr was not measured
+            bwd,
+            held
+            + grads
+            + kept_output
+            + out
+            + 2 * b.output_bytes
+            + b.input_bytes
+            # its node returns the block's parameter gradients at once
+            + max(b.saved_bytes + b.capture_peak, b.forward_peak_bytes + b.param_bytes),
+        )
+    return held, fwd, bwd
+
+
+def _recompute_work(part: Sequence[BlockCost], strategy: str, first: bool, out: int) -> Work:
+    """A checkpoint or approx segment: its forward records nothing; its backward re-runs it."""
+    if strategy == CHECKPOINT:
+        kept, held = part[0].input_bytes, 0
+    else:
+        kept = held = part[0].approx_bytes[argument_of(strategy)]
+        if first:  # the caller's chain input stays alive next to its compressed copy
+            kept += part[0].input_bytes
+            held += part[0].input_bytes
+    fwd = 0
+    for i, b in enumerate(part):
+        alive = kept if strategy == CHECKPOINT else held
+        current = b.input_bytes if (i > 0 or strategy != CHECKPOINT) else 0
+        fwd = max(fwd, alive + current + b.forward_peak_nograd_bytes)
+    grad_out = part[-1].output_bytes
+    last = part[-1]
+    measured_last = strategy == CHECKPOINT and last.checkpoint_peak_bytes is not None
+    bwd = acc = 0
+    for i, b in enumerate(part):  # the recompute in backward
+        if i == len(part) - 1 and measured_last:
+            # tk: the last block's recompute and backward measured together (the recompute
+            # stops after the last tensor its backward needs)
+            assert last.checkpoint_peak_bytes is not None
+            bwd = max(bwd, acc + b.input_bytes + out + grad_out + last.checkpoint_peak_bytes)
+        else:
+            bwd = max(bwd, held + acc + b.input_bytes + b.forward_peak_bytes + out + grad_out)
+        acc += b.input_bytes + b.saved_bytes
+    if strategy == CHECKPOINT:
+        grads_after = _grads_after(part)
+        for i in reversed(range(len(part))):  # its backward
+            b = part[i]
+            if not (i == len(part) - 1 and measured_last):
+                bwd = max(bwd, acc + out + b.output_bytes + b.backward_peak_bytes + grads_after[i])
+            acc -= b.input_bytes + b.saved_bytes
+        return kept, fwd, bwd
+    # one node: the recomputed segment output stays alive and it returns the segment's
+    # parameter gradients at its end, so those made so far are kept
+    captured = 0
+    for i in reversed(range(len(part))):
+        b = part[i]
+        inner = b.output_bytes if i < len(part) - 1 else 0  # g_i, unless it is g_k
+        recomputed = grad_out  # the segment output, rebuilt, alive until the node returns
+        bwd = max(bwd, held + acc + out + grad_out + recomputed + inner + b.capture_peak + captured)
+        captured += b.param_bytes
+        acc -= b.input_bytes + b.saved_bytes
+    return kept, fwd, bwd
+
+
+def _offload_work(part: Sequence[BlockCost], first: bool, out: int) -> Work:
+    """An offload segment (see the module docstring): per block ``d_i`` stays on the device,
+    ``m_i`` moves; ``first``: the segment starts the chain, whose input the caller holds."""
+    kept = 0  # D_i
+    fwd = bwd = 0
+    moved_before = 0  # m_{i-1}, being prefetched during block i's backward
+    for i, (b, grads) in enumerate(zip(part, _grads_after(part), strict=True)):
+        assert b.offload_kept_bytes is not None
+        d = b.offload_kept_bytes
+        g = b.output_bytes
+        prefetch = moved_before if i > 0 else 0
+        # the caller's chain input stays on the device whatever is moved: its copy comes back
+        # next to it
+        back = b.input_bytes + (b.input_bytes - d if first and i == 0 else 0)
+        fwd = max(fwd, kept + b.input_bytes + b.forward_peak_nograd_bytes)
+        bwd = max(
+            bwd,
+            kept + back + b.forward_peak_bytes + out + g + prefetch + grads,
+            kept + back + b.saved_bytes + out + 2 * g + b.capture_peak + prefetch + grads,
+        )
+        kept += b.input_bytes if (first and i == 0) else d
+        moved_before = b.input_bytes - d
+    return kept, fwd, bwd
+
+
+def _reversible_time(part: Sequence[BlockCost], strategy: str) -> float:
+    return sum(b.strategy_overhead_s.get(REVERSIBLE, b.forward_s) for b in part)
+
+
+def _offload_time(part: Sequence[BlockCost], strategy: str) -> float:
+    """``sum_i o_i - sum_{i < k-1} h_i`` (``h_i``, the measured copy back of block ``i``'s
+    input, overlapped with block ``i + 1``'s backward when prefetched; the copy out,
+    overlapped with the next forward, is not credited)."""
+    own = [b.strategy_overhead_s.get(OFFLOAD, b.forward_s) for b in part]
+    prefetched = zip(own[:-1], part[:-1], strict=True)
+    return sum(max(0.0, o - b.offload_fetch_s) for o, b in prefetched) + own[-1]
+
+
+def _recompute_time(part: Sequence[BlockCost], strategy: str) -> float:
+    """Checkpoint / approx: ``o_j + sum_{i > j} c_i`` (one call, one compression of the
+    segment input, every block recomputed; ``c_i``, ``chained_s``: what block ``i`` measured
+    adding inside a longer checkpoint segment, ``f_i`` if not measured)."""
+    head = part[0].strategy_overhead_s.get(strategy, part[0].forward_s)
+    return head + sum(b.forward_s if b.chained_s is None else b.chained_s for b in part[1:])
+
+
+def _own_time(part: Sequence[BlockCost], strategy: str) -> float:
+    """A one-block segment (selective, compress): the block's measured extra time."""
+    return part[0].strategy_overhead_s.get(strategy, part[0].forward_s)
+
+
+def _approx_error(part: Sequence[BlockCost], codec: str | None) -> float:
+    """Estimated relative error of all the chain's gradients when the segment's input is
+    compressed by ``codec``, from per-block measurements (:func:`revckpt.schedule.profile`):
+    ``r_i``, ``q_i``, the relative errors of block ``i``'s parameter and input gradients when
+    its input goes through the codec; ``d_i``, how far the codec moves that input; ``A_i``,
+    how much a perturbation of its input grows through it; ``N_i^2``, the squared norm of its
+    parameter gradients in the chain, ``U_j = sum_{i<j} N_i^2`` and ``N^2`` their total. The
+    compressed ``x_j`` moves block ``i``'s input by ``m_i = d_j prod_{j<=l<i} A_l``, scaling
+    its errors by ``s_i = m_i / d_i`` (first order), so::
+
+        e^2 = (sum_{i in [j, k)} (r_i s_i N_i)^2 + U_j sum_{i in [j, k)} (q_i s_i)^2) / N^2
+
+    (the input-gradient error reaches every earlier block with its relative size). Without
+    the chain norms: ``r_j``. Segments combine by root-sum-square (independent rounding):
+    :func:`evaluate` adds ``e^2``."""
+    assert codec is not None
+    head = part[0]
+    r0 = head.approx_error.get(codec, 0.0)
+    if head.chain_grad_sq is None or head.upstream_grad_sq is None:
+        return r0
+    if head.chain_grad_sq <= 0:  # no gradient in the chain itself: what flows out of it
+        return max(r0, head.approx_input_error.get(codec, 0.0))
+    d_j = head.approx_perturbation.get(codec)
+    own = upstream = 0.0
+    moved = d_j
+    for b in part:
+        r, q = b.approx_error.get(codec), b.approx_input_error.get(codec)
+        d, amp = b.approx_perturbation.get(codec), b.approx_amplification.get(codec)
+        n2 = b.grad_sq
+        if None in (r, q, d, amp, n2, moved):
+            return r0
+        assert r is not None and q is not None and d is not None and amp is not None
+        assert n2 is not None and moved is not None and d_j is not None
+        scale = moved / d if d > 0 else 1.0
+        own += (r * scale) ** 2 * n2
+        upstream += (q * scale) ** 2
+        moved *= amp
+    return math.sqrt(own + head.upstream_grad_sq * upstream) / math.sqrt(head.chain_grad_sq)
+
+
+def _compress_error(part: Sequence[BlockCost], codec: str | None) -> float:
+    """One block whose saved tensors go through ``codec``: ``r``, ``q``, the measured relative
+    errors of its parameter and input gradients, weigh as in :func:`_approx_error` with
+    ``s = 1`` (its input is exact): ``e^2 = ((r N_i)^2 + U_i q^2) / N^2``; without the chain
+    norms, ``r``."""
+    assert codec is not None
+    b = part[0]
+    r, q = b.compress_error.get(codec, 0.0), b.compress_input_error.get(codec, 0.0)
+    if b.chain_grad_sq is None or b.upstream_grad_sq is None or b.grad_sq is None:
+        return r
+    if b.chain_grad_sq <= 0:
+        return max(r, q)
+    return math.sqrt(r**2 * b.grad_sq + q**2 * b.upstream_grad_sq) / math.sqrt(b.chain_grad_sq)
+
+
+def _compress_work(part: Sequence[BlockCost], codec: str | None, out: int) -> Work:
+    """Stored, with the block's saved tensors compressed (its input, held by the caller or
+    the block before, stays as it is: counted as a stored block counts it)."""
+    assert codec is not None
+    b = part[0]
+    kept = (b.input_bytes if b.input_kept else 0) + b.compress_bytes[codec]
+    fwd = b.input_bytes + b.compress_forward_peak_bytes[codec]
+    bwd = kept + out + b.output_bytes + b.compress_backward_peak_bytes[codec]
+    return kept, fwd, bwd
+
+
+def _no_error(part: Sequence[BlockCost], arg: str | None) -> float:
+    return 0.0
+
+
+def _no_time(part: Sequence[BlockCost], strategy: str) -> float:
+    return 0.0
+
+
+def _bad_blocks(
+    blocks: Sequence[BlockCost], seg: Segment, ok: Callable[[BlockCost], bool]
+) -> list[int]:
+    return [i for i in range(seg.start, seg.stop) if not ok(blocks[i])]
+
+
+def _check_reversible(blocks: Sequence[BlockCost], seg: Segment, arg: str | None) -> None:
+    bad = _bad_blocks(blocks, seg, lambda b: b.invertible)
+    if bad:
+        raise InvalidArgumentError(
+            f"blocks {bad} are not invertible, so segment [{seg.start}, {seg.stop}) cannot "
+            "be reversible; mark only reversible-coupling blocks as invertible"
+        )
+
+
+def _check_offload(blocks: Sequence[BlockCost], seg: Segment, arg: str | None) -> None:
+    bad = _bad_blocks(blocks, seg, lambda b: b.offload_kept_bytes is not None)
+    if bad:
+        raise InvalidArgumentError(
+            f"offload was not profiled for blocks {bad}; profile with "
+            "schedule.profile(..., offload=True)"
+        )
+
+
+def _check_approx(blocks: Sequence[BlockCost], seg: Segment, arg: str | None) -> None:
+    if arg not in blocks[seg.start].approx_bytes:
+        raise InvalidArgumentError(
+            f"codec {arg!r} was not profiled for block {seg.start}; profile it "
+            "(schedule.profile(..., codecs=[...])) or choose one of "
+            f"{sorted(blocks[seg.start].approx_bytes)}"
+        )
+
+
+def _check_selective(blocks: Sequence[BlockCost], seg: Segment, arg: str | None) -> None:
+    if arg not in blocks[seg.start].selective_bytes:
+        raise InvalidArgumentError(
+            f"policy {arg!r} was not profiled for block {seg.start}; profile it "
+            "(schedule.profile(..., policies=[...])) or choose one of "
+            f"{sorted(blocks[seg.start].selective_bytes)}"
+        )
+
+
+def _check_compress(blocks: Sequence[BlockCost], seg: Segment, arg: str | None) -> None:
+    if arg not in blocks[seg.start].compress_bytes:
+        raise InvalidArgumentError(
+            f"compress:{arg} was not profiled for block {seg.start}; profile it "
+            "(schedule.profile(..., compress=[...])) or choose one of "
+            f"{sorted(blocks[seg.start].compress_bytes)}"
+        )
+
+
+def _no_check(blocks: Sequence[BlockCost], seg: Segment, arg: str | None) -> None:
+    return None
+
+
+WorkFn = Callable[["Sequence[BlockCost]", "str | None", bool, bool, int], Work]
+
+
+@dataclass(frozen=True)
+class Kind:
+    """The costs of one strategy kind. ``work(part, arg, first, last, out)``: kept bytes and
+    forward and backward peaks above the bytes kept before (``first``/``last``: the segment
+    starts/ends the chain; ``out``: what the caller holds in backward); ``time(part,
+    strategy)``: extra seconds; ``error(part, arg)``: relative gradient error; ``check``:
+    raises if the profile cannot price it for these blocks; ``one_block``: its segments are
+    one block long; ``recomputes``: it re-runs forwards (a replay state is kept);
+    ``approximate``: its gradients carry an error (priced against the error budget)."""
+
+    work: WorkFn
+    time: Callable[[Sequence[BlockCost], str], float]
+    error: Callable[[Sequence[BlockCost], str | None], float] = _no_error
+    check: Callable[[Sequence[BlockCost], Segment, str | None], None] = _no_check
+    one_block: bool = False
+    recomputes: bool = True
+    approximate: bool = False
+
+
+KINDS: dict[str, Kind] = {
+    STORE: Kind(
+        lambda part, arg, first, last, out: _store_work(part, out), _no_time, recomputes=False
+    ),
+    CHECKPOINT: Kind(
+        lambda part, arg, first, last, out: _recompute_work(part, CHECKPOINT, first, out),
+        _recompute_time,
+    ),
+    APPROX: Kind(
+        lambda part, arg, first, last, out: _recompute_work(part, f"{APPROX}:{arg}", first, out),
+        _recompute_time,
+        _approx_error,
+        _check_approx,
+        approximate=True,
+    ),
+    SELECTIVE: Kind(
+        lambda part, arg, first, last, out: _selective_work(part[0], arg, out),
+        _own_time,
+        check=_check_selective,
+        one_block=True,
+    ),
+    REVERSIBLE: Kind(
+        lambda part, arg, first, last, out: _reversible_work(part, first, last, out),
+        _reversible_time,
+        check=_check_reversible,
+    ),
+    OFFLOAD: Kind(
+        lambda part, arg, first, last, out: _offload_work(part, first, out),
+        _offload_time,
+        check=_check_offload,
+    ),
+    COMPRESS: Kind(
+        lambda part, arg, first, last, out: _compress_work(part, arg, out),
+        _own_time,
+        _compress_error,
+        _check_compress,
+        one_block=True,
+        recomputes=False,
+        approximate=True,
+    ),
+}
+
+
+def approximate(strategy: str) -> bool:
+    """Whether ``strategy`` (a text form) changes the gradients (approx, compress)."""
+    return KINDS[kind_of(strategy)].approximate
