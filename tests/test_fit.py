@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import types
 import warnings
@@ -18,7 +19,9 @@ from torch import nn
 
 import revckpt
 from revckpt import MemoryMeter
-from revckpt.schedule import Segment
+from revckpt.inplace.install import planned
+from revckpt.inplace.verify import fit_verified
+from revckpt.schedule import Segment, Verified
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -510,3 +513,128 @@ def test_fit_on_other_block_styles(name: str) -> None:
     assert peak >= plan.predicted_peak_bytes * (1 - ABOVE), plan.table()
     for n, g in _grads(model).items():
         assert torch.equal(g, reference[n]), n
+
+
+# --- verify: fit's plan measured in the user's step next to the whole-model recipes ---------
+# No assertion here depends on which plan measured faster: the choice itself is a pure
+# function tested in tests/schedule; these check what holds whatever the timings.
+
+
+def _installed(model: nn.Module) -> list[str]:
+    return [planned(b).strategy for b in zoo.blocks(model, _case("nanogpt"))]
+
+
+def _undominated(found: Verified, budget: int, error_budget: float = 0.0) -> None:
+    """The winner fits both budgets by measurement and no row that does beats it on both."""
+    best = found.measured
+    assert found.report.chosen == best.name
+    fitting = [
+        r
+        for r in found.report.rows
+        if r.measured_peak_bytes <= budget and r.within_error(error_budget)
+    ]
+    assert best in fitting
+    for r in fitting:
+        better = (
+            r.measured_peak_bytes <= best.measured_peak_bytes and r.time_ratio <= best.time_ratio
+        )
+        assert not better or (r.measured_peak_bytes, r.time_ratio) == (
+            best.measured_peak_bytes,
+            best.time_ratio,
+        ), found.report.table()
+
+
+def test_verify_installs_an_undominated_plan_that_fits_by_measurement(caplog) -> None:
+    case = _case("nanogpt")
+    example = case.make_example(*PLANNED["nanogpt"])
+    _, plain_grads, _ = _reference("nanogpt")
+    model = case.make_model()
+    found = fit_verified(model, example, memory_budget=0.5, loss_fn=case.loss_fn, rounds=3)
+    plan = found.plan
+    budget = plan.memory_budget_bytes
+    names = found.report.names
+    assert names[:2] == ["store-all", found.solved.name] and "checkpoint every block" in names
+    assert plan.name == (found.measured.name if found.replaced else "optimal") + " (verified)"
+    assert found.replaced == (plan.segments != found.solved.segments)
+    assert found.note.startswith("verified: ")
+    _undominated(found, budget)
+    assert _installed(model) == plan.strategies
+    peak = _measured_step(model, example, case.loss_fn)
+    assert peak <= budget and peak <= plan.predicted_peak_bytes
+    for n, g in _grads(model).items():
+        assert torch.equal(g, plain_grads[n]), n
+    # the verified plan saves and applies like any plan
+    again = case.make_model()
+    loaded = revckpt.fit(
+        again, example, memory_budget=0.5, loss_fn=case.loss_fn, plan=plan.to_json()
+    )
+    assert loaded.segments == plan.segments and _installed(again) == plan.strategies
+    # fit(verify=True) returns the Plan and logs the note
+    with caplog.at_level(logging.INFO, logger="revckpt.inplace.verify"):
+        verified = revckpt.fit(again, example, memory_budget=0.5, loss_fn=case.loss_fn, verify=True)
+    assert isinstance(verified, revckpt.schedule.Plan) and verified.name.endswith(" (verified)")
+    assert _installed(again) == verified.strategies
+    assert any(m.startswith("revckpt.fit: verified: ") for m in caplog.messages)
+
+
+def _hand_made(model: nn.Module, example, loss_fn, last: str) -> revckpt.schedule.Plan:
+    """Every block stored but one (``last``: the strategy of block 0)."""
+    plan = revckpt.fit(model, example, memory_budget=1.0, loss_fn=loss_fn)
+    segments = (Segment(0, 1, last), Segment(1, plan.length, "store"))
+    return dataclasses.replace(plan, segments=segments, name="hand-made")
+
+
+@pytest.mark.parametrize("over", ["memory", "error"])
+def test_verify_replaces_a_saved_plan_over_a_budget_by_measurement(over: str) -> None:
+    case = _case("nanogpt")
+    example = case.make_example(*PLANNED["nanogpt"])
+    model = case.make_model()
+    # over the memory budget: one block checkpointed keeps most of store-all's peak; over the
+    # error budget (0): one block in bf16, under a budget store-all fits
+    last, budget = ("checkpoint", 0.6) if over == "memory" else ("approx:bf16", 1.0)
+    hand_made = _hand_made(model, example, case.loss_fn, last)
+    if over == "memory":
+        with pytest.raises(revckpt.InvalidArgumentError, match="verify=True"):
+            revckpt.fit(model, example, memory_budget=budget, loss_fn=case.loss_fn, plan=hand_made)
+    found = fit_verified(
+        model, example, memory_budget=budget, loss_fn=case.loss_fn, plan=hand_made, rounds=3
+    )
+    row = found.report.row("hand-made")
+    limit = found.plan.memory_budget_bytes
+    if over == "memory":
+        assert row.measured_peak_bytes > limit, found.report.table()
+    else:
+        assert row.gradient_error > 0 and "store-all" in found.report.names
+    assert found.solved.name == "hand-made" and found.replaced, found.report.table()
+    assert found.measured.name != "hand-made" and found.measured.gradient_error == 0
+    assert found.plan.name == found.measured.name + " (verified)"
+    assert found.plan.segments != hand_made.segments and "over the" in found.note
+    _undominated(found, limit)
+    assert _installed(model) == found.plan.strategies
+    assert _measured_step(model, example, case.loss_fn) <= limit
+
+
+def test_verify_keeps_a_saved_plan_only_when_it_measured_fastest() -> None:
+    case = _case("nanogpt")
+    example = case.make_example(*PLANNED["nanogpt"])
+    model = case.make_model()
+    hand_made = _hand_made(model, example, case.loss_fn, "checkpoint")
+    found = fit_verified(
+        model, example, memory_budget=1.0, loss_fn=case.loss_fn, plan=hand_made, rounds=3
+    )
+    # a generous budget: store-all and every block checkpointed fit, and are measured
+    assert {"store-all", "hand-made", "checkpoint every block"} <= set(found.report.names)
+    assert found.replaced == (found.measured.name != "hand-made")
+    kept = found.plan.segments == hand_made.segments
+    assert kept != found.replaced and _installed(model) == found.plan.strategies
+    _undominated(found, found.plan.memory_budget_bytes)
+
+
+def test_verify_bad_input_is_one_clear_error() -> None:
+    case = _case("nanogpt")
+    model = case.make_model()
+    example = case.make_example(4, 32)
+    with pytest.raises(revckpt.InvalidArgumentError, match="rounds=0"):
+        fit_verified(model, example, memory_budget=0.5, rounds=0)
+    with pytest.raises(revckpt.InvalidArgumentError, match="always verifies"):
+        fit_verified(model, example, memory_budget=0.5, verify=True)

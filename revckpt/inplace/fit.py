@@ -15,14 +15,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import nn
 
 from ..errors import InfeasibleBudgetError, InvalidArgumentError, InvalidInputTypeError
 from ..schedule.budget import human_bytes, parse_budget
 from ..schedule.plan import Plan
+from ..schedule.profile import Profile
 from ..schedule.solver import solve
 from ..strategy import Strategy, StrategyLike, argument_of, kind_of
 from .blocks import Blocks, find_blocks
@@ -35,6 +37,7 @@ __all__ = ["convert", "fit", "restore"]
 
 _EXACT = ("store", "checkpoint", "selective:matmul+attention")
 _CODECS = ("bf16", "e4m3")
+_T = TypeVar("_T")
 
 
 def _check_budget_syntax(memory_budget: Any) -> None:
@@ -96,6 +99,7 @@ def fit(
     repeats: int = 3,
     progress: Callable[[int, int], None] | None = None,
     segment_blocks: int | None = None,
+    verify: bool = False,
 ) -> Plan:
     """Make the model's training step fit ``memory_budget``, in place, and return the plan.
 
@@ -125,6 +129,13 @@ def fit(
         segment_blocks: the most blocks one checkpoint segment may span (default: any). Pass
             1 for FSDP2 with ``fully_shard`` per block: re-running earlier blocks of a
             segment would need their parameters gathered, which only their own hooks do.
+        verify: measure the plan in the step next to the whole-model recipes predicted to fit
+            (store-all, every block checkpointed, every block ``selective:<policy>`` or
+            ``approx:<codec>``) and install the fastest that fits both budgets by
+            measurement, named ``"<its name> (verified)"``; about nine training steps per
+            recipe measured (see :func:`revckpt.inplace.verify.fit_verified`, which also
+            returns the measurements). With ``plan=``, the saved plan is measured instead of
+            being refused when predicted over the budget.
 
     Returns the :class:`~revckpt.schedule.Plan`, whose predicted peak is the whole step's.
     Batches no larger in any dimension than ``example`` keep within the budget; a larger one
@@ -132,6 +143,56 @@ def fit(
     Undo with :func:`restore`. Under ``torch.distributed`` (initialised before ``fit``) every
     rank applies rank 0's plan; the budget is per rank.
     """
+    options = dict(
+        error_budget=error_budget,
+        loss_fn=loss_fn,
+        strategies=strategies,
+        blocks=blocks,
+        plan=plan,
+        repeats=repeats,
+        progress=progress,
+        segment_blocks=segment_blocks,
+    )
+    if verify:
+        from .verify import fit_verified  # it builds on this module
+
+        return fit_verified(model, example, memory_budget=memory_budget, **options).plan
+    return _fit(model, example, memory_budget=memory_budget, **options).plan
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """What :func:`_fit` installed and what it found on the way (the profile and the store-all
+    step's measured peak only when it traced the step)."""
+
+    plan: Plan
+    found: list[tuple[str, nn.Module]]
+    keys: list[Any]
+    strategies: tuple[str, ...]
+    error_budget: float
+    budget: int
+    profile: Profile | None = None
+    store_peak: int | None = None
+    shapes: tuple[tuple[int, ...], ...] = ()  # the traced blocks' hidden-state shapes
+
+
+def _fit(
+    model: nn.Module,
+    example: Any,
+    *,
+    memory_budget: int | float | str,
+    error_budget: float = 0.0,
+    loss_fn: LossFn = None,
+    strategies: Sequence[StrategyLike] | None = None,
+    blocks: Blocks = None,
+    plan: Plan | str | Path | None = None,
+    repeats: int = 3,
+    progress: Callable[[int, int], None] | None = None,
+    segment_blocks: int | None = None,
+    profiled: bool = False,
+) -> Fitted:
+    """:func:`fit` without ``verify``. ``profiled``: trace and profile the step even when a
+    saved ``plan`` is given, and install that plan unchecked (verification measures it)."""
     if not isinstance(model, nn.Module):
         raise InvalidInputTypeError(f"fit(model, ...) needs an nn.Module, got {type(model)}")
     _check_budget_syntax(memory_budget)
@@ -159,16 +220,18 @@ def fit(
     try:
         for fqn, block in found:
             install(block, Planned(fqn, "store", runner_for("store")))
-        if saved is not None:
+        if saved is not None and not profiled:
             budget = parse_budget(memory_budget, saved.store_all_peak_bytes)
             if saved.predicted_peak_bytes > budget:
                 raise InvalidArgumentError(
                     f"the saved plan's whole step peaks at {saved.predicted_peak_bytes:,} bytes, "
                     f"above memory_budget={memory_budget!r} ({budget:,} bytes); make a plan for "
-                    "this budget with revckpt.fit(model, example, memory_budget=...)"
+                    "this budget with revckpt.fit(model, example, memory_budget=...), or "
+                    "measure it against the simple recipes with verify=True"
                 )
-            _apply(saved, found, [None] * len(found))
-            return saved
+            keys: list[Any] = [None] * len(found)
+            _apply(saved, found, keys)
+            return Fitted(saved, found, keys, tuple(chosen), error_budget, budget)
         traced = trace(model, example, loss_fn, found, _recorder_slot(found))
         if segment_blocks is not None:
             step = dataclasses.replace(traced.step, max_span=segment_blocks)
@@ -179,6 +242,16 @@ def fit(
             model, traced, codecs=codecs, policies=policies, repeats=repeats, progress=progress
         )
         keys = [c.key for c in traced.calls]
+        budget = parse_budget(memory_budget, traced.store_peak)
+        shapes = tuple(tuple(c.input.shape) for c in traced.calls)
+
+        def fitted(done: Plan) -> Fitted:
+            seen = (profile, traced.store_peak, shapes)
+            return Fitted(done, found, keys, tuple(chosen), error_budget, budget, *seen)
+
+        if saved is not None:
+            _apply(saved, found, keys)
+            return fitted(saved)
 
         def checked(budget: Any) -> tuple[Plan, int]:
             found_plan = solve(
@@ -186,7 +259,7 @@ def fit(
             )
             found_plan = dataclasses.replace(
                 found_plan,
-                block_shapes=tuple(tuple(c.input.shape) for c in traced.calls),
+                block_shapes=shapes,
                 model_digest=model_digest(model),
             )
             _apply(found_plan, found, keys)
@@ -198,7 +271,7 @@ def fit(
 
         result = _agreed(_within_budget(checked, memory_budget, traced.store_peak))
         _apply(result, found, keys)
-        return result
+        return fitted(result)
     except BaseException:
         restore(model)
         raise
@@ -250,10 +323,11 @@ def _infeasible(
     )
 
 
-def _agreed(plan: Plan) -> Plan:
-    """Under ``torch.distributed``, every rank takes rank 0's plan: plans weigh measured times,
-    which differ between processes, and ranks whose blocks recompute differently would hold
-    different memory (and FSDP2 needs every rank to run the same blocks the same way)."""
+def _agreed(plan: _T) -> _T:
+    """Under ``torch.distributed``, every rank takes rank 0's plan (or any object): plans weigh
+    measured times, which differ between processes, and ranks whose blocks recompute
+    differently would hold different memory (and FSDP2 needs every rank to run the same
+    blocks the same way)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

@@ -1,0 +1,320 @@
+"""Never dominated, for whole models: :func:`fit_verified` measures the plan :func:`revckpt.fit`
+found in the user's own training step next to the whole-model recipes the in-situ profile
+prices, and installs the fastest that fits both budgets by measurement.
+
+The recipes: store-all, every block checkpointed, every block ``selective:<policy>`` for each
+policy profiled and every block ``approx:<codec>`` for each codec profiled (those only with
+``error_budget > 0``), each made with :func:`revckpt.schedule.make_plan` from the profile and
+measured only when its prediction fits both budgets. Each is installed on the model itself, in
+turn, and measured in the step ``fit`` plans for (``example`` and ``loss_fn``):
+
+* **peak**: fit's own metered step (:func:`~revckpt.inplace.trace.measure_step`, gradients
+  ``None`` before it), the one that checks fit's plan;
+* **time**: rotated rounds, as :func:`~revckpt.time_ratios` runs them, each plan divided by
+  store-all's time of the same round. Installing a plan sets an attribute on each block (no
+  copy, no allocation), so it happens before each timed step, outside the clock; deep copies
+  of the model, one per plan, would hold the parameters once per plan and time cold copies;
+* **gradient error** (plans with an approx segment only; exact strategies give store-all's
+  gradients bitwise): the relative L2 error of all parameter gradients against the store-all
+  step's, both run from the same seed.
+
+The choice is :func:`revckpt.schedule.verify._fastest_that_fits` (the one chain verification
+makes): no measured plan that fits both budgets beats the winner on both measured peak and
+measured time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import InfeasibleBudgetError, InvalidArgumentError
+from ..measure.timing import _summary, wall_time
+from ..report import PlanMeasurement, Report
+from ..schedule.budget import human_bytes
+from ..schedule.costs import Segment, strategy_names
+from ..schedule.plan import Plan
+from ..schedule.solver import baseline, make_plan
+from ..schedule.verify import STORE_ALL, Verified, _fastest_that_fits, _key
+from ..strategy import argument_of, kind_of
+from .fit import Fitted, _agreed, _apply, _fit, model_digest, restore
+from .trace import LossFn, _left_as_found, measure_step, run_step
+
+__all__ = ["fit_verified"]
+
+logger = logging.getLogger(__name__)
+
+_VERIFIED = " (verified)"
+
+
+def fit_verified(
+    model: nn.Module,
+    example: Any,
+    *,
+    memory_budget: int | float | str,
+    rounds: int = 7,
+    warmup: int = 1,
+    seed: int = 0,
+    **options: Any,
+) -> Verified:
+    """:func:`revckpt.fit` with ``verify=True``, returning what the verification measured.
+
+    Fits the model (``options``: the other keyword arguments of ``fit``), measures its plan
+    next to the recipes (see the module docstring), installs the fastest that fits both
+    budgets by measurement and returns a :class:`~revckpt.schedule.Verified`: ``plan``, the
+    plan installed (named ``"<name> (verified)"``: ``"optimal (verified)"`` when fit's plan
+    won, ``"checkpoint every block (verified)"`` when that recipe did; it saves with
+    :meth:`~revckpt.schedule.Plan.to_json` and applies with ``fit(..., plan=...)``);
+    ``solved``, fit's plan; ``report``, every plan measured (a :class:`~revckpt.Report`, store-all
+    first, ``chosen`` the winner's row; its ``measured_retained_bytes`` are 0, the in-situ step
+    being metered for its peak only); ``measured``, the winner's row; ``replaced``; ``note``,
+    one line saying what happened, also logged at INFO level to the ``revckpt.inplace.verify``
+    logger (``logging.basicConfig(level=logging.INFO)`` shows it). It is the record chain
+    verification (:func:`revckpt.schedule.verify`) returns; a function of its own, not a field
+    of the plan, because a :class:`~revckpt.schedule.Plan` is what saves to JSON and applies
+    again, and the measurements of one machine's run are neither.
+
+    Cost, beyond the fit itself: per plan measured (fit's, store-all and every recipe
+    predicted to fit) one metered step and ``warmup + rounds`` timed ones (9 steps by
+    default), one more step per plan with an approx segment and one store-all step as their
+    reference. The metered step runs slower than a plain one: on the 4-block GPTs of
+    ``tests/zoo.py`` (batch 8 x 64, CPU) three plans took about 40 plain steps of wall time.
+    With ``plan=`` (a saved plan), the step is also traced and profiled as when solving (the
+    recipes need the profile), and the saved plan is measured even when predicted over the
+    budget.
+
+    Raises :class:`~revckpt.InfeasibleBudgetError` when no measured plan fits both budgets
+    (in practice only for a saved plan: fit's own plan fitted in its measured check step),
+    naming the least measured peak. The model is restored on any error.
+    """
+    if "verify" in options:
+        raise InvalidArgumentError("fit_verified always verifies: leave verify= out")
+    for name, value, least in (("rounds", rounds, 1), ("warmup", warmup, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise InvalidArgumentError(
+                f"{name}={value!r}: pass an int >= {least} (default rounds=7, warmup=1)"
+            )
+    fitted = _fit(model, example, memory_budget=memory_budget, profiled=True, **options)
+    try:
+        loss_fn = options.get("loss_fn")
+        found = _agreed(_verified(model, example, loss_fn, fitted, rounds, warmup, seed))
+        _apply(found.plan, fitted.found, fitted.keys)
+    except BaseException:
+        restore(model)
+        raise
+    logger.info("revckpt.fit: %s", found.note)
+    return found
+
+
+def _candidates(fitted: Fitted) -> dict[str, Plan]:
+    """Store-all, fit's plan and the recipes predicted to fit both budgets, by name, each once
+    (a recipe that runs as fit's plan, or fit's plan that runs as store-all, is left out)."""
+    prof = fitted.profile
+    assert prof is not None
+    n = len(prof.blocks)
+    wanted: list[tuple[str, str]] = []
+    if "checkpoint" in fitted.strategies:
+        wanted.append(("checkpoint every block", "checkpoint"))
+    for strategy in strategy_names(prof.blocks):
+        kind, arg = kind_of(strategy), argument_of(strategy)
+        if kind == "selective" and all(arg in b.selective_bytes for b in prof.blocks):
+            wanted.append((f"selective {arg}", strategy))
+        elif kind == "approx" and all(arg in b.approx_bytes for b in prof.blocks):
+            wanted.append((f"approx {arg}", strategy))
+    recipes = {STORE_ALL: baseline(prof, "store")}
+    for name, strategy in wanted:
+        try:
+            plan = make_plan(prof, [Segment(i, i + 1, strategy) for i in range(n)], name=name)
+        except InvalidArgumentError:
+            continue  # a rule of the cost model forbids it on this model: not a recipe here
+        fits = plan.predicted_peak_bytes <= fitted.budget
+        if fits and plan.predicted_error <= fitted.error_budget * (1 + 1e-9):
+            recipes[name] = plan
+    solved, name = fitted.plan, fitted.plan.name
+    while name in recipes:
+        name += " (fit)"
+    ordered = {STORE_ALL: recipes.pop(STORE_ALL), name: solved, **recipes}
+    plans: dict[str, Plan] = {}
+    for name, plan in ordered.items():
+        if all(_key(plan) != _key(other) for other in plans.values()):
+            plans[name] = plan
+    return plans
+
+
+def _verified(
+    model: nn.Module,
+    example: Any,
+    loss_fn: LossFn,
+    fitted: Fitted,
+    rounds: int,
+    warmup: int,
+    seed: int,
+) -> Verified:
+    plans = _agreed(_candidates(fitted))  # every rank measures the same plans, in one order
+
+    def install(name: str) -> None:
+        _apply(plans[name], fitted.found, fitted.keys)
+
+    peaks = {}
+    for name in plans:
+        install(name)
+        peaks[name] = measure_step(model, example, loss_fn)
+    times = _times(model, example, loss_fn, list(plans), install, rounds, warmup)
+    errors = _errors(model, example, loss_fn, plans, install, seed)
+    budget, error_budget = fitted.budget, fitted.error_budget
+    rows = []
+    for name, plan in plans.items():
+        ratio = _summary(times[name], times[STORE_ALL])
+        rows.append(
+            PlanMeasurement(
+                name=name,
+                strategies=tuple(plan.strategies),
+                measured_peak_bytes=peaks[name],
+                measured_retained_bytes=0,
+                predicted_peak_bytes=plan.predicted_peak_bytes,
+                memory_budget_bytes=budget,
+                time_ratio=ratio.ratio,
+                time_ratio_iqr=(ratio.q25, ratio.q75),
+                predicted_overhead=plan.predicted_overhead,
+                gradient_error=errors[name],
+                predicted_error=plan.predicted_error,
+            )
+        )
+    solved = fitted.plan
+    solved_row = next(r for r in rows if _key(plans[r.name]) == _key(solved))
+    best = _fastest_that_fits(
+        rows, memory_budget=budget, error_budget=error_budget, prefer=solved_row.name
+    )
+    if best is None:
+        least = min(rows, key=lambda r: r.measured_peak_bytes)
+        raise InfeasibleBudgetError(
+            f"no plan measured in the training step fits the memory budget of "
+            f"{human_bytes(budget)} ({budget:,} bytes) within the error budget "
+            f"{error_budget:g}: the least measured peak was {least.name!r}'s "
+            f"{human_bytes(least.measured_peak_bytes)} ({least.measured_peak_bytes:,} bytes). "
+            "Raise memory_budget to at least that, or fit without plan= to solve for this budget",
+            smallest_budget_bytes=least.measured_peak_bytes,
+        )
+    replaced = _key(plans[best.name]) != _key(solved)
+    winner = plans[best.name] if replaced else solved
+    name = best.name if replaced else solved.name.removesuffix(_VERIFIED)
+    plan = dataclasses.replace(
+        winner,
+        name=name + _VERIFIED,
+        predicted_peak_bytes=max(winner.predicted_peak_bytes, best.measured_peak_bytes),
+        memory_budget_bytes=budget,
+        error_budget=error_budget,
+        store_all_peak_bytes=fitted.store_peak,
+        block_shapes=fitted.shapes,
+        model_digest=model_digest(model),
+    )
+    report = Report(
+        rows=tuple(rows),
+        store_all_peak_bytes=peaks[STORE_ALL],
+        input_shape=fitted.shapes[0],
+        chosen=best.name,
+        error_budget=error_budget,
+    )
+    note = _note(solved_row, best, replaced, rows, budget, error_budget)
+    return Verified(plan, solved, report, best, replaced, note)
+
+
+def _times(
+    model: nn.Module,
+    example: Any,
+    loss_fn: LossFn,
+    names: list[str],
+    install: Any,
+    rounds: int,
+    warmup: int,
+) -> dict[str, list[float]]:
+    """Seconds of the step per plan and round: ``warmup`` untimed rounds, then ``rounds``
+    rounds in an order rotated by one each round; each plan installed, and the gradients set
+    to ``None``, before its step, outside the clock."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    times: dict[str, list[float]] = {name: [] for name in names}
+    with _left_as_found(model):
+        for i in range(warmup + rounds):
+            shift = i % len(names)
+            for name in names[shift:] + names[:shift]:
+                install(name)
+                for p in params:
+                    p.grad = None
+                seconds = wall_time(lambda: run_step(model, example, loss_fn))
+                if i >= warmup:
+                    times[name].append(seconds)
+    return times
+
+
+def _errors(
+    model: nn.Module,
+    example: Any,
+    loss_fn: LossFn,
+    plans: dict[str, Plan],
+    install: Any,
+    seed: int,
+) -> dict[str, float]:
+    """The relative L2 error of all parameter gradients against store-all's, from the same
+    seed, of every plan with an approx segment; 0 for the others (exact)."""
+    approx = [n for n, p in plans.items() if any(kind_of(s) == "approx" for s in p.strategies)]
+    errors = dict.fromkeys(plans, 0.0)
+    if not approx:
+        return errors
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def gradients(name: str) -> list[torch.Tensor | None]:
+        install(name)
+        for p in params:
+            p.grad = None
+        torch.manual_seed(seed)
+        run_step(model, example, loss_fn)
+        return [None if p.grad is None else p.grad.detach().clone() for p in params]
+
+    with _left_as_found(model):
+        reference = gradients(STORE_ALL)
+        for name in approx:
+            num = den = 0.0
+            for g, r in zip(gradients(name), reference, strict=True):
+                if r is None:
+                    continue
+                den += float(r.double().norm() ** 2)
+                num += float((g.double() - r.double()).norm() ** 2) if g is not None else 0.0
+            errors[name] = math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
+    return errors
+
+
+def _note(
+    solved: PlanMeasurement,
+    best: PlanMeasurement,
+    replaced: bool,
+    rows: list[PlanMeasurement],
+    budget: int,
+    error_budget: float,
+) -> str:
+    at = (
+        f"{best.time_ratio:.2f}x store-all's time, {human_bytes(best.measured_peak_bytes)} of a "
+        f"{human_bytes(budget)} budget"
+    )
+    if not replaced:
+        fitting = sum(
+            r.measured_peak_bytes <= budget and r.within_error(error_budget) for r in rows
+        )
+        return (
+            f"verified: {solved.name!r} was the fastest of the {fitting} of {len(rows)} plans "
+            f"measured that fit both budgets ({at})"
+        )
+    if solved.measured_peak_bytes > budget:
+        why = f"which measured {human_bytes(solved.measured_peak_bytes)}, over the budget"
+    elif not solved.within_error(error_budget):
+        why = (
+            f"which measured a gradient error of {solved.gradient_error:.2g}, over the error "
+            f"budget {error_budget:g}"
+        )
+    else:
+        why = f"which measured {solved.time_ratio:.2f}x store-all's time"
+    return f"verified: {best.name!r} replaces {solved.name!r}, {why}; it measured {at}"
