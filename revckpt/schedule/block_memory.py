@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..approx import Approx, compress_saved
 from ..approx import checkpoint as approx_checkpoint
-from ..checkpoint import POLICY_PRESETS, checkpoint
+from ..checkpoint import checkpoint, parse_policy
 from ..errors import InvalidInputTypeError
 from ..layers import ReversibleSequential, ReversibleUnit
 from ..measure import MemoryMeter
@@ -374,7 +374,7 @@ def memory_costs(
         "selective_forward_peak_bytes": selective_fwd,
         "selective_backward_peak_bytes": {p: transients[selective_modes[p]] for p in policies},
         # a policy that keeps the operation producing the output keeps the output itself
-        "selective_output_kept": {p: output_op in POLICY_PRESETS[p] for p in policies},
+        "selective_output_kept": {p: output_op in parse_policy(p) for p in policies},
         "output_saved": _saves_own_output(block, leaf, kwargs),
         "invertible": isinstance(block, ReversibleUnit),
         "param_bytes": sum(nbytes(p) for p in params),

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpoint import POLICY_PRESETS
+from ..checkpoint import canonical_policy
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..measure.state import preserved
 from ..strategy import Strategy
@@ -49,6 +49,7 @@ from .costs import (
     STORE,
     BlockCost,
 )
+from .ops import op_choices
 from .probe import InChain, probe_chain
 from .step import StepCosts
 
@@ -56,6 +57,7 @@ __all__ = ["Profile", "profile", "profile_block"]
 
 DEFAULT_CODECS = ("bf16", "e4m3")
 DEFAULT_POLICIES = ("matmul+attention",)
+AUTO = "auto"  # policies chosen per block from its operations (op_choices)
 Progress = Callable[[int, int], None]
 
 
@@ -113,7 +115,7 @@ def profile(
     x: torch.Tensor,
     *,
     codecs: Sequence[str] = DEFAULT_CODECS,
-    policies: Sequence[str] = DEFAULT_POLICIES,
+    policies: Sequence[str] | str = DEFAULT_POLICIES,
     compress: Sequence[str] = (),
     repeats: int = 5,
     device: str | torch.device | None = None,
@@ -124,7 +126,11 @@ def profile(
     """Profile the chain ``blocks`` on input ``x`` (keyword arguments reach every block).
 
     ``codecs``: the approx formats to price (``()`` for none). ``policies``: the selective
-    recompute presets to price (names in :data:`revckpt.POLICY_PRESETS`; ``()`` for none).
+    recompute policies to price: specs (:func:`revckpt.checkpoint.parse_policy`: presets of
+    :data:`revckpt.POLICY_PRESETS`, or groups and aten operations joined by ``"+"``; ``()``
+    for none), or ``"auto"``: per group of identical blocks, the nested keep-sets
+    :func:`~revckpt.schedule.ops.op_choices` proposes from the block's own operations (what
+    each keeps against what recomputing it costs), the solver then choosing one per block.
     ``compress``: the formats to price for compressed saved activations
     (:func:`revckpt.approx.compress_saved`; default none: each costs one more run of every
     block to measure its error, and on a CPU its codec time makes it slower than recomputing).
@@ -148,11 +154,14 @@ def profile(
         offload = x.device.type == "cuda"
     elif not isinstance(offload, bool):
         raise InvalidArgumentError(f"offload={offload!r}: pass True, False or None (auto)")
-    unknown = [p for p in policies if p not in POLICY_PRESETS]
-    if unknown:
-        raise InvalidArgumentError(
-            f"unknown selective-recompute policies {unknown}; choose from {sorted(POLICY_PRESETS)}"
-        )
+    auto = isinstance(policies, str) and policies == AUTO
+    if not auto:
+        if isinstance(policies, str):
+            raise InvalidInputTypeError(
+                f"policies={policies!r}: pass a list of policies (e.g. ['matmul+attention']) or "
+                f"{AUTO!r}"
+            )
+        policies = tuple(canonical_policy(p) for p in policies)  # raises on a bad spec
     names = (
         tuple(n for n, _ in blocks.named_children())
         if isinstance(blocks, nn.Sequential)
@@ -163,7 +172,7 @@ def profile(
         chain,
         x,
         tuple(codecs),
-        tuple(policies),
+        AUTO if auto else tuple(policies),
         tuple(compress),
         repeats,
         device or x.device,
@@ -217,7 +226,7 @@ class _Chain:
     chain: list[nn.Module]
     x: torch.Tensor
     codecs: tuple[str, ...]
-    policies: tuple[str, ...]
+    policies: tuple[str, ...] | str  # or AUTO
     compress: tuple[str, ...]
     repeats: int
     device: Any
@@ -248,7 +257,7 @@ class _Chain:
                 chain[g],
                 leaf,
                 codecs,
-                self.policies,
+                self._policies(chain[g], inputs[g]),
                 self.device,
                 kw,
                 compress=compress,
@@ -270,6 +279,12 @@ class _Chain:
                 tick()
             costs.append(BlockCost(**fields))
         return costs
+
+    def _policies(self, block: nn.Module, x: torch.Tensor) -> tuple[str, ...]:
+        if self.policies != AUTO:
+            return tuple(self.policies)
+        found = [c.spec for c in op_choices(block, x, kwargs=self.kwargs, max_choices=3)]
+        return tuple(dict.fromkeys([*found, *DEFAULT_POLICIES]))
 
     def _errors(
         self, block: nn.Module, x: torch.Tensor, weights: Any, i: int, fields: dict[str, Any]
@@ -297,7 +312,7 @@ class _Chain:
         opts = [STORE, CHECKPOINT]
         if fields["approx_bytes"]:
             opts.append(str(Strategy(APPROX, next(iter(fields["approx_bytes"])))))
-        opts += [str(Strategy(SELECTIVE, p)) for p in self.policies]
+        opts += [str(Strategy(SELECTIVE, p)) for p in fields["selective_bytes"]]
         opts += [str(Strategy(COMPRESS, c)) for c in fields["compress_bytes"]]
         if fields["invertible"]:
             opts.append(REVERSIBLE)

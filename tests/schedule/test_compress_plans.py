@@ -73,3 +73,21 @@ def test_compress_on_a_transformer_chain_is_exact_in_the_forward():
     model = apply(chain, plan)
     assert torch.equal(model(x), chain(x))
     assert measure_peak(model, x) <= plan.predicted_peak_bytes
+
+
+def test_auto_policies_give_each_block_its_own_keep_sets_and_plans_hold():
+    torch.manual_seed(0)
+    chain, x = gpt_like(4, 32, 2), torch.randn(2, 32, 32)
+    prof = profile(chain, x, repeats=1, codecs=(), policies="auto")
+    found = set(prof.blocks[0].selective_bytes)
+    assert "matmul+attention" in found and len(found) >= 2
+    for b in prof.blocks:
+        assert set(b.strategy_overhead_s) >= {f"selective:{p}" for p in b.selective_bytes}
+    store = make_plan(prof, [Segment(0, 4, "store")]).predicted_peak_bytes
+    for frac in (0.8, 0.6):
+        plan = solve(prof, memory_budget=int(frac * store))
+        model = apply(chain, plan)
+        assert measure_peak(model, x) <= plan.predicted_peak_bytes
+        assert torch.equal(model(x), chain(x))
+    with pytest.raises(Exception, match="policies='matmul'"):
+        profile(chain, x, policies="matmul")
