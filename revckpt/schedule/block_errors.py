@@ -51,12 +51,13 @@ class Sensitivities:
     """For a seeded random projection loss ``<w, y>`` of the chain output: the gradient with
     respect to every block's output (the cotangent block ``j`` sees in the chain), the squared
     norm of every block's parameter gradients, that of the chain input's gradient, and per
-    block its :class:`Exact` gradients (``None`` where it has none)."""
+    block its :class:`Exact` gradients (``None`` where it has none) and its input."""
 
     cotangents: list[torch.Tensor | None]
     grad_sq: list[float]
     input_sq: float
     exact: list[Exact | None]
+    inputs: list[torch.Tensor]  # every block's input (detached)
 
 
 def _rng_state(device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -87,8 +88,9 @@ def sensitivities(
     inputs = [leaf] if leaf.requires_grad else []
     wrt = inputs + [o for o in outs[:-1] if o.requires_grad] + flat
     n = len(chain)
+    inputs = [x.detach()] + [o.detach() for o in outs[:-1]]
     if not h.requires_grad or not wrt:
-        return Sensitivities([None] * n, [0.0] * n, 0.0, [None] * n)
+        return Sensitivities([None] * n, [0.0] * n, 0.0, [None] * n, inputs)
     grads = torch.autograd.grad((h * w).sum(), wrt, allow_unused=True)
     by_id = {id(t): g for t, g in zip(wrt, grads, strict=True)}
 
@@ -108,7 +110,7 @@ def sensitivities(
         par = torch.cat([g.reshape(-1) for g in g_par]) if g_par else outs[i].new_zeros(0)
         exact.append(Exact(g_in.reshape(-1), par, outs[i].detach().reshape(-1), states[i]))
     return Sensitivities(
-        [None if c is None else c.detach() for c in cotangents], grad_sq, input_sq, exact
+        [None if c is None else c.detach() for c in cotangents], grad_sq, input_sq, exact, inputs
     )
 
 

@@ -9,14 +9,15 @@ hooks; the single-threaded CPU engine, or a CUDA synchronisation at each mark, m
 moments the segment's bounds).
 
 One step stores every block: each block's forward and backward. Each further step cuts the
-chain into contiguous *parts*, one per strategy and one stored, every block of a part run
-with it as a segment of its own. The stored part measures how the machine's load drifted
-since the stored step (that step's times are divided by its ratio). The last part,
-``chained``, is cut into checkpoint segments of up to four blocks, whose blocks after the
-first measure what a block adds *inside* a longer segment (its recompute without a node of
-its own). Step ``r`` rotates the parts by ``r``, so each strategy meets other blocks. Parts,
-not alternating blocks: a step that switches strategy at every block measures each 5-15%
-slower than the same strategy run on a stretch of blocks, as in the plans the solver makes.
+chain into ``parts`` contiguous halves (by default), each run with one strategy, every block
+of a part as a segment of its own; the part ``chained`` is cut into checkpoint segments of
+up to four blocks, whose blocks after the first measure what a block adds *inside* a longer
+segment (its recompute without a node of its own). With the four strategies of a GPT block
+(checkpoint, approx, selective, chained) that is three steps in all. Long parts, not
+alternating blocks: measured against whole-chain plans timed head to head, a block's
+checkpoint overhead reads 5% high from halves, 30% high from quarters, and more from a step
+that switches strategy at every block; the plans the solver makes run a strategy over
+stretches of blocks. ``rounds`` > 1 repeats the steps with the parts rotated.
 
 Per group (identical blocks) a strategy's extra time is the median over its samples; a group
 no part reached gets the median ratio of extra time to stored forward time over the blocks
@@ -105,15 +106,11 @@ def timed_step(
     return [(forward[p], max(0.0, done[p] - done[p + 1])) for p in range(n)]
 
 
-def _parts(n: int, strategies: Sequence[str], r: int) -> list[tuple[int, int, str]]:
-    """Contiguous parts ``(start, stop, strategy)`` of ``n`` blocks, rotated by ``r``."""
+def _parts(n: int, strategies: Sequence[str]) -> list[tuple[int, int, str]]:
+    """``n`` blocks cut into contiguous parts ``(start, stop, strategy)``, one per strategy."""
     k = len(strategies)
     size = max(1, -(-n // k))
-    return [
-        (p * size, min(n, (p + 1) * size), strategies[(p + r) % k])
-        for p in range(k)
-        if p * size < n
-    ]
+    return [(p * size, min(n, (p + 1) * size), s) for p, s in enumerate(strategies) if p * size < n]
 
 
 _SPAN = 4  # blocks per checkpoint segment of the chained part
@@ -143,13 +140,15 @@ def probe_chain(
     groups: Sequence[int],
     options: Sequence[Sequence[str]],
     *,
-    rounds: int = 2,
+    parts: int = 2,
+    rounds: int = 1,
     warm: bool = True,
     clock: Clock = time.perf_counter,
 ) -> InChain:
-    """Time the chain's step stored and in ``rounds`` steps of rotated parts (see the module
-    docstring). ``groups[i]``: block ``i``'s group (identical blocks share one); ``options[i]``:
-    the one-block strategies it can run with, ``"store"`` first; ``grad``: the chain output's
+    """Time the chain's step stored, then every strategy on ``parts`` contiguous parts per
+    step, ``rounds`` times with the parts rotated (see the module docstring).
+    ``groups[i]``: block ``i``'s group (identical blocks share one); ``options[i]``: the
+    one-block strategies it can run with, ``"store"`` first; ``grad``: the chain output's
     gradient; ``warm``: the caches and allocator are warm (a stored step ran just before), or
     one untimed stored step runs first."""
     n = len(chain)
@@ -161,23 +160,23 @@ def probe_chain(
     bwd = _by_group(groups, [b for _, b in stored])
     own = [fwd[g] + bwd[g] for g in groups]  # the group's median: less noise than one sample
     strategies = sorted({s for o in options for s in o if s != STORE}, key=_order(options))
-    # a stored part in every step: the load of a shared machine drifts between steps, and
-    # each step's times are divided by its stored part's ratio to the stored step
-    kinds = [STORE, *strategies, CHAINED] if n > 1 else [STORE, *strategies]
+    kinds = [*strategies, CHAINED] if n > 1 else strategies
     samples: dict[tuple[int, str], list[float]] = defaultdict(list)
     spans: list[tuple[Segment, float]] = []
-    for r in range(rounds if strategies else 0):
-        segments = _segments(_parts(n, kinds, r), options)
-        times = timed_step(chain, segments, x, grad, kwargs, clock=clock)
-        drift = _drift(segments, times, own)
-        for seg, (f, b) in zip(segments, times, strict=True):
-            if seg.strategy == STORE:
-                continue
-            extra = (f + b) / drift - sum(own[seg.start : seg.stop])
-            if seg.stop - seg.start == 1:
-                samples[(groups[seg.start], seg.strategy)].append(extra)
-            else:
-                spans.append((seg, extra))
+    steps = [kinds[a : a + parts] for a in range(0, len(kinds), parts)]
+    for r in range(rounds):
+        for kinds_of_step in steps:
+            rotated = (
+                kinds_of_step[r % len(kinds_of_step) :] + kinds_of_step[: r % len(kinds_of_step)]
+            )
+            segments = _segments(_parts(n, rotated), options)
+            times = timed_step(chain, segments, x, grad, kwargs, clock=clock)
+            for seg, (f, b) in zip(segments, times, strict=True):
+                extra = f + b - sum(own[seg.start : seg.stop])
+                if seg.stop - seg.start == 1:
+                    samples[(groups[seg.start], seg.strategy)].append(extra)
+                else:
+                    spans.append((seg, extra))
     extra = {key: max(0.0, statistics.median(v)) for key, v in samples.items()}
     ratio = _ratios(extra, fwd)
     overhead = []
@@ -193,21 +192,8 @@ def probe_chain(
         backward_s=tuple(bwd[g] for g in groups),
         overhead_s=tuple(overhead),
         chained_s=tuple(chained[i] for i in range(n)),
-        rounds=1 + (rounds if strategies else 0) + (0 if warm else 1),
+        rounds=1 + rounds * len(steps) + (0 if warm else 1),
     )
-
-
-def _drift(
-    segments: Sequence[Segment], times: Sequence[tuple[float, float]], own: Sequence[float]
-) -> float:
-    """How much slower this step's stored blocks ran than in the stored step (median ratio;
-    1 without stored blocks)."""
-    ratios = [
-        (f + b) / own[seg.start]
-        for seg, (f, b) in zip(segments, times, strict=True)
-        if seg.strategy == STORE and own[seg.start] > 0
-    ]
-    return statistics.median(ratios) if ratios else 1.0
 
 
 def _order(options: Sequence[Sequence[str]]) -> Callable[[str], int]:

@@ -234,19 +234,16 @@ class _Chain:
 
     def run(self, *, offload: bool, progress: Progress | None) -> list[BlockCost]:
         chain, kw = self.chain, self.kwargs
-        inputs = _inputs(chain, self.x, kw)
-        keys = [same_costs_key(b, h, kw) for b, h in zip(chain, inputs, strict=True)]
-        groups = [keys.index(k) for k in keys]  # a group: its first block's index
-        reps = sorted(set(groups))
         floating = self.x.is_floating_point()
         codecs = self.codecs if floating else ()
         compress = self.compress if floating else ()
-        errors_needed = [
-            i for i, h in enumerate(inputs) if (codecs or compress) and h.is_floating_point()
-        ]
-        total = len(reps) + 1 + (len(errors_needed) if codecs else 0)
-        tick = _Ticker(progress, total)
         weights = sensitivities(chain, self.x, kw) if codecs or compress else None
+        inputs = _inputs(chain, self.x, kw) if weights is None else weights.inputs
+        keys = [same_costs_key(b, h, kw) for b, h in zip(chain, inputs, strict=True)]
+        groups = [keys.index(k) for k in keys]  # a group: its first block's index
+        reps = sorted(set(groups))
+        errors_needed = [i for i, h in enumerate(inputs) if weights and h.is_floating_point()]
+        tick = _Ticker(progress, len(reps) + 1 + len(errors_needed))
         params = [p for b in chain for p in b.parameters() if p.requires_grad]
         for p in params:  # steady state: gradients exist
             p.grad = torch.zeros_like(p)
