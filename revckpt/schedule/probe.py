@@ -140,13 +140,14 @@ def probe_chain(
     groups: Sequence[int],
     options: Sequence[Sequence[str]],
     *,
-    parts: int = 2,
+    parts: int | None = None,
     rounds: int = 1,
     warm: bool = True,
     clock: Clock = time.perf_counter,
 ) -> InChain:
     """Time the chain's step stored, then every strategy on ``parts`` contiguous parts per
-    step, ``rounds`` times with the parts rotated (see the module docstring).
+    step (default: as few as make two steps, at least halves), ``rounds`` times with the
+    parts rotated (see the module docstring).
     ``groups[i]``: block ``i``'s group (identical blocks share one); ``options[i]``: the
     one-block strategies it can run with, ``"store"`` first; ``grad``: the chain output's
     gradient; ``warm``: the caches and allocator are warm (a stored step ran just before), or
@@ -161,6 +162,8 @@ def probe_chain(
     own = [fwd[g] + bwd[g] for g in groups]  # the group's median: less noise than one sample
     strategies = sorted({s for o in options for s in o if s != STORE}, key=_order(options))
     kinds = [*strategies, CHAINED] if n > 1 else strategies
+    if parts is None:  # two strategy steps: halves for up to four kinds, thirds for six
+        parts = max(2, -(-len(kinds) // 2))
     samples: dict[tuple[int, str], list[float]] = defaultdict(list)
     spans: list[tuple[Segment, float]] = []
     steps = [kinds[a : a + parts] for a in range(0, len(kinds), parts)]
