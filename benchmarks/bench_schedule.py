@@ -19,7 +19,15 @@ puts each baseline next to the exact optimum solved for the baseline's own predi
 (equal memory, exactly): the optimum's overhead is never higher by prediction; the measured
 times show what the noise of this machine does to that.
 
-Run ``python benchmarks/bench_schedule.py`` (about 3 minutes on 2 CPU cores); prints the tables
+A third table is the time model's record: every measured plan's predicted overhead (from
+the profile the plans were solved on, and from a second, separate profile of the same model)
+against its measured overhead, the relative error, whether it is within 15% (or 0.03 of a
+step), the Spearman rank correlation of predicted and measured overheads over all plans, and
+what each profile cost in training steps (its wall time over the stored chain's step). The
+third model is a Hugging Face Llama decoder stack (random weights, ``transformers``): its
+decoder layers as a chain, each with the model's rotary tables fixed.
+
+Run ``python benchmarks/bench_schedule.py`` (about 5 minutes on 2 CPU cores); prints the tables
 and writes ``benchmarks/results/bench_schedule.json`` and one PNG plot per model.
 """
 
@@ -38,24 +46,73 @@ from _common import environment, write_json  # benchmarks/_common.py
 from revckpt import RevckptError
 from revckpt.models import gpt_like, revnet_like
 from revckpt.report import report
-from revckpt.schedule import Plan, baseline, profile, solve
+from revckpt.schedule import Plan, baseline, evaluate, profile, solve
 
-BUDGETS = (0.75, 0.5, 0.25, 0.1, 0.05)
+BUDGETS = (0.9, 0.75, 0.6, 0.5, 0.4, 0.3, 0.25, 0.2, 0.15, 0.1, 0.05)
+
+
+class LlamaUnit(torch.nn.Module):
+    """One decoder layer of a Hugging Face Llama as a one-input block: the rotary tables of
+    the example's positions fixed (causal attention: no mask)."""
+
+    def __init__(self, layer: torch.nn.Module, rotary: tuple[torch.Tensor, torch.Tensor]):
+        super().__init__()
+        self.layer = layer
+        self.register_buffer("cos", rotary[0], persistent=False)
+        self.register_buffer("sin", rotary[1], persistent=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out = self.layer(h, position_embeddings=(self.cos, self.sin), attention_mask=None)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def llama_chain(
+    layers: int, dim: int, heads: int, batch: int, seq: int
+) -> tuple[torch.nn.Sequential, torch.Tensor] | None:
+    """A random-weight Llama's decoder layers as a chain, and a hidden-state input."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=dim,
+        intermediate_size=4 * dim,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=seq,
+        attn_implementation="sdpa",
+    )
+    model = transformers.LlamaModel(config)
+    x = torch.randn(batch, seq, dim)
+    positions = torch.arange(seq).unsqueeze(0)
+    with torch.no_grad():
+        rotary = model.rotary_emb(x, positions)
+    units = [LlamaUnit(layer, rotary) for layer in model.layers]
+    return torch.nn.Sequential(*units), x
 
 
 def models(quick: bool) -> dict[str, tuple[torch.nn.Sequential, torch.Tensor]]:
     torch.manual_seed(0)
     if quick:
-        return {
+        found = {
             "GPT-like": (gpt_like(4, 32, 2), torch.randn(2, 16, 32)),
             "RevNet-like": (revnet_like((2, 2), (8, 16)), torch.randn(2, 3, 16, 16)),
         }
-    return {
-        # 24 blocks, dim 64, 4 heads, batch 4 x 128 tokens
-        "GPT-like": (gpt_like(24, 64, 4), torch.randn(4, 128, 64)),
-        # stem, 3 stages of 8 reversible units (16/32/64 channels), 2 downsamplings, head
-        "RevNet-like": (revnet_like((8, 8, 8), (16, 32, 64)), torch.randn(8, 3, 32, 32)),
-    }
+        llama = llama_chain(2, 32, 2, 2, 16)
+    else:
+        found = {
+            # 24 blocks, dim 64, 4 heads, batch 4 x 128 tokens
+            "GPT-like": (gpt_like(24, 64, 4), torch.randn(4, 128, 64)),
+            # stem, 3 stages of 8 reversible units (16/32/64 channels), 2 downsamplings, head
+            "RevNet-like": (revnet_like((8, 8, 8), (16, 32, 64)), torch.randn(8, 3, 32, 32)),
+        }
+        # 12 decoder layers, dim 64, 4 heads, batch 4 x 128 tokens
+        llama = llama_chain(12, 64, 4, 4, 128)
+    if llama is not None:
+        found["HF Llama"] = llama
+    return found
 
 
 def _named(plan: Plan, name: str) -> Plan:
@@ -127,8 +184,96 @@ def plans_for(prof: Any, store_peak: int, error_budget: float) -> tuple[list[Pla
     return list(distinct.values()), records
 
 
+def _spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(v):
+            j = i
+            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    var = math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
+    return cov / var if var > 0 else float("nan")
+
+
+def time_model(
+    rep: Any, plans: list[Plan], second: Any, base: int, labels: dict[str, str]
+) -> dict[str, Any]:
+    """Predicted (two profiles) against measured overhead of every measured plan."""
+    rows = {r.name: r for r in rep.rows}
+    records = []
+    for plan in plans:
+        r = rows[plan.name]
+        measured = r.time_ratio - 1.0
+        other = evaluate(second.blocks, plan.segments)
+        pred2 = other.overhead_s / sum(b.forward_s + b.backward_s for b in second.blocks)
+        miss = abs(plan.predicted_overhead - measured)
+        records.append(
+            {
+                "plan": plan.name,
+                "made_by": labels.get(plan.name, ""),
+                "strategies": sorted(set(plan.strategies)),
+                "memory_fraction": r.measured_peak_bytes / base,
+                "measured_overhead": measured,
+                "measured_iqr": [r.time_ratio_iqr[0] - 1.0, r.time_ratio_iqr[1] - 1.0],
+                "predicted_overhead": plan.predicted_overhead,
+                "second_profile_overhead": pred2,
+                "relative_error": miss / measured if measured > 0 else None,
+                "within_15pct_or_0.03": miss <= max(0.15 * abs(measured), 0.03),
+                "profiles_apart": (
+                    abs(pred2 - plan.predicted_overhead) / plan.predicted_overhead
+                    if plan.predicted_overhead > 0
+                    else 0.0
+                ),
+            }
+        )
+    meas = [r["measured_overhead"] for r in records]
+    pred = [r["predicted_overhead"] for r in records]
+    errs = sorted(r["relative_error"] for r in records if r["relative_error"] is not None)
+    spanning = [r for r in records if 0.1 <= r["memory_fraction"] <= 0.9]
+    return {
+        "plans": records,
+        "spearman": _spearman(meas, pred),
+        "plans_10_to_90pct": len(spanning),
+        "spearman_10_to_90pct": (
+            _spearman(
+                [r["measured_overhead"] for r in spanning],
+                [r["predicted_overhead"] for r in spanning],
+            )
+            if len(spanning) > 2
+            else None
+        ),
+        "median_relative_error": errs[len(errs) // 2] if errs else None,
+        "worst_relative_error": errs[-1] if errs else None,
+        "within": sum(r["within_15pct_or_0.03"] for r in records),
+        "profiles_apart_worst": max(r["profiles_apart"] for r in records),
+    }
+
+
+def _labels(records: list[dict]) -> dict[str, str]:
+    """Per plan, the first method (and budget) that produced it."""
+    labels: dict[str, str] = {}
+    for r in records:
+        if r["plan"] and r["plan"] not in labels:
+            frac = r["budget_fraction"]
+            labels[r["plan"]] = r["method"] + ("" if frac is None else f" at {frac:.0%}")
+    return labels
+
+
 def run_model(name: str, chain: Any, x: torch.Tensor, args: argparse.Namespace) -> dict:
     prof = profile(chain, x, repeats=args.profile_repeats)
+    second = profile(chain, x, repeats=args.profile_repeats)
     store_peak = baseline(prof, "store").predicted_peak_bytes
     plans, records = plans_for(prof, store_peak, args.error_budget)
     rep = report(chain, x, plans, repeats=args.repeats, chosen=None)
@@ -173,11 +318,14 @@ def run_model(name: str, chain: Any, x: torch.Tensor, args: argparse.Namespace) 
     sqrt_over_per_block = (
         fixed["sqrt"]["measured_peak_bytes"] / fixed["per-block"]["measured_peak_bytes"]
     )
-    plot = args.out.parent / f"bench_schedule_{name.split('-')[0].lower()}.png"
+    plot = args.out.parent / f"bench_schedule_{name.split('-')[0].lower().replace(' ', '_')}.png"
     rep.plot(plot, title=f"{name}: measured memory vs time, every plan of bench_schedule")
     worst = max(abs(r.peak_ratio - 1) for r in rep.rows)
     return {
         "model": name,
+        "profile_cost_steps": [prof.cost_in_steps, second.cost_in_steps],
+        "profile_threads": prof.threads,
+        "time_model": time_model(rep, plans, second, base, _labels(records)),
         "input_shape": list(x.shape),
         "blocks": len(prof.blocks),
         "store_all_measured_peak_bytes": base,
@@ -241,6 +389,30 @@ def tables(result: dict) -> str:
                 f"{e['baseline_time_ratio']:.3f} | {e['optimal_peak_bytes'] / 2**20:.2f} | "
                 f"{e['optimal_time_ratio']:.3f} | {e['baseline_predicted_overhead']:.3f} / "
                 f"{e['optimal_predicted_overhead']:.3f} |"
+            )
+        tm = m["time_model"]
+        out.append(
+            f"\ntime model: profiling cost {m['profile_cost_steps'][0]:.1f} and "
+            f"{m['profile_cost_steps'][1]:.1f} training steps; Spearman {tm['spearman']:.3f} over "
+            f"{len(tm['plans'])} plans ({tm['spearman_10_to_90pct'] or float('nan'):.3f} over the "
+            f"{tm['plans_10_to_90pct']} at 10-90% of store-all); relative error median "
+            f"{tm['median_relative_error']:.1%}, worst {tm['worst_relative_error']:.1%}; "
+            f"{tm['within']}/{len(tm['plans'])} within 15% (or 0.03); the two profiles' "
+            f"predictions at most {tm['profiles_apart_worst']:.1%} apart"
+        )
+        out.append(
+            "| plan | memory | measured overhead (IQR) | predicted | second profile | error |"
+        )
+        out.append("|---|---|---|---|---|---|")
+        for r in tm["plans"]:
+            err = "-" if r["relative_error"] is None else f"{r['relative_error']:.1%}"
+            mark = "" if r["within_15pct_or_0.03"] else " (out)"
+            out.append(
+                f"| {r['plan']} ({r['made_by']}) | {r['memory_fraction']:.1%} | "
+                f"{r['measured_overhead']:+.3f} "
+                f"({r['measured_iqr'][0]:+.3f}..{r['measured_iqr'][1]:+.3f}) | "
+                f"{r['predicted_overhead']:+.3f} | {r['second_profile_overhead']:+.3f} | "
+                f"{err}{mark} |"
             )
     return "\n".join(out)
 
