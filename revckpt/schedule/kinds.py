@@ -332,7 +332,9 @@ class Kind:
     strategy)``: extra seconds; ``error(part, arg)``: relative gradient error; ``check``:
     raises if the profile cannot price it for these blocks; ``one_block``: its segments are
     one block long; ``recomputes``: it re-runs forwards (a replay state is kept);
-    ``approximate``: its gradients carry an error (priced against the error budget)."""
+    ``approximate``: its gradients carry an error (priced against the error budget);
+    ``runs_on(block, arg)``: whether a block can be run with it (for a segment, its first block,
+    or with ``last_ok`` its last one, decides)."""
 
     work: WorkFn
     time: Callable[[Sequence[BlockCost], str], float]
@@ -341,11 +343,15 @@ class Kind:
     one_block: bool = False
     recomputes: bool = True
     approximate: bool = False
+    runs_on: Callable[[BlockCost, str | None], bool] = lambda b, arg: True
+    last_ok: bool = False  # a segment may end wherever its last block can run it
 
 
 KINDS: dict[str, Kind] = {
     STORE: Kind(
-        lambda part, arg, first, last, out: _store_work(part, out), _no_time, recomputes=False
+        lambda part, arg, first, last, out: _store_work(part, out),
+        _no_time,
+        recomputes=False,
     ),
     CHECKPOINT: Kind(
         lambda part, arg, first, last, out: _recompute_work(part, CHECKPOINT, first, out),
@@ -357,22 +363,28 @@ KINDS: dict[str, Kind] = {
         _approx_error,
         _check_approx,
         approximate=True,
+        runs_on=lambda b, arg: arg in b.approx_bytes,
     ),
     SELECTIVE: Kind(
         lambda part, arg, first, last, out: _selective_work(part[0], arg, out),
         _own_time,
         check=_check_selective,
         one_block=True,
+        runs_on=lambda b, arg: arg in b.selective_bytes,
     ),
     REVERSIBLE: Kind(
         lambda part, arg, first, last, out: _reversible_work(part, first, last, out),
         _reversible_time,
         check=_check_reversible,
+        runs_on=lambda b, arg: b.invertible,
+        last_ok=True,
     ),
     OFFLOAD: Kind(
         lambda part, arg, first, last, out: _offload_work(part, first, out),
         _offload_time,
         check=_check_offload,
+        runs_on=lambda b, arg: b.offload_kept_bytes is not None,
+        last_ok=True,
     ),
     COMPRESS: Kind(
         lambda part, arg, first, last, out: _compress_work(part, arg, out),
@@ -382,6 +394,7 @@ KINDS: dict[str, Kind] = {
         one_block=True,
         recomputes=False,
         approximate=True,
+        runs_on=lambda b, arg: arg in b.compress_bytes,
     ),
 }
 

@@ -30,12 +30,7 @@ import numpy as np
 
 from ..strategy import argument_of, kind_of
 from .costs import (
-    APPROX,
     CHECKPOINT,
-    OFFLOAD,
-    REVERSIBLE,
-    SELECTIVE,
-    STORE,
     BlockCost,
     Segment,
     SegmentCost,
@@ -44,7 +39,7 @@ from .costs import (
     segment_cost,
     slots_of,
 )
-from .kinds import COMPRESS
+from .kinds import KINDS, STORE
 from .step import StepCosts
 
 __all__ = [
@@ -93,20 +88,11 @@ def _possible(
             return False
         if step.max_span is not None and k - j > step.max_span:
             return False
-    kind = kind_of(s)
-    if kind == REVERSIBLE:
-        return blocks[k - 1].invertible
-    if kind == OFFLOAD:
-        return blocks[k - 1].offload_kept_bytes is not None
-    if kind == APPROX:
-        return argument_of(s) in blocks[j].approx_bytes
-    if kind == STORE:
-        return k == j + 1  # a store segment of n blocks = n store segments of one
-    if kind == SELECTIVE:  # one block, and only where profiled
-        return k == j + 1 and argument_of(s) in blocks[j].selective_bytes
-    if kind == COMPRESS:
-        return k == j + 1 and argument_of(s) in blocks[j].compress_bytes
-    return True
+    kind = KINDS[kind_of(s)]
+    # a store segment of n blocks is n store segments of one: the programme uses those
+    if (kind.one_block or s == STORE) and k > j + 1:
+        return False
+    return kind.runs_on(blocks[k - 1] if kind.last_ok else blocks[j], argument_of(s))
 
 
 def candidates(

@@ -33,8 +33,6 @@ from .costs import (
     APPROX,
     CHECKPOINT,
     OFFLOAD,
-    REVERSIBLE,
-    SELECTIVE,
     STORE,
     BlockCost,
     Segment,
@@ -42,7 +40,7 @@ from .costs import (
     evaluate,
     strategy_names,
 )
-from .kinds import COMPRESS, approximate
+from .kinds import KINDS, approximate
 from .plan import Plan
 from .programme import Candidate, Rounding, candidates, min_peak_segments, quantise, solve_segments
 from .step import StepCosts
@@ -56,18 +54,8 @@ def _can_run(block: BlockCost, strategies: Sequence[str]) -> bool:
     """Whether some segment with one of ``strategies`` can contain ``block``."""
     for s in strategies:
         kind = kind_of(s)
-        if kind in (STORE, CHECKPOINT):
-            return True
-        if kind == REVERSIBLE and block.invertible:
-            return True
-        if kind == OFFLOAD and block.offload_kept_bytes is not None:
-            return True
-        if kind == SELECTIVE and argument_of(s) in block.selective_bytes:
-            return True
-        if kind == APPROX:
-            return True  # inside a segment whose first block has the codec
-        if kind == COMPRESS and argument_of(s) in block.compress_bytes:
-            return True
+        if kind == APPROX or KINDS[kind].runs_on(block, argument_of(s)):
+            return True  # approx: inside a segment whose first block has the codec
     return False
 
 
