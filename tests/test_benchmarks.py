@@ -142,3 +142,11 @@ def test_bench_vs_torch_quick(tmp_path, capsys):
                 assert r["storages_peak_bytes"] == r["predicted_peak_bytes"]
                 assert r["peak_bytes"] <= torch_peak
     assert result["budget_takes_effect"]  # budget 0.5 peaks below compiled store-all
+
+
+def test_bench_allocator_quick(tmp_path):
+    out = tmp_path / "r.json"
+    result = load("bench_allocator").main(["--quick", "--rounds", "2", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["plan"] for r in rows] == [r["plan"] for r in result["rows"]]
+    assert len(rows) == 3 and all("steady" in r and "interleaved" in r for r in rows)
