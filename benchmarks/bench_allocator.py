@@ -11,7 +11,8 @@ the allocator's share::
     GLIBC_TUNABLES=glibc.malloc.mmap_threshold=4294967295:glibc.malloc.trim_threshold=4294967295 \\
         python benchmarks/bench_allocator.py --out benchmarks/results/bench_allocator_tuned.json
 
-(the second keeps freed memory in the process, as CUDA's caching allocator does). Prints a table
+(the second keeps freed memory in the process, as CUDA's caching allocator does; so does
+``--keep-freed-memory``, which calls ``revckpt.measure.keep_freed_memory()``). Prints a table
 and writes ``benchmarks/results/bench_allocator.json``; about 30 s on 2 CPU cores.
 """
 
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 from _common import environment, write_json  # benchmarks/_common.py
 
+from revckpt.measure import keep_freed_memory
 from revckpt.models import gpt_like
 from revckpt.schedule import Segment, apply, make_plan, profile
 
@@ -73,11 +75,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="a tiny model (a smoke test)")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="revckpt.measure.keep_freed_memory() first (glibc keeps freed blocks)",
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "bench_allocator.json"
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    kept = keep_freed_memory() if args.keep_freed_memory else False
     n, dim, heads, shape = (4, 32, 2, (2, 16, 32)) if args.quick else (24, 64, 4, (4, 128, 64))
     chain, x = gpt_like(n, dim, heads), torch.randn(*shape)
     prof = profile(chain, x, codecs=(), policies=())
@@ -96,7 +104,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name, plan in plans.items()
     ]
     tunables = os.environ.get("GLIBC_TUNABLES", "")
-    print(f"GPT-like, {n} blocks, input {list(shape)}; GLIBC_TUNABLES={tunables or '(unset)'}")
+    print(
+        f"GPT-like, {n} blocks, input {list(shape)}; GLIBC_TUNABLES={tunables or '(unset)'}; "
+        f"keep_freed_memory: {kept}"
+    )
     print("| plan | predicted | interleaved (IQR) | steady state (IQR) |")
     print("|---|---|---|---|")
     for r in rows:
@@ -111,6 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": "python benchmarks/bench_allocator.py",
         "environment": environment(),
         "glibc_tunables": tunables,
+        "keep_freed_memory": kept,
         "model": {"blocks": n, "dim": dim, "heads": heads, "input": list(shape)},
         "rows": rows,
     }

@@ -27,6 +27,11 @@ what each profile cost in training steps (its wall time over the stored chain's 
 third model is a Hugging Face Llama decoder stack (random weights, ``transformers``): its
 decoder layers as a chain, each with the model's rotary tables fixed.
 
+On a CPU the benchmark first calls ``revckpt.measure.keep_freed_memory()`` (glibc keeps freed
+blocks in the process, as CUDA's caching allocator does; see ``benchmarks/bench_allocator.py``
+for what glibc's default of handing them back does to step times); ``--glibc-defaults`` leaves
+malloc alone.
+
 Run ``python benchmarks/bench_schedule.py`` (about 5 minutes on 2 CPU cores); prints the tables
 and writes ``benchmarks/results/bench_schedule.json`` and one PNG plot per model.
 """
@@ -44,6 +49,7 @@ import torch
 from _common import environment, write_json  # benchmarks/_common.py
 
 from revckpt import RevckptError
+from revckpt.measure import keep_freed_memory
 from revckpt.models import gpt_like, revnet_like
 from revckpt.report import report
 from revckpt.schedule import Plan, baseline, evaluate, profile, solve
@@ -424,15 +430,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--profile-repeats", type=int, default=5)
     parser.add_argument("--error-budget", type=float, default=0.01)
     parser.add_argument(
+        "--glibc-defaults",
+        action="store_true",
+        help="leave glibc's malloc as it is (by default revckpt.measure.keep_freed_memory() "
+        "runs first: freed blocks stay in the process, as with CUDA's caching allocator)",
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "bench_schedule.json"
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    kept = False if args.glibc_defaults else keep_freed_memory()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "benchmark": "bench_schedule",
         "command": "python benchmarks/bench_schedule.py",
         "environment": environment(),
+        "keep_freed_memory": kept,
         "budgets": list(BUDGETS),
         "error_budget": args.error_budget,
         "models": [run_model(n, c, x, args) for n, (c, x) in models(args.quick).items()],

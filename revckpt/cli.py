@@ -125,6 +125,11 @@ def _demo(args: argparse.Namespace) -> int:
         # one thread by default: the timings compare strategies, and intra-op threads on small
         # tensors (or a busy machine) make them slow and noisy
         torch.set_num_threads(args.threads)
+        # freed blocks stay in the process (as with CUDA's caching allocator): without it,
+        # glibc's page faults make step times depend on the step before (measure/host.py)
+        from .measure import keep_freed_memory
+
+        keep_freed_memory()
     progress = _Progress(6, enabled=not args.no_progress and sys.stderr.isatty())
 
     progress.step(f"building a GPT-like model ({depth} blocks, dim {dim})")

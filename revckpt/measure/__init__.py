@@ -4,6 +4,7 @@ Imports nothing of revckpt but the errors module, so every other part may use it
 """
 
 from .gradients import GradientError, TensorError, gradient_error, paired_gradients
+from .host import keep_freed_memory
 from .memory import MeasurementError, MemoryMeter, MemoryStats, peak_memory
 from .timing import TimeRatio, time_ratio, time_ratios
 
@@ -15,6 +16,7 @@ __all__ = [
     "TensorError",
     "TimeRatio",
     "gradient_error",
+    "keep_freed_memory",
     "paired_gradients",
     "peak_memory",
     "time_ratio",
