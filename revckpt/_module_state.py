@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from .errors import ModifiedParameterError, ReplayError
 
-__all__ = ["ModuleState"]
+__all__ = ["ModuleState", "submodules"]
 
 _PLAIN = (bool, int, float, str, type(None))
 _STATS = frozenset(("running_mean", "running_var", "num_batches_tracked"))
@@ -71,14 +71,18 @@ def _walk(modules: Iterable[Any]) -> list[nn.Module]:
 
 
 class _Layout:
-    """The modules under one root and the names of their plain attributes, found once per
-    root (the walk and the attribute scan cost more than the rest of a capture)."""
+    """The modules under one root, the names of their plain attributes and their normalisation
+    layers, found once per root (the walk and the attribute scan cost more than the rest of a
+    capture). ``closed``: whether a recompute of the root was seen to call no normalisation
+    layer but its own (``None``: not seen yet; see :meth:`ModuleState.norms`)."""
 
-    __slots__ = ("__weakref__", "attrs", "modules", "signature")
+    __slots__ = ("__weakref__", "attrs", "closed", "modules", "norms", "signature")
 
     def __init__(self, root: nn.Module) -> None:
         self.modules = _walk((root,))
         self.signature = self._signature()
+        self.norms = tuple(m for m in self.modules if isinstance(m, _NormBase))
+        self.closed: bool | None = None
         self.attrs = []
         for m in self.modules:
             keys = tuple(k for k, v in m.__dict__.items() if k[0] != "_" and type(v) in _PLAIN)
@@ -102,6 +106,12 @@ def _layout(root: nn.Module) -> _Layout:
     if layout is None or not layout.current():
         layout = _LAYOUTS[root] = _Layout(root)
     return layout
+
+
+def submodules(root: nn.Module) -> list[nn.Module]:
+    """``root`` and its submodules, each once (cached per root; walked again when a submodule
+    was added, removed or replaced)."""
+    return _layout(root).modules
 
 
 def _tracked_buffers(m: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
@@ -141,13 +151,23 @@ def _values(getter: operator.itemgetter, keys: tuple[str, ...], d: dict[str, Any
 class ModuleState:
     """Attributes, parameter and buffer versions of the modules one forward calls."""
 
-    __slots__ = ("_attrs", "_before", "_frozen", "_modules", "_old", "_stats", "_unseen")
+    __slots__ = (
+        "_attrs",
+        "_before",
+        "_frozen",
+        "_layouts",
+        "_modules",
+        "_old",
+        "_stats",
+        "_unseen",
+    )
 
     # Bookkeeping runs eagerly: after a graph break Dynamo would otherwise compile these frames.
     @torch.compiler.disable
     def __init__(self, roots: Iterable[Any]) -> None:
         layouts = [_layout(r) for r in roots if isinstance(r, nn.Module)]
         mods = layouts[0].modules if len(layouts) == 1 else _walk(roots)
+        self._layouts = layouts
         self._modules = mods
         self._attrs = [
             (m.__dict__, keys, _values(get, keys, m.__dict__))
@@ -160,14 +180,17 @@ class ModuleState:
         ]
         self._old: dict[tuple[nn.Module, str], torch.Tensor] = {}
         self._stats: dict[tuple[nn.Module, str], torch.Tensor] = {}
-        with torch.no_grad():
-            for m, name, b, _ in self._before:
-                known = _WRITES.get(m)
-                if known is None or name in known:
-                    self._old[(m, name)] = b.clone()
-            for m in mods:
-                for name, b in _read_stats(m):
-                    self._stats[(m, name)] = b.clone()
+        norms = layouts[0].norms if len(layouts) == 1 else mods
+        copies = [
+            (self._old, (m, name), b)
+            for m, name, b, _ in self._before
+            if (known := _WRITES.get(m)) is None or name in known
+        ]
+        copies += [(self._stats, (m, name), b) for m in norms for name, b in _read_stats(m)]
+        if copies:  # (a no_grad context costs more than the rest of a capture)
+            with torch.no_grad():
+                for table, key, b in copies:
+                    table[key] = b.clone()
         self._frozen: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
         self._unseen: list[str] = []
 
@@ -198,6 +221,26 @@ class ModuleState:
         for m in {m for m, *_ in self._before}:
             _WRITES[m] = _WRITES.get(m, frozenset()) | written.get(m, set())
         self._before = []
+
+    def norms(self) -> tuple[nn.Module, ...] | None:
+        """The normalisation layers a recompute of these modules calls, once a recompute of the
+        same modules (none added, removed or replaced since) was seen to call no other one;
+        ``None`` until then (replay then freezes whatever normalisation layer runs, and
+        reports what ran to :meth:`learn_norms`)."""
+        layouts = self._layouts
+        if not layouts or not all(layout.closed for layout in layouts):
+            return None
+        if len(layouts) == 1:
+            return layouts[0].norms
+        return tuple(dict.fromkeys(m for layout in layouts for m in layout.norms))
+
+    def learn_norms(self, ran: Iterable[nn.Module]) -> None:
+        """Record the normalisation layers one recompute of these modules called: if all are
+        theirs, later recomputes freeze exactly those (no global module hooks)."""
+        own = {id(m) for layout in self._layouts for m in layout.norms}
+        closed = all(id(m) in own for m in ran)
+        for layout in self._layouts:
+            layout.closed = closed
 
     @torch.compiler.disable
     def check(self, label: str) -> None:

@@ -41,20 +41,21 @@ strategy uses it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
-from ._module_state import ModuleState
+from ._module_state import ModuleState, submodules
 from .errors import ReplayError
 
 __all__ = [
@@ -97,18 +98,41 @@ def devices_of(*objs: Any) -> list[torch.device]:
     scan_modules = _accelerator_initialised()
     seen: dict[torch.device, None] = {}
     for obj in objs:
-        if isinstance(obj, torch.Tensor):
-            tensors: Iterable[Any] = (obj,)
-        elif isinstance(obj, nn.Module):
-            if not scan_modules:
-                continue
-            tensors = [*obj.parameters(), *obj.buffers()]
+        if isinstance(obj, nn.Module):
+            if scan_modules:
+                for m in submodules(obj):  # the walk is cached per module tree
+                    for t in (*m._parameters.values(), *m._buffers.values()):
+                        if t is not None:
+                            seen[t.device] = None
         else:
-            tensors = tree_flatten(obj)[0]
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                seen.setdefault(t.device, None)
+            _scan(obj, seen)
+    seen.pop(_META, None)
+    if len(seen) == 1 and _CPU in seen:
+        return [_CPU]
     return list(dict.fromkeys(_normalise(d) for d in seen))
+
+
+_CPU = torch.device("cpu")
+_META = torch.device("meta")
+_PLAIN = (int, float, str, bool, type(None))
+
+
+def _scan(obj: Any, seen: dict[torch.device, None]) -> None:
+    """Add the devices of the tensors in ``obj`` to ``seen``: tuples, lists and dicts are walked
+    here (a block's arguments, called per block and step), other containers by pytree."""
+    kind = type(obj)
+    if isinstance(obj, torch.Tensor):
+        seen[obj.device] = None
+    elif kind is tuple or kind is list:
+        for item in obj:
+            _scan(item, seen)
+    elif kind is dict:
+        for item in obj.values():
+            _scan(item, seen)
+    elif not isinstance(obj, _PLAIN):
+        for t in tree_flatten(obj)[0]:
+            if isinstance(t, torch.Tensor):
+                seen[t.device] = None
 
 
 def _normalise(device: torch.device) -> torch.device:
@@ -147,10 +171,21 @@ def _autocast_types(extra: frozenset[str]) -> tuple[str, ...]:
 
 
 def _autocast_device_types(devices: Iterable[torch.device]) -> tuple[str, ...]:
-    return _autocast_types(frozenset(d.type for d in devices if d.type != "cpu"))
+    extra = [d.type for d in devices if d.type != "cpu"]
+    return _autocast_types(frozenset(extra) if extra else _NO_EXTRA)
 
 
-@dataclass(frozen=True)
+_NO_EXTRA: frozenset[str] = frozenset()
+
+
+@functools.lru_cache(maxsize=256)
+def _autocast_state(
+    device_type: str, enabled: bool, dtype: torch.dtype, cache_enabled: bool
+) -> AutocastState:
+    return AutocastState(device_type, enabled, dtype, cache_enabled)
+
+
+@dataclasses.dataclass(frozen=True)
 class AutocastState:
     """The autocast settings of one device type at capture time."""
 
@@ -161,12 +196,13 @@ class AutocastState:
 
     @classmethod
     def capture(cls, device_type: str) -> AutocastState:
-        """The autocast settings now in effect for ``device_type``."""
-        return cls(
-            device_type=device_type,
-            enabled=torch.is_autocast_enabled(device_type),
-            dtype=torch.get_autocast_dtype(device_type),
-            cache_enabled=torch.is_autocast_cache_enabled(),
+        """The autocast settings now in effect for ``device_type`` (one shared instance per
+        distinct setting: a capture runs per block and step)."""
+        return _autocast_state(
+            device_type,
+            torch.is_autocast_enabled(device_type),
+            torch.get_autocast_dtype(device_type),
+            torch.is_autocast_cache_enabled(),
         )
 
     def matches_current(self) -> bool:
@@ -394,8 +430,13 @@ class _Replay:
             pending: list[contextlib.AbstractContextManager[Any]] = [
                 ac.context() for ac in state.autocast if not ac.matches_current()
             ]
-            if state.norms is None or state.norms:
-                pending.append(freeze_running_stats(state.norms))
+            norms = state.norms
+            if norms is None and state.modules is not None:
+                norms = state.modules.norms()
+            if norms is None:
+                pending.append(_LearnNorms(state.modules))
+            elif norms:
+                pending.append(_swapped_statistics(norms))
             for context in pending:
                 context.__enter__()
                 self._contexts.append(context)
@@ -440,6 +481,37 @@ class _Replay:
                     "(train such models in separate processes, or run the other thread's model "
                     "through revckpt too: their forwards then take turns)"
                 )
+
+
+# The exception torch's checkpoint stops a recompute with once every tensor it needs is back.
+_STOPPED: tuple[type[BaseException], ...] = (
+    (torch.utils.checkpoint._StopRecomputationError,)
+    if hasattr(torch.utils.checkpoint, "_StopRecomputationError")
+    else ()
+)
+
+
+class _LearnNorms:
+    """Freeze whatever normalisation layer the recompute calls (global module hooks), and tell
+    ``modules`` which ones ran (so that their next recomputes freeze exactly those, without
+    hooks: :meth:`ModuleState.norms`)."""
+
+    __slots__ = ("_context", "_installed", "_modules", "_ran")
+
+    def __init__(self, modules: ModuleState | None) -> None:
+        self._modules = modules
+        self._ran: list[nn.Module] = []
+        self._installed = False
+        self._context = _freeze_called(self._ran if modules is not None else None)
+
+    def __enter__(self) -> None:
+        self._installed = self._context.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._context.__exit__(*exc)
+        finished = exc[0] is None or issubclass(exc[0], _STOPPED)
+        if finished and self._installed and self._modules is not None:
+            self._modules.learn_norms(self._ran)
 
 
 class _ReplayDepth(threading.local):
@@ -515,15 +587,25 @@ def freeze_running_stats(modules: Iterable[nn.Module] | None = None) -> Iterator
        ``torch.nn.modules.batchnorm._NormBase``, check :func:`is_replaying` in their forward,
        or keep such blocks out of recompute.
     """
-    state = _frozen
     if modules is not None:
         with _swapped_statistics(modules):
             yield
         return
+    with _freeze_called(None):
+        yield
+
+
+@contextlib.contextmanager
+def _freeze_called(ran: list[nn.Module] | None) -> Iterator[bool]:
+    """:func:`freeze_running_stats` for whatever normalisation module runs (global module
+    hooks). ``ran``: gets every normalisation module called on this thread meanwhile (in any
+    mode). Yields whether this context installed the hooks (``False`` inside another one,
+    whose hooks do the work: then ``ran`` stays empty)."""
+    state = _frozen
     if state.depth > 0:
         state.depth += 1
         try:
-            yield
+            yield False
         finally:
             state.depth -= 1
         return
@@ -531,14 +613,12 @@ def freeze_running_stats(modules: Iterable[nn.Module] | None = None) -> Iterator
     swapped: dict[nn.Module, dict[str, torch.Tensor | None]] = {}
 
     def before(module: nn.Module, args: Any) -> None:
-        if (
-            threading.get_ident() != owner
-            or not isinstance(module, _NormBase)
-            or not (module.training and module.track_running_stats)
-            or module in swapped
-        ):
+        if threading.get_ident() != owner or not isinstance(module, _NormBase):
             return
-        swapped[module] = _swap_in_copies(module)
+        if ran is not None:
+            ran.append(module)
+        if module.training and module.track_running_stats and module not in swapped:
+            swapped[module] = _swap_in_copies(module)
 
     def restore(module: nn.Module) -> None:
         originals = swapped.pop(module, None)
@@ -553,7 +633,7 @@ def freeze_running_stats(modules: Iterable[nn.Module] | None = None) -> Iterator
     post = nn.modules.module.register_module_forward_hook(after, always_call=True)
     state.depth = 1
     try:
-        yield
+        yield True
     finally:
         state.depth = 0
         pre.remove()

@@ -540,3 +540,142 @@ def test_values_check_needs_rng_preservation_and_numpy_segments_work():
             nn.Linear(2, 2), torch.randn(1, 2), determinism_check="values", preserve_rng_state=False
         )
     assert segment_bounds(4, np.int64(2)) == [(0, 2), (2, 4)]
+
+
+# --- per-call caches: each invalidated when the block changes ---------------------------------
+
+
+def _step_matches_plain(block_a: nn.Module, block_b: nn.Module, x: torch.Tensor) -> None:
+    """One seeded forward + backward of ``block_a`` plainly and ``block_b`` checkpointed (twins):
+    the same output, gradients and buffers."""
+    torch.manual_seed(7)
+    xa = x.detach().requires_grad_(True)
+    ya = block_a(xa)
+    ya.sum().backward()
+    torch.manual_seed(7)
+    xb = x.detach().requires_grad_(True)
+    yb = checkpoint(block_b, xb)
+    yb.sum().backward()
+    assert torch.equal(ya, yb)
+    assert torch.equal(xa.grad, xb.grad)
+    for (name, p), (_, q) in zip(
+        block_a.named_parameters(), block_b.named_parameters(), strict=True
+    ):
+        assert torch.equal(p.grad, q.grad), name
+    for (name, a), (_, b) in zip(block_a.named_buffers(), block_b.named_buffers(), strict=True):
+        assert torch.equal(a, b), name
+
+
+class _Hooks(nn.Module):
+    """Records, in each recompute, whether global module hooks are installed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if revckpt.replay.is_replaying():
+            self.seen.append(bool(nn.modules.module._global_forward_pre_hooks))
+        return x
+
+
+def _block(*layers: nn.Module) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 6), *layers, _Hooks()).double()
+
+
+def test_norms_learned_on_the_first_recompute_then_frozen_without_global_hooks():
+    plain = _block(nn.BatchNorm1d(6), nn.Dropout(0.2))
+    ours = copy.deepcopy(plain)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    for _ in range(3):
+        _step_matches_plain(plain, ours, x)
+    assert ours[-1].seen == [True, False, False]  # learned once, then exact
+    assert int(ours[1].num_batches_tracked) == 3
+
+
+def test_a_batchnorm_added_after_learning_is_frozen_too():
+    plain = _block(nn.Tanh())
+    ours = copy.deepcopy(plain)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    _step_matches_plain(plain, ours, x)
+    _step_matches_plain(plain, ours, x)
+    assert ours[-1].seen == [True, False]
+    for m in (plain, ours):
+        m.insert(1, nn.BatchNorm1d(6).double())
+    ours[1].load_state_dict(plain[1].state_dict())
+    for _ in range(2):
+        _step_matches_plain(plain, ours, x)  # running statistics updated once per step
+    assert ours[-1].seen == [True, False, True, False]  # the new layout is learned again
+    assert int(ours[1].num_batches_tracked) == 2
+
+
+class _CallsOutside(nn.Module):
+    """Calls a normalisation layer it does not register (reached through a global)."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6).double()
+        self.__dict__["norm"] = norm  # not a submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.lin(x))
+
+
+def test_a_normalisation_layer_outside_the_block_keeps_the_global_freeze():
+    norm = nn.BatchNorm1d(6).double()
+    block = _CallsOutside(norm)
+    x = torch.randn(8, 6, dtype=torch.float64, requires_grad=True)
+    for step in range(1, 4):
+        checkpoint(block, x).sum().backward()
+        assert int(norm.num_batches_tracked) == step  # never updated by a recompute
+
+
+def test_dropout_rate_changed_from_zero_replays_the_new_masks():
+    plain = _block(nn.Dropout(0.0))
+    ours = copy.deepcopy(plain)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    _step_matches_plain(plain, ours, x)  # draws nothing
+    for m in (plain, ours):
+        m[1].p = 0.1
+    _step_matches_plain(plain, ours, x)  # draws: the recompute replays the forward's masks
+    for m in (plain, ours):
+        m.eval()
+    _step_matches_plain(plain, ours, x)
+    for m in (plain, ours):
+        m.train()
+    _step_matches_plain(plain, ours, x)
+
+
+def test_a_submodule_added_between_calls_gets_its_gradient():
+    plain = _block(nn.Tanh())
+    ours = copy.deepcopy(plain)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    _step_matches_plain(plain, ours, x)
+    torch.manual_seed(1)
+    extra = nn.Linear(6, 6).double()
+    plain.insert(2, extra)
+    ours.insert(2, copy.deepcopy(extra))
+    _step_matches_plain(plain, ours, x)
+    assert ours[2].weight.grad is not None
+
+
+def test_torch_entry_point_gives_the_same_results_as_the_frame_engine(monkeypatch):
+    cp = __import__("revckpt.checkpoint", fromlist=["_FRAME"])
+    assert cp._FRAME  # the installed torch has the frame the engine drives
+    torch.manual_seed(0)
+    model = transformer_chain(2, 8, 2, dropout=0.1).double()
+    twin_model = copy.deepcopy(model)
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    ref = train_step(model, x, seq(2, policy="matmul"))
+    monkeypatch.setattr(cp, "_frame_usable", lambda: False)
+    got = train_step(twin_model, x, seq(2, policy="matmul"))
+    assert bitwise_equal(ref[1], got[1])
+
+
+def test_the_recompute_reenters_the_forwards_device_context():
+    cp = __import__("revckpt.checkpoint", fromlist=["_device_context"])
+    assert cp._device_context() is None
+    with torch.device("cpu"):
+        mode = cp._device_context()
+    assert mode is not None and mode.device == torch.device("cpu")

@@ -44,7 +44,9 @@ def test_no_rng_capture_when_disabled():
 def test_autocast_state_replayed_and_outer_autocast_disabled():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         inside = ForwardState.capture()
+        inside.forward_finished()  # releases the RNG lock a capture takes
     outside = ForwardState.capture()
+    outside.forward_finished()
     a = torch.randn(4, 4)
     with inside.replay():
         assert (a @ a).dtype == torch.bfloat16
@@ -124,3 +126,15 @@ def test_nested_checkpoint_through_create_graph_keeps_real_buffers():
 
     revckpt.checkpoint(penalty, x).sum().backward()
     assert block[1].running_mean is real
+
+
+def test_devices_of_walks_nested_arguments_and_other_pytrees():
+    from collections import namedtuple
+
+    pair = namedtuple("pair", "a b")
+    t = torch.randn(2)
+    meta = torch.empty(2, device="meta")
+    found = devices_of(((t, [meta, {"k": (t,)}]), {"mask": pair(meta, t)}, 3, "s", None))
+    assert found == [torch.device("cpu")]
+    assert devices_of((meta,), {}) == []
+    assert devices_of(nn.Linear(2, 2)) == []  # no accelerator started: modules are on the CPU
