@@ -409,8 +409,8 @@ def _checkpoint(
         policy=policy,
         label=label,
     )
-    # Without a policy the recompute runs to the end of the block (torch stops it after the
-    # last saved tensor), so replay can check it drew exactly the forward's random numbers.
+    # Without a policy the recompute of a block that drew random numbers runs to its end (torch
+    # stops it after the last saved tensor), so replay can check it drew exactly the forward's.
     early_stop = call.sac is not None or not preserve_rng_state
     if _frame_usable():
         return _run_frame(call, args, early_stop, metadata=determinism_check != "none")
@@ -469,7 +469,9 @@ def _run_frame(call: _Call, args: tuple[Any, ...], early_stop: bool, *, metadata
     of each saved tensor under ``no_grad``. Here the frame's recompute is :meth:`_Call.recompute`
     and the pack hook records the same metadata directly, so a checkpointed block costs less
     Python time per call than torch's checkpoint does. The frame's unpack hook (the recompute on
-    first unpack, per graph task; early stop; the metadata check) is torch's own.
+    first unpack, per graph task; early stop; the metadata check) is torch's own. A forward that
+    drew no random numbers is recomputed up to its last saved tensor only (early stop), as by
+    torch, unless values are checked.
     """
     frame = _tcp._CheckpointFrame(
         call.recompute,
@@ -484,6 +486,11 @@ def _run_frame(call: _Call, args: tuple[Any, ...], early_stop: bool, *, metadata
     with hook, _Entered(call.forward_contexts):
         out = call.fn(*args, **call.kwargs)
     frame.forward_completed = True
+    assert call.state is not None
+    if not call.state.rng_devices and call.values is None:
+        # The forward drew no random numbers, so replay has no draws to check at the end of
+        # the recompute: it may stop after the last saved tensor, as torch's does.
+        frame.early_stop = True
     return out
 
 

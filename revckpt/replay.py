@@ -19,7 +19,12 @@ three kinds of state must match:
   ``running_mean``, ``running_var`` and ``num_batches_tracked`` in training mode. During replay
   :func:`freeze_running_stats` hands such modules throwaway copies of those buffers, so the
   recompute performs the same operations (and saves the same tensors) as the first forward while
-  the real statistics are updated exactly once per step.
+  the real statistics are updated exactly once per step. The first recompute of a block finds
+  them with global module hooks; once it called no normalisation layer but the block's own,
+  later recomputes swap exactly those, without hooks (learned again when the block's modules
+  change; a block whose forward reaches other layers keeps the hooks). A layer that only a
+  data-dependent branch reaches through a global, never taken in that first recompute, is not
+  seen.
 
 * **Module state** (:mod:`revckpt._module_state`): parameters and buffers changed in place
   between forward and backward raise :class:`~revckpt.ModifiedParameterError` (as plain

@@ -150,3 +150,16 @@ def test_bench_allocator_quick(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["plan"] for r in rows] == [r["plan"] for r in result["rows"]]
     assert len(rows) == 3 and all("steady" in r and "interleaved" in r for r in rows)
+
+
+def test_bench_call_overhead_quick(tmp_path, capsys):
+    before = tmp_path / "before.json"
+    load("bench_call_overhead").main(["--quick", "--repeats", "1", "--out", str(before)])
+    out = tmp_path / "after.json"
+    args = ["--quick", "--repeats", "1", "--before", str(before), "--out", str(out)]
+    result = load("bench_call_overhead").main(args)
+    saved = json.loads(out.read_text())
+    assert saved["benchmark"] == "bench_call_overhead" and len(saved["rows"]) == 6
+    assert [r["case"] for r in saved["before"]] == [r["case"] for r in result["rows"]]
+    assert all(r["time_ratio"] > 0 for r in result["rows"])
+    assert "| case | before: revckpt / torch (IQR) |" in capsys.readouterr().out

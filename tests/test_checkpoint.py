@@ -581,7 +581,7 @@ class _Hooks(nn.Module):
 
 def _block(*layers: nn.Module) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 6), *layers, _Hooks()).double()
+    return nn.Sequential(_Hooks(), nn.Linear(6, 6), *layers).double()  # hooks seen first
 
 
 def test_norms_learned_on_the_first_recompute_then_frozen_without_global_hooks():
@@ -590,8 +590,8 @@ def test_norms_learned_on_the_first_recompute_then_frozen_without_global_hooks()
     x = torch.randn(8, 6, dtype=torch.float64)
     for _ in range(3):
         _step_matches_plain(plain, ours, x)
-    assert ours[-1].seen == [True, False, False]  # learned once, then exact
-    assert int(ours[1].num_batches_tracked) == 3
+    assert ours[0].seen == [True, False, False]  # learned once, then exact
+    assert int(ours[2].num_batches_tracked) == 3
 
 
 def test_a_batchnorm_added_after_learning_is_frozen_too():
@@ -600,14 +600,14 @@ def test_a_batchnorm_added_after_learning_is_frozen_too():
     x = torch.randn(8, 6, dtype=torch.float64)
     _step_matches_plain(plain, ours, x)
     _step_matches_plain(plain, ours, x)
-    assert ours[-1].seen == [True, False]
+    assert ours[0].seen == [True, False]
     for m in (plain, ours):
-        m.insert(1, nn.BatchNorm1d(6).double())
-    ours[1].load_state_dict(plain[1].state_dict())
+        m.insert(2, nn.BatchNorm1d(6).double())
+    ours[2].load_state_dict(plain[2].state_dict())
     for _ in range(2):
         _step_matches_plain(plain, ours, x)  # running statistics updated once per step
-    assert ours[-1].seen == [True, False, True, False]  # the new layout is learned again
-    assert int(ours[1].num_batches_tracked) == 2
+    assert ours[0].seen == [True, False, True, False]  # the new layout is learned again
+    assert int(ours[2].num_batches_tracked) == 2
 
 
 class _CallsOutside(nn.Module):
@@ -637,7 +637,7 @@ def test_dropout_rate_changed_from_zero_replays_the_new_masks():
     x = torch.randn(8, 6, dtype=torch.float64)
     _step_matches_plain(plain, ours, x)  # draws nothing
     for m in (plain, ours):
-        m[1].p = 0.1
+        m[2].p = 0.1
     _step_matches_plain(plain, ours, x)  # draws: the recompute replays the forward's masks
     for m in (plain, ours):
         m.eval()
@@ -654,10 +654,10 @@ def test_a_submodule_added_between_calls_gets_its_gradient():
     _step_matches_plain(plain, ours, x)
     torch.manual_seed(1)
     extra = nn.Linear(6, 6).double()
-    plain.insert(2, extra)
-    ours.insert(2, copy.deepcopy(extra))
+    plain.insert(3, extra)
+    ours.insert(3, copy.deepcopy(extra))
     _step_matches_plain(plain, ours, x)
-    assert ours[2].weight.grad is not None
+    assert ours[3].weight.grad is not None
 
 
 def test_torch_entry_point_gives_the_same_results_as_the_frame_engine(monkeypatch):
@@ -679,3 +679,12 @@ def test_the_recompute_reenters_the_forwards_device_context():
     with torch.device("cpu"):
         mode = cp._device_context()
     assert mode is not None and mode.device == torch.device("cpu")
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5])
+def test_only_a_block_that_drew_random_numbers_recomputes_past_its_last_saved_tensor(p):
+    tail = _Hooks()
+    block = nn.Sequential(nn.Linear(6, 6), nn.Dropout(p), tail).double()
+    x = torch.randn(8, 6, dtype=torch.float64, requires_grad=True)
+    checkpoint(block, x).sum().backward()
+    assert len(tail.seen) == (1 if p else 0)  # to the end: replay checks the draws matched
