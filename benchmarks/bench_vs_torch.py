@@ -61,6 +61,7 @@ from torch.utils.checkpoint import (
 )
 
 from revckpt import InfeasibleBudgetError, MemoryMeter, time_ratio, time_ratios
+from revckpt.measure import keep_freed_memory
 from revckpt.models import gpt_like
 from revckpt.schedule import Plan, apply, baseline, profile, solve
 
@@ -534,10 +535,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "bench_vs_torch.json"
     )
+    parser.add_argument(
+        "--glibc-defaults",
+        action="store_true",
+        help="leave glibc's malloc as it is (by default revckpt.measure.keep_freed_memory() "
+        "runs first, as in bench_schedule: the same allocator for every option)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    kept = False if args.glibc_defaults else keep_freed_memory()
     start = time.perf_counter()
     result = run(args)
+    result["keep_freed_memory"] = kept
     result["seconds"] = time.perf_counter() - start
     print(table(result))
     print(f"\n{result['seconds']:.0f} s")

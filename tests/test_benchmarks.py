@@ -163,3 +163,12 @@ def test_bench_call_overhead_quick(tmp_path, capsys):
     assert [r["case"] for r in saved["before"]] == [r["case"] for r in result["rows"]]
     assert all(r["time_ratio"] > 0 for r in result["rows"])
     assert "| case | before: revckpt / torch (IQR) |" in capsys.readouterr().out
+
+
+def test_bench_demo_front_quick(tmp_path):
+    out = tmp_path / "r.json"
+    result = load("bench_demo_front").main(
+        ["--runs", "1", "--size", "tiny", "--budget", "0.7", "--out", str(out)]
+    )
+    runs = json.loads(out.read_text())["runs"]
+    assert len(runs) == 1 and runs[0]["dominated_by"] == [] and result["on_front"] == 1

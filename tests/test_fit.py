@@ -640,3 +640,25 @@ def test_verify_bad_input_is_one_clear_error() -> None:
         fit_verified(model, example, memory_budget=0.5, rounds=0)
     with pytest.raises(revckpt.InvalidArgumentError, match="always verifies"):
         fit_verified(model, example, memory_budget=0.5, verify=True)
+
+
+def test_fit_and_convert_price_and_run_compress() -> None:
+    case = _case("nanogpt")
+    model = case.make_model()
+    example = case.make_example(*PLANNED["nanogpt"])
+    plain = _measured_step(model, example, case.loss_fn)
+    plan = revckpt.fit(
+        model,
+        example,
+        memory_budget=0.8,
+        error_budget=1e-2,
+        loss_fn=case.loss_fn,
+        strategies=["store", "checkpoint", "compress:bf16"],
+    )
+    assert set(plan.strategies) <= {"store", "checkpoint", "compress:bf16"}
+    assert plan.predicted_error <= 1e-2
+    assert _measured_step(model, example, case.loss_fn) <= plan.memory_budget_bytes
+    revckpt.restore(model)
+    revckpt.convert(model, "compress:bf16")
+    assert _measured_step(model, example, case.loss_fn) < plain  # saved tensors halved
+    revckpt.restore(model)

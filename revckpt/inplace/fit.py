@@ -238,8 +238,15 @@ def _fit(
             traced = dataclasses.replace(traced, step=step)
         policies = [argument_of(s) for s in chosen if kind_of(s) == "selective"]
         codecs = [argument_of(s) for s in chosen if kind_of(s) == "approx"]
+        compress = [argument_of(s) for s in chosen if kind_of(s) == "compress"]
         profile = profile_in_situ(
-            model, traced, codecs=codecs, policies=policies, repeats=repeats, progress=progress
+            model,
+            traced,
+            codecs=codecs,
+            policies=policies,
+            compress=compress,
+            repeats=repeats,
+            progress=progress,
         )
         keys = [c.key for c in traced.calls]
         budget = parse_budget(memory_budget, traced.store_peak)

@@ -4,8 +4,9 @@ Each traced call becomes a one-input unit (:class:`InSitu`: the block with its o
 fixed, returning its hidden state), which the chain profiler measures as it measures any
 block (:mod:`revckpt.schedule.profile`), with the parameter gradients created by the step
 (``grads_new``). Blocks of one class called on arguments of the same shapes cost the same
-bytes: without approx codecs to price (whose error depends on each block's place in the
-chain) such a block is measured once and its costs reused.
+bytes and, up to noise, the same time: such a block is measured once and its costs reused;
+only the codec errors (which depend on each block's input, weights and place in the chain)
+are measured per block.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from ..measure.state import preserved
-from ..schedule.block_errors import sensitivities
+from ..schedule.block_errors import codec_errors, compress_errors, sensitivities
 from ..schedule.block_memory import saves_input
 from ..schedule.costs import BlockCost
 from ..schedule.profile import Profile, profile_block
@@ -90,12 +91,35 @@ def _same_costs_key(call: Call) -> Any:
     )
 
 
+def block_errors(
+    unit: nn.Module, x: torch.Tensor, cost: BlockCost, weights: Any, i: int
+) -> dict[str, Any]:
+    """Block ``i``'s own codec errors (approx and compress), for the codecs ``cost`` priced."""
+    # the exact run is this block's own, on its traced input: the chain of units the weights
+    # come from may differ from the model where code runs between blocks
+    cotangent = weights.cotangents[i]
+    out: dict[str, Any] = {}
+    if cost.approx_bytes:
+        measured = codec_errors(unit, x, list(cost.approx_bytes), cotangent, {})
+        out.update(
+            approx_error=measured.parameters,
+            approx_input_error=measured.input_gradient,
+            approx_perturbation=measured.perturbation,
+            approx_amplification=measured.amplification,
+        )
+    if cost.compress_bytes:
+        r, q = compress_errors(unit, x, list(cost.compress_bytes), cotangent, {})
+        out.update(compress_error=r, compress_input_error=q)
+    return out
+
+
 def profile_in_situ(
     model: nn.Module,
     trace: Trace,
     *,
     codecs: Sequence[str] = (),
     policies: Sequence[str] = ("matmul+attention",),
+    compress: Sequence[str] = (),
     repeats: int = 3,
     progress: Callable[[int, int], None] | None = None,
 ) -> Profile:
@@ -106,38 +130,39 @@ def profile_in_situ(
     device = inputs[0].device
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.enable_grad(), preserved(model):
-        if codecs:
+        priced = bool(codecs or compress)  # errors to measure: per block
+        if priced:
             weights = sensitivities(units, inputs[0], {})
-            cotangents, grad_sq, input_sq = weights.cotangents, weights.grad_sq, weights.input_sq
         costs: list[BlockCost] = []
         reuse: dict[Any, BlockCost] = {}
-        upstream = input_sq if codecs else 0.0
         for i, (unit, x) in enumerate(zip(units, inputs, strict=True)):
-            key = None if codecs else _same_costs_key(trace.calls[i])
+            key = _same_costs_key(trace.calls[i])
             if progress is not None:
                 progress(i, len(units))
-            if key is not None and key in reuse:
-                costs.append(reuse[key])
-                continue
-            cost = profile_block(
-                unit,
-                x,
-                codecs=codecs,
-                policies=policies,
-                repeats=repeats,
-                device=device,
-                kwargs={},
-                cotangent=cotangents[i] if codecs else None,
-                grads_new=True,
-            )
-            if codecs:
-                total = input_sq + sum(grad_sq)
-                cost = dataclasses.replace(
-                    cost, grad_sq=grad_sq[i], upstream_grad_sq=upstream, chain_grad_sq=total
+            cost = reuse.get(key)
+            if cost is None:
+                cost = profile_block(
+                    unit,
+                    x,
+                    codecs=codecs,
+                    policies=policies,
+                    compress=compress,
+                    repeats=repeats,
+                    device=device,
+                    kwargs={},
+                    cotangent=weights.cotangents[i] if priced else None,
+                    grads_new=True,
                 )
-                upstream += grad_sq[i]
-            if key is not None:
                 reuse[key] = cost
+            elif priced:  # bytes and times shared; the errors are this block's own
+                cost = dataclasses.replace(cost, **block_errors(unit, x, cost, weights, i))
+            if priced:
+                cost = dataclasses.replace(
+                    cost,
+                    grad_sq=weights.grad_sq[i],
+                    upstream_grad_sq=weights.input_sq + sum(weights.grad_sq[:i]),
+                    chain_grad_sq=weights.input_sq + sum(weights.grad_sq),
+                )
             costs.append(cost)
         if progress is not None:
             progress(len(units), len(units))

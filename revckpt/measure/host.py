@@ -5,9 +5,9 @@ PyTorch's CPU tensors come from the C library's ``malloc``. glibc serves large b
 its heap), so the next training step page-faults the same memory in again: a step's time then
 grows with the memory it touches fresh, and depends on what the step before it left behind.
 On the GPT-like benchmark model that made a plan checkpointing a third of the blocks measure
-+0.10 of a step instead of +0.15, and the profile's predictions (timed in steps of their own)
-sit between the two (``python benchmarks/bench_allocator.py``). CUDA's caching allocator keeps
-freed blocks, so there the question does not arise.
++0.08 of a step instead of +0.13, against a prediction of +0.13 (``python
+benchmarks/bench_allocator.py``): the time model assumes freed memory is reused. CUDA's
+caching allocator keeps freed blocks, so there the question does not arise.
 
 :func:`keep_freed_memory` asks glibc (``mallopt``) to serve blocks up to its 32 MiB limit
 from the heap and not to trim it, as ``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...:

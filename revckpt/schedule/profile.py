@@ -395,6 +395,7 @@ def profile_block(
     device: Any,
     kwargs: dict[str, Any],
     cotangent: torch.Tensor | None = None,
+    compress: Sequence[str] = (),
     offload: bool = False,
     grads_new: bool = False,
 ) -> BlockCost:
@@ -402,10 +403,19 @@ def profile_block(
     :func:`revckpt.fit` does for a model's blocks, each on its own arguments)."""
     leaf = x.detach().requires_grad_(x.is_floating_point())
     memory = memory_costs(
-        block, leaf, codecs, policies, device, kwargs, offload=offload, grads_new=grads_new
+        block,
+        leaf,
+        codecs,
+        policies,
+        device,
+        kwargs,
+        compress=compress,
+        offload=offload,
+        grads_new=grads_new,
     )
     fields = dict(memory.fields)
     strategies = [CHECKPOINT, *(str(Strategy(SELECTIVE, p)) for p in policies)]
+    strategies += [str(Strategy(COMPRESS, c)) for c in fields["compress_bytes"]]
     codecs_priced = list(fields["approx_bytes"])
     if codecs_priced:
         strategies.append(str(Strategy(APPROX, codecs_priced[0])))
@@ -431,6 +441,9 @@ def profile_block(
             approx_perturbation=measured.perturbation,
             approx_amplification=measured.amplification,
         )
+    if fields["compress_bytes"]:
+        r, q = compress_errors(block, x, list(fields["compress_bytes"]), cotangent, kwargs)
+        fields.update(compress_error=r, compress_input_error=q)
     fields.update(
         forward_s=f,
         backward_s=b,
