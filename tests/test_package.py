@@ -57,6 +57,7 @@ def test_replay_and_measure_import_nothing_else_of_revckpt():
                     "timing",
                     "gradients",
                     "state",
+                    "host",
                 )
                 assert target in siblings or target.endswith("errors"), (
                     f"{path.name} imports .{target}"
