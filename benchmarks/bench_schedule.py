@@ -278,8 +278,8 @@ def _labels(records: list[dict]) -> dict[str, str]:
 
 
 def run_model(name: str, chain: Any, x: torch.Tensor, args: argparse.Namespace) -> dict:
-    prof = profile(chain, x, repeats=args.profile_repeats)
-    second = profile(chain, x, repeats=args.profile_repeats)
+    prof = profile(chain, x, repeats=args.profile_repeats, rounds=args.profile_rounds)
+    second = profile(chain, x, repeats=args.profile_repeats, rounds=args.profile_rounds)
     store_peak = baseline(prof, "store").predicted_peak_bytes
     plans, records = plans_for(prof, store_peak, args.error_budget)
     rep = report(chain, x, plans, repeats=args.repeats, chosen=None)
@@ -428,6 +428,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="tiny models (a smoke test)")
     parser.add_argument("--repeats", type=int, default=9, help="timing rounds")
     parser.add_argument("--profile-repeats", type=int, default=5)
+    parser.add_argument(
+        "--profile-rounds", type=int, default=1, help="profile(..., rounds=): in-chain steps"
+    )
     parser.add_argument("--error-budget", type=float, default=0.01)
     parser.add_argument(
         "--glibc-defaults",
@@ -447,6 +450,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": "python benchmarks/bench_schedule.py",
         "environment": environment(),
         "keep_freed_memory": kept,
+        "profile_rounds": args.profile_rounds,
         "budgets": list(BUDGETS),
         "error_budget": args.error_budget,
         "models": [run_model(n, c, x, args) for n, (c, x) in models(args.quick).items()],

@@ -118,6 +118,7 @@ def profile(
     policies: Sequence[str] | str = DEFAULT_POLICIES,
     compress: Sequence[str] = (),
     repeats: int = 5,
+    rounds: int = 1,
     device: str | torch.device | None = None,
     offload: bool | None = None,
     progress: Progress | None = None,
@@ -135,7 +136,9 @@ def profile(
     (:func:`revckpt.approx.compress_saved`; default none: each costs one more run of every
     block to measure its error, and on a CPU its codec time makes it slower than recomputing).
     ``repeats``: timing rounds of a block timed on its own (what the in-chain rounds did not
-    reach). ``device``: where memory is metered (default: ``x``'s device). ``offload``: price
+    reach). ``rounds``: how many times the in-chain timing steps run (each round adds two
+    steps, rotated; more rounds average out a noisy machine, see :mod:`.probe`).
+    ``device``: where memory is metered (default: ``x``'s device). ``offload``: price
     host offload (:mod:`revckpt.offload`): how many of each block input's bytes leave the
     device and the time of the copies; default ``None``, on when ``x`` is on a CUDA device (on
     the CPU the host is the device: offload saves nothing there, and is priced so only when
@@ -150,6 +153,8 @@ def profile(
         raise InvalidInputTypeError(f"profile(blocks, x): x must be a tensor, got {type(x)}")
     if repeats < 1:
         raise InvalidArgumentError(f"repeats={repeats}: pass at least 1")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise InvalidArgumentError(f"rounds={rounds!r}: pass an int >= 1")
     if offload is None:
         offload = x.device.type == "cuda"
     elif not isinstance(offload, bool):
@@ -175,6 +180,7 @@ def profile(
         AUTO if auto else tuple(policies),
         tuple(compress),
         repeats,
+        rounds,
         device or x.device,
         kwargs,
     )
@@ -229,6 +235,7 @@ class _Chain:
     policies: tuple[str, ...] | str  # or AUTO
     compress: tuple[str, ...]
     repeats: int
+    rounds: int
     device: Any
     kwargs: dict[str, Any]
 
@@ -263,7 +270,9 @@ class _Chain:
             tick()
         options = [self._options(memory[g].fields, inputs[g], offload) for g in groups]
         grad = memory[groups[-1]].grad_out
-        probed = probe_chain(chain, self.x, grad, kw, groups, options, warm=weights is not None)
+        probed = probe_chain(
+            chain, self.x, grad, kw, groups, options, rounds=self.rounds, warm=weights is not None
+        )
         tick()
         costs = []
         times = {g: self._times(g, memory[g], inputs[g], options[g], probed) for g in reps}
