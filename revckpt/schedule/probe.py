@@ -13,10 +13,12 @@ chain into ``parts`` contiguous halves (by default), each run with one strategy,
 of a part as a segment of its own; the part ``chained`` is cut into checkpoint segments of
 up to four blocks, whose blocks after the first measure what a block adds *inside* a longer
 segment (its recompute without a node of its own). With the four strategies of a GPT block
-(checkpoint, approx, selective, chained) that is three steps in all. The last eighth of the
-chain stays stored in every step: how much slower it ran than in the stored step says how the
-machine's speed moved between the steps, and the step's times are divided by that ratio
-(without it, one disturbed step moved a profile's predictions by 20-50%). Long parts, not
+(checkpoint, approx, selective, chained) that is three steps in all. A step is one sample per
+block: on a shared machine one profile's checkpoint cost read 0.33 to 0.52 of a step where
+the next read 0.42-0.47; ``rounds=3`` (``profile(..., rounds=3)``, seven steps) brought
+three profiles within 5% of each other. (Dividing each step by the slowdown of a stored
+tail, measured against the stored step, made it worse on short chains: one or three blocks'
+ratio is noisier than what it corrects.) Long parts, not
 alternating blocks: measured against whole-chain plans timed head to head, a block's
 checkpoint overhead reads 5% high from halves, 30% high from quarters, and more from a step
 that switches strategy at every block; the plans the solver makes run a strategy over
@@ -170,23 +172,15 @@ def probe_chain(
     samples: dict[tuple[int, str], list[float]] = defaultdict(list)
     spans: list[tuple[Segment, float]] = []
     steps = [kinds[a : a + parts] for a in range(0, len(kinds), parts)]
-    # the last blocks stay stored in every step: how much slower they ran than in the stored
-    # step says how the machine's speed moved in between (a busy neighbour, a frequency
-    # change), and the step's times are divided by it
-    tail = n // 8 if n >= 8 else 0
     for r in range(rounds):
         for kinds_of_step in steps:
             rotated = (
                 kinds_of_step[r % len(kinds_of_step) :] + kinds_of_step[: r % len(kinds_of_step)]
             )
-            segments = _segments(_parts(n - tail, rotated), options)
-            segments += [Segment(i, i + 1, STORE) for i in range(n - tail, n)]
+            segments = _segments(_parts(n, rotated), options)
             times = timed_step(chain, segments, x, grad, kwargs, clock=clock)
-            drift = _drift(segments, times, own)
             for seg, (f, b) in zip(segments, times, strict=True):
-                if seg.strategy == STORE:
-                    continue
-                extra = (f + b) / drift - sum(own[seg.start : seg.stop])
+                extra = f + b - sum(own[seg.start : seg.stop])
                 if seg.stop - seg.start == 1:
                     samples[(groups[seg.start], seg.strategy)].append(extra)
                 else:
@@ -208,19 +202,6 @@ def probe_chain(
         chained_s=tuple(chained[i] for i in range(n)),
         rounds=1 + rounds * len(steps) + (0 if warm else 1),
     )
-
-
-def _drift(
-    segments: Sequence[Segment], times: Sequence[tuple[float, float]], own: Sequence[float]
-) -> float:
-    """How much slower a step's stored blocks ran than in the stored step (the median ratio;
-    1 without stored blocks)."""
-    ratios = [
-        (f + b) / own[seg.start]
-        for seg, (f, b) in zip(segments, times, strict=True)
-        if seg.strategy == STORE and own[seg.start] > 0
-    ]
-    return statistics.median(ratios) if ratios else 1.0
 
 
 def _order(options: Sequence[Sequence[str]]) -> Callable[[str], int]:

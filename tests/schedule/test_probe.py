@@ -2,12 +2,11 @@
 attribution of time to segments, the groups, the ratio fill and the chained cost are checked
 exactly, with no real time."""
 
-import pytest
 import torch
 from torch import nn
 
 from revckpt.schedule.costs import Segment
-from revckpt.schedule.probe import CHAINED, _drift, _parts, _segments, probe_chain, timed_step
+from revckpt.schedule.probe import CHAINED, _parts, _segments, probe_chain, timed_step
 
 
 class FakeClock:
@@ -120,31 +119,3 @@ def test_parts_cover_the_chain():
 def test_a_block_that_cannot_run_a_parts_strategy_is_checkpointed():
     segs = _segments([(0, 2, "reversible")], [["store", "checkpoint"], [*OPTIONS, "reversible"]])
     assert [s.strategy for s in segs] == ["checkpoint", "reversible"]
-
-
-def test_drift_is_the_stored_blocks_median_slowdown():
-    segments = [Segment(0, 1, "store"), Segment(1, 2, "store"), Segment(2, 3, "checkpoint")]
-    times = [(2.0, 4.0), (3.0, 3.0), (100.0, 0.0)]
-    assert _drift(segments, times, [3.0, 2.0, 1.0]) == pytest.approx(2.5)  # ratios 2 and 3
-    assert _drift([Segment(0, 1, "checkpoint")], [(1.0, 1.0)], [1.0]) == 1.0
-
-
-def test_a_machine_slower_after_the_stored_step_is_corrected():
-    clock = FakeClock()
-    chain = _chain(clock, [(1.0, 2.0)] * 16)
-    calls = []
-    original = chain[0].forward
-
-    def forward(x):  # the machine runs 3x slower from the second step on
-        calls.append(1)
-        if len(calls) > 1:
-            clock.scale = 3.0
-        return original(x)
-
-    chain[0].forward = forward
-    got = probe_chain(
-        chain, torch.randn(4, 8), torch.ones(4, 8), {}, [0] * 16, [OPTIONS] * 16, clock=clock
-    )
-    assert got.forward_s[0] == 1.0 and got.backward_s[0] == 2.0
-    assert got.overhead_s[0]["checkpoint"] == pytest.approx(1.0)
-    assert got.chained_s[0] == pytest.approx(1.0)
