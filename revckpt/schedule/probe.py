@@ -14,11 +14,12 @@ of a part as a segment of its own; the part ``chained`` is cut into checkpoint s
 up to four blocks, whose blocks after the first measure what a block adds *inside* a longer
 segment (its recompute without a node of its own). With the four strategies of a GPT block
 (checkpoint, approx, selective, chained) that is three steps in all. A step is one sample per
-block: on a shared machine one profile's checkpoint cost read 0.33 to 0.52 of a step where
-the next read 0.42-0.47; ``rounds=3`` (``profile(..., rounds=3)``, seven steps) brought
-three profiles within 5% of each other. (Dividing each step by the slowdown of a stored
-tail, measured against the stored step, made it worse on short chains: one or three blocks'
-ratio is noisier than what it corrects.) Long parts, not
+block. ``rounds`` repeats the strategy steps, rotated; on this shared machine three rounds
+did not make the benchmark's predictions better (``python benchmarks/bench_schedule.py
+--profile-rounds 3``: 19/33, 25/30 and 19/26 plans within 15% against 26/34, 29/30 and
+26/26 with one): the noise is in the machine over the minutes of the run, which a longer
+profile does not average away. (Dividing each step by the slowdown of a stored tail made it
+worse on short chains: one to three blocks' ratio is noisier than what it corrects.) Long parts, not
 alternating blocks: measured against whole-chain plans timed head to head, a block's
 checkpoint overhead reads 5% high from halves, 30% high from quarters, and more from a step
 that switches strategy at every block; the plans the solver makes run a strategy over
