@@ -1,7 +1,7 @@
 """What each block costs inside the whole step, under each strategy: in-chain timing steps.
 
 A block timed on its own (:mod:`.block_time`) runs with its weights and input hot in the
-caches, over and over; inside the chain it does not, and the two disagree by 10-25% on a CPU.
+caches, over and over; inside the chain it does not, and the two disagree on a CPU.
 So the chain profiler times blocks where they run: it runs the chain's whole training step a
 few times and times every segment in place, its forward with the clock around it and its
 backward between the moments the gradients of its output and of its input are ready (tensor
@@ -19,11 +19,11 @@ did not make the benchmark's predictions better (``python benchmarks/bench_sched
 --profile-rounds 3``: 19/33, 25/30 and 19/26 plans within 15% against 26/34, 29/30 and
 26/26 with one): the noise is in the machine over the minutes of the run, which a longer
 profile does not average away. (Dividing each step by the slowdown of a stored tail made it
-worse on short chains: one to three blocks' ratio is noisier than what it corrects.) Long parts, not
-alternating blocks: measured against whole-chain plans timed head to head, a block's
-checkpoint overhead reads 5% high from halves, 30% high from quarters, and more from a step
-that switches strategy at every block; the plans the solver makes run a strategy over
-stretches of blocks. ``rounds`` > 1 repeats the steps with the parts rotated.
+worse on short chains: one to three blocks' ratio is noisier than what it corrects.) Long
+parts, not alternating blocks: against whole-chain plans timed head to head, a block's
+checkpoint overhead read higher from quarters than from halves, and higher still from a step
+that switches strategy at every block (exploratory runs); the plans the solver makes run a
+strategy over stretches of blocks.
 
 Per group (identical blocks) a strategy's extra time is the median over its samples; a group
 no part reached gets the median ratio of extra time to stored forward time over the blocks
