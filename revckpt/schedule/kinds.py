@@ -290,31 +290,25 @@ def _check_offload(blocks: Sequence[BlockCost], seg: Segment, arg: str | None) -
         )
 
 
-def _check_approx(blocks: Sequence[BlockCost], seg: Segment, arg: str | None) -> None:
-    if arg not in blocks[seg.start].approx_bytes:
-        raise InvalidArgumentError(
-            f"codec {arg!r} was not profiled for block {seg.start}; profile it "
-            "(schedule.profile(..., codecs=[...])) or choose one of "
-            f"{sorted(blocks[seg.start].approx_bytes)}"
-        )
+def _priced(field: str, what: str, option: str) -> Callable[..., None]:
+    """A check that the segment's first block was profiled for the argument: ``field``, the
+    ``BlockCost`` mapping keyed by it; ``what``, how the message names it (``{arg}``);
+    ``option``, the ``profile`` option that prices it."""
+
+    def check(blocks: Sequence[BlockCost], seg: Segment, arg: str | None) -> None:
+        priced = getattr(blocks[seg.start], field)
+        if arg not in priced:
+            raise InvalidArgumentError(
+                f"{what.format(arg=arg)} was not profiled for block {seg.start}; profile it "
+                f"(schedule.profile(..., {option}=[...])) or choose one of {sorted(priced)}"
+            )
+
+    return check
 
 
-def _check_selective(blocks: Sequence[BlockCost], seg: Segment, arg: str | None) -> None:
-    if arg not in blocks[seg.start].selective_bytes:
-        raise InvalidArgumentError(
-            f"policy {arg!r} was not profiled for block {seg.start}; profile it "
-            "(schedule.profile(..., policies=[...])) or choose one of "
-            f"{sorted(blocks[seg.start].selective_bytes)}"
-        )
-
-
-def _check_compress(blocks: Sequence[BlockCost], seg: Segment, arg: str | None) -> None:
-    if arg not in blocks[seg.start].compress_bytes:
-        raise InvalidArgumentError(
-            f"compress:{arg} was not profiled for block {seg.start}; profile it "
-            "(schedule.profile(..., compress=[...])) or choose one of "
-            f"{sorted(blocks[seg.start].compress_bytes)}"
-        )
+_check_approx = _priced("approx_bytes", "codec {arg!r}", "codecs")
+_check_selective = _priced("selective_bytes", "policy {arg!r}", "policies")
+_check_compress = _priced("compress_bytes", "compress:{arg}", "compress")
 
 
 def _no_check(blocks: Sequence[BlockCost], seg: Segment, arg: str | None) -> None:
