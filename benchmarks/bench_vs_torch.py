@@ -12,22 +12,25 @@ The torch options:
   in {0.7, 0.5, 0.3, 0.1} (set with ``torch._functorch.config.patch`` around the compilation and
   the first run; ``torch._dynamo.reset()`` before each budget).
 
-For each option: the peak of one whole training step (forward, then backward of
-``(y * w).sum()`` with a fixed ``w`` of ones, the input a fresh leaf, the parameter gradients
-already allocated), measured with ``MemoryMeter("cpu", method="allocator")`` (the CPU
-allocator's own events: it sees compiled code and the RNG states checkpoints keep), then
-revckpt's plan solved for a budget equal to that peak (``schedule.profile`` once, then
-``schedule.solve`` twice: *exact*, with store, checkpoint and selective only, and *+approx*,
-every strategy with ``error_budget=1e-2``), applied with ``schedule.apply`` and measured the same
-way: eager against the eager options, ``torch.compile(apply(chain, plan))`` against the compiled
-ones. revckpt predicts the eager step as its storage meter sees it; where the plan measures
-above the option's peak (compiled code allocates differently), the budget is lowered by the
-excess and the chain solved again, up to ``--max-tries`` times or down to the smallest feasible
-budget; the row says so. Compiled, each plan tried is compiled from a fresh Dynamo state, and
-the group (store-all, the option, the chosen plans) is then compiled once more side by side,
-measured and timed; a compiled model is measured after ``--compiled-warmup`` steps (10: past
-Dynamo's recompile limit of 8, for code that recompiles at every step), and the rows count the
-graphs Dynamo made in those steps.
+For each option: the peak of one whole training step (forward, then backward of ``(y *
+w).sum()`` with a fixed ``w`` of ones, the input a fresh leaf, the parameter gradients already
+allocated), measured with ``MemoryMeter("cpu", method="allocator")`` (the CPU allocator's own
+events: it sees compiled code and the RNG states checkpoints keep), then revckpt's plan solved
+for a budget equal to that peak (``schedule.profile`` once, then ``schedule.solve`` twice:
+*exact*, with store, checkpoint and selective only, and *+approx*, every strategy with
+``error_budget=1e-2``), applied with ``schedule.apply`` and measured the same way: eager against
+the eager options; against the compiled options, two plans under ``torch.compile(apply(chain,
+plan))``: the eager profile's exact plan, and the exact plan of a second profile measured
+compiled (``schedule.profile(..., compiled=True, policies="auto")``: each strategy's bytes and
+times as the compiler runs it, where a selective block's recompute is fused into the backward's
+kernels and costs almost nothing). The eager profile predicts the eager step as its storage
+meter sees it; where the plan measures above the option's peak (compiled code allocates
+differently), the budget is lowered by the excess and the chain solved again, up to ``--max-
+tries`` times or down to the smallest feasible budget; the row says so. Compiled, each plan
+tried is compiled from a fresh Dynamo state, and the group (store-all, the option, the chosen
+plans) is then compiled once more side by side, measured and timed; a compiled model is measured
+after ``--compiled-warmup`` steps (10: past Dynamo's recompile limit of 8, for code that
+recompiles at every step), and the rows count the graphs Dynamo made in those steps.
 
 Time: every variant of a group (its store-all, the torch option, the revckpt plans) once per
 round in rotated order (``revckpt.time_ratios``) against the store-all of its mode (eager
@@ -242,8 +245,15 @@ def fit_to(
     return {"plan": plan, "peak": peak, "budget": budget, "tries": tries, "note": note}
 
 
-def _revckpt_label(error_budget: float | None) -> str:
-    return "revckpt exact" if error_budget is None else f"revckpt +approx (error {error_budget:g})"
+def _revckpt_label(error_budget: float | None, compiled: bool | None = None) -> str:
+    label = "revckpt exact" if error_budget is None else f"revckpt +approx (error {error_budget:g})"
+    if compiled is None:
+        return label
+    return f"{label}, {'compiled' if compiled else 'eager'} profile"
+
+
+Variant = tuple[str, Any, float | None]
+"""A revckpt row: its label, the profile it is solved from, its error budget (None: exact)."""
 
 
 Prepare = Callable[[], tuple[Any, Any, int, int]]
@@ -257,7 +267,7 @@ def run_group(
     prepare: Prepare,
     make: Callable[[Plan], Callable[[torch.Tensor], torch.Tensor]],
     bench: Bench,
-    prof: Any,
+    variants: list[Variant],
     args: argparse.Namespace,
     searched: dict[tuple, int],
 ) -> list[dict[str, Any]]:
@@ -283,8 +293,7 @@ def run_group(
 
     found: dict[str, dict[str, Any]] = {}
     rows: list[dict[str, Any]] = []
-    for eb in (None, args.error_budget):
-        label = _revckpt_label(eb)
+    for label, prof, eb in variants:
         try:
             found[label] = fit_to(
                 prof,
@@ -371,6 +380,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     prof = profile(chain, x, repeats=args.profile_repeats)
     profile_s = time.perf_counter() - start
+    eager: list[Variant] = [(_revckpt_label(eb), prof, eb) for eb in (None, args.error_budget)]
+    compiled_s = None
+    if args.budgets:
+        start = time.perf_counter()
+        cprof = profile(chain, x, repeats=args.profile_repeats, compiled=True, policies="auto")
+        compiled_s = time.perf_counter() - start
+        under_compile: list[Variant] = [
+            (_revckpt_label(None, False), prof, None),
+            (_revckpt_label(None, True), cprof, None),
+        ]
     store_peak = bench.peak(chain)
     rows: list[dict[str, Any]] = [
         {
@@ -398,7 +417,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             lambda m=torch_model, p=peak: (chain, m, store_peak, p),
             lambda plan: apply(chain, plan),
             bench,
-            prof,
+            eager,
             args,
             searched,
         )
@@ -423,7 +442,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             prepare,
             lambda plan: torch.compile(apply(chain, plan)),
             bench,
-            prof,
+            under_compile,
             args,
             compiled_searched,
         )
@@ -461,6 +480,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "repeats": args.repeats,
         "error_budget": args.error_budget,
         "profile_seconds": profile_s,
+        "compiled_profile_seconds": compiled_s,
         "store_all_peak_bytes": store_peak,
         "compiled_store_all_peak_bytes": compiled_store_peak,
         "compiled_store_all_peaks_per_group_bytes": store_peaks,

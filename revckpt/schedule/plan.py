@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import warnings
 from collections.abc import Sequence
@@ -47,7 +48,10 @@ class Plan:
     parameter names and shapes (a saved plan is applied to the model it was made for only),
     and the predictions are those of the whole step. ``threads``: the intra-op thread count
     the times were measured with; running with another warns once (:class:`~revckpt.PlanWarning`):
-    the memory predictions hold, the time predictions do not.
+    the memory predictions hold, the time predictions do not. ``compiled``: solved from a
+    profile of the blocks under ``torch.compile`` (``profile(..., compiled=True)``): its
+    predictions hold for ``torch.compile(apply(blocks, plan))``; run eagerly, it warns once
+    (eager selective blocks keep more than compiled ones).
 
     ``predicted_peak_bytes``: forward+backward peak of live tensor bytes; ``predicted_overhead``:
     recompute time over the plain chain's forward+backward time; ``predicted_error``: summed
@@ -69,6 +73,7 @@ class Plan:
     block_shapes: tuple[tuple[int, ...], ...] = field(default=())
     model_digest: str | None = None
     threads: int | None = None
+    compiled: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "segments", _checked_segments(self.segments))
@@ -333,6 +338,8 @@ def _check_fields(plan: Plan) -> None:
             raise InvalidArgumentError(f"{name}={value!r}: pass a number >= 0")
     if not isinstance(plan.name, str):
         raise InvalidInputTypeError(f"name={plan.name!r}: a plan's name is a string")
+    if not isinstance(plan.compiled, bool):
+        raise InvalidInputTypeError(f"compiled={plan.compiled!r}: pass true or false")
     if plan.input_signature is not None:
         _check_signature(plan.input_signature)
 
@@ -429,12 +436,25 @@ class Scheduled(nn.Module):
             )
         if torch.is_grad_enabled():
             warn_if_threads_differ(self.plan.threads)
+            if self.plan.compiled and not torch.compiler.is_compiling():
+                _warn_eager_run()
         for strategy, run in self._runs:
             x = run_segment(strategy, run, x, kwargs)
         return x
 
 
 _threads_warned: set[tuple[int, int]] = set()
+
+
+@functools.cache
+def _warn_eager_run() -> None:
+    warnings.warn(
+        "this plan was solved from a compiled profile (profile(..., compiled=True)) and runs "
+        "eagerly: its memory and time predictions hold under torch.compile(apply(blocks, "
+        "plan)); run it compiled, or profile eagerly for an eager plan",
+        PlanWarning,
+        stacklevel=3,
+    )
 
 
 def warn_if_threads_differ(threads: int | None) -> None:

@@ -39,6 +39,7 @@ from ..strategy import Strategy
 from .block_errors import codec_errors, compress_errors, sensitivities
 from .block_memory import memory_costs
 from .block_time import block_times, codec_seconds, derived_codecs
+from .compiled import compiled_costs
 from .costs import (
     APPROX,
     CHECKPOINT,
@@ -71,7 +72,8 @@ class Profile:
     ``step``: for a profile made in situ (:func:`revckpt.fit`), the whole training step's
     costs outside the chain, which the predictions then include; ``threads``: the intra-op
     threads it was timed with (``torch.get_num_threads()``: its times hold for that count);
-    ``seconds``: what profiling took."""
+    ``seconds``: what profiling took; ``compiled``: its costs are those of the blocks run
+    under ``torch.compile`` (``profile(..., compiled=True)``)."""
 
     blocks: tuple[BlockCost, ...]
     names: tuple[str, ...]
@@ -79,6 +81,7 @@ class Profile:
     step: StepCosts | None = None
     threads: int | None = None
     seconds: float | None = None
+    compiled: bool = False
 
     @property
     def cost_in_steps(self) -> float | None:
@@ -121,6 +124,7 @@ def profile(
     rounds: int = 1,
     device: str | torch.device | None = None,
     offload: bool | None = None,
+    compiled: bool = False,
     progress: Progress | None = None,
     **kwargs: Any,
 ) -> Profile:
@@ -142,7 +146,11 @@ def profile(
     host offload (:mod:`revckpt.offload`): how many of each block input's bytes leave the
     device and the time of the copies; default ``None``, on when ``x`` is on a CUDA device (on
     the CPU the host is the device: offload saves nothing there, and is priced so only when
-    asked). ``progress(done, total)``: called as the work advances (a progress bar).
+    asked). ``compiled``: price the strategies as they run under ``torch.compile`` (each
+    group's block compiled per strategy, its bytes metered with the allocator meter and its
+    times measured compiled, :mod:`.compiled`): store, checkpoint and the selective
+    ``policies`` only, for a plan the caller runs as ``torch.compile(apply(blocks, plan))``.
+    ``progress(done, total)``: called as the work advances (a progress bar).
     """
     chain = list(blocks)
     if not chain:
@@ -159,6 +167,13 @@ def profile(
         offload = x.device.type == "cuda"
     elif not isinstance(offload, bool):
         raise InvalidArgumentError(f"offload={offload!r}: pass True, False or None (auto)")
+    if not isinstance(compiled, bool):
+        raise InvalidArgumentError(f"compiled={compiled!r}: pass True or False")
+    if compiled and (offload or compress):
+        raise InvalidArgumentError(
+            "compiled=True prices store, checkpoint and selective only: drop offload and "
+            "compress, or profile eagerly"
+        )
     auto = isinstance(policies, str) and policies == AUTO
     if not auto:
         if isinstance(policies, str):
@@ -176,13 +191,14 @@ def profile(
     job = _Chain(
         chain,
         x,
-        tuple(codecs),
+        () if compiled else tuple(codecs),
         AUTO if auto else tuple(policies),
         tuple(compress),
         repeats,
         rounds,
         device or x.device,
         kwargs,
+        compiled,
     )
     rng_devices = [x.device] if x.device.type == "cuda" else []
     # leave the model as it was: gradients, running statistics, RNG
@@ -194,6 +210,7 @@ def profile(
         _signature(x),
         threads=torch.get_num_threads(),
         seconds=time.perf_counter() - started,
+        compiled=compiled,
     )
 
 
@@ -238,6 +255,7 @@ class _Chain:
     rounds: int
     device: Any
     kwargs: dict[str, Any]
+    compiled: bool = False
 
     def run(self, *, offload: bool, progress: Progress | None) -> list[BlockCost]:
         chain, kw = self.chain, self.kwargs
@@ -268,6 +286,8 @@ class _Chain:
                 offload=offload,
             )
             tick()
+        if self.compiled:
+            return self._compiled(memory, groups, tick)
         options = [self._options(memory[g].fields, inputs[g], offload) for g in groups]
         grad = memory[groups[-1]].grad_out
         probed = probe_chain(
@@ -285,6 +305,29 @@ class _Chain:
                 tick()
             costs.append(BlockCost(**fields))
         return costs
+
+    def _compiled(self, memory: dict[int, Any], groups: list[int], tick: Any) -> list[BlockCost]:
+        """Every block's costs compiled: each group's eager fields (sizes, random states), its
+        bytes and times replaced by the compiled ones; nothing reversible (see ``compiled``)."""
+        fields = {}
+        for g in sorted(set(groups)):
+            f = dict(memory[g].fields, invertible=False, reversible_peak_bytes=None)
+            options = [CHECKPOINT, *(str(Strategy(SELECTIVE, p)) for p in f["selective_bytes"])]
+            runs = memory[g].runs
+            f.update(
+                compiled_costs(
+                    self.chain[g],
+                    runs.leaf,
+                    memory[g].grad_out,
+                    options,
+                    self.kwargs,
+                    repeats=self.repeats,
+                    device=self.device,
+                )
+            )
+            fields[g] = f
+        tick()
+        return [BlockCost(**fields[g]) for g in groups]
 
     def _policies(self, block: nn.Module, x: torch.Tensor) -> tuple[str, ...]:
         if self.policies != AUTO:

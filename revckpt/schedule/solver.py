@@ -97,6 +97,7 @@ def _plan(
         block_names=tuple(getattr(profile, "names", ())),
         input_signature=getattr(profile, "input_signature", None),
         threads=getattr(profile, "threads", None),
+        compiled=getattr(profile, "compiled", False),
     )
 
 
