@@ -172,3 +172,14 @@ def test_bench_demo_front_quick(tmp_path):
     )
     runs = json.loads(out.read_text())["runs"]
     assert len(runs) == 1 and runs[0]["dominated_by"] == [] and result["on_front"] == 1
+
+
+def test_bench_against_quick(tmp_path):
+    """Two workers (this checkout and HEAD's worktree), each importing its own revckpt."""
+    result = load("bench_against").main(
+        ["--quick", "--rounds", "1", "--steps", "1", "--out", str(tmp_path / "a.json")]
+    )
+    workloads = [r["workload"] for r in result["rows"]]
+    assert workloads == list(load("bench_against").WORKLOADS)
+    assert all(0 < r["ratio"] < float("inf") and len(r["rounds"]) == 1 for r in result["rows"])
+    assert len(result["base"]) == 40
