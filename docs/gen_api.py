@@ -2,10 +2,16 @@
 
 Run ``python docs/gen_api.py`` after changing a public signature or docstring;
 ``tests/test_docs.py`` fails when docs/api.md is out of date.
+
+Sphinx cross-reference roles (``:func:`revckpt.fit```, ``:class:`~revckpt.Plan```) become
+Markdown code spans (``~`` keeps the last component, as Sphinx does); ``#:`` comments before
+a module constant or a class attribute (a dataclass field) document the name they precede.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
 import inspect
 import re
@@ -27,6 +33,104 @@ MODULES = (
 
 OUT = Path(__file__).resolve().parent / "api.md"
 
+# :role:`target`, :role:`~a.b.c` (shown as c), :role:`title <target>` (shown as title)
+_ROLE = re.compile(r":(?:py:)?(?:func|class|mod|data|attr|meth|exc|obj|const):`([^`]+)`")
+
+
+def _role(match: re.Match[str]) -> str:
+    target = match.group(1).strip()
+    titled = re.fullmatch(r"(.+?)\s*<([^<>]+)>", target)
+    if titled:
+        return f"`{titled.group(1)}`"
+    target = target.lstrip("!")
+    if target.startswith("~"):
+        target = target[1:].rsplit(".", 1)[-1]
+    return f"`{target}`"
+
+
+def _markdown(text: str) -> str:
+    return _ROLE.sub(_role, text)
+
+
+@functools.cache
+def _attribute_docs(path: str) -> dict[str, str]:
+    """``#:`` comments of a source file: ``{"NAME": doc, "Class.field": doc}``.
+
+    The comment lines right above an assignment (or one ``#:`` at the end of its line)
+    document the names it assigns, at module level and in class bodies (nested classes by
+    their qualified name).
+    """
+    source = Path(path).read_text()
+    lines = source.splitlines()
+    docs: dict[str, str] = {}
+
+    def comment_above(lineno: int) -> list[str]:
+        found: list[str] = []
+        i = lineno - 2  # the line above, 0-based
+        while i >= 0 and lines[i].strip().startswith("#:"):
+            found.insert(0, lines[i].strip()[2:].strip())
+            i -= 1
+        return found
+
+    def visit(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                visit(node.body, f"{prefix}{node.name}.")
+                continue
+            if isinstance(node, ast.AnnAssign):
+                targets = [node.target]
+            elif isinstance(node, ast.Assign):
+                targets = node.targets
+            else:
+                continue
+            text = comment_above(node.lineno)
+            trailing = lines[node.end_lineno - 1].split("#:", 1)
+            if not text and len(trailing) == 2 and node.lineno == node.end_lineno:
+                text = [trailing[1].strip()]
+            if not text:
+                continue
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    docs[prefix + target.id] = " ".join(text)
+
+    visit(ast.parse(source).body, "")
+    return docs
+
+
+def _defined_in(name: str, obj: object) -> list[str]:
+    """Source files of the loaded revckpt modules that bind ``name`` to ``obj``."""
+    files = []
+    for module in list(sys.modules.values()):
+        if not getattr(module, "__name__", "").startswith("revckpt"):
+            continue
+        if getattr(module, name, None) is obj and getattr(module, "__file__", None):
+            files.append(module.__file__)
+    return files
+
+
+def _value_doc(name: str, obj: object) -> str | None:
+    for path in _defined_in(name, obj):
+        doc = _attribute_docs(path).get(name)
+        if doc:
+            return _markdown(doc)
+    return None
+
+
+def _field_docs(cls: type) -> list[tuple[str, str]]:
+    """``(field, doc)`` of the class attributes documented by a ``#:`` comment."""
+    try:
+        path = inspect.getsourcefile(cls)
+    except TypeError:
+        return []
+    if path is None:
+        return []
+    prefix = cls.__qualname__ + "."
+    found = []
+    for key, doc in _attribute_docs(path).items():
+        if key.startswith(prefix) and "." not in key[len(prefix) :]:
+            found.append((key[len(prefix) :], _markdown(doc)))
+    return found
+
 
 def _signature(obj: object) -> str:
     try:
@@ -40,7 +144,7 @@ def _signature(obj: object) -> str:
 
 def _doc(obj: object) -> str:
     doc = inspect.getdoc(obj) or "(no docstring)"
-    return doc.strip()
+    return _markdown(doc.strip())
 
 
 def _entry(module: str, name: str, obj: object) -> list[str]:
@@ -50,9 +154,17 @@ def _entry(module: str, name: str, obj: object) -> list[str]:
     lines = [f"### `{module}.{name}`", ""]
     if kind == "value":
         lines += [f"A constant of type `{type(obj).__name__}`.", ""]
+        doc = _value_doc(name, obj)
+        if doc:
+            lines += [doc, ""]
         return lines
     lines += ["```python", f"{kind} {name}{_signature(obj)}", "```", "", _doc(obj), ""]
     if inspect.isclass(obj):
+        annotations = inspect.get_annotations(obj)
+        for field, doc in _field_docs(obj):
+            hint = annotations.get(field)
+            typed = f": {hint if isinstance(hint, str) else inspect.formatannotation(hint)}"
+            lines += [f"- `{field}{typed if hint is not None else ''}`: {doc}"]
         for attr, member in inspect.getmembers(obj):
             if attr.startswith("_") or attr not in obj.__dict__:
                 continue
