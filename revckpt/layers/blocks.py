@@ -1,9 +1,15 @@
 """Ready reversible blocks and helpers to enter and leave two streams.
 
+Each ready block takes ``coupling=`` (``"additive"``, the default, ``"affine"`` or a
+:class:`~revckpt.layers.Coupling` instance) and sizes its branches for it
+(:meth:`~revckpt.layers.Coupling.branch_size`: an affine coupling needs a branch twice the
+stream's width, log-scale and shift). With ``c`` the coupling's ``combine`` (``c(x, h) = x + h``
+for ``"additive"``):
+
 * :func:`reversible_transformer_block` — pre-norm transformer block as a coupling:
-  ``y1 = x1 + Attn(LN(x2))``, ``y2 = x2 + MLP(LN(y1))`` (attention through
+  ``y1 = c(x1, Attn(LN(x2)))``, ``y2 = c(x2, MLP(LN(y1)))`` (attention through
   ``F.scaled_dot_product_attention``; keyword ``attn_mask`` reaches the attention branch);
-* :func:`reversible_mlp_block` — ``y1 = x1 + MLP(x2)``, ``y2 = x2 + MLP(y1)``;
+* :func:`reversible_mlp_block` — ``y1 = c(x1, MLP(x2))``, ``y2 = c(x2, MLP(y1))``;
 * :func:`revnet_conv_block` — RevNet-style convolutional block on channels split in two:
   ``F, G = BN -> ReLU -> conv3x3 -> BN -> ReLU -> conv3x3`` on ``C/2`` channels;
 * :class:`EnterStreams` (``"duplicate"``: ``(x, x)``; ``"split"``: halves along a dim) and
@@ -19,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InvalidArgumentError
+from .coupling import Coupling, make_coupling
 from .sequential import ReversibleBlock
 
 __all__ = [
@@ -34,13 +41,15 @@ __all__ = [
 
 
 class MLPBranch(nn.Module):
-    """``W2 · drop(act(W1 · norm(x)))``; ``norm`` is ``None``, ``"layer"`` or ``"batch"``."""
+    """``W2 · drop(act(W1 · norm(x)))``; ``norm`` is ``None``, ``"layer"`` or ``"batch"``.
+    Maps width ``dim`` to ``out_dim`` (default ``dim``)."""
 
     def __init__(
         self,
         dim: int,
         hidden: int,
         *,
+        out_dim: int | None = None,
         norm: Literal["layer", "batch"] | None = None,
         dropout: float = 0.0,
         activation: type[nn.Module] = nn.GELU,
@@ -54,23 +63,32 @@ class MLPBranch(nn.Module):
         self.fc1 = nn.Linear(dim, hidden)
         self.act = activation()
         self.drop = nn.Dropout(dropout)
-        self.fc2 = nn.Linear(hidden, dim)
+        self.fc2 = nn.Linear(hidden, dim if out_dim is None else out_dim)
 
     def forward(self, x: torch.Tensor, **_: object) -> torch.Tensor:
         return self.fc2(self.drop(self.act(self.fc1(self.norm(x)))))
 
 
 class AttentionBranch(nn.Module):
-    """``W_o · SDPA(W_q, W_k, W_v · LN(x), mask)`` on ``(batch, seq, dim)``."""
+    """``W_o · SDPA(W_q, W_k, W_v · LN(x), mask)`` on ``(batch, seq, dim)``; ``W_o`` maps to
+    ``out_dim`` (default ``dim``)."""
 
-    def __init__(self, dim: int, heads: int, *, dropout: float = 0.0, causal: bool = False) -> None:
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        *,
+        out_dim: int | None = None,
+        dropout: float = 0.0,
+        causal: bool = False,
+    ) -> None:
         super().__init__()
         if dim % heads:
             raise InvalidArgumentError(f"dim={dim} is not divisible by heads={heads}")
         self.heads, self.dropout, self.causal = heads, dropout, causal
         self.norm = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim if out_dim is None else out_dim)
 
     def forward(
         self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, **_: object
@@ -90,30 +108,49 @@ class AttentionBranch(nn.Module):
 
 
 class ConvBranch(nn.Module):
-    """``conv3x3(relu(bn(conv3x3(relu(bn(x))))))`` on ``channels`` channels (RevNet)."""
+    """``conv3x3(relu(bn(conv3x3(relu(bn(x))))))`` on ``channels`` channels (RevNet); the
+    last convolution maps to ``out_channels`` (default ``channels``)."""
 
-    def __init__(self, channels: int) -> None:
+    def __init__(self, channels: int, *, out_channels: int | None = None) -> None:
         super().__init__()
+        out = channels if out_channels is None else out_channels
         self.body = nn.Sequential(
             nn.BatchNorm2d(channels),
             nn.ReLU(),
             nn.Conv2d(channels, channels, 3, padding=1, bias=False),
             nn.BatchNorm2d(channels),
             nn.ReLU(),
-            nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+            nn.Conv2d(channels, out, 3, padding=1, bias=False),
         )
 
     def forward(self, x: torch.Tensor, **_: object) -> torch.Tensor:
         return self.body(x)
 
 
+def _coupled(coupling: str | Coupling, size: int, *, dim: int) -> tuple[Coupling, int]:
+    """The block's coupling (a named one splits its branch output along ``dim``) and the size
+    along ``dim`` its branches must produce for streams of size ``size``."""
+    made = make_coupling(coupling, dim=dim)
+    return made, made.branch_size(size, dim=dim)
+
+
 def reversible_transformer_block(
-    dim: int, heads: int, *, mlp_ratio: int = 4, dropout: float = 0.0, causal: bool = False
+    dim: int,
+    heads: int,
+    *,
+    mlp_ratio: int = 4,
+    dropout: float = 0.0,
+    causal: bool = False,
+    coupling: str | Coupling = "additive",
 ) -> ReversibleBlock:
-    """Reversible pre-norm transformer block; each stream has width ``dim``."""
+    """Reversible pre-norm transformer block on ``(batch, seq, dim)`` streams; ``coupling``
+    (``"additive"``, ``"affine"`` or a :class:`~revckpt.layers.Coupling`) couples along the
+    last dim."""
+    made, out = _coupled(coupling, dim, dim=-1)
     return ReversibleBlock(
-        AttentionBranch(dim, heads, dropout=dropout, causal=causal),
-        MLPBranch(dim, mlp_ratio * dim, norm="layer", dropout=dropout),
+        AttentionBranch(dim, heads, out_dim=out, dropout=dropout, causal=causal),
+        MLPBranch(dim, mlp_ratio * dim, out_dim=out, norm="layer", dropout=dropout),
+        coupling=made,
     )
 
 
@@ -123,25 +160,33 @@ def reversible_mlp_block(
     *,
     norm: Literal["layer", "batch"] | None = None,
     dropout: float = 0.0,
-    coupling: str = "additive",
+    coupling: str | Coupling = "additive",
 ) -> ReversibleBlock:
-    """Reversible MLP block; each stream has width ``dim``."""
+    """Reversible MLP block; each stream has width ``dim`` (the last dim); ``coupling``
+    (``"additive"``, ``"affine"`` or a :class:`~revckpt.layers.Coupling`) couples along it."""
+    made, out = _coupled(coupling, dim, dim=-1)
     return ReversibleBlock(
-        MLPBranch(dim, hidden, norm=norm, dropout=dropout),
-        MLPBranch(dim, hidden, norm=norm, dropout=dropout),
-        coupling=coupling,
+        MLPBranch(dim, hidden, out_dim=out, norm=norm, dropout=dropout),
+        MLPBranch(dim, hidden, out_dim=out, norm=norm, dropout=dropout),
+        coupling=made,
     )
 
 
-def revnet_conv_block(channels: int) -> ReversibleBlock:
+def revnet_conv_block(channels: int, *, coupling: str | Coupling = "additive") -> ReversibleBlock:
     """RevNet block for inputs of ``channels`` channels, split in two along dim 1
-    (use ``ReversibleSequential(..., split_dim=1)``). Keeps resolution and channels;
+    (use ``ReversibleSequential(..., split_dim=1)``); ``coupling`` couples along the channels
+    (``"affine"`` means ``AffineCoupling(dim=1)``). Keeps resolution and channels;
     downsampling is not invertible and belongs between reversible stacks."""
     if channels % 2:
         raise InvalidArgumentError(
             f"channels={channels} is odd; a RevNet block splits channels into two equal halves"
         )
-    return ReversibleBlock(ConvBranch(channels // 2), ConvBranch(channels // 2))
+    made, out = _coupled(coupling, channels // 2, dim=1)
+    return ReversibleBlock(
+        ConvBranch(channels // 2, out_channels=out),
+        ConvBranch(channels // 2, out_channels=out),
+        coupling=made,
+    )
 
 
 class EnterStreams(nn.Module):
@@ -149,17 +194,17 @@ class EnterStreams(nn.Module):
 
     def __init__(self, mode: Literal["duplicate", "split"] = "duplicate", *, dim: int = -1):
         super().__init__()
-        if mode not in ("duplicate", "split"):
-            raise InvalidArgumentError(f"mode={mode!r}: use 'duplicate' or 'split'")
-        self.mode, self.dim = mode, dim
+        self.mode, self.dim = _mode(mode, ("duplicate", "split")), dim
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.mode == "duplicate":
             return x, x
-        if x.shape[self.dim] % 2:
+        has_dim = -x.dim() <= self.dim < x.dim()
+        if not has_dim or x.shape[self.dim] % 2:
             raise InvalidArgumentError(
-                f"cannot split shape {tuple(x.shape)} in two along dim {self.dim}: odd size; "
-                "use mode='duplicate' or pad"
+                f"cannot split shape {tuple(x.shape)} in two along dim {self.dim}: "
+                f"{'odd size' if has_dim else 'no such dim'}; use mode='duplicate', pad, or "
+                "pass the dim to split"
             )
         a, b = x.chunk(2, dim=self.dim)
         return a, b
@@ -170,10 +215,15 @@ class LeaveStreams(nn.Module):
 
     def __init__(self, mode: Literal["average", "concat"] = "average", *, dim: int = -1):
         super().__init__()
-        if mode not in ("average", "concat"):
-            raise InvalidArgumentError(f"mode={mode!r}: use 'average' or 'concat'")
-        self.mode, self.dim = mode, dim
+        self.mode, self.dim = _mode(mode, ("average", "concat")), dim
 
     def forward(self, streams: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         y1, y2 = streams
         return (y1 + y2) / 2 if self.mode == "average" else torch.cat([y1, y2], dim=self.dim)
+
+
+def _mode(mode: str, allowed: tuple[str, str]) -> str:
+    """``mode`` if it is one of the two ``allowed``; an error that names them otherwise."""
+    if mode not in allowed:
+        raise InvalidArgumentError(f"mode={mode!r}: use {allowed[0]!r} or {allowed[1]!r}")
+    return mode

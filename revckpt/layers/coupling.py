@@ -14,17 +14,24 @@ the gradient, so a reversible backward costs one extra forward of each branch, n
 Writing a custom coupling: subclass :class:`Coupling` and implement ``combine`` and
 ``separate`` with ``separate(combine(x, h), h) == x`` (up to rounding) for every ``h`` the
 branch can produce; both must be differentiable in ``x`` and ``h`` and must not modify their
-arguments. ``check`` may validate shapes. For example, a gated coupling
-``y = x + sigmoid(a) * b`` with ``h = (a, b)``::
+arguments. ``check`` may validate shapes; ``branch_size`` tells the ready blocks of
+:mod:`revckpt.layers.blocks` how wide to build their branches (default: as wide as the stream).
+For example, a gated coupling ``y = x + sigmoid(a) * b`` with ``h = (a, b)``, or one tensor
+twice the stream's size along the last dim that is split into ``a`` and ``b``::
 
     class GatedCoupling(Coupling):
         def combine(self, x, h):
-            a, b = h
+            a, b = h if isinstance(h, tuple) else h.chunk(2, dim=-1)
             return x + torch.sigmoid(a) * b
 
         def separate(self, y, h):
-            a, b = h
+            a, b = h if isinstance(h, tuple) else h.chunk(2, dim=-1)
             return y - torch.sigmoid(a) * b
+
+        def branch_size(self, size, *, dim):  # a and b stacked along the last dim
+            if dim != -1:
+                raise InvalidArgumentError(f"GatedCoupling splits h along dim -1, not {dim}")
+            return 2 * size
 """
 
 from __future__ import annotations
@@ -52,6 +59,13 @@ class Coupling:
 
     def check(self, x: torch.Tensor, h: Any, *, branch: str) -> None:
         """Raise :class:`~revckpt.InvalidArgumentError` if ``h`` cannot be coupled with ``x``."""
+
+    def branch_size(self, size: int, *, dim: int) -> int:
+        """The size along ``dim`` of the branch output ``h`` this coupling needs for a stream
+        of size ``size`` there (a ready block's branches produce their features along ``dim``).
+        Default: ``size``, ``h`` has the stream's shape. A coupling that splits ``h`` along a
+        fixed dim raises :class:`~revckpt.InvalidArgumentError` for any other ``dim``."""
+        return size
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -91,9 +105,14 @@ class AffineCoupling(Coupling):
     """
 
     def __init__(self, *, clamp: float = 2.0, dim: int = -1) -> None:
-        if not (clamp > 0 and math.isfinite(clamp)):
+        if not (_is_number(clamp) and clamp > 0 and math.isfinite(clamp)):
             raise InvalidArgumentError(
                 f"clamp={clamp!r}: the scale bound must be a positive finite number, e.g. 2.0"
+            )
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise InvalidArgumentError(
+                f"dim={dim!r}: pass the int dimension along which a single-tensor branch output "
+                "is split into (log_scale, shift), e.g. -1"
             )
         self.clamp = float(clamp)
         self.dim = dim
@@ -115,6 +134,12 @@ class AffineCoupling(Coupling):
             shapes = [tuple(p.shape) for p in h if isinstance(p, torch.Tensor)]
             ok = len(h) == 2 and shapes == [tuple(x.shape)] * 2
         elif isinstance(h, torch.Tensor):
+            if not -x.dim() <= self.dim < x.dim():
+                raise InvalidArgumentError(
+                    f"AffineCoupling(dim={self.dim}) splits the branch output along dim "
+                    f"{self.dim}, but the stream has shape {tuple(x.shape)}; pass a dim the "
+                    "stream has, or return (log_scale, shift) as a tuple"
+                )
             want = list(x.shape)
             want[self.dim] *= 2
             ok, shapes = list(h.shape) == want, [tuple(h.shape)]
@@ -127,19 +152,33 @@ class AffineCoupling(Coupling):
                 f"twice its size along dim {self.dim}"
             )
 
+    def branch_size(self, size: int, *, dim: int) -> int:
+        """``2 * size``: the branch returns log-scale and shift stacked along ``dim``, which must
+        be the coupling's own ``dim``."""
+        if dim != self.dim:
+            raise InvalidArgumentError(
+                f"AffineCoupling(dim={self.dim}) splits the branch output along dim {self.dim}, "
+                f"but this block's branches produce their features along dim {dim}; pass "
+                f"AffineCoupling(dim={dim}) or coupling='affine'"
+            )
+        return 2 * size
+
     def __repr__(self) -> str:
         return f"AffineCoupling(clamp={self.clamp}, dim={self.dim})"
 
 
-_NAMED = {"additive": AdditiveCoupling, "affine": AffineCoupling}
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def make_coupling(coupling: str | Coupling) -> Coupling:
-    """A coupling from a name (``"additive"``, ``"affine"``) or a :class:`Coupling` instance."""
+def make_coupling(coupling: str | Coupling, *, dim: int = -1) -> Coupling:
+    """A coupling from a name (``"additive"``, ``"affine"``) or a :class:`Coupling` instance
+    (returned as is). ``dim``: the dimension a named affine coupling splits its branch output
+    along (``AffineCoupling(dim=dim)``)."""
     if isinstance(coupling, Coupling):
         return coupling
-    if isinstance(coupling, str) and coupling in _NAMED:
-        return _NAMED[coupling]()
+    if isinstance(coupling, str) and coupling in ("additive", "affine"):
+        return AdditiveCoupling() if coupling == "additive" else AffineCoupling(dim=dim)
     raise InvalidArgumentError(
         f"coupling={coupling!r} is not a coupling; use 'additive', 'affine', or an instance of "
         "revckpt.layers.Coupling (subclass it to write your own)"
