@@ -32,8 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._report_plots import plot_errors, plot_memory_time
+from ._step_memory import StepMemory, measure_peak, measure_step
 from .errors import InvalidArgumentError, InvalidInputTypeError
-from .measure import MemoryMeter, gradient_error, time_ratios
+from .measure import gradient_error, time_ratios
 from .measure.state import preserved
 from .schedule import Plan, apply
 
@@ -42,81 +44,7 @@ __all__ = ["PlanMeasurement", "Report", "StepMemory", "measure_peak", "measure_s
 STORE_ALL = "store-all"
 
 
-@dataclass(frozen=True)
-class StepMemory:
-    """One training step: ``peak_bytes`` (see :func:`measure_peak`) and ``retained_bytes``, the
-    bytes alive between forward and backward apart from the input and the output (what the
-    strategy keeps for backward)."""
-
-    peak_bytes: int
-    retained_bytes: int
-
-
-def measure_step(
-    model: nn.Module,
-    x: torch.Tensor,
-    *,
-    kwargs: Mapping[str, Any] | None = None,
-    device: str | torch.device | None = None,
-) -> StepMemory:
-    """Peak and retained bytes of one training step of ``model`` on ``x``.
-
-    One warm-up step runs first; the measured step then counts the input copy, the activations,
-    the output (held until the step ends, as a loss head that saves its input holds it), its
-    gradient (a full tensor made during backward, as a real loss produces) and the input
-    gradient, and not the parameters nor their gradients (allocated before the meter starts).
-    The chain input counts from the start: a leaf that requires grad stays alive to the end of
-    the step. The parameters' ``.grad`` and the buffers (BatchNorm statistics) are restored
-    afterwards.
-    """
-    kw = dict(kwargs or {})
-    params = [p for p in model.parameters() if p.requires_grad]
-    retained: list[int] = []
-    weight: list[torch.Tensor] = []
-    meter: MemoryMeter | None = None
-
-    def step() -> None:
-        leaf = x.detach().clone().requires_grad_(x.is_floating_point())
-        y = model(leaf, **kw)
-        if not isinstance(y, torch.Tensor):
-            raise InvalidInputTypeError(
-                f"measure_step needs a model returning one tensor, got {type(y).__name__}"
-            )
-        if meter is not None:
-            retained.append(meter.live_bytes - _nbytes(y) - _nbytes(leaf))
-        if not weight:  # allocated in the warm-up step, outside the meter
-            weight.append(torch.ones_like(y))
-        # a loss whose gradient with respect to y is a full tensor made (and freed) by the
-        # engine, as a real loss head's is; y stays alive (a head saves its input)
-        (y * weight[0]).sum().backward()
-
-    with preserved(model):
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        step()
-        meter = MemoryMeter(device if device is not None else x.device)
-        with meter:
-            step()
-    return StepMemory(peak_bytes=meter.peak_bytes, retained_bytes=max(0, retained[0]))
-
-
-def measure_peak(
-    model: nn.Module,
-    x: torch.Tensor,
-    *,
-    kwargs: Mapping[str, Any] | None = None,
-    device: str | torch.device | None = None,
-) -> int:
-    """Peak live bytes of one training step (see :func:`measure_step`): what the scheduler's
-    cost model predicts as ``Plan.predicted_peak_bytes``."""
-    return measure_step(model, x, kwargs=kwargs, device=device).peak_bytes
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
-
-
-class _Chain(nn.Module):
+class _BlocksInOrder(nn.Module):
     """Blocks under their original names, run one after the other (store-all)."""
 
     def __init__(self, named: Sequence[tuple[str, nn.Module]], dtype: torch.dtype | None = None):
@@ -234,14 +162,20 @@ class Report:
             )
             mark = " (chosen)" if r.name == self.chosen else ""
             mark += " (over the error budget)" if self.over_error_budget(r.name) else ""
-            lines.append(
-                f"| {r.name}{mark} | {r.measured_peak_bytes / 2**20:.2f} | "
-                f"{r.measured_peak_bytes / self.store_all_peak_bytes:.1%} | "
-                f"{r.measured_retained_bytes / 2**20:.2f} | "
-                f"{r.predicted_peak_bytes / 2**20:.2f} | {r.peak_ratio:.3f} | {budget} | "
-                f"{r.time_ratio:.3f} | {1 + r.predicted_overhead:.3f} | "
-                f"{r.gradient_error:.1e} | {r.predicted_error:.1e} |"
-            )
+            cells = [
+                f"{r.name}{mark}",
+                f"{r.measured_peak_bytes / 2**20:.2f}",
+                f"{r.measured_peak_bytes / self.store_all_peak_bytes:.1%}",
+                f"{r.measured_retained_bytes / 2**20:.2f}",
+                f"{r.predicted_peak_bytes / 2**20:.2f}",
+                f"{r.peak_ratio:.3f}",
+                budget,
+                f"{r.time_ratio:.3f}",
+                f"{1 + r.predicted_overhead:.3f}",
+                f"{r.gradient_error:.1e}",
+                f"{r.predicted_error:.1e}",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -263,17 +197,7 @@ class Report:
 
     def to_json(self, path: str | Path | None = None) -> str:
         """The report as JSON text (``nan`` written as ``null``); also written to ``path``."""
-
-        def clean(v: Any) -> Any:
-            if isinstance(v, float) and not math.isfinite(v):
-                return None
-            if isinstance(v, dict):
-                return {k: clean(u) for k, u in v.items()}
-            if isinstance(v, (list, tuple)):
-                return [clean(u) for u in v]
-            return v
-
-        text = json.dumps(clean(self.to_dict()), indent=2)
+        text = json.dumps(_finite(self.to_dict()), indent=2)
         if path is not None:
             Path(path).write_text(text + "\n")
         return text
@@ -300,105 +224,13 @@ class Report:
         Pareto front as a step line, the chosen plan as a star and its budget as a vertical
         line; plans over the report's ``error_budget`` as grey crosses. Written as PNG (or any
         format matplotlib infers from ``path``)."""
-        plt = _pyplot()
-        fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-        base = self.store_all_peak_bytes
-        xs = {r.name: 100 * r.measured_peak_bytes / base for r in self.rows}
-        ys = {r.name: r.time_ratio for r in self.rows}
-        over_label = "over the error budget"
-        for r in self.rows:
-            chosen = r.name == self.chosen
-            over = self.over_error_budget(r.name)
-            ax.scatter(
-                xs[r.name],
-                ys[r.name],
-                marker="*" if chosen else ("x" if over else "o"),
-                s=220 if chosen else 40,
-                color="tab:red" if chosen else ("tab:gray" if over else "tab:blue"),
-                zorder=3,
-                label=over_label if over and not chosen else None,
-            )
-            if over and not chosen:
-                over_label = None  # one legend entry
-            ax.annotate(
-                r.name,
-                (xs[r.name], ys[r.name]),
-                textcoords="offset points",
-                xytext=(5, 4),
-                fontsize=8,
-            )
-        front = sorted(self.pareto(), key=lambda n: xs[n])
-        ax.step(
-            [xs[n] for n in front],
-            [ys[n] for n in front],
-            where="post",
-            color="tab:gray",
-            linestyle="--",
-            label="Pareto front (measured)",
-        )
-        if self.chosen is not None:
-            row = self.row(self.chosen)
-            if row.memory_budget_bytes is not None:
-                ax.axvline(
-                    100 * row.memory_budget_bytes / base,
-                    color="tab:red",
-                    linewidth=0.8,
-                    linestyle=":",
-                    label=f"budget of {self.chosen!r}",
-                )
-        ax.set_xlabel("measured peak activation memory, % of store-all")
-        ax.set_ylabel("step time / store-all step time (measured)")
-        ax.set_title(title or f"memory vs overhead, input {list(self.input_shape)}")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        out = Path(path)
-        fig.savefig(out)
-        plt.close(fig)
-        return out
+        return plot_memory_time(self, path, title=title)
 
     def plot_errors(self, path: str | Path, *, title: str | None = None) -> Path:
         """Measured gradient error against float64 per plan (log scale), with store-all's
         (the float32 round-off floor of the model) as a dashed line; PNG or any format
         matplotlib infers from ``path``."""
-        plt = _pyplot()
-        rows = [r for r in self.rows if math.isfinite(r.gradient_error)]
-        if not rows:
-            raise InvalidArgumentError(
-                "no gradient errors in this report: measure them with report(..., errors=True)"
-            )
-        fig, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.5), dpi=120)
-        names = [r.name for r in rows]
-        values = [max(r.gradient_error, 1e-12) for r in rows]
-        colors = ["tab:red" if r.name == self.chosen else "tab:blue" for r in rows]
-        ax.barh(names, values, color=colors)
-        ax.set_xscale("log")
-        floor = next((r.gradient_error for r in rows if r.name == STORE_ALL), None)
-        if floor is not None and floor > 0:
-            ax.axvline(floor, color="tab:gray", linestyle="--", label="float32 store-all")
-            ax.legend(fontsize=8)
-        ax.invert_yaxis()
-        ax.set_xlabel("relative L2 error of all gradients against float64 (measured)")
-        ax.set_title(title or "gradient error per plan")
-        ax.grid(True, axis="x", alpha=0.3)
-        fig.tight_layout()
-        out = Path(path)
-        fig.savefig(out)
-        plt.close(fig)
-        return out
-
-
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise InvalidArgumentError(
-            "plotting needs matplotlib: pip install 'revckpt[report]' (or pip install matplotlib)"
-        ) from exc
-    return plt
+        return plot_errors(self, path, title=title)
 
 
 def _named(blocks: nn.Sequential | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
@@ -430,6 +262,48 @@ def report(
     distinct; ``"store-all"`` is reserved for the plain chain measured first.
     """
     named = _named(blocks)
+    names = _check_plans(named, plans)
+    kw = dict(kwargs or {})
+    plain = _BlocksInOrder(named)
+    models: dict[str, nn.Module] = {STORE_ALL: plain}
+    for p in plans:
+        models[p.name] = apply(blocks, p)
+    with preserved(plain):
+        steps = {name: measure_step(m, x, kwargs=kw) for name, m in models.items()}
+        ratios = time_ratios(
+            _steppers(models, x, kw),
+            baseline=STORE_ALL,
+            repeats=repeats,
+            warmup=warmup,
+        )
+    if errors:
+        errs = _gradient_errors(named, models, x, kw, seed)
+    else:
+        errs = dict.fromkeys(models, math.nan)
+    store_all = PlanMeasurement(
+        name=STORE_ALL,
+        strategies=("store",) * len(named),
+        measured_peak_bytes=steps[STORE_ALL].peak_bytes,
+        measured_retained_bytes=steps[STORE_ALL].retained_bytes,
+        predicted_peak_bytes=plans[0].store_all_peak_bytes,
+        memory_budget_bytes=None,
+        time_ratio=ratios[STORE_ALL].ratio,
+        time_ratio_iqr=(ratios[STORE_ALL].q25, ratios[STORE_ALL].q75),
+        predicted_overhead=0.0,
+        gradient_error=errs[STORE_ALL],
+        predicted_error=0.0,
+    )
+    rows = [store_all, *(_measured(p, steps[p.name], ratios[p.name], errs[p.name]) for p in plans)]
+    return Report(
+        rows=tuple(rows),
+        store_all_peak_bytes=steps[STORE_ALL].peak_bytes,
+        input_shape=tuple(x.shape),
+        chosen=chosen if chosen in names else None,
+    )
+
+
+def _check_plans(named: list[tuple[str, nn.Module]], plans: Sequence[Plan]) -> list[str]:
+    """The plans' names, after checking that there are blocks and distinct, named plans."""
     if not named:
         raise InvalidArgumentError("report needs a non-empty chain of blocks")
     if not plans:
@@ -442,79 +316,70 @@ def report(
             f"plan names must be distinct and not {STORE_ALL!r}, got {names}; rename with "
             "dataclasses.replace(plan, name=...)"
         )
-    kw = dict(kwargs or {})
-    plain = _Chain(named)
-    models: dict[str, nn.Module] = {STORE_ALL: plain}
-    for p in plans:
-        models[p.name] = apply(blocks, p)
-    reference = _Chain([(n, copy.deepcopy(b)) for n, b in named], dtype=torch.float64).to(
-        torch.float64
-    )
+    return names
+
+
+def _steppers(models: dict[str, nn.Module], x: torch.Tensor, kw: dict[str, Any]) -> dict[str, Any]:
+    """One timed training step per model: forward on one leaf view of ``x``, backward from a
+    full output gradient (made once, shared)."""
     leaf = x.detach().requires_grad_(x.is_floating_point())
-    grad = None
+    grad: list[torch.Tensor] = []
 
     def stepper(model: nn.Module) -> Any:
         def step() -> None:
-            nonlocal grad
             leaf.grad = None
             y = model(leaf, **kw)
-            if grad is None:
-                grad = torch.ones_like(y)
-            y.backward(grad)
+            if not grad:
+                grad.append(torch.ones_like(y))
+            y.backward(grad[0])
 
         return step
 
-    with preserved(plain):
-        steps = {name: measure_step(m, x, kwargs=kw) for name, m in models.items()}
-        ratios = time_ratios(
-            {name: stepper(m) for name, m in models.items()},
-            baseline=STORE_ALL,
-            repeats=repeats,
-            warmup=warmup,
-        )
-    errs: dict[str, float] = {}
-    for name, m in models.items():
-        if errors:
-            inputs = x.detach().requires_grad_(x.is_floating_point())
-            got = gradient_error(m, reference, inputs, kwargs=kw, seed=seed)
-            errs[name] = got.overall.rel_l2
-        else:
-            errs[name] = math.nan
-    first = plans[0]
-    rows = [
-        PlanMeasurement(
-            name=STORE_ALL,
-            strategies=("store",) * len(named),
-            measured_peak_bytes=steps[STORE_ALL].peak_bytes,
-            measured_retained_bytes=steps[STORE_ALL].retained_bytes,
-            predicted_peak_bytes=first.store_all_peak_bytes,
-            memory_budget_bytes=None,
-            time_ratio=ratios[STORE_ALL].ratio,
-            time_ratio_iqr=(ratios[STORE_ALL].q25, ratios[STORE_ALL].q75),
-            predicted_overhead=0.0,
-            gradient_error=errs[STORE_ALL],
-            predicted_error=0.0,
-        )
-    ]
-    for p in plans:
-        rows.append(
-            PlanMeasurement(
-                name=p.name,
-                strategies=tuple(p.strategies),
-                measured_peak_bytes=steps[p.name].peak_bytes,
-                measured_retained_bytes=steps[p.name].retained_bytes,
-                predicted_peak_bytes=p.predicted_peak_bytes,
-                memory_budget_bytes=p.memory_budget_bytes,
-                time_ratio=ratios[p.name].ratio,
-                time_ratio_iqr=(ratios[p.name].q25, ratios[p.name].q75),
-                predicted_overhead=p.predicted_overhead,
-                gradient_error=errs[p.name],
-                predicted_error=p.predicted_error,
-            )
-        )
-    return Report(
-        rows=tuple(rows),
-        store_all_peak_bytes=steps[STORE_ALL].peak_bytes,
-        input_shape=tuple(x.shape),
-        chosen=chosen if chosen in names else None,
+    return {name: stepper(m) for name, m in models.items()}
+
+
+def _gradient_errors(
+    named: list[tuple[str, nn.Module]],
+    models: dict[str, nn.Module],
+    x: torch.Tensor,
+    kw: dict[str, Any],
+    seed: int,
+) -> dict[str, float]:
+    """Each model's overall relative gradient error against a float64 copy of the blocks."""
+    reference = _BlocksInOrder([(n, copy.deepcopy(b)) for n, b in named], dtype=torch.float64).to(
+        torch.float64
     )
+    errs = {}
+    for name, m in models.items():
+        inputs = x.detach().requires_grad_(x.is_floating_point())
+        errs[name] = gradient_error(m, reference, inputs, kwargs=kw, seed=seed).overall.rel_l2
+    return errs
+
+
+def _measured(p: Plan, step: StepMemory, ratio: Any, error: float) -> PlanMeasurement:
+    """The row of plan ``p``: its measurements beside its predictions."""
+    return PlanMeasurement(
+        name=p.name,
+        strategies=tuple(p.strategies),
+        measured_peak_bytes=step.peak_bytes,
+        measured_retained_bytes=step.retained_bytes,
+        predicted_peak_bytes=p.predicted_peak_bytes,
+        memory_budget_bytes=p.memory_budget_bytes,
+        time_ratio=ratio.ratio,
+        time_ratio_iqr=(ratio.q25, ratio.q75),
+        predicted_overhead=p.predicted_overhead,
+        gradient_error=error,
+        predicted_error=p.predicted_error,
+    )
+
+
+def _finite(v: Any) -> Any:
+    """``v`` with every non-finite float (at any depth of dicts, lists and tuples) ``None``,
+    as JSON writes ``null``."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _finite(u) for k, u in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(u) for u in v]
+    return v
