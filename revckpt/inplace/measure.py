@@ -21,8 +21,9 @@ from torch import nn
 from ..measure.state import preserved
 from ..schedule.block_errors import codec_errors, compress_errors, sensitivities
 from ..schedule.block_memory import saves_input
+from ..schedule.block_profile import profile_block
 from ..schedule.costs import BlockCost
-from ..schedule.profile import Profile, profile_block
+from ..schedule.profile import Profile
 from .calls import Key, hidden_of, replaced, run_with
 from .trace import Call, Trace
 

@@ -23,9 +23,8 @@ buffers (BatchNorm statistics) and RNG state are left as they were.
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,31 +34,14 @@ from torch import nn
 from ..checkpoint import canonical_policy
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..measure.state import preserved
-from ..strategy import Strategy
-from .block_errors import codec_errors, compress_errors, sensitivities
-from .block_memory import memory_costs
-from .block_time import block_times, codec_seconds, derived_codecs
-from .compiled import compiled_costs
-from .costs import (
-    APPROX,
-    CHECKPOINT,
-    COMPRESS,
-    OFFLOAD,
-    REVERSIBLE,
-    SELECTIVE,
-    STORE,
-    BlockCost,
-)
-from .ops import op_choices
-from .probe import InChain, probe_chain
+from .block_profile import profile_block
+from .costs import BlockCost
+from .profiling import AUTO, DEFAULT_POLICIES, Progress, _ProfilingJob
 from .step import StepCosts
 
 __all__ = ["Profile", "profile", "profile_block"]
 
 DEFAULT_CODECS = ("bf16", "e4m3")
-DEFAULT_POLICIES = ("matmul+attention",)
-AUTO = "auto"  # policies chosen per block from its operations (op_choices)
-Progress = Callable[[int, int], None]
 
 
 def _signature(x: torch.Tensor) -> tuple[tuple[int, ...], str, str]:
@@ -153,6 +135,61 @@ def profile(
     ``progress(done, total)``: called as the work advances (a progress bar).
     """
     chain = list(blocks)
+    offload, policies = _checked_options(
+        chain,
+        x,
+        repeats=repeats,
+        rounds=rounds,
+        offload=offload,
+        compiled=compiled,
+        compress=compress,
+        policies=policies,
+    )
+    names = (
+        tuple(n for n, _ in blocks.named_children())
+        if isinstance(blocks, nn.Sequential)
+        else tuple(str(i) for i in range(len(chain)))
+    )
+    started = time.perf_counter()
+    job = _ProfilingJob(
+        chain,
+        x,
+        () if compiled else tuple(codecs),
+        policies,
+        tuple(compress),
+        repeats,
+        rounds,
+        device or x.device,
+        kwargs,
+        compiled,
+    )
+    rng_devices = [x.device] if x.device.type == "cuda" else []
+    # leave the model as it was: gradients, running statistics, RNG
+    with torch.random.fork_rng(devices=rng_devices), torch.enable_grad(), preserved(chain):
+        costs = job.run(offload=offload, progress=progress)
+    return Profile(
+        tuple(costs),
+        names,
+        _signature(x),
+        threads=torch.get_num_threads(),
+        seconds=time.perf_counter() - started,
+        compiled=compiled,
+    )
+
+
+def _checked_options(
+    chain: list[nn.Module],
+    x: torch.Tensor,
+    *,
+    repeats: int,
+    rounds: int,
+    offload: bool | None,
+    compiled: bool,
+    compress: Sequence[str],
+    policies: Sequence[str] | str,
+) -> tuple[bool, tuple[str, ...] | str]:
+    """:func:`profile`'s arguments checked: ``offload`` decided (``None``: on CUDA) and the
+    policies canonical (or ``AUTO``)."""
     if not chain:
         raise InvalidArgumentError("profile needs a non-empty chain of blocks")
     if not all(isinstance(b, nn.Module) for b in chain):
@@ -181,325 +218,5 @@ def profile(
                 f"policies={policies!r}: pass a list of policies (e.g. ['matmul+attention']) or "
                 f"{AUTO!r}"
             )
-        policies = tuple(canonical_policy(p) for p in policies)  # raises on a bad spec
-    names = (
-        tuple(n for n, _ in blocks.named_children())
-        if isinstance(blocks, nn.Sequential)
-        else tuple(str(i) for i in range(len(chain)))
-    )
-    started = time.perf_counter()
-    job = _Chain(
-        chain,
-        x,
-        () if compiled else tuple(codecs),
-        AUTO if auto else tuple(policies),
-        tuple(compress),
-        repeats,
-        rounds,
-        device or x.device,
-        kwargs,
-        compiled,
-    )
-    rng_devices = [x.device] if x.device.type == "cuda" else []
-    # leave the model as it was: gradients, running statistics, RNG
-    with torch.random.fork_rng(devices=rng_devices), torch.enable_grad(), preserved(chain):
-        costs = job.run(offload=offload, progress=progress)
-    return Profile(
-        tuple(costs),
-        names,
-        _signature(x),
-        threads=torch.get_num_threads(),
-        seconds=time.perf_counter() - started,
-        compiled=compiled,
-    )
-
-
-def _describe(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return ("T", tuple(obj.shape), str(obj.dtype), obj.device.type, obj.requires_grad)
-    if isinstance(obj, (tuple, list)):
-        return tuple(_describe(o) for o in obj)
-    if isinstance(obj, dict):
-        return tuple((k, _describe(v)) for k, v in obj.items())
-    return obj if obj is None or isinstance(obj, (bool, int, float, str)) else id(obj)
-
-
-def same_costs_key(block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> Any:
-    """Blocks with equal keys cost the same bytes and, up to noise, the same time: the same
-    class and structure, parameter and buffer shapes, mode and input shapes."""
-    params = tuple(
-        (n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in block.named_parameters()
-    )
-    buffers = tuple((n, tuple(b.shape), str(b.dtype)) for n, b in block.named_buffers())
-    return (
-        type(block),
-        repr(block),
-        params,
-        buffers,
-        block.training,
-        _describe(x),
-        _describe(kwargs),
-    )
-
-
-@dataclass
-class _Chain:
-    """One profiling job (see :func:`profile`)."""
-
-    chain: list[nn.Module]
-    x: torch.Tensor
-    codecs: tuple[str, ...]
-    policies: tuple[str, ...] | str  # or AUTO
-    compress: tuple[str, ...]
-    repeats: int
-    rounds: int
-    device: Any
-    kwargs: dict[str, Any]
-    compiled: bool = False
-
-    def run(self, *, offload: bool, progress: Progress | None) -> list[BlockCost]:
-        chain, kw = self.chain, self.kwargs
-        floating = self.x.is_floating_point()
-        codecs = self.codecs if floating else ()
-        compress = self.compress if floating else ()
-        weights = sensitivities(chain, self.x, kw) if codecs or compress else None
-        inputs = _inputs(chain, self.x, kw) if weights is None else weights.inputs
-        keys = [same_costs_key(b, h, kw) for b, h in zip(chain, inputs, strict=True)]
-        groups = [keys.index(k) for k in keys]  # a group: its first block's index
-        reps = sorted(set(groups))
-        errors_needed = [i for i, h in enumerate(inputs) if weights and h.is_floating_point()]
-        tick = _Ticker(progress, len(reps) + 1 + len(errors_needed))
-        params = [p for b in chain for p in b.parameters() if p.requires_grad]
-        for p in params:  # steady state: gradients exist
-            p.grad = torch.zeros_like(p)
-        memory = {}
-        for g in reps:
-            leaf = inputs[g].requires_grad_(inputs[g].is_floating_point())
-            memory[g] = memory_costs(
-                chain[g],
-                leaf,
-                codecs,
-                self._policies(chain[g], inputs[g]),
-                self.device,
-                kw,
-                compress=compress,
-                offload=offload,
-            )
-            tick()
-        if self.compiled:
-            return self._compiled(memory, groups, tick)
-        options = [self._options(memory[g].fields, inputs[g], offload) for g in groups]
-        grad = memory[groups[-1]].grad_out
-        probed = probe_chain(
-            chain, self.x, grad, kw, groups, options, rounds=self.rounds, warm=weights is not None
-        )
-        tick()
-        costs = []
-        times = {g: self._times(g, memory[g], inputs[g], options[g], probed) for g in reps}
-        for i, block in enumerate(chain):
-            g = groups[i]
-            fields = dict(memory[g].fields)
-            fields.update(times[g])
-            if weights is not None and i in errors_needed:
-                fields.update(self._errors(block, inputs[i], weights, i, fields))
-                tick()
-            costs.append(BlockCost(**fields))
-        return costs
-
-    def _compiled(self, memory: dict[int, Any], groups: list[int], tick: Any) -> list[BlockCost]:
-        """Every block's costs compiled: each group's eager fields (sizes, random states), its
-        bytes and times replaced by the compiled ones; nothing reversible (see ``compiled``)."""
-        fields = {}
-        for g in sorted(set(groups)):
-            f = dict(memory[g].fields, invertible=False, reversible_peak_bytes=None)
-            options = [CHECKPOINT, *(str(Strategy(SELECTIVE, p)) for p in f["selective_bytes"])]
-            runs = memory[g].runs
-            f.update(
-                compiled_costs(
-                    self.chain[g],
-                    runs.leaf,
-                    memory[g].grad_out,
-                    options,
-                    self.kwargs,
-                    repeats=self.repeats,
-                    device=self.device,
-                )
-            )
-            fields[g] = f
-        tick()
-        return [BlockCost(**fields[g]) for g in groups]
-
-    def _policies(self, block: nn.Module, x: torch.Tensor) -> tuple[str, ...]:
-        if self.policies != AUTO:
-            return tuple(self.policies)
-        found = [c.spec for c in op_choices(block, x, kwargs=self.kwargs, max_choices=3)]
-        return tuple(dict.fromkeys([*found, *DEFAULT_POLICIES]))
-
-    def _errors(
-        self, block: nn.Module, x: torch.Tensor, weights: Any, i: int, fields: dict[str, Any]
-    ) -> dict[str, Any]:
-        """The error fields of block ``i`` (input ``x``): per codec for approx and compress,
-        and the weights of the chain's error model."""
-        args = (weights.cotangents[i], self.kwargs, weights.exact[i])
-        measured = codec_errors(block, x, list(fields["approx_bytes"]), *args)
-        out: dict[str, Any] = {
-            "approx_error": measured.parameters,
-            "approx_input_error": measured.input_gradient,
-            "approx_perturbation": measured.perturbation,
-            "approx_amplification": measured.amplification,
-            "grad_sq": weights.grad_sq[i],
-            "upstream_grad_sq": weights.input_sq + sum(weights.grad_sq[:i]),
-            "chain_grad_sq": weights.input_sq + sum(weights.grad_sq),
-        }
-        if fields["compress_bytes"]:
-            r, q = compress_errors(block, x, list(fields["compress_bytes"]), *args)
-            out.update(compress_error=r, compress_input_error=q)
-        return out
-
-    def _options(self, fields: dict[str, Any], x: torch.Tensor, offload: bool) -> list[str]:
-        """The one-block strategies a block can run with, store first."""
-        opts = [STORE, CHECKPOINT]
-        if fields["approx_bytes"]:
-            opts.append(str(Strategy(APPROX, next(iter(fields["approx_bytes"])))))
-        opts += [str(Strategy(SELECTIVE, p)) for p in fields["selective_bytes"]]
-        opts += [str(Strategy(COMPRESS, c)) for c in fields["compress_bytes"]]
-        if fields["invertible"]:
-            opts.append(REVERSIBLE)
-        if offload:
-            opts.append(OFFLOAD)
-        return opts
-
-    def _times(
-        self, g: int, memory: Any, x: torch.Tensor, options: list[str], probed: InChain
-    ) -> dict[str, Any]:
-        """The time fields of group ``g``: in-chain where measured, else the block alone."""
-        f, b = probed.forward_s[g], probed.backward_s[g]
-        overhead = dict(probed.overhead_s[g])
-        missing = [s for s in options if s != STORE and s not in overhead]
-        if missing or math.isnan(f):  # nan: never stored in the rounds
-            leaf = memory.runs.leaf
-            reversible = memory.runs.reversible
-            alone = block_times(
-                self.chain[g],
-                leaf,
-                memory.grad_out,
-                missing,
-                self.kwargs,
-                self.repeats,
-                reversible=reversible,
-            )
-            if math.isnan(f):
-                f, b = alone[0], alone[1]
-            for s in missing:
-                if s in alone[2]:
-                    overhead[s] = alone[2][s]
-        if memory.fields["approx_bytes"]:
-            codec_s = codec_seconds(x, list(memory.fields["approx_bytes"]))
-            overhead = derived_codecs(overhead, codec_s, next(iter(memory.fields["approx_bytes"])))
-        chained = probed.chained_s[g]
-        if chained is None:  # no saving assumed: as its own node
-            chained = overhead.get(CHECKPOINT, f)
-        return {
-            "forward_s": f,
-            "backward_s": b,
-            "strategy_overhead_s": overhead,
-            "chained_s": chained,
-        }
-
-
-class _Ticker:
-    def __init__(self, progress: Progress | None, total: int) -> None:
-        self.progress, self.total, self.done = progress, total, 0
-        if progress is not None:
-            progress(0, total)
-
-    def __call__(self) -> None:
-        self.done += 1
-        if self.progress is not None:
-            self.progress(min(self.done, self.total), self.total)
-
-
-def _inputs(
-    chain: Sequence[nn.Module], x: torch.Tensor, kwargs: dict[str, Any]
-) -> list[torch.Tensor]:
-    """Every block's input in the chain (detached)."""
-    inputs, h = [], x.detach()
-    with torch.no_grad():
-        for block in chain:
-            inputs.append(h)
-            h = block(h, **kwargs)
-            if not isinstance(h, torch.Tensor):
-                raise InvalidInputTypeError(
-                    "the scheduler handles chains of blocks returning one tensor; "
-                    f"{type(block).__name__} returned {type(h).__name__}"
-                )
-            h = h.detach()
-    return inputs
-
-
-def profile_block(
-    block: nn.Module,
-    x: torch.Tensor,
-    *,
-    codecs: Sequence[str],
-    policies: Sequence[str],
-    repeats: int,
-    device: Any,
-    kwargs: dict[str, Any],
-    cotangent: torch.Tensor | None = None,
-    compress: Sequence[str] = (),
-    offload: bool = False,
-    grads_new: bool = False,
-) -> BlockCost:
-    """Every figure of one block on input ``x``, its times measured on the block alone (what
-    :func:`revckpt.fit` does for a model's blocks, each on its own arguments)."""
-    leaf = x.detach().requires_grad_(x.is_floating_point())
-    memory = memory_costs(
-        block,
-        leaf,
-        codecs,
-        policies,
-        device,
-        kwargs,
-        compress=compress,
-        offload=offload,
-        grads_new=grads_new,
-    )
-    fields = dict(memory.fields)
-    strategies = [CHECKPOINT, *(str(Strategy(SELECTIVE, p)) for p in policies)]
-    strategies += [str(Strategy(COMPRESS, c)) for c in fields["compress_bytes"]]
-    codecs_priced = list(fields["approx_bytes"])
-    if codecs_priced:
-        strategies.append(str(Strategy(APPROX, codecs_priced[0])))
-    if fields["invertible"]:
-        strategies.append(REVERSIBLE)
-    if offload:
-        strategies.append(OFFLOAD)
-    f, b, overhead = block_times(
-        block,
-        leaf,
-        memory.grad_out,
-        strategies,
-        kwargs,
-        repeats,
-        reversible=memory.runs.reversible,
-    )
-    if codecs_priced:
-        overhead = derived_codecs(overhead, codec_seconds(x, codecs_priced), codecs_priced[0])
-        measured = codec_errors(block, x, codecs_priced, cotangent, kwargs)
-        fields.update(
-            approx_error=measured.parameters,
-            approx_input_error=measured.input_gradient,
-            approx_perturbation=measured.perturbation,
-            approx_amplification=measured.amplification,
-        )
-    if fields["compress_bytes"]:
-        r, q = compress_errors(block, x, list(fields["compress_bytes"]), cotangent, kwargs)
-        fields.update(compress_error=r, compress_input_error=q)
-    fields.update(
-        forward_s=f,
-        backward_s=b,
-        strategy_overhead_s=overhead,
-        chained_s=overhead.get(CHECKPOINT, f),
-    )
-    return BlockCost(**fields)
+        return offload, tuple(canonical_policy(p) for p in policies)  # raises on a bad spec
+    return offload, AUTO

@@ -1,0 +1,106 @@
+"""One block profiled on its own: every figure of :class:`~revckpt.schedule.costs.BlockCost`,
+its times measured on the block alone (what :func:`revckpt.fit` does for a model's blocks)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..strategy import Strategy
+from .block_errors import codec_errors, compress_errors
+from .block_memory import memory_costs
+from .block_time import block_times, codec_seconds, derived_codecs
+from .costs import APPROX, CHECKPOINT, COMPRESS, OFFLOAD, REVERSIBLE, SELECTIVE, BlockCost
+
+
+def profile_block(
+    block: nn.Module,
+    x: torch.Tensor,
+    *,
+    codecs: Sequence[str],
+    policies: Sequence[str],
+    repeats: int,
+    device: Any,
+    kwargs: dict[str, Any],
+    cotangent: torch.Tensor | None = None,
+    compress: Sequence[str] = (),
+    offload: bool = False,
+    grads_new: bool = False,
+) -> BlockCost:
+    """Every figure of one block on input ``x``, its times measured on the block alone (what
+    :func:`revckpt.fit` does for a model's blocks, each on its own arguments)."""
+    leaf = x.detach().requires_grad_(x.is_floating_point())
+    memory = memory_costs(
+        block,
+        leaf,
+        codecs,
+        policies,
+        device,
+        kwargs,
+        compress=compress,
+        offload=offload,
+        grads_new=grads_new,
+    )
+    fields = dict(memory.fields)
+    codecs_priced = list(fields["approx_bytes"])
+    f, b, overhead = block_times(
+        block,
+        leaf,
+        memory.grad_out,
+        _strategies(fields, policies, offload),
+        kwargs,
+        repeats,
+        reversible=memory.runs.reversible,
+    )
+    if codecs_priced:
+        overhead = derived_codecs(overhead, codec_seconds(x, codecs_priced), codecs_priced[0])
+    fields.update(_errors(block, x, fields, cotangent, kwargs))
+    fields.update(
+        forward_s=f,
+        backward_s=b,
+        strategy_overhead_s=overhead,
+        chained_s=overhead.get(CHECKPOINT, f),
+    )
+    return BlockCost(**fields)
+
+
+def _strategies(fields: dict[str, Any], policies: Sequence[str], offload: bool) -> list[str]:
+    """The strategies to time besides store: checkpoint, the policies, the compress formats,
+    the first codec priced, reversible when the block is invertible, offload when asked."""
+    strategies = [CHECKPOINT, *(str(Strategy(SELECTIVE, p)) for p in policies)]
+    strategies += [str(Strategy(COMPRESS, c)) for c in fields["compress_bytes"]]
+    codecs_priced = list(fields["approx_bytes"])
+    if codecs_priced:
+        strategies.append(str(Strategy(APPROX, codecs_priced[0])))
+    if fields["invertible"]:
+        strategies.append(REVERSIBLE)
+    if offload:
+        strategies.append(OFFLOAD)
+    return strategies
+
+
+def _errors(
+    block: nn.Module,
+    x: torch.Tensor,
+    fields: dict[str, Any],
+    cotangent: torch.Tensor | None,
+    kwargs: dict[str, Any],
+) -> dict[str, Any]:
+    """The error fields: per codec priced for approx, per format for compress."""
+    out: dict[str, Any] = {}
+    codecs_priced = list(fields["approx_bytes"])
+    if codecs_priced:
+        measured = codec_errors(block, x, codecs_priced, cotangent, kwargs)
+        out.update(
+            approx_error=measured.parameters,
+            approx_input_error=measured.input_gradient,
+            approx_perturbation=measured.perturbation,
+            approx_amplification=measured.amplification,
+        )
+    if fields["compress_bytes"]:
+        r, q = compress_errors(block, x, list(fields["compress_bytes"]), cotangent, kwargs)
+        out.update(compress_error=r, compress_input_error=q)
+    return out

@@ -1,0 +1,250 @@
+"""One profiling job of :func:`~revckpt.schedule.profile`: the chain's identical blocks grouped,
+each group metered once, the chain timed in a few mixed rounds, the codec errors measured per
+block."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import InvalidInputTypeError
+from ..strategy import Strategy
+from .block_errors import codec_errors, compress_errors, sensitivities
+from .block_memory import memory_costs
+from .block_time import block_times, codec_seconds, derived_codecs
+from .compiled import compiled_costs
+from .costs import APPROX, CHECKPOINT, COMPRESS, OFFLOAD, REVERSIBLE, SELECTIVE, STORE, BlockCost
+from .ops import op_choices
+from .probe import InChain, probe_chain
+
+DEFAULT_POLICIES = ("matmul+attention",)
+AUTO = "auto"  # policies chosen per block from its operations (op_choices)
+Progress = Callable[[int, int], None]
+
+
+def _describe(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return ("T", tuple(obj.shape), str(obj.dtype), obj.device.type, obj.requires_grad)
+    if isinstance(obj, (tuple, list)):
+        return tuple(_describe(o) for o in obj)
+    if isinstance(obj, dict):
+        return tuple((k, _describe(v)) for k, v in obj.items())
+    return obj if obj is None or isinstance(obj, (bool, int, float, str)) else id(obj)
+
+
+def same_costs_key(block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+    """Blocks with equal keys cost the same bytes and, up to noise, the same time: the same
+    class and structure, parameter and buffer shapes, mode and input shapes."""
+    params = tuple(
+        (n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in block.named_parameters()
+    )
+    buffers = tuple((n, tuple(b.shape), str(b.dtype)) for n, b in block.named_buffers())
+    return (
+        type(block),
+        repr(block),
+        params,
+        buffers,
+        block.training,
+        _describe(x),
+        _describe(kwargs),
+    )
+
+
+@dataclass
+class _ProfilingJob:
+    """One profiling job (see :func:`profile`)."""
+
+    chain: list[nn.Module]
+    x: torch.Tensor
+    codecs: tuple[str, ...]
+    policies: tuple[str, ...] | str  # or AUTO
+    compress: tuple[str, ...]
+    repeats: int
+    rounds: int
+    device: Any
+    kwargs: dict[str, Any]
+    compiled: bool = False
+
+    def run(self, *, offload: bool, progress: Progress | None) -> list[BlockCost]:
+        chain, kw = self.chain, self.kwargs
+        floating = self.x.is_floating_point()
+        codecs = self.codecs if floating else ()
+        compress = self.compress if floating else ()
+        weights = sensitivities(chain, self.x, kw) if codecs or compress else None
+        inputs = _inputs(chain, self.x, kw) if weights is None else weights.inputs
+        keys = [same_costs_key(b, h, kw) for b, h in zip(chain, inputs, strict=True)]
+        groups = [keys.index(k) for k in keys]  # a group: its first block's index
+        reps = sorted(set(groups))
+        errors_needed = [i for i, h in enumerate(inputs) if weights and h.is_floating_point()]
+        tick = _Ticker(progress, len(reps) + 1 + len(errors_needed))
+        params = [p for b in chain for p in b.parameters() if p.requires_grad]
+        for p in params:  # steady state: gradients exist
+            p.grad = torch.zeros_like(p)
+        memory = {}
+        for g in reps:
+            leaf = inputs[g].requires_grad_(inputs[g].is_floating_point())
+            memory[g] = memory_costs(
+                chain[g],
+                leaf,
+                codecs,
+                self._policies(chain[g], inputs[g]),
+                self.device,
+                kw,
+                compress=compress,
+                offload=offload,
+            )
+            tick()
+        if self.compiled:
+            return self._compiled(memory, groups, tick)
+        options = [self._options(memory[g].fields, inputs[g], offload) for g in groups]
+        grad = memory[groups[-1]].grad_out
+        probed = probe_chain(
+            chain, self.x, grad, kw, groups, options, rounds=self.rounds, warm=weights is not None
+        )
+        tick()
+        costs = []
+        times = {g: self._times(g, memory[g], inputs[g], options[g], probed) for g in reps}
+        for i, block in enumerate(chain):
+            g = groups[i]
+            fields = dict(memory[g].fields)
+            fields.update(times[g])
+            if weights is not None and i in errors_needed:
+                fields.update(self._errors(block, inputs[i], weights, i, fields))
+                tick()
+            costs.append(BlockCost(**fields))
+        return costs
+
+    def _compiled(self, memory: dict[int, Any], groups: list[int], tick: Any) -> list[BlockCost]:
+        """Every block's costs compiled: each group's eager fields (sizes, random states), its
+        bytes and times replaced by the compiled ones; nothing reversible (see ``compiled``)."""
+        fields = {}
+        for g in sorted(set(groups)):
+            f = dict(memory[g].fields, invertible=False, reversible_peak_bytes=None)
+            options = [CHECKPOINT, *(str(Strategy(SELECTIVE, p)) for p in f["selective_bytes"])]
+            runs = memory[g].runs
+            f.update(
+                compiled_costs(
+                    self.chain[g],
+                    runs.leaf,
+                    memory[g].grad_out,
+                    options,
+                    self.kwargs,
+                    repeats=self.repeats,
+                    device=self.device,
+                )
+            )
+            fields[g] = f
+        tick()
+        return [BlockCost(**fields[g]) for g in groups]
+
+    def _policies(self, block: nn.Module, x: torch.Tensor) -> tuple[str, ...]:
+        if self.policies != AUTO:
+            return tuple(self.policies)
+        found = [c.spec for c in op_choices(block, x, kwargs=self.kwargs, max_choices=3)]
+        return tuple(dict.fromkeys([*found, *DEFAULT_POLICIES]))
+
+    def _errors(
+        self, block: nn.Module, x: torch.Tensor, weights: Any, i: int, fields: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The error fields of block ``i`` (input ``x``): per codec for approx and compress,
+        and the weights of the chain's error model."""
+        args = (weights.cotangents[i], self.kwargs, weights.exact[i])
+        measured = codec_errors(block, x, list(fields["approx_bytes"]), *args)
+        out: dict[str, Any] = {
+            "approx_error": measured.parameters,
+            "approx_input_error": measured.input_gradient,
+            "approx_perturbation": measured.perturbation,
+            "approx_amplification": measured.amplification,
+            "grad_sq": weights.grad_sq[i],
+            "upstream_grad_sq": weights.input_sq + sum(weights.grad_sq[:i]),
+            "chain_grad_sq": weights.input_sq + sum(weights.grad_sq),
+        }
+        if fields["compress_bytes"]:
+            r, q = compress_errors(block, x, list(fields["compress_bytes"]), *args)
+            out.update(compress_error=r, compress_input_error=q)
+        return out
+
+    def _options(self, fields: dict[str, Any], x: torch.Tensor, offload: bool) -> list[str]:
+        """The one-block strategies a block can run with, store first."""
+        opts = [STORE, CHECKPOINT]
+        if fields["approx_bytes"]:
+            opts.append(str(Strategy(APPROX, next(iter(fields["approx_bytes"])))))
+        opts += [str(Strategy(SELECTIVE, p)) for p in fields["selective_bytes"]]
+        opts += [str(Strategy(COMPRESS, c)) for c in fields["compress_bytes"]]
+        if fields["invertible"]:
+            opts.append(REVERSIBLE)
+        if offload:
+            opts.append(OFFLOAD)
+        return opts
+
+    def _times(
+        self, g: int, memory: Any, x: torch.Tensor, options: list[str], probed: InChain
+    ) -> dict[str, Any]:
+        """The time fields of group ``g``: in-chain where measured, else the block alone."""
+        f, b = probed.forward_s[g], probed.backward_s[g]
+        overhead = dict(probed.overhead_s[g])
+        missing = [s for s in options if s != STORE and s not in overhead]
+        if missing or math.isnan(f):  # nan: never stored in the rounds
+            leaf = memory.runs.leaf
+            reversible = memory.runs.reversible
+            alone = block_times(
+                self.chain[g],
+                leaf,
+                memory.grad_out,
+                missing,
+                self.kwargs,
+                self.repeats,
+                reversible=reversible,
+            )
+            if math.isnan(f):
+                f, b = alone[0], alone[1]
+            for s in missing:
+                if s in alone[2]:
+                    overhead[s] = alone[2][s]
+        if memory.fields["approx_bytes"]:
+            codec_s = codec_seconds(x, list(memory.fields["approx_bytes"]))
+            overhead = derived_codecs(overhead, codec_s, next(iter(memory.fields["approx_bytes"])))
+        chained = probed.chained_s[g]
+        if chained is None:  # no saving assumed: as its own node
+            chained = overhead.get(CHECKPOINT, f)
+        return {
+            "forward_s": f,
+            "backward_s": b,
+            "strategy_overhead_s": overhead,
+            "chained_s": chained,
+        }
+
+
+class _Ticker:
+    def __init__(self, progress: Progress | None, total: int) -> None:
+        self.progress, self.total, self.done = progress, total, 0
+        if progress is not None:
+            progress(0, total)
+
+    def __call__(self) -> None:
+        self.done += 1
+        if self.progress is not None:
+            self.progress(min(self.done, self.total), self.total)
+
+
+def _inputs(
+    chain: Sequence[nn.Module], x: torch.Tensor, kwargs: dict[str, Any]
+) -> list[torch.Tensor]:
+    """Every block's input in the chain (detached)."""
+    inputs, h = [], x.detach()
+    with torch.no_grad():
+        for block in chain:
+            inputs.append(h)
+            h = block(h, **kwargs)
+            if not isinstance(h, torch.Tensor):
+                raise InvalidInputTypeError(
+                    "the scheduler handles chains of blocks returning one tensor; "
+                    f"{type(block).__name__} returned {type(h).__name__}"
+                )
+            h = h.detach()
+    return inputs
