@@ -74,8 +74,9 @@ class Coupling:
 class AdditiveCoupling(Coupling):
     """``y = x + h``; inverse ``x = y - h``. Volume preserving; ``h`` has the shape of ``x``.
 
-    Rounding: the rebuilt ``x`` differs from the original by at most one rounding of the sum,
-    ``|x_hat - x| <= u * (|x| + |h|)`` per block with ``u`` the unit roundoff of the dtype.
+    Rounding: the rebuilt ``x`` carries the rounding of the sum and of the difference,
+    ``|x_hat - x| <= 2u * (|x| + |h|)`` per block (to first order in ``u``, the unit roundoff
+    of the dtype: half its machine epsilon).
     """
 
     def combine(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -101,7 +102,8 @@ class AffineCoupling(Coupling):
     The branch returns ``h = (a, t)``, or one tensor twice the stream's size along ``dim``
     that is split into ``a`` and ``t``. The scale is bounded, ``exp(-c) <= s <= exp(c)``
     (``c = clamp``, default 2), so the inverse never divides by a vanishing number and a
-    block amplifies reconstruction error by at most ``exp(c)``.
+    block amplifies reconstruction error by at most ``exp(c)``. Rounding: four roundings,
+    ``|x_hat - x| <= 4u * (|x| + |t| / s)`` per block (to first order in the unit roundoff ``u``).
     """
 
     def __init__(self, *, clamp: float = 2.0, dim: int = -1) -> None:
