@@ -33,6 +33,20 @@ MODULES = (
 
 OUT = Path(__file__).resolve().parent / "api.md"
 
+#: The public names a user needs for the three main jobs, in the order the README gives them.
+ESSENTIAL = {
+    "fit a model's training step to a memory budget": ("revckpt.fit", "revckpt.restore"),
+    "checkpoint a model or a function": (
+        "revckpt.convert",
+        "revckpt.checkpoint",
+        "revckpt.checkpoint_sequential",
+    ),
+    "make a stack reversible": (
+        "revckpt.layers.ReversibleSequential",
+        "revckpt.layers.convert_to_reversible",
+    ),
+}
+
 # :role:`target`, :role:`~a.b.c` (shown as c), :role:`title <target>` (shown as title)
 _ROLE = re.compile(r":(?:py:)?(?:func|class|mod|data|attr|meth|exc|obj|const):`([^`]+)`")
 
@@ -178,11 +192,35 @@ def _entry(module: str, name: str, obj: object) -> list[str]:
     return lines
 
 
+def _essentials() -> list[str]:
+    lines = []
+    for job, names in ESSENTIAL.items():
+        for name in names:
+            module, _, public = name.rpartition(".")
+            if public not in getattr(importlib.import_module(module), "__all__", ()):
+                raise SystemExit(f"ESSENTIAL names {name}, which {module}.__all__ does not export")
+        lines.append(f"- {job}: " + ", ".join(f"`{name}`" for name in names))
+    return lines
+
+
 def render() -> str:
+    exported = [
+        getattr(module, public)
+        for module in map(importlib.import_module, MODULES)
+        for public in getattr(module, "__all__", ())
+    ]
+    distinct = {id(obj) for obj in exported if not inspect.ismodule(obj)}
+    essential = sum(len(names) for names in ESSENTIAL.values())
     lines = [
         "# API reference",
         "",
         "Generated from the docstrings by `python docs/gen_api.py`; do not edit by hand.",
+        "",
+        f"{len(exported)} public names in the `__all__` of {len(MODULES)} modules ({len(distinct)}",
+        "functions, classes and constants; the rest are subpackages and names exported twice,",
+        f"e.g. by `revckpt` and `revckpt.measure`). The three main jobs need {essential} of them:",
+        "",
+        *_essentials(),
         "",
     ]
     for name in MODULES:
