@@ -8,7 +8,8 @@ float32 scale per group of elements (one group per tensor, per row, or per block
     q = round(clamp(x * s, -fmax, fmax))                     (to the format: nearest or stochastic)
     x_hat = clamp(q / s, -xmax, xmax)                        (in the source dtype)
 
-The scaling runs in float64 for float64 input and in float32 otherwise; ``2**-m`` is the smallest
+The scaling runs in float64 for float64 input and in float32 otherwise, the exponent included
+(from :func:`torch.frexp`, integer arithmetic: exact, no logarithm); ``2**-m`` is the smallest
 normal number of that dtype (``m = 126`` or ``1022``), so both ``s`` and ``1 / s`` are normal
 numbers there (the clamp binds only for groups below ``fmax * 2**-m``, e.g. float32 subnormals,
 and leaves them a coarser but honest ``eta / s``). ``xmax`` is the largest finite value of the
@@ -34,7 +35,9 @@ e5m2      float8_e5m2  57344     2**-3         2**-17
 
 Why explicit: ``x.to(torch.float8_e4m3fn)`` turns ``inf`` into 448 and every value beyond 448
 into 448 without a word. Here non-finite input raises :class:`NonFiniteInputError` (an
-:class:`~revckpt.InvalidArgumentError`), scaling puts every group inside the range, and the clamp
+:class:`~revckpt.InvalidArgumentError`): at encode on the CPU, at decode on an accelerator, where
+encode keeps its check on the device and never synchronises with the host (``defer_checks``;
+:mod:`revckpt.approx._checks` says how), scaling puts every group inside the range, and the clamp
 before the cast is a guard the scaling makes inactive. bf16 has (almost) the range of float32 and
 needs no scale (``scaling=None``): it takes every value of float32's range, and the few above its
 own ``fmax`` (``3.3895e38 < |x| <= 3.4028e38``) saturate to ``fmax``, within ``u * |x|`` because
@@ -52,24 +55,47 @@ from typing import Literal
 
 import torch
 
-from ..errors import InvalidArgumentError, InvalidInputTypeError
+from ..errors import InvalidArgumentError
+from ._checks import (
+    NonFiniteInputError,
+    check_type,
+    mark_scales,
+    mark_unscaled,
+    raise_if_invalid,
+    raise_if_marked,
+)
 
 __all__ = ["FORMATS", "Codec", "Encoded", "FormatSpec", "NonFiniteInputError"]
 
 Scaling = Literal["tensor", "row", "block"]
 Rounding = Literal["nearest", "stochastic"]
 
-_UNSCALED_LIMIT = torch.finfo(torch.float32).max  # the largest |x| bf16 takes without a scale
-
-
-class NonFiniteInputError(InvalidArgumentError):
-    """A tensor sent to a codec holds inf or nan (a cast would saturate it silently)."""
+_BITS = {  # scaling dtype: (same-size int dtype, stored significand bits, exponent bias)
+    torch.float32: (torch.int32, 23, 127),
+    torch.float64: (torch.int64, 52, 1023),
+}
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype scaling runs in: float64 for float64 input (it may exceed float32's range),
     float32 otherwise (it holds every float16 and bfloat16 value)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _power_of_two_scales(amax: torch.Tensor, fmax: float, work: torch.dtype) -> torch.Tensor:
+    """``2 ** clamp(floor(log2(fmax / amax)), -m, m)`` per group, exactly, in ``work``; 1 where
+    ``amax`` is 0 (or nan). With ``amax = a * 2**ea`` and ``fmax = f * 2**ef`` (``0.5 <= a, f <
+    1``), ``fmax / amax = (f / a) * 2**(ef - ea)`` and ``f / a`` lies in ``[1, 2)`` when
+    ``a <= f``, in ``(1/2, 1)`` otherwise: the floor is ``ef - ea - [a > f]``, integer
+    arithmetic. The power of two is built from its bits (``2**-m`` is normal, so ``e + bias``
+    is a valid biased exponent): every step exact, on the device, no host synchronisation."""
+    int_dtype, significand, bias = _BITS[work]
+    m = bias - 1
+    a, ea = torch.frexp(amax.to(work))
+    f, ef = math.frexp(fmax)
+    e = (ef - ea) - (a > f).to(ea.dtype)
+    e = torch.where(amax > 0, e, 0).clamp(-m, m)
+    return ((e.to(int_dtype) + bias) << significand).view(work)
 
 
 @dataclass(frozen=True)
@@ -154,12 +180,18 @@ class Codec:
         block_size: elements per scale for ``"block"`` scaling; must divide the row length.
         rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (unbiased: rounds up with
             probability equal to the distance from the lower neighbour, in ulps).
+        defer_checks: where non-finite input (and float64 input beyond float32's range without
+            a scale) raises: ``False``, at :meth:`encode` (one host read of a flag per encode,
+            which on an accelerator waits for the device); ``True``, at :meth:`decode` (encode
+            only marks the payload, on the device, so the forward never synchronises); ``None``
+            (default), at encode on the CPU, where the read costs nothing, at decode elsewhere.
     """
 
     format: str = "e4m3"
     scaling: Scaling | None = "row"
     block_size: int = 128
     rounding: Rounding = "nearest"
+    defer_checks: bool | None = None
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -187,6 +219,11 @@ class Codec:
         if self.rounding not in ("nearest", "stochastic"):
             raise InvalidArgumentError(
                 f"unknown rounding {self.rounding!r}; use 'nearest' or 'stochastic'"
+            )
+        if self.defer_checks not in (None, True, False):
+            raise InvalidArgumentError(
+                f"defer_checks={self.defer_checks!r}: pass True (check at decode), False "
+                "(check at encode) or None (at encode on the CPU, at decode elsewhere)"
             )
 
     @property
@@ -217,6 +254,12 @@ class Codec:
 
     # -- encoding --------------------------------------------------------------------------
 
+    def defers_checks(self, device: torch.device) -> bool:
+        """Whether :meth:`encode` on ``device`` leaves its input checks to :meth:`decode`:
+        ``defer_checks`` if set, else everywhere but the CPU (where a check costs no
+        synchronisation)."""
+        return self.defer_checks if self.defer_checks is not None else device.type != "cpu"
+
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as a 2-D ``(groups, group_size)`` view: the unit that shares a scale."""
         if x.numel() == 0:
@@ -237,40 +280,21 @@ class Codec:
             return flat.reshape(-1, self.block_size)
         return flat
 
+    def _amax(self, x: torch.Tensor) -> torch.Tensor:
+        """``max |x|`` per group, shape ``(groups, 1)`` (of the whole tensor, shape ``()``,
+        without a scale); nan or inf where the group holds nan or inf. ``x`` is not empty."""
+        if self.scaling is None:
+            return x.abs().amax()
+        return self._rows(x).abs().amax(dim=1, keepdim=True)
+
     def check(self, x: torch.Tensor) -> None:
         """Raise if ``x`` cannot be encoded: not a tensor, not floating point, not finite
-        (:class:`NonFiniteInputError`), or, without a scale, beyond float32's range."""
-        if not isinstance(x, torch.Tensor):
-            raise InvalidInputTypeError(
-                f"a codec encodes tensors, got {type(x).__name__}; pass a floating-point tensor"
-            )
-        if not x.is_floating_point():
-            raise InvalidInputTypeError(
-                f"cannot compress a {x.dtype} tensor: codecs take floating-point tensors; keep "
-                "integer and boolean tensors (indices, masks) exact"
-            )
-        if x.numel() and not bool(torch.isfinite(x).all()):
-            bad = (~torch.isfinite(x)).sum().item()
-            raise NonFiniteInputError(
-                f"{bad} non-finite value(s) (inf or nan) in a tensor of shape {tuple(x.shape)} "
-                f"sent to the {self.format} codec; a cast would silently turn inf into "
-                f"{self.spec.fmax:g}. Find where the model overflows (e.g. with "
-                "torch.autograd.detect_anomaly) or keep this boundary exact (store=None)"
-            )
-        if self.scaling is None and x.dtype == torch.float64 and x.numel():
-            self._check_unscaled_range(x)
-
-    def _check_unscaled_range(self, x: torch.Tensor) -> None:
-        """Without a scale, ``|x| <= 3.4028e38`` (float32's largest value): up to there, the
-        saturation to bf16's ``fmax`` stays within ``u * |x|``; beyond it, it does not."""
-        amax = float(x.detach().abs().max())
-        if amax > _UNSCALED_LIMIT:
-            raise InvalidArgumentError(
-                f"values up to {amax:.3g} exceed what {self.format} holds without a scale "
-                f"(|x| <= {_UNSCALED_LIMIT:.5g}, float32's range; {self.format}'s largest value "
-                f"is {self.spec.fmax:.5g}). Use scaling='row' (or 'block', 'tensor'): the scale "
-                "brings float64 values of any size into range"
-            )
+        (:class:`NonFiniteInputError`), or, without a scale, beyond float32's range. Always
+        checks now (one host read of a flag), whatever ``defer_checks`` says."""
+        check_type(x)
+        if x.numel():
+            with torch.no_grad():
+                raise_if_invalid(self, x.detach(), self._amax(x.detach()))
 
     def scales(self, x: torch.Tensor) -> torch.Tensor | None:
         """The scale of each group, shape ``(groups, 1)``, in the dtype the scaling runs in
@@ -278,23 +302,24 @@ class Codec:
 
             s = 2 ** e,   e = clamp(floor(log2(fmax / amax)), -m, m),   2**-m = finfo.tiny
 
-        so ``amax * s <= fmax`` and both ``s`` and ``1 / s`` are normal; ``s = 1`` for zeros."""
+        so ``amax * s <= fmax`` and both ``s`` and ``1 / s`` are normal; ``s = 1`` for zeros.
+        ``e`` comes exactly from the exponents and significands of ``amax`` and ``fmax``
+        (:func:`torch.frexp`) and ``s`` from its bits: no logarithm, no rounding, in the
+        scaling dtype on the input's device."""
         if self.scaling is None:
             return None
-        rows = self._rows(x.detach())
-        amax = rows.abs().amax(dim=1, keepdim=True).double() if rows.numel() else rows.double()
-        fmax, work = self.spec.fmax, _work_dtype(x.dtype)
-        m = -math.log2(torch.finfo(work).tiny)
-        safe = torch.where(amax > 0, amax, 1.0)  # log2 of each factor: fmax / amax may overflow
-        exp = torch.floor(math.log2(fmax) - torch.log2(safe)).clamp(-m, m)
-        # log2 rounds: step to the exact floor, amax * 2**e <= fmax < amax * 2**(e + 1)
-        exp = exp - (safe * torch.exp2(exp) > fmax).double()
-        exp = exp + ((exp < m) & (safe * torch.exp2(exp + 1) <= fmax)).double()
-        return torch.exp2(torch.where(amax > 0, exp, 0.0)).to(work)
+        x = x.detach()
+        if x.numel() == 0:
+            return self._rows(x).to(_work_dtype(x.dtype))
+        return _power_of_two_scales(self._amax(x), self.spec.fmax, _work_dtype(x.dtype))
 
     def encode(self, x: torch.Tensor) -> Encoded:
-        """Compress ``x`` (raises on non-floating or non-finite input)."""
-        self.check(x)
+        """Compress ``x``. Raises on non-floating input at once; on non-finite input (and,
+        without a scale, float64 beyond float32's range) at once where :meth:`defers_checks`
+        is false (the CPU by default), else at :meth:`decode`: the check stays on the device
+        (no host synchronisation here) and marks the payload (nan scales, or nan and inf
+        elements without a scale) so that decode finds it."""
+        check_type(x)
         with torch.no_grad():
             x = x.detach()
             spec = self.spec
@@ -302,14 +327,25 @@ class Codec:
                 return Encoded(
                     torch.empty(x.shape, dtype=spec.dtype, device=x.device), None, x.dtype, self
                 )
-            scales = self.scales(x)
-            t = x.to(_work_dtype(x.dtype))
-            if scales is not None:
+            deferred = self.defers_checks(x.device)
+            amax = None if deferred and self.scaling is None else self._amax(x)
+            if not deferred:
+                raise_if_invalid(self, x, amax)
+            work = _work_dtype(x.dtype)
+            t = x.to(work)
+            scales = None
+            if self.scaling is not None:
+                assert amax is not None
+                scales = _power_of_two_scales(amax, spec.fmax, work)
+                if deferred:
+                    scales = mark_scales(scales, amax)
                 t = (self._rows(t) * scales).reshape(x.shape)
             # inactive after scaling; without a scale, saturates bf16 within u * |x|
             t = t.clamp(-spec.fmax, spec.fmax)
             if self.rounding == "stochastic":
                 t = self._stochastic(t)
+            if deferred and self.scaling is None:
+                t = mark_unscaled(x, t)
             payload = t.to(spec.dtype)
         return Encoded(payload=payload, scales=scales, dtype=x.dtype, codec=self)
 
@@ -328,7 +364,12 @@ class Codec:
 
     def decode(self, encoded: Encoded) -> torch.Tensor:
         """``x_hat = clamp(q / s, -xmax, xmax)`` in the original dtype, ``xmax`` its largest
-        finite value (``q`` rounded up past it, e.g. float16 65504 -> 65536, comes back to it)."""
+        finite value (``q`` rounded up past it, e.g. float16 65504 -> 65536, comes back to it).
+        Where :meth:`encode` deferred its checks, raises here what it would have raised
+        (:class:`NonFiniteInputError`, or the range error without a scale): one host read of
+        a flag, in backward."""
+        if encoded.payload.numel() and self.defers_checks(encoded.payload.device):
+            raise_if_marked(self, encoded)
         t = encoded.payload.to(_work_dtype(encoded.dtype))
         if encoded.scales is not None:
             t = (self._rows(t) / encoded.scales).reshape(encoded.payload.shape)
