@@ -3,13 +3,37 @@ one (everything stored), on the same input and seed, and compare gradients."""
 
 import torch
 
+from revckpt import InvalidArgumentError
+from revckpt.layers import Coupling
+
+
+class GatedCoupling(Coupling):
+    """A custom coupling that needs a branch twice the stream's width:
+    ``y = x + sigmoid(a) * b`` with ``(a, b)`` the halves of ``h`` along ``dim``."""
+
+    def __init__(self, dim=-1):
+        self.dim = dim
+
+    def combine(self, x, h):
+        a, b = h.chunk(2, dim=self.dim)
+        return x + torch.sigmoid(a) * b
+
+    def separate(self, y, h):
+        a, b = h.chunk(2, dim=self.dim)
+        return y - torch.sigmoid(a) * b
+
+    def branch_size(self, size, *, dim):
+        if dim != self.dim:
+            raise InvalidArgumentError(f"GatedCoupling splits h along {self.dim}, not {dim}")
+        return 2 * size
+
 
 def plain_forward(rev, x, **kwargs):
     """The same math with plain autograd: every block called directly."""
-    x1, x2 = x.chunk(2, dim=-1)
+    x1, x2 = x.chunk(2, dim=rev.split_dim)
     for block in rev.blocks:
         x1, x2 = block(x1, x2, **kwargs)
-    return torch.cat([x1, x2], dim=-1)
+    return torch.cat([x1, x2], dim=rev.split_dim)
 
 
 def step(model_fn, model, x, mask, seed=99):

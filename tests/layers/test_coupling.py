@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-from reversible_reference import assert_grads_match, plain_forward, step
+from reversible_reference import GatedCoupling, assert_grads_match, plain_forward, step
 from torch import nn
 
 from revckpt import InvalidArgumentError
@@ -53,27 +53,6 @@ def test_affine_scale_bounded():
 
 
 # --- couplings to test -----------------------------------------------------------------------
-
-
-class GatedCoupling(Coupling):
-    """A custom coupling that needs a branch twice the stream's width:
-    ``y = x + sigmoid(a) * b`` with ``(a, b)`` the halves of ``h`` along ``dim``."""
-
-    def __init__(self, dim=-1):
-        self.dim = dim
-
-    def combine(self, x, h):
-        a, b = h.chunk(2, dim=self.dim)
-        return x + torch.sigmoid(a) * b
-
-    def separate(self, y, h):
-        a, b = h.chunk(2, dim=self.dim)
-        return y - torch.sigmoid(a) * b
-
-    def branch_size(self, size, *, dim):
-        if dim != self.dim:
-            raise InvalidArgumentError(f"GatedCoupling splits h along {self.dim}, not {dim}")
-        return 2 * size
 
 
 COUPLINGS = {
