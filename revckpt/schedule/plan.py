@@ -22,6 +22,7 @@ from ..layers import ReversibleSequential, ReversibleUnit
 from ..offload import checkpoint_sequential as offload_sequential
 from ..strategy import Strategy, argument_of, kind_of
 from .costs import (
+    APPROX,
     CHECKPOINT,
     COMPRESS,
     OFFLOAD,
@@ -419,6 +420,11 @@ class Scheduled(nn.Module):
         self._order = [name for name, _ in named]
         self.plan = plan
         self._runs = segment_runs([block for _, block in named], plan.segments)
+        # each approx segment's configuration and codec, built once here, not per forward
+        self._approx = [
+            Approx(store=argument_of(strategy)) if kind_of(strategy) == APPROX else None
+            for strategy, _ in self._runs
+        ]
 
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         sig = self.plan.input_signature
@@ -438,8 +444,11 @@ class Scheduled(nn.Module):
             warn_if_threads_differ(self.plan.threads)
             if self.plan.compiled and not torch.compiler.is_compiling():
                 _warn_eager_run()
-        for strategy, run in self._runs:
-            x = run_segment(strategy, run, x, kwargs)
+        for (strategy, run), approx in zip(self._runs, self._approx, strict=True):
+            if approx is None:
+                x = run_segment(strategy, run, x, kwargs)
+            else:
+                x = checkpoint_sequential(run, 1, x, approx=approx, **kwargs)
         return x
 
 
