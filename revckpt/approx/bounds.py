@@ -53,21 +53,28 @@ times under ``torch.func`` transforms. Compute runs in float64 on a copy of the 
 
 from __future__ import annotations
 
-import copy
 import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call, jvp, vjp, vmap
+from torch.func import vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.modules.batchnorm import _NormBase
 
-from ..errors import InvalidArgumentError, InvalidInputTypeError
-from ..replay import freeze_running_stats
+from .._numbers import relative as _relative
+from ..errors import InvalidArgumentError
+from ._linearise import (
+    INPUT,
+    Linearised,
+    checked_chain,
+    codec_of,
+    linearise,
+    random_sign_tangents,
+    squared_norms,
+    worst_row_ratio,
+)
 from .formats import Codec
 from .recompute import Approx
 
@@ -133,10 +140,7 @@ class ErrorEstimate:
     def relative(self, which: str = "estimate") -> dict[str, float]:
         """``which`` (``"bound"``, ``"estimate"`` or ``"linearised"``) over ``grad_norm``."""
         values = getattr(self, which)
-        return {
-            k: v / self.grad_norm[k] if self.grad_norm[k] > 0 else math.inf
-            for k, v in values.items()
-        }
+        return {k: _relative(v, self.grad_norm[k]) for k, v in values.items()}
 
     def total(self, which: str = "estimate") -> float:
         """Relative error of all parameter gradients together: ``sqrt(sum_p e_p^2) / ||G||``
@@ -144,7 +148,7 @@ class ErrorEstimate:
         values = getattr(self, which)
         norm = math.sqrt(sum(v * v for v in self.grad_norm.values()))
         err = math.sqrt(sum(v * v for v in values.values()))
-        return err / norm if norm > 0 else math.inf
+        return _relative(err, norm)
 
     def table(self) -> str:
         """Markdown: relative bound, estimate and linearised error per parameter."""
@@ -164,99 +168,6 @@ class ErrorEstimate:
 
     def __str__(self) -> str:
         return self.table()
-
-
-def _codec_of(codec: Codec | Approx) -> Codec:
-    if isinstance(codec, Approx):
-        if codec.recompute_dtype is not None:
-            raise InvalidArgumentError(
-                f"estimate_error covers the error of a compressed boundary; {codec} also "
-                "recomputes in low precision, which it does not model. Measure that case: "
-                "revckpt.testing.assert_error_within_bound reports the measured error for it "
-                "(with no bound), or compare gradients with revckpt.gradient_error"
-            )
-        if codec.codec is None:
-            raise InvalidArgumentError(
-                "Approx(store=None) compresses nothing: its gradient error is zero"
-            )
-        return codec.codec
-    if not isinstance(codec, Codec):
-        raise InvalidInputTypeError(
-            f"estimate_error needs a revckpt.approx.Codec or Approx, got {type(codec).__name__}"
-        )
-    return codec
-
-
-def _chain_gradients(
-    blocks: Sequence[nn.Module],
-    params: list[dict[str, torch.Tensor]],
-    buffers: list[dict[str, torch.Tensor]],
-    cotangent: torch.Tensor,
-    with_input: bool = False,
-) -> Any:
-    """``G(z_0, ..., z_{B-1})``: the chain's parameter gradients with block ``k``'s backward
-    recomputed from ``z_k`` (flat tuple, blocks in order; with ``with_input``, the gradient
-    with respect to ``z_0`` last)."""
-
-    def grads(zs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        ct = cotangent
-        per_block: list[tuple[torch.Tensor, ...]] = [()] * len(blocks)
-        for k in reversed(range(len(blocks))):
-
-            def f(z: torch.Tensor, p: dict[str, torch.Tensor], k: int = k) -> torch.Tensor:
-                return functional_call(blocks[k], (p, buffers[k]), (z,))
-
-            _, pullback = vjp(f, zs[k], params[k])
-            dz, dp = pullback(ct)
-            per_block[k] = tuple(dp[name] for name in params[k])
-            ct = dz
-        flat = tuple(g for block in per_block for g in block)
-        return (*flat, ct) if with_input else flat
-
-    return grads
-
-
-def _worst_row_ratio(x: torch.Tensor, bound: torch.Tensor) -> float:
-    """``max_r ||b_r|| / ||x_r||`` over the rows of the last dimension (zero rows: 0)."""
-    rows_x = x.detach().double().reshape(-1, x.shape[-1] if x.dim() else 1).norm(dim=1)
-    rows_b = bound.reshape(rows_x.shape[0], -1).norm(dim=1)
-    ratio = torch.where(rows_b == 0, 0.0, rows_b / rows_x.clamp_min(1e-300))
-    return float(ratio.max()) if ratio.numel() else 0.0
-
-
-def _linearise(
-    chain: Sequence[nn.Module],
-    x: torch.Tensor,
-    cotangent: torch.Tensor | None,
-    with_input: bool = False,
-) -> tuple[list[torch.Tensor], list[str], Any, tuple[torch.Tensor, ...], dict[str, float]]:
-    """The chain's boundaries ``x_k`` (working precision, statistics untouched), parameter
-    names (and ``INPUT`` last, with ``with_input``), ``G`` as a function of the boundaries
-    (float64 copies of the blocks), the float64 boundaries, and ``||G_p||`` per name."""
-    norms = [m for b in chain for m in b.modules() if isinstance(m, _NormBase)]
-    with torch.no_grad(), freeze_running_stats(norms):  # the model's statistics stay as they are
-        xs = [x.detach()]
-        for block in chain[:-1]:
-            xs.append(block(xs[-1]).detach())
-        out = chain[-1](xs[-1])
-    blocks64 = [copy.deepcopy(b).double() for b in chain]
-    for m in (m for b in blocks64 for m in b.modules()):
-        if isinstance(m, _NormBase) and m.training:
-            m.track_running_stats = False  # batch statistics, as in training, without updates
-    params = [{n: p.detach() for n, p in b.named_parameters() if p.requires_grad} for b in blocks64]
-    buffers = [{n: t.detach().clone() for n, t in b.named_buffers()} for b in blocks64]
-    names = [f"{k}.{n}" for k, p in enumerate(params) for n in p]
-    if with_input:
-        names.append(INPUT)
-    ct = (torch.ones_like(out) if cotangent is None else cotangent).detach().double()
-    grads_fn = _chain_gradients(blocks64, params, buffers, ct, with_input)
-    zs = tuple(z.double() for z in xs)
-    exact = grads_fn(zs)
-    grad_norm = {n: float(g.norm()) for n, g in zip(names, exact, strict=True)}
-    return xs, names, grads_fn, zs, grad_norm
-
-
-INPUT = "<input>"
 
 
 @dataclass(frozen=True)
@@ -283,32 +194,29 @@ def estimate_totals(
     together (``ErrorEstimate.total("estimate")``) and for the input gradient. A string names a
     format with the default options (``Approx(store=name)``); keys are the strings given, or
     ``str(codec)``."""
-    chain = list(blocks)
-    if not chain or not all(isinstance(b, nn.Module) for b in chain):
-        raise InvalidInputTypeError(
-            "estimate_totals needs a non-empty chain of nn.Modules (an nn.Sequential or a list)"
-        )
+    chain = checked_chain(blocks, "estimate_totals")
     if probes < 1:
         raise InvalidArgumentError(f"probes={probes}: must be >= 1")
     resolved = [
-        (c, _codec_of(Approx(store=c))) if isinstance(c, str) else (str(c), _codec_of(c))
+        (c, codec_of(Approx(store=c))) if isinstance(c, str) else (str(c), codec_of(c))
         for c in codecs
     ]
     if not resolved:
         return {}
     with sdpa_kernel(SDPBackend.MATH):
-        xs, _, grads_fn, zs, grad_norm = _linearise(chain, x, cotangent, with_input=True)
+        lin = linearise(chain, x, cotangent, with_input=True)
         gen = torch.Generator().manual_seed(seed)
-        tangents = []
-        for z in xs:
-            parts = []
-            for _, codec in resolved:
-                d = (codec.roundtrip(z).double() - z.double()).abs()
-                sign = torch.randint(0, 2, (probes, *d.shape), generator=gen).double()
-                parts.append(sign.mul_(2).sub_(1) * d)
-            tangents.append(torch.cat(parts))
-        probed = vmap(lambda v: jvp(grads_fn, (zs,), (v,))[1])(tuple(tangents))
-    param_norm = math.sqrt(sum(v * v for n, v in grad_norm.items() if n != INPUT))
+        tangents = tuple(
+            torch.cat(
+                [
+                    random_sign_tangents(codec.roundtrip(z).double() - z.double(), probes, gen)
+                    for _, codec in resolved
+                ]
+            )
+            for z in lin.xs
+        )
+        probed = vmap(lin.push)(tangents)
+    param_norm = math.sqrt(sum(v * v for n, v in lin.grad_norm.items() if n != INPUT))
     totals = {}
     for i, (key, _) in enumerate(resolved):
         sq = [
@@ -317,16 +225,10 @@ def estimate_totals(
         ]
         params_sq, input_sq = sum(sq[:-1]), sq[-1]
         totals[key] = TotalEstimate(
-            parameters=_ratio(math.sqrt(params_sq), param_norm),
-            input=_ratio(math.sqrt(input_sq), grad_norm[INPUT]),
+            parameters=_relative(math.sqrt(params_sq), param_norm),
+            input=_relative(math.sqrt(input_sq), lin.grad_norm[INPUT]),
         )
     return totals
-
-
-def _ratio(err: float, norm: float) -> float:
-    if norm > 0:
-        return err / norm
-    return 0.0 if err == 0 else math.inf
 
 
 def estimate_error(
@@ -343,34 +245,38 @@ def estimate_error(
     chain ``blocks`` through ``codec`` (as ``checkpoint_sequential(blocks, len(blocks), x,
     approx=...)`` does), for input ``x`` and output cotangent ``cotangent`` (default: ones,
     i.e. ``loss = y.sum()``). See the module docstring for the formulas."""
-    # Forward-mode AD through attention needs the math kernel (the fused CPU kernels have no
-    # JVP); the values are the same up to rounding.
-    with sdpa_kernel(SDPBackend.MATH):
-        return _estimate_error(
-            blocks, x, codec, cotangent, probes=probes, power_iterations=power_iterations, seed=seed
-        )
-
-
-def _estimate_error(
-    blocks: Sequence[nn.Module] | nn.Sequential,
-    x: torch.Tensor,
-    codec: Codec | Approx,
-    cotangent: torch.Tensor | None,
-    *,
-    probes: int,
-    power_iterations: int,
-    seed: int,
-) -> ErrorEstimate:
-    codec = _codec_of(codec)
-    chain = list(blocks)
-    if not chain or not all(isinstance(b, nn.Module) for b in chain):
-        raise InvalidInputTypeError(
-            "estimate_error needs a non-empty chain of nn.Modules (an nn.Sequential or a list)"
-        )
+    codec = codec_of(codec)
+    chain = checked_chain(blocks, "estimate_error")
     if probes < 1 or power_iterations < 1:
         raise InvalidArgumentError(
             f"probes={probes}, power_iterations={power_iterations}: both must be >= 1"
         )
+    _warn_if_non_smooth(chain)
+    # Forward-mode AD through attention needs the math kernel (the fused CPU kernels have no
+    # JVP); the values are the same up to rounding.
+    with sdpa_kernel(SDPBackend.MATH):
+        lin = linearise(chain, x, cotangent)
+        bounds = [codec.error_bound(z) for z in lin.xs]
+        dx = [(codec.roundtrip(z).double() - z.double()) for z in lin.xs]
+        gen = torch.Generator().manual_seed(seed)
+        lin_dx = lin.push(tuple(dx))
+        linearised = {n: float(t.norm()) for n, t in zip(lin.names, lin_dx, strict=True)}
+        estimate = _random_sign_estimate(lin, dx, probes, gen)
+        norms = _jacobian_norms(lin, power_iterations, gen)
+    boundary_bound_norm = math.sqrt(sum(float(b.pow(2).sum()) for b in bounds))
+    worst_row = max(worst_row_ratio(z, b) for z, b in zip(lin.xs, bounds, strict=True))
+    return ErrorEstimate(
+        bound=_first_order_bound(lin.names, norms, boundary_bound_norm, worst_row, codec),
+        estimate=estimate,
+        linearised=linearised,
+        grad_norm=lin.grad_norm,
+        boundary_bound_norm=boundary_bound_norm,
+        worst_row_bound=worst_row,
+        codec=str(codec),
+    )
+
+
+def _warn_if_non_smooth(chain: Sequence[nn.Module]) -> None:
     kinks = sorted(
         {type(m).__name__ for b in chain for m in b.modules() if isinstance(m, _NON_SMOOTH)}
     )
@@ -382,69 +288,66 @@ def _estimate_error(
             "indicative and measure with revckpt.testing.assert_error_within_bound, or use a "
             "smooth activation (GELU, SiLU)",
             NonSmoothWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
-    xs, names, grads_fn, zs, grad_norm = _linearise(chain, x, cotangent)
-    bound_vec = [codec.error_bound(z) for z in xs]
-    dx = [(codec.roundtrip(z).double() - z.double()) for z in xs]
-    boundary_bound_norm = math.sqrt(sum(float(b.pow(2).sum()) for b in bound_vec))
-    worst_row = max(_worst_row_ratio(z, b) for z, b in zip(xs, bound_vec, strict=True))
 
-    def push(v: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        return jvp(grads_fn, (zs,), (v,))[1]
 
-    _, pull = vjp(grads_fn, zs)
-    gen = torch.Generator().manual_seed(seed)
-
-    # Linearised prediction with the actual errors.
-    lin = push(tuple(dx))
-    linearised = {n: float(t.norm()) for n, t in zip(names, lin, strict=True)}
-
-    # Random-sign estimate: probes JVPs in one vmap.
-    signs = [
-        torch.randint(0, 2, (probes, *d.shape), generator=gen).double().mul_(2).sub_(1) for d in dx
-    ]
-    tangents = tuple(s * d.abs() for s, d in zip(signs, dx, strict=True))
-    probed = vmap(push)(tangents)
-    estimate = {
+def _random_sign_estimate(
+    lin: Linearised, dx: list[torch.Tensor], probes: int, gen: torch.Generator
+) -> dict[str, float]:
+    """``||J_p diag(|dx|)||_F`` per parameter from ``probes`` random-sign JVPs in one vmap."""
+    tangents = tuple(random_sign_tangents(d, probes, gen) for d in dx)
+    probed = vmap(lin.push)(tangents)
+    return {
         n: float(t.reshape(probes, -1).pow(2).sum(1).mean().sqrt())
-        for n, t in zip(names, probed, strict=True)
+        for n, t in zip(lin.names, probed, strict=True)
     }
 
-    # Power iteration for ||J_p||_2, one vector per parameter, vectorised.
-    count = len(names)
-    v = tuple(torch.randn((count, *z.shape), generator=gen, dtype=torch.float64) for z in zs)
+
+def _jacobian_norms(lin: Linearised, iterations: int, gen: torch.Generator) -> torch.Tensor:
+    """``||J_p||_2`` per parameter ``p`` (from below) by power iteration on ``J_p^T J_p``, one
+    vector per parameter, vectorised."""
+    _, pull = vjp(lin.grads, lin.zs)
+    count = len(lin.names)
+    v = tuple(torch.randn((count, *z.shape), generator=gen, dtype=torch.float64) for z in lin.zs)
     sigma = torch.zeros(count, dtype=torch.float64)
     eye = torch.eye(count, dtype=torch.float64)
-    for _ in range(power_iterations):
-        vnorm = torch.sqrt(sum(t.reshape(count, -1).pow(2).sum(1) for t in v))
-        v = tuple(t / vnorm.clamp_min(1e-300).reshape(-1, *([1] * (t.dim() - 1))) for t in v)
-        jv = vmap(push)(v)
+
+    def per_vector(w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # w[i] for t's row i
+        return w.reshape(-1, *([1] * (t.dim() - 1)))
+
+    for _ in range(iterations):
+        vnorm = torch.sqrt(squared_norms(v, count)).clamp_min(1e-300)
+        v = tuple(t / per_vector(vnorm, t) for t in v)
+        jv = vmap(lin.push)(v)
         # keep, for vector p, only the rows of parameter p
-        masked = tuple(t * eye[:, j].reshape(-1, *([1] * (t.dim() - 1))) for j, t in enumerate(jv))
-        sigma = torch.sqrt(sum(t.reshape(count, -1).pow(2).sum(1) for t in masked))
+        masked = tuple(t * per_vector(eye[:, j], t) for j, t in enumerate(jv))
+        sigma = torch.sqrt(squared_norms(masked, count))
         v = vmap(lambda w: pull(w)[0])(masked)
     # For a unit v, ||J_p v|| <= ||J_p^T J_p v|| / ||J_p v|| <= ||J_p||: both converge to the
     # norm from below; take the better (larger) one.
-    back = torch.sqrt(sum(t.reshape(count, -1).pow(2).sum(1) for t in v))
+    back = torch.sqrt(squared_norms(v, count))
     ratio = torch.where(sigma > 0, back / sigma.clamp_min(1e-300), torch.zeros_like(sigma))
-    norms = torch.maximum(sigma, ratio)
+    return torch.maximum(sigma, ratio)
+
+
+def _first_order_bound(
+    names: list[str],
+    norms: torch.Tensor,
+    boundary_bound_norm: float,
+    worst_row: float,
+    codec: Codec,
+) -> dict[str, float]:
+    """``||J_p||_2 * ||b||_2`` per parameter; ``inf`` (with a warning) where a boundary row's
+    codec bound is too large against the row for first order (0 stays 0)."""
     bound = {n: float(norms[i]) * boundary_bound_norm for i, n in enumerate(names)}
-    if worst_row > FIRST_ORDER_LIMIT:
-        warnings.warn(
-            f"with {codec} a boundary row's error bound is {worst_row:.2g} of the row itself: "
-            "the codec can lose that row, so there is no first-order bound (reported as inf). "
-            "Use scaling='row' or 'block', or a wider format",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        bound = {n: (math.inf if grad_bound > 0 else 0.0) for n, grad_bound in bound.items()}
-    return ErrorEstimate(
-        bound=bound,
-        estimate=estimate,
-        linearised=linearised,
-        grad_norm=grad_norm,
-        boundary_bound_norm=boundary_bound_norm,
-        worst_row_bound=worst_row,
-        codec=str(codec),
+    if worst_row <= FIRST_ORDER_LIMIT:
+        return bound
+    warnings.warn(
+        f"with {codec} a boundary row's error bound is {worst_row:.2g} of the row itself: "
+        "the codec can lose that row, so there is no first-order bound (reported as inf). "
+        "Use scaling='row' or 'block', or a wider format",
+        RuntimeWarning,
+        stacklevel=3,
     )
+    return {n: (math.inf if grad_bound > 0 else 0.0) for n, grad_bound in bound.items()}

@@ -1,0 +1,154 @@
+"""The chain as a function of its kept boundaries, for :mod:`revckpt.approx.bounds`.
+
+``G(z_0, ..., z_{B-1})`` is the chain's parameter gradients with block ``k``'s backward
+recomputed from ``z_k``, evaluated on float64 copies of the blocks under ``torch.func``; its
+JVPs at the exact boundaries (:meth:`Linearised.push`) carry boundary errors to first order.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.func import functional_call, jvp, vjp
+from torch.nn.modules.batchnorm import _NormBase
+
+from ..errors import InvalidArgumentError, InvalidInputTypeError
+from ..replay import freeze_running_stats
+from .formats import Codec
+from .recompute import Approx
+
+INPUT = "<input>"  # the name of the chain input's gradient, last with ``with_input``
+
+
+def codec_of(codec: Codec | Approx) -> Codec:
+    """The codec an estimate covers: ``codec`` itself, or that of an :class:`Approx` that only
+    compresses (no low-precision recompute)."""
+    if isinstance(codec, Approx):
+        if codec.recompute_dtype is not None:
+            raise InvalidArgumentError(
+                f"estimate_error covers the error of a compressed boundary; {codec} also "
+                "recomputes in low precision, which it does not model. Measure that case: "
+                "revckpt.testing.assert_error_within_bound reports the measured error for it "
+                "(with no bound), or compare gradients with revckpt.gradient_error"
+            )
+        if codec.codec is None:
+            raise InvalidArgumentError(
+                "Approx(store=None) compresses nothing: its gradient error is zero"
+            )
+        return codec.codec
+    if not isinstance(codec, Codec):
+        raise InvalidInputTypeError(
+            f"estimate_error needs a revckpt.approx.Codec or Approx, got {type(codec).__name__}"
+        )
+    return codec
+
+
+def checked_chain(blocks: Sequence[nn.Module] | nn.Sequential, caller: str) -> list[nn.Module]:
+    """``blocks`` as a list, which must be a non-empty chain of modules."""
+    chain = list(blocks)
+    if not chain or not all(isinstance(b, nn.Module) for b in chain):
+        raise InvalidInputTypeError(
+            f"{caller} needs a non-empty chain of nn.Modules (an nn.Sequential or a list)"
+        )
+    return chain
+
+
+def chain_gradients(
+    blocks: Sequence[nn.Module],
+    params: list[dict[str, torch.Tensor]],
+    buffers: list[dict[str, torch.Tensor]],
+    cotangent: torch.Tensor,
+    with_input: bool = False,
+) -> Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]:
+    """``G(z_0, ..., z_{B-1})``: the chain's parameter gradients with block ``k``'s backward
+    recomputed from ``z_k`` (flat tuple, blocks in order; with ``with_input``, the gradient
+    with respect to ``z_0`` last)."""
+
+    def grads(zs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        ct = cotangent
+        per_block: list[tuple[torch.Tensor, ...]] = [()] * len(blocks)
+        for k in reversed(range(len(blocks))):
+
+            def f(z: torch.Tensor, p: dict[str, torch.Tensor], k: int = k) -> torch.Tensor:
+                return functional_call(blocks[k], (p, buffers[k]), (z,))
+
+            _, pullback = vjp(f, zs[k], params[k])
+            dz, dp = pullback(ct)
+            per_block[k] = tuple(dp[name] for name in params[k])
+            ct = dz
+        flat = tuple(g for block in per_block for g in block)
+        return (*flat, ct) if with_input else flat
+
+    return grads
+
+
+def worst_row_ratio(x: torch.Tensor, bound: torch.Tensor) -> float:
+    """``max_r ||b_r|| / ||x_r||`` over the rows of the last dimension (zero rows: 0)."""
+    rows_x = x.detach().double().reshape(-1, x.shape[-1] if x.dim() else 1).norm(dim=1)
+    rows_b = bound.reshape(rows_x.shape[0], -1).norm(dim=1)
+    ratio = torch.where(rows_b == 0, 0.0, rows_b / rows_x.clamp_min(1e-300))
+    return float(ratio.max()) if ratio.numel() else 0.0
+
+
+@dataclass(frozen=True)
+class Linearised:
+    """A chain linearised at its exact boundaries: ``xs``, the boundaries in working precision;
+    ``names``, ``"<block>.<parameter>"`` per gradient (and ``INPUT`` last with ``with_input``);
+    ``grads``, ``G`` on float64 copies of the blocks; ``zs``, the float64 boundaries;
+    ``grad_norm``, ``||G_p||`` per name."""
+
+    xs: list[torch.Tensor]
+    names: list[str]
+    grads: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]
+    zs: tuple[torch.Tensor, ...]
+    grad_norm: dict[str, float]
+
+    def push(self, v: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """``J v``: the first-order change of every gradient for boundary changes ``v``."""
+        return jvp(self.grads, (self.zs,), (v,))[1]
+
+
+def linearise(
+    chain: Sequence[nn.Module],
+    x: torch.Tensor,
+    cotangent: torch.Tensor | None,
+    with_input: bool = False,
+) -> Linearised:
+    """Run the chain on ``x`` (statistics untouched) and linearise it there; ``cotangent`` on
+    its output, ones by default (``loss = y.sum()``)."""
+    norms = [m for b in chain for m in b.modules() if isinstance(m, _NormBase)]
+    with torch.no_grad(), freeze_running_stats(norms):  # the model's statistics stay as they are
+        xs = [x.detach()]
+        for block in chain[:-1]:
+            xs.append(block(xs[-1]).detach())
+        out = chain[-1](xs[-1])
+    blocks64 = [copy.deepcopy(b).double() for b in chain]
+    for m in (m for b in blocks64 for m in b.modules()):
+        if isinstance(m, _NormBase) and m.training:
+            m.track_running_stats = False  # batch statistics, as in training, without updates
+    params = [{n: p.detach() for n, p in b.named_parameters() if p.requires_grad} for b in blocks64]
+    buffers = [{n: t.detach().clone() for n, t in b.named_buffers()} for b in blocks64]
+    names = [f"{k}.{n}" for k, p in enumerate(params) for n in p]
+    if with_input:
+        names.append(INPUT)
+    ct = (torch.ones_like(out) if cotangent is None else cotangent).detach().double()
+    grads_fn = chain_gradients(blocks64, params, buffers, ct, with_input)
+    zs = tuple(z.double() for z in xs)
+    exact = grads_fn(zs)
+    grad_norm = {n: float(g.norm()) for n, g in zip(names, exact, strict=True)}
+    return Linearised(xs, names, grads_fn, zs, grad_norm)
+
+
+def random_sign_tangents(d: torch.Tensor, probes: int, gen: torch.Generator) -> torch.Tensor:
+    """``probes`` copies of ``|d|`` with independent random signs, shape ``(probes, *d.shape)``."""
+    sign = torch.randint(0, 2, (probes, *d.shape), generator=gen).double().mul_(2).sub_(1)
+    return sign * d.abs()
+
+
+def squared_norms(vs: Sequence[torch.Tensor], count: int) -> torch.Tensor:
+    """``sum_k ||v_k[i]||^2`` for each of the ``count`` leading rows ``i`` of every ``v_k``."""
+    return sum(t.reshape(count, -1).pow(2).sum(1) for t in vs)  # type: ignore[return-value]
