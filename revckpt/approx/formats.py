@@ -328,18 +328,20 @@ class Codec:
                     torch.empty(x.shape, dtype=spec.dtype, device=x.device), None, x.dtype, self
                 )
             deferred = self.defers_checks(x.device)
-            amax = None if deferred and self.scaling is None else self._amax(x)
-            if not deferred:
-                raise_if_invalid(self, x, amax)
             work = _work_dtype(x.dtype)
-            t = x.to(work)
             scales = None
             if self.scaling is not None:
-                assert amax is not None
+                amax = self._amax(x)
+                if not deferred:
+                    raise_if_invalid(self, x, amax)
                 scales = _power_of_two_scales(amax, spec.fmax, work)
                 if deferred:
                     scales = mark_scales(scales, amax)
-                t = (self._rows(t) * scales).reshape(x.shape)
+                t = (self._rows(x.to(work)) * scales).reshape(x.shape)
+            else:
+                if not deferred:
+                    raise_if_invalid(self, x, self._amax(x))
+                t = x.to(work)
             # inactive after scaling; without a scale, saturates bf16 within u * |x|
             t = t.clamp(-spec.fmax, spec.fmax)
             if self.rounding == "stochastic":
@@ -365,10 +367,12 @@ class Codec:
     def decode(self, encoded: Encoded) -> torch.Tensor:
         """``x_hat = clamp(q / s, -xmax, xmax)`` in the original dtype, ``xmax`` its largest
         finite value (``q`` rounded up past it, e.g. float16 65504 -> 65536, comes back to it).
-        Where :meth:`encode` deferred its checks, raises here what it would have raised
+        Raises here what a deferred :meth:`encode` would have raised
         (:class:`NonFiniteInputError`, or the range error without a scale): one host read of
-        a flag, in backward."""
-        if encoded.payload.numel() and self.defers_checks(encoded.payload.device):
+        a flag (with a scale, always: the scales are few; without one, where encode defers)."""
+        if encoded.scales is not None or (
+            encoded.payload.numel() and self.defers_checks(encoded.payload.device)
+        ):  # scales are few: read their mark always (a payload moved off the device included)
             raise_if_marked(self, encoded)
         t = encoded.payload.to(_work_dtype(encoded.dtype))
         if encoded.scales is not None:
