@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
+from .._numbers import relative_error
 from ..approx import Approx, compress_saved
 from ..errors import InvalidInputTypeError
 
@@ -215,11 +215,11 @@ def codec_errors(
         codec = Approx(store=fmt).codec
         assert codec is not None
         got_in, got_par, got_y, got_x = run.grads(codec.roundtrip(x))
-        errors.parameters[fmt] = _relative(got_par, exact_par)
-        errors.input_gradient[fmt] = _relative(got_in, exact_in)
-        moved = _relative(got_x, exact_x)
+        errors.parameters[fmt] = relative_error(got_par, exact_par)
+        errors.input_gradient[fmt] = relative_error(got_in, exact_in)
+        moved = relative_error(got_x, exact_x)
         errors.perturbation[fmt] = moved
-        errors.amplification[fmt] = _relative(got_y, exact_y) / moved if moved > 0 else 1.0
+        errors.amplification[fmt] = relative_error(got_y, exact_y) / moved if moved > 0 else 1.0
     return errors
 
 
@@ -240,15 +240,6 @@ def compress_errors(
     for fmt in codecs:
         wrap = functools.partial(compress_saved, store=fmt)
         got_in, got_par, _, _ = run.grads(x, wrap)
-        params[fmt] = _relative(got_par, exact_par)
-        inputs[fmt] = _relative(got_in, exact_in)
+        params[fmt] = relative_error(got_par, exact_par)
+        inputs[fmt] = relative_error(got_in, exact_in)
     return params, inputs
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``||a - b|| / ||b||`` (0 for two zeros, inf for a nonzero over zero), in float64."""
-    diff = float((a.double() - b.double()).norm())
-    ref = float(b.double().norm())
-    if diff == 0:
-        return 0.0
-    return diff / ref if ref > 0 else math.inf

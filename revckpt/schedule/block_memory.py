@@ -10,7 +10,7 @@ produced the output; what a selective policy keeps; what offload moves).
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .._numbers import tensor_bytes
 from ..approx import Approx, compress_saved
 from ..approx import checkpoint as approx_checkpoint
 from ..checkpoint import checkpoint, parse_policy
@@ -31,15 +32,11 @@ from ..offload import record as offload_record
 from ..strategy import Strategy, argument_of, kind_of
 from .costs import APPROX, CHECKPOINT, COMPRESS, OFFLOAD, REVERSIBLE, SELECTIVE
 
-__all__ = ["activation", "memory_costs", "nbytes", "saves_input"]
+__all__ = ["activation", "memory_costs", "saves_input"]
 
 # metered modes that are not strategies: the block stored, its gradients accumulated into
 # .grad or returned
 PLAIN_MODES = ("accumulate", "capture")
-
-
-def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 class _LastWriter(TorchDispatchMode):
@@ -197,7 +194,7 @@ def _metered_modes(
                 p.grad = None
         with MemoryMeter(device) as meter:
             y = runs.forward(mode)
-            kept = meter.live_bytes - nbytes(y) - accounted.get(mode, 0)
+            kept = meter.live_bytes - tensor_bytes(y) - accounted.get(mode, 0)
             # the output's gradient reaches the block as it does in a model: made by the
             # backward, freed once the block's last operation has used it (not held here)
             holder = [grad_out.clone()]
@@ -206,7 +203,7 @@ def _metered_modes(
             # block saved it (then it counts in the transient until the backward frees it). A
             # reversible stack rebuilds from its output, which its caller holds (the model
             # counts it), so there it stays.
-            out_bytes = nbytes(y)
+            out_bytes = tensor_bytes(y)
             kept_output = [y] if mode == REVERSIBLE else []
             start = meter.live_bytes - (0 if kept_output else out_bytes)
             del y
@@ -216,10 +213,14 @@ def _metered_modes(
                 del grads
             elif backward:
                 seed.backward()
-            grads_made = 0 if leaf.grad is None else nbytes(leaf.grad)
+            grads_made = 0 if leaf.grad is None else tensor_bytes(leaf.grad)
             if grads_new:
-                grads_made += sum(nbytes(p.grad) for p in params if p.grad is not None)
-            held = nbytes(seed) + sum(nbytes(t) for t in holder) + out_bytes * len(kept_output)
+                grads_made += sum(tensor_bytes(p.grad) for p in params if p.grad is not None)
+            held = (
+                tensor_bytes(seed)
+                + sum(tensor_bytes(t) for t in holder)
+                + out_bytes * len(kept_output)
+            )
             left = meter.live_bytes - held - grads_made
             del seed, holder, kept_output
         # less the seed's own gradient (a scalar the engine makes first; a model's loss
@@ -248,7 +249,7 @@ def _offload_costs(
     with offload_record() as stats:
         y = offload_checkpoint(block, activation(leaf), **kwargs)
     del y
-    kept = max(0, nbytes(leaf) - stats.to_host_bytes)
+    kept = max(0, tensor_bytes(leaf) - stats.to_host_bytes)
     if stats.to_host_bytes == 0:
         return kept, 0.0
     pinned = leaf.device.type == "cuda"
@@ -302,7 +303,7 @@ def memory_costs(
             f"the scheduler handles chains of blocks returning one tensor; {type(block).__name__} "
             f"returned {type(y).__name__}"
         )
-    out_bytes = nbytes(y)
+    out_bytes = tensor_bytes(y)
     grad_out = torch.randn_like(y)
     del y
     params = [p for p in block.parameters() if p.requires_grad]
@@ -321,39 +322,25 @@ def memory_costs(
         *approx_modes.values(),
         *compress_modes.values(),
     ]
-    reversible = None
-    if isinstance(block, ReversibleUnit):
+    reversible = _reversible(block)
+    if reversible is not None:
         modes.append(REVERSIBLE)
-        # without the invertibility check: its samples are kept once per stack, not per
-        # block (``reversible_check_bytes``)
-        reversible = ReversibleSequential(
-            block.block, split_dim=block.split_dim, check_inverse=None
-        )
     if offload:
         modes.append(OFFLOAD)
     runs = _Runs(block, leaf, wrt, kwargs, reversible)
     accounted = {approx_modes[fmt]: n for fmt, n in approx_bytes.items()}
     compress_bytes, compress_fwd = {}, {}
     for c, mode in compress_modes.items():  # the forward alone: what it keeps, its peak
-        with MemoryMeter(device) as meter:
-            y = runs.forward(mode)
-        compress_bytes[c] = max(0, meter.end_bytes - out_bytes)
-        compress_fwd[c] = meter.peak_bytes
+        compress_bytes[c], compress_fwd[c] = _forward_alone(
+            lambda mode=mode: runs.forward(mode), device, out_bytes
+        )
         accounted[mode] = compress_bytes[c]
-        del y
     metered = _metered_modes(
         runs, modes, grad_out, accounted, device, backward=bool(wrt), grads_new=grads_new
     )
     transients = metered.transient
     leaf.grad = None
-    selective_bytes, selective_fwd = {}, {}
-    output_op = _output_op(block, leaf.detach(), kwargs) if policies else None
-    for policy in policies:  # the forward alone: what the policy keeps, and its peak
-        with MemoryMeter(device) as meter:
-            y = checkpoint(block, leaf, policy=policy, **kwargs)
-        selective_bytes[policy] = max(0, meter.end_bytes - out_bytes)
-        selective_fwd[policy] = meter.peak_bytes
-        del y
+    selective = _selective(block, leaf, policies, device, kwargs, out_bytes)
     with torch.no_grad(), MemoryMeter(device) as nograd:
         z = block(leaf.detach(), **kwargs)
     del z
@@ -361,7 +348,7 @@ def memory_costs(
     if offload:
         offload_kept, fetch_s = _offload_costs(block, leaf, kwargs, 3)
     fields = {
-        "input_bytes": nbytes(leaf),
+        "input_bytes": tensor_bytes(leaf),
         "output_bytes": out_bytes,
         "saved_bytes": max(0, fwd.end_bytes - out_bytes),
         "forward_peak_bytes": fwd.peak_bytes,
@@ -370,14 +357,11 @@ def memory_costs(
         "backward_capture_peak_bytes": transients["capture"],
         "checkpoint_peak_bytes": transients["checkpoint"],
         "reversible_peak_bytes": transients.get("reversible"),
-        "selective_bytes": selective_bytes,
-        "selective_forward_peak_bytes": selective_fwd,
+        **selective,
         "selective_backward_peak_bytes": {p: transients[selective_modes[p]] for p in policies},
-        # a policy that keeps the operation producing the output keeps the output itself
-        "selective_output_kept": {p: output_op in parse_policy(p) for p in policies},
         "output_saved": _saves_own_output(block, leaf, kwargs),
         "invertible": isinstance(block, ReversibleUnit),
-        "param_bytes": sum(nbytes(p) for p in params),
+        "param_bytes": sum(tensor_bytes(p) for p in params),
         "approx_bytes": approx_bytes,
         "compress_bytes": compress_bytes,
         "compress_forward_peak_bytes": compress_fwd,
@@ -391,3 +375,45 @@ def memory_costs(
         "grads_new": grads_new,
     }
     return BlockMemory(fields, grad_out, runs)
+
+
+def _reversible(block: nn.Module) -> ReversibleSequential | None:
+    """For a reversible unit, a stack of it alone, without the invertibility check (its
+    samples are kept once per stack, not per block: ``reversible_check_bytes``)."""
+    if not isinstance(block, ReversibleUnit):
+        return None
+    return ReversibleSequential(block.block, split_dim=block.split_dim, check_inverse=None)
+
+
+def _forward_alone(forward: Callable[[], Any], device: Any, out_bytes: int) -> tuple[int, int]:
+    """One metered forward: the bytes it keeps besides its output, and its peak."""
+    with MemoryMeter(device) as meter:
+        y = forward()
+    kept = max(0, meter.end_bytes - out_bytes)
+    del y
+    return kept, meter.peak_bytes
+
+
+def _selective(
+    block: nn.Module,
+    leaf: torch.Tensor,
+    policies: Sequence[str],
+    device: Any,
+    kwargs: dict[str, Any],
+    out_bytes: int,
+) -> dict[str, Any]:
+    """Per policy, the forward alone: what it keeps, its peak, whether it keeps the output."""
+    kept, peaks = {}, {}
+    output_op = _output_op(block, leaf.detach(), kwargs) if policies else None
+    for policy in policies:
+        kept[policy], peaks[policy] = _forward_alone(
+            lambda policy=policy: checkpoint(block, leaf, policy=policy, **kwargs),
+            device,
+            out_bytes,
+        )
+    return {
+        "selective_bytes": kept,
+        "selective_forward_peak_bytes": peaks,
+        # a policy that keeps the operation producing the output keeps the output itself
+        "selective_output_kept": {p: output_op in parse_policy(p) for p in policies},
+    }

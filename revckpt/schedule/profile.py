@@ -134,6 +134,7 @@ def profile(
     ``policies`` only, for a plan the caller runs as ``torch.compile(apply(blocks, plan))``.
     ``progress(done, total)``: called as the work advances (a progress bar).
     """
+    # over 60 lines for its signature and docstring: every option of the profiler, explained
     chain = list(blocks)
     offload, policies = _checked_options(
         chain,

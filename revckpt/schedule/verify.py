@@ -105,54 +105,19 @@ def verify(
     """
     from ..report import report  # revckpt.report imports revckpt.schedule
 
-    if not isinstance(plan, Plan):
-        raise InvalidInputTypeError(
-            f"verify(blocks, x, plan, prof): plan must be a schedule.Plan, got "
-            f"{type(plan).__name__}; solve one with schedule.solve(prof, memory_budget=...)"
-        )
-    costs = list(getattr(prof, "blocks", ()))
-    if len(costs) != plan.length:
-        raise InvalidArgumentError(
-            f"the plan covers {plan.length} blocks but the profile has {len(costs)}; pass the "
-            "Profile the plan was solved from (schedule.profile(blocks, x))"
-        )
-    if not all(isinstance(p, Plan) for p in also):
-        raise InvalidInputTypeError("verify(..., also=[...]): pass schedule.Plan objects")
+    _check(plan, prof, also)
     budget = _memory_budget(plan, memory_budget)
     errors = _error_budget(plan, error_budget)
+    measured, by_name = _to_measure(plan, also, prof, budget, errors)
+    timing = {"repeats": repeats, "warmup": warmup, "seed": seed}
+    rep = report(blocks, x, measured, kwargs=kwargs, chosen=plan.name, errors=True, **timing)
+    return _verdict(rep, plan, by_name, budget, errors)
 
-    def budgeted(p: Plan) -> Plan:
-        return dataclasses.replace(p, memory_budget_bytes=budget, error_budget=errors)
 
-    solved = plan
-    measured = [budgeted(solved), *(budgeted(p) for p in also)]
-    seen = {_key(p) for p in measured}
-    names = {p.name for p in measured}
-    for candidate in _recipes(prof):
-        fits = candidate.predicted_peak_bytes <= budget
-        fits = fits and candidate.predicted_error <= errors * (1 + 1e-9)
-        if not fits or _key(candidate) in seen:
-            continue
-        name = candidate.name
-        while name in names:
-            name += " (verify)"
-        measured.append(budgeted(dataclasses.replace(candidate, name=name)))
-        seen.add(_key(candidate))
-        names.add(name)
-    by_name = {p.name: p for p in measured}
-    by_name[STORE_ALL] = budgeted(dataclasses.replace(baseline(prof, "store"), name="store"))
-
-    rep = report(
-        blocks,
-        x,
-        measured,
-        kwargs=kwargs,
-        chosen=solved.name,
-        repeats=repeats,
-        warmup=warmup,
-        errors=True,
-        seed=seed,
-    )
+def _verdict(
+    rep: Report, solved: Plan, by_name: dict[str, Plan], budget: int, errors: float
+) -> Verified:
+    """The fastest plan of ``rep`` that fits both budgets by measurement, and the note."""
     rep = dataclasses.replace(rep, error_budget=errors)
     floor = rep.error_floor
     best = _fastest_that_fits(
@@ -177,6 +142,52 @@ def verify(
         replaced=replaced,
         note=note,
     )
+
+
+def _check(plan: Plan, prof: Any, also: Sequence[Plan]) -> None:
+    """:func:`verify`'s plans checked against each other and the profile."""
+    if not isinstance(plan, Plan):
+        raise InvalidInputTypeError(
+            f"verify(blocks, x, plan, prof): plan must be a schedule.Plan, got "
+            f"{type(plan).__name__}; solve one with schedule.solve(prof, memory_budget=...)"
+        )
+    costs = list(getattr(prof, "blocks", ()))
+    if len(costs) != plan.length:
+        raise InvalidArgumentError(
+            f"the plan covers {plan.length} blocks but the profile has {len(costs)}; pass the "
+            "Profile the plan was solved from (schedule.profile(blocks, x))"
+        )
+    if not all(isinstance(p, Plan) for p in also):
+        raise InvalidInputTypeError("verify(..., also=[...]): pass schedule.Plan objects")
+
+
+def _to_measure(
+    solved: Plan, also: Sequence[Plan], prof: Any, budget: int, errors: float
+) -> tuple[list[Plan], dict[str, Plan]]:
+    """The plans to measure (``solved``, ``also`` and the recipes predicted to fit both
+    budgets, each once under a name of its own) with both budgets set, and every plan by the
+    name its report row has (store-all's as ``"store-all"``)."""
+
+    def budgeted(p: Plan) -> Plan:
+        return dataclasses.replace(p, memory_budget_bytes=budget, error_budget=errors)
+
+    measured = [budgeted(solved), *(budgeted(p) for p in also)]
+    seen = {_key(p) for p in measured}
+    names = {p.name for p in measured}
+    for candidate in _recipes(prof):
+        fits = candidate.predicted_peak_bytes <= budget
+        fits = fits and candidate.predicted_error <= errors * (1 + 1e-9)
+        if not fits or _key(candidate) in seen:
+            continue
+        name = candidate.name
+        while name in names:
+            name += " (verify)"
+        measured.append(budgeted(dataclasses.replace(candidate, name=name)))
+        seen.add(_key(candidate))
+        names.add(name)
+    by_name = {p.name: p for p in measured}
+    by_name[STORE_ALL] = budgeted(dataclasses.replace(baseline(prof, "store"), name="store"))
+    return measured, by_name
 
 
 def _fastest_that_fits(
