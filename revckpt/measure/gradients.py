@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .._numbers import relative
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from .state import preserved
 
@@ -58,9 +59,9 @@ class TensorError:
         rmax = r.abs().max().item() if r.numel() else 0.0
         dmax = d.abs().max().item() if d.numel() else 0.0
         return cls(
-            rel_l2=_ratio(dn, rn),
+            rel_l2=relative(dn, rn),
             one_minus_cos=_one_minus_cos(g, r, dn, gn, rn),
-            max_abs_rel=_ratio(dmax, rmax),
+            max_abs_rel=relative(dmax, rmax),
             diff_norm=dn,
             ref_norm=rn,
             numel=r.numel(),
@@ -75,14 +76,6 @@ def _one_minus_cos(g: torch.Tensor, r: torch.Tensor, dn: float, gn: float, rn: f
     if gn == 0 or rn == 0:
         return 1.0
     return max(0.0, 1.0 - torch.dot(g, r).item() / (gn * rn))
-
-
-def _ratio(num: float, den: float) -> float:
-    if math.isnan(num):
-        return math.nan
-    if num == 0:
-        return 0.0
-    return num / den if den > 0 else math.inf
 
 
 @dataclass(frozen=True)

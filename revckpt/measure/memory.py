@@ -53,6 +53,7 @@ from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .._numbers import mib
 from ..errors import InvalidArgumentError, MeasurementError
 from .allocator import AllocatorEvents
 
@@ -80,13 +81,10 @@ class MemoryStats:
 
     def __str__(self) -> str:
         scope = " (tensor storages made by operations; RNG states not counted)"
-        return f"peak {_mib(self.peak_bytes)}, retained {_mib(self.end_bytes)} on {self.device}" + (
-            scope if self.method == "storages" else ""
+        return (
+            f"peak {mib(self.peak_bytes, 3)}, retained {mib(self.end_bytes, 3)} on {self.device}"
+            + (scope if self.method == "storages" else "")
         )
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.3f} MiB"
 
 
 _COMPILED_FORWARD = (
