@@ -661,23 +661,25 @@ def test_a_submodule_added_between_calls_gets_its_gradient():
 
 
 def test_torch_entry_point_gives_the_same_results_as_the_frame_engine(monkeypatch):
-    cp = __import__("revckpt.checkpoint", fromlist=["_FRAME"])
-    assert cp._FRAME  # the installed torch has the frame the engine drives
+    from revckpt.engine import frame
+
+    assert frame.FRAME  # the installed torch has the frame the engine drives
     torch.manual_seed(0)
     model = transformer_chain(2, 8, 2, dropout=0.1).double()
     twin_model = copy.deepcopy(model)
     x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
     ref = train_step(model, x, seq(2, policy="matmul"))
-    monkeypatch.setattr(cp, "_frame_usable", lambda: False)
+    monkeypatch.setattr(frame, "frame_usable", lambda: False)
     got = train_step(twin_model, x, seq(2, policy="matmul"))
     assert bitwise_equal(ref[1], got[1])
 
 
 def test_the_recompute_reenters_the_forwards_device_context():
-    cp = __import__("revckpt.checkpoint", fromlist=["_device_context"])
-    assert cp._device_context() is None
+    from revckpt.engine.frame import device_context
+
+    assert device_context() is None
     with torch.device("cpu"):
-        mode = cp._device_context()
+        mode = device_context()
     assert mode is not None and mode.device == torch.device("cpu")
 
 

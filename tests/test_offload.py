@@ -17,6 +17,7 @@ from torch import nn
 
 import revckpt
 from revckpt import InvalidArgumentError, InvalidInputTypeError, MemoryMeter, offload
+from revckpt import _host_copies as host_copies
 from revckpt.models import gpt_like, mlp_chain, revnet_like
 
 
@@ -175,14 +176,14 @@ def test_prefetch_order_holds_at_most_two_boundaries(copy_path):
     the copies back are made one ahead of the backward, never more."""
     chain = _chain(n=5)
     order = []
-    real_fetch = offload._Offloaded.fetch
+    real_fetch = host_copies._Offloaded.fetch
 
     def fetch(self):
         order.append(("fetch", id(self)))
         return real_fetch(self)
 
     taken = []
-    real_take = offload._Offloaded.take
+    real_take = host_copies._Offloaded.take
 
     def take(self):
         taken.append(id(self))
@@ -191,16 +192,16 @@ def test_prefetch_order_holds_at_most_two_boundaries(copy_path):
         return real_take(self)
 
     handles = []
-    real_init = offload._Offloaded.__init__
+    real_init = host_copies._Offloaded.__init__
 
     def init(self, *a, **k):
         real_init(self, *a, **k)
         handles.append(self)
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(offload._Offloaded, "fetch", fetch)
-    mp.setattr(offload._Offloaded, "take", take)
-    mp.setattr(offload._Offloaded, "__init__", init)
+    mp.setattr(host_copies._Offloaded, "fetch", fetch)
+    mp.setattr(host_copies._Offloaded, "take", take)
+    mp.setattr(host_copies._Offloaded, "__init__", init)
     try:
         x = torch.randn(5, 12, dtype=torch.float64, requires_grad=True)
         offload.checkpoint_sequential(chain, 5, x * 2).sum().backward()
@@ -361,13 +362,13 @@ def test_an_input_modified_in_place_after_the_block_raises(forced, monkeypatch):
 
 
 def test_force_copies_is_scoped():
-    assert not offload._copying()
+    assert not host_copies._copying()
     with offload.force_copies():
-        assert offload._copying() and not offload._simulating()
+        assert host_copies._copying() and not host_copies._simulating()
         with offload.force_copies(simulate_device=True):
-            assert offload._simulating()
-        assert offload._copying() and not offload._simulating()
-    assert not offload._copying()
+            assert host_copies._simulating()
+        assert host_copies._copying() and not host_copies._simulating()
+    assert not host_copies._copying()
     with (
         pytest.raises(InvalidArgumentError, match="simulate_device"),
         offload.force_copies(simulate_device="yes"),
@@ -393,9 +394,9 @@ def test_force_copies_in_overlapping_threads_ends_with_the_last():
     first.__enter__()
     second.__enter__()
     first.__exit__(None, None, None)  # the first thread leaves before the second
-    assert offload._copying() and offload._simulating()
+    assert host_copies._copying() and host_copies._simulating()
     second.__exit__(None, None, None)
-    assert not offload._copying() and not offload._simulating()
+    assert not host_copies._copying() and not host_copies._simulating()
 
 
 @pytest.mark.parametrize("segments", [2, 6])

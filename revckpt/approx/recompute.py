@@ -20,10 +20,12 @@ and the gradients are bitwise those of :func:`revckpt.checkpoint` (tensors used 
 operations of one node, such as keyword tensors that require grad or parameters tied across a
 segment's blocks: to round-off, the node summing their contributions first).
 
-RNG (dropout masks), autocast state and BatchNorm statistics go through :mod:`revckpt.replay`,
-as for every recompute. The block is one autograd node whose inputs are the tensor arguments,
-the trainable parameters of ``fn`` (when it is an ``nn.Module``) and keyword tensors that
-require grad, so ``torch.autograd.grad``, hooks and DDP see ordinary gradients.
+The block runs as one recompute node of :mod:`revckpt.engine.node` (its inputs are the tensor
+arguments, the trainable parameters of ``fn`` when it is an ``nn.Module`` and keyword tensors
+that require grad, so ``torch.autograd.grad``, hooks and DDP see ordinary gradients; RNG,
+autocast state and BatchNorm statistics are replayed by :mod:`revckpt.replay`). This module
+holds only what is approximate about it: :class:`Compressed` says what the codec keeps, how it
+is decoded and under which autocast the block re-runs.
 """
 
 from __future__ import annotations
@@ -34,19 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from torch import nn
 
-from .._autograd import (
-    differentiable_once,
-    first_unregistered_leaf,
-    forward_as_plain,
-    grad_keywords,
-    module_targets,
-    modules_of,
-    vjp,
-)
+from ..engine.node import EXACT, Keep, run_node
 from ..errors import InvalidArgumentError, InvalidInputTypeError
-from ..replay import ForwardState
 from .formats import FORMATS, Codec, Encoded, NonFiniteInputError, Rounding, Scaling
 
 __all__ = ["Approx", "checkpoint"]
@@ -116,169 +108,61 @@ class Approx:
         return ", ".join(parts)
 
 
-@dataclass
-class _Block:
-    """Everything one call needs in backward, except the kept tensors."""
+class Compressed(Keep):
+    """What an approximate recompute keeps: floating-point arguments encoded by the codec
+    (payload, and scales when the codec has them), the others exactly; the re-run under
+    autocast of ``recompute_dtype`` when one is set."""
 
-    fn: Callable[..., Any]
-    template: list[Any]  # the positional args, tensors replaced by None
-    slots: list[int]  # positions of the tensor args in template
-    kwargs: dict[str, Any]
-    grad_kwargs: tuple[str, ...]
-    params: tuple[torch.Tensor, ...]
-    modules: tuple[nn.Module, ...]
-    norms: tuple[nn.Module, ...] | None
-    config: Approx
-    preserve_rng_state: bool
-    label: str
+    __slots__ = ("codec", "recompute_dtype")
 
-    def args(self, tensors: Sequence[Any]) -> list[Any]:
-        args = list(self.template)
-        for slot, t in zip(self.slots, tensors, strict=True):
-            args[slot] = t
-        return args
+    def __init__(self, config: Approx) -> None:
+        self.codec = config.codec
+        self.recompute_dtype = config.recompute_dtype
 
-
-class _Kept:
-    """A kept block input: saved exactly, or as an encoded payload and its scales. Every kept
-    tensor goes through ``ctx.save_for_backward`` (version checks, saved-tensor hooks); these
-    are indices into ``ctx.saved_tensors``."""
-
-    __slots__ = ("dtype", "payload", "requires_grad", "scales")
-
-    def __init__(self, payload: int, scales: int, dtype: torch.dtype | None, grad: bool) -> None:
-        self.payload = payload  # index of the exact tensor or of the payload
-        self.scales = scales  # index of the scales, or -1 (exact, or an unscaled codec)
-        self.dtype = dtype  # the original dtype when encoded, else None
-        self.requires_grad = grad
-
-
-class _ApproxFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, block: _Block, *inputs: torch.Tensor) -> Any:
-        n = len(block.slots)
-        tensors = inputs[:n]
-        ctx.block = block
-        ctx.state = ForwardState.capture(
-            *tensors,
-            block.kwargs,
-            block.fn,
-            preserve_rng_state=block.preserve_rng_state,
-            norms=block.norms,
-            modules=block.modules,
-        )
-        try:
-            with forward_as_plain():
-                out = block.fn(*block.args(tensors), **block.kwargs)
-        finally:
-            ctx.state.forward_finished()
-        codec = block.config.codec
-        kept, saved = [], []
+    def keep(self, tensors: Sequence[torch.Tensor], label: str) -> tuple[list[torch.Tensor], Any]:
+        codec = self.codec
+        saved: list[torch.Tensor] = []
+        recipe: list[tuple[torch.dtype, bool] | None] = []  # per tensor: None if kept exactly
         for i, t in enumerate(tensors):
-            if codec is not None and t.is_floating_point():
-                enc = _encode(codec, t, i, block.label)
-                kept.append(
-                    _Kept(
-                        len(saved), len(saved) + 1 if enc.scales is not None else -1, t.dtype, True
-                    )
-                )
-                saved.append(enc.payload)
-                if enc.scales is not None:
-                    saved.append(enc.scales)
-            else:
-                kept.append(_Kept(len(saved), -1, None, t.is_floating_point()))
+            if codec is None or not t.is_floating_point():
+                recipe.append(None)
                 saved.append(t)
-        ctx.kept = kept
-        ctx.kw_names = [k for k, v in block.kwargs.items() if isinstance(v, torch.Tensor)]
-        ctx.kw_start = len(saved)
-        saved += [block.kwargs[k] for k in ctx.kw_names]
-        ctx.save_for_backward(*saved)
-        outs, multiple = _outputs(out, block.label)
-        del out
-        outs = [o.detach() for o in outs]  # the node is their history, not the forward's graph
-        return tuple(outs) if multiple else outs[0]
+                continue
+            enc = _encode(codec, t, i, label)
+            recipe.append((t.dtype, enc.scales is not None))
+            saved.append(enc.payload)
+            if enc.scales is not None:
+                saved.append(enc.scales)
+        return saved, recipe
 
-    @staticmethod
-    @differentiable_once("an approximate-recompute or offloaded block")
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        block: _Block = ctx.block
-        saved = ctx.saved_tensors
-        codec = block.config.codec
-        leaves, args_in = [], []
-        for k in ctx.kept:
-            if k.dtype is None:
-                t = saved[k.payload]
-            else:
-                assert codec is not None
-                scales = saved[k.scales] if k.scales >= 0 else None
-                t = codec.decode(Encoded(saved[k.payload], scales, k.dtype, codec))
-            if k.requires_grad:
-                t = t.detach().requires_grad_(True)
-                leaves.append(t)
-            args_in.append(t)
-        kw = dict(block.kwargs)
-        for name, t in zip(ctx.kw_names, saved[ctx.kw_start :], strict=True):
-            kw[name] = t  # through saved_tensors: an in-place change since forward raises
-        kw_leaves: tuple[torch.Tensor, ...] = ()
-        if block.grad_kwargs:
-            for name in block.grad_kwargs:
-                kw[name] = kw[name].detach().requires_grad_(True)
-            kw_leaves = tuple(kw[name] for name in block.grad_kwargs)
-        params = block.params
-        hooked = any(p._backward_hooks for p in params)
-        aliases: dict[str, torch.Tensor] = {}
-        if hooked:
-            # Differentiate through detached aliases so parameter hooks fire once, in the outer
-            # backward that receives these gradients.
-            if not isinstance(block.fn, nn.Module):
-                raise InvalidArgumentError(
-                    f"{block.label}: a parameter has a backward hook, which needs the block as "
-                    "an nn.Module to recompute through detached aliases; pass nn.Module blocks"
-                )
-            names = {id(p): name for name, p in block.fn.named_parameters()}
-            aliases = {names[id(p)]: p.detach().requires_grad_(True) for p in params}
-            params = tuple(aliases.values())
-        floats = [t for t in args_in if t.is_floating_point()]
-        device_type = (floats or args_in)[0].device.type
-        replay = ctx.state.replay(label=block.label, exact_draws=True)
-        with torch.enable_grad(), replay, _recompute_autocast(block, device_type):
-            args = block.args(args_in)
-            if hooked:
-                out = torch.func.functional_call(block.fn, aliases, tuple(args), kw, strict=False)
-            else:
-                out = block.fn(*args, **kw)
-        sources = (*leaves, *params, *kw_leaves)
-        leaf = first_unregistered_leaf(block.fn, out, sources)
-        if leaf is not None:
-            raise InvalidArgumentError(
-                f"{block.label} uses a tensor of shape {tuple(leaf.shape)} that requires grad "
-                "but is neither an argument nor a parameter of the checkpointed module, so its "
-                "gradient would be lost; pass an nn.Module that registers it, or pass the "
-                "tensor as an argument"
-            )
-        outs, _ = _outputs(out, block.label)
-        pairs = [
-            (o, g if g.dtype == o.dtype else g.to(o.dtype))
-            for o, g in zip(outs, grads, strict=True)
-            if g is not None and o.requires_grad
-        ]
-        if not pairs:
-            result: tuple[torch.Tensor | None, ...] = (None,) * len(sources)
-        elif len(pairs) == 1:
-            result = vjp(pairs[0][0], sources, pairs[0][1])
-        else:
-            result = torch.autograd.grad(
-                [o for o, _ in pairs], sources, [g for _, g in pairs], allow_unused=True
-            )
-        del out, outs, pairs
-        arg_grads, i = [], 0
-        for k in ctx.kept:
-            if k.requires_grad:
-                arg_grads.append(result[i])
+    def rebuild(self, saved: Sequence[torch.Tensor], recipe: Any) -> list[torch.Tensor]:
+        out, i = [], 0
+        for entry in recipe:
+            if entry is None:
+                out.append(saved[i])
                 i += 1
-            else:
-                arg_grads.append(None)
-        return (None, *arg_grads, *result[len(leaves) :])
+                continue
+            assert self.codec is not None
+            dtype, scaled = entry
+            scales = saved[i + 1] if scaled else None
+            out.append(self.codec.decode(Encoded(saved[i], scales, dtype, self.codec)))
+            i += 2 if scaled else 1
+        return out
+
+    def rerun_context(self, device_type: str) -> contextlib.AbstractContextManager[Any]:
+        if self.recompute_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, dtype=self.recompute_dtype)
+
+
+def keep_of(config: Approx) -> Keep:
+    """The recompute node's :class:`~revckpt.engine.node.Keep` for ``config``: exact when
+    nothing is approximate, else :class:`Compressed`."""
+    if not isinstance(config, Approx):
+        raise InvalidInputTypeError(
+            f"approx= takes a revckpt.approx.Approx(...), got {type(config).__name__}"
+        )
+    return EXACT if config.exact else Compressed(config)
 
 
 def _encode(codec: Codec, t: torch.Tensor, index: int, label: str) -> Encoded:
@@ -291,92 +175,6 @@ def _encode(codec: Codec, t: torch.Tensor, index: int, label: str) -> Encoded:
             "(kept exactly); otherwise find where the model overflows (e.g. with "
             "torch.autograd.detect_anomaly) or keep the boundary exact (store=None)"
         ) from None
-
-
-def _recompute_autocast(block: _Block, device_type: str) -> contextlib.AbstractContextManager[Any]:
-    dtype = block.config.recompute_dtype
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=dtype)
-
-
-def _outputs(out: Any, label: str) -> tuple[list[torch.Tensor], bool]:
-    if isinstance(out, torch.Tensor):
-        return [out], False
-    if isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
-        return list(out), True
-    raise InvalidInputTypeError(
-        f"{label} returned {type(out).__name__}; an approximate checkpoint needs a block that "
-        "returns a tensor or a tuple of tensors"
-    )
-
-
-def run_approx(
-    fn: Callable[..., Any],
-    args: Sequence[Any],
-    kwargs: dict[str, Any],
-    *,
-    config: Approx,
-    modules: Sequence[nn.Module] | None = None,
-    complete: bool | None = None,
-    preserve_rng_state: bool = True,
-    label: str = "the approximate checkpoint",
-) -> Any:
-    """Run ``fn(*args, **kwargs)`` as one approximate-recompute node (the shared engine of
-    :func:`checkpoint` and ``checkpoint_sequential(approx=...)``). ``modules``: the modules
-    ``fn`` calls (default: ``fn`` itself when it is a module); ``complete``: whether they are
-    all it calls (then replay freezes exactly their normalisation layers; else any that runs).
-    """
-    if modules is None:
-        modules = modules_of(fn, closures=False)  # their parameters become the node's inputs
-    if complete is None:
-        complete = isinstance(fn, nn.Module)
-    params: list[torch.Tensor] = []
-    norms: list[nn.Module] = []
-    seen: set[int] = set()
-    for m in modules:
-        module_params, module_norms = module_targets(m)
-        for t in module_params:
-            if id(t) not in seen:
-                seen.add(id(t))
-                params.append(t)
-        norms += module_norms
-    template, slots, tensors = [], [], []
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            slots.append(i)
-            tensors.append(a)
-            template.append(None)
-        else:
-            template.append(a)
-    if not tensors:
-        raise InvalidInputTypeError(
-            f"{label} got no tensor argument; pass the block input as a positional tensor"
-        )
-    grad_kwargs = grad_keywords(kwargs)
-    block = _Block(
-        fn=fn,
-        template=template,
-        slots=slots,
-        kwargs=kwargs,
-        grad_kwargs=grad_kwargs,
-        params=tuple(params),
-        modules=tuple(dict.fromkeys((*modules, *modules_of(fn)))),
-        norms=tuple(norms) if complete else None,
-        config=config,
-        preserve_rng_state=preserve_rng_state,
-        label=label,
-    )
-    if any(t.is_complex() for t in tensors):
-        raise InvalidInputTypeError(
-            f"{label} got a complex tensor; approximate recompute supports real floating-point "
-            "tensors (and keeps integer and boolean ones exact): split complex values into "
-            "real and imaginary parts"
-        )
-    needs_graph = any(t.requires_grad for t in tensors) or bool(params) or bool(grad_kwargs)
-    if not torch.is_grad_enabled() or not needs_graph:
-        return fn(*args, **kwargs)  # nothing to differentiate: keep nothing, plain call
-    return _ApproxFunction.apply(block, *tensors, *params, *(kwargs[k] for k in grad_kwargs))
 
 
 def checkpoint(
@@ -414,6 +212,6 @@ def checkpoint(
             f"approx.checkpoint(fn, *args): fn must be callable, got {type(fn).__name__}"
         )
     label = getattr(fn, "__qualname__", type(fn).__name__)
-    return run_approx(
-        fn, args, kwargs, config=config, preserve_rng_state=preserve_rng_state, label=label
+    return run_node(
+        fn, args, kwargs, keep=keep_of(config), preserve_rng_state=preserve_rng_state, label=label
     )

@@ -47,7 +47,7 @@ uses (the decoded copy lives from its first use in backward to its last).
 from __future__ import annotations
 
 import copy
-import math
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,6 +56,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from .._numbers import relative_error
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from .formats import FORMATS, Codec, Encoded, NonFiniteInputError, Rounding, Scaling
 from .recompute import Approx
@@ -286,14 +287,6 @@ class RelativeErrors:
     codec: str
 
 
-def _relative(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
-    diff = math.sqrt(sum(float((g - r).pow(2).sum()) for g, r in zip(got, ref, strict=True)))
-    norm = math.sqrt(sum(float(r.pow(2).sum()) for r in ref))
-    if norm > 0:
-        return diff / norm
-    return 0.0 if diff == 0 else math.inf
-
-
 def compress_saved_error(
     block: nn.Module,
     x: torch.Tensor,
@@ -334,38 +327,48 @@ def compress_saved_error(
         for k, v in kwargs.items()
     }
     options = {"scaling": scaling, "block_size": block_size, "rounding": rounding}
-
-    def gradients(compressed: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        model = copy.deepcopy(block).double()
-        leaf = x.detach().double().requires_grad_(True)
-        inp = leaf.clone()  # a non-leaf, as a block input inside a model is
-        devices = [x.device] if x.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
-            if compressed:
-                out = compress_saved(
-                    model, inp, store=store, min_numel=min_numel, **options, **kw64
-                )
-            else:
-                out = model(inp, **kw64)
-        if not isinstance(out, torch.Tensor):
-            raise InvalidInputTypeError(
-                f"compress_saved_error needs a block that returns one tensor, got "
-                f"{type(out).__name__}"
-            )
-        ct = torch.ones_like(out) if cotangent is None else cotangent.detach().to(out)
-        params = [p for p in model.parameters() if p.requires_grad]
-        grads = torch.autograd.grad(out, [leaf, *params], ct, allow_unused=True)
-        full = [
-            torch.zeros_like(t) if g is None else g
-            for t, g in zip([leaf, *params], grads, strict=True)
-        ]
-        return full[0], full[1:]
-
-    exact_input, exact_params = gradients(False)
-    got_input, got_params = gradients(True)
+    run = functools.partial(
+        _float64_gradients, block, x, kw64, cotangent=cotangent, seed=seed, min_numel=min_numel
+    )
+    exact_input, exact_params = run(None)
+    got_input, got_params = run({"store": store, **options})
     return RelativeErrors(
-        parameters=_relative(got_params, exact_params),
-        input=_relative([got_input], [exact_input]),
+        parameters=relative_error(got_params, exact_params),
+        input=relative_error(got_input, exact_input),
         codec="exact" if codec is None else str(codec),
     )
+
+
+def _float64_gradients(
+    block: nn.Module,
+    x: torch.Tensor,
+    kw64: dict[str, Any],
+    compressed: dict[str, Any] | None,
+    *,
+    cotangent: torch.Tensor | None,
+    seed: int,
+    min_numel: int,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The input and parameter gradients of a float64 copy of ``block`` at ``x`` (a non-leaf),
+    run plainly (``compressed=None``) or under ``compress_saved(**compressed)``."""
+    model = copy.deepcopy(block).double()
+    leaf = x.detach().double().requires_grad_(True)
+    inp = leaf.clone()  # a non-leaf, as a block input inside a model is
+    devices = [x.device] if x.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        if compressed is not None:
+            out = compress_saved(model, inp, min_numel=min_numel, **compressed, **kw64)
+        else:
+            out = model(inp, **kw64)
+    if not isinstance(out, torch.Tensor):
+        raise InvalidInputTypeError(
+            f"compress_saved_error needs a block that returns one tensor, got {type(out).__name__}"
+        )
+    ct = torch.ones_like(out) if cotangent is None else cotangent.detach().to(out)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(out, [leaf, *params], ct, allow_unused=True)
+    full = [
+        torch.zeros_like(t) if g is None else g for t, g in zip([leaf, *params], grads, strict=True)
+    ]
+    return full[0], full[1:]

@@ -21,7 +21,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._pytree import tree_flatten
 
-from .errors import DoubleBackwardError, InvalidInputTypeError
+from .._module_state import submodules
+from ..errors import DoubleBackwardError, InvalidInputTypeError
 
 __all__ = [
     "differentiable_once",
@@ -64,29 +65,48 @@ def differentiable_once(what: str) -> Callable[[Callable[..., Any]], Callable[..
     return decorate
 
 
+class _Targets:
+    """The parameters (each once, trainable or not) and normalisation layers under one root
+    module, with what they were found from: the root's module list (:func:`submodules`: a new
+    list once a submodule was added, removed or replaced) and the identity of every registered
+    parameter (one added, removed or replaced, as ``functional_call`` does, changes it)."""
+
+    __slots__ = ("ids", "modules", "norms", "params")
+
+    def __init__(self, root: nn.Module) -> None:
+        self.modules = submodules(root)
+        self.ids = _parameter_ids(self.modules)
+        params: dict[int, torch.Tensor] = {}
+        for m in self.modules:
+            for p in m._parameters.values():
+                if p is not None:
+                    params.setdefault(id(p), p)
+        self.params = tuple(params.values())
+        self.norms = tuple(m for m in self.modules if isinstance(m, _NormBase))
+
+
+def _parameter_ids(modules: list[nn.Module]) -> list[int]:
+    return [id(p) for m in modules for p in m._parameters.values()]
+
+
+_TARGETS: weakref.WeakKeyDictionary[nn.Module, _Targets] = weakref.WeakKeyDictionary()
+
+
 def module_targets(module: Any) -> tuple[tuple[torch.Tensor, ...], tuple[nn.Module, ...]]:
     """A module's trainable parameters (shared ones once) and the normalisation modules it can
-    call, in one walk over ``_modules`` (cheaper than ``named_modules``; runs per block and
-    forward). Not a module: ``((), ())``."""
+    call. Runs per block and forward: the walk is cached per module and checked against its
+    current submodules and parameters; ``requires_grad`` is read each call (a parameter frozen
+    or unfrozen since). Not a module: ``((), ())``."""
     if not isinstance(module, nn.Module):
         return (), ()
-    params: list[torch.Tensor] = []
-    norms: list[nn.Module] = []
-    seen: set[int] = set()
-    todo = [module]
-    while todo:
-        m = todo.pop()
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
-        if isinstance(m, _NormBase):
-            norms.append(m)
-        for p in m._parameters.values():
-            if p is not None and p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-        todo.extend(c for c in reversed(m._modules.values()) if c is not None)
-    return tuple(params), tuple(norms)
+    found = _TARGETS.get(module)
+    if (
+        found is None
+        or submodules(module) is not found.modules
+        or _parameter_ids(found.modules) != found.ids
+    ):
+        found = _TARGETS[module] = _Targets(module)
+    return tuple(p for p in found.params if p.requires_grad), found.norms
 
 
 def _drop(t: torch.Tensor) -> None:

@@ -1,0 +1,236 @@
+"""The recompute node: one autograd node per block call that keeps what its strategy keeps of
+the block's positional tensor arguments and, in backward, rebuilds them and re-runs the block.
+
+A strategy says only what it keeps and how it rebuilds it, with a :class:`Keep`:
+
+* :class:`Keep` itself keeps the arguments exactly (through ``ctx.save_for_backward``, so
+  version checks and saved-tensor hooks apply: host offload moves them with such hooks);
+* :class:`revckpt.approx.recompute.Compressed` keeps them encoded by a codec and may re-run
+  the block in bf16.
+
+The node's inputs are the tensor arguments, the trainable parameters of the modules the block
+calls and the keyword tensors that require grad, so ``torch.autograd.grad``, hooks and DDP see
+ordinary gradients; its first forward and its re-run go through :mod:`revckpt.engine.rerun`
+and :mod:`revckpt.replay`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import InvalidArgumentError, InvalidInputTypeError
+from ..replay import ForwardState
+from .autograd import differentiable_once, grad_keywords, module_targets, modules_of
+from .rerun import Rerun, first_forward, output_grads
+
+__all__ = ["EXACT", "Keep", "run_node"]
+
+
+class Keep:
+    """What a recompute node keeps of the block's positional tensor arguments, and how it
+    rebuilds them in backward. This base keeps them exactly; subclasses override the three
+    methods."""
+
+    __slots__ = ()
+
+    def keep(self, tensors: Sequence[torch.Tensor], label: str) -> tuple[list[torch.Tensor], Any]:
+        """The tensors to save for ``tensors`` and a recipe for :meth:`rebuild`."""
+        return list(tensors), None
+
+    def rebuild(self, saved: Sequence[torch.Tensor], recipe: Any) -> list[torch.Tensor]:
+        """The block's positional tensors again, from what :meth:`keep` saved."""
+        return list(saved)
+
+    def rerun_context(self, device_type: str) -> contextlib.AbstractContextManager[Any]:
+        """The context the re-run runs in, inside the replayed forward state."""
+        return contextlib.nullcontext()
+
+
+EXACT = Keep()
+
+
+class _BlockCall:
+    """Everything one call needs in backward, except the kept tensors: the block, its
+    positional arguments with the tensors taken out (``template``, ``slots``), its keyword
+    arguments, and what it differentiates and replays."""
+
+    __slots__ = (
+        "fn",
+        "grad_kwargs",
+        "keep",
+        "kwargs",
+        "label",
+        "modules",
+        "norms",
+        "params",
+        "preserve_rng_state",
+        "slots",
+        "template",
+        "tensors",
+    )
+
+    def __init__(self, fn: Callable[..., Any], args: Sequence[Any], label: str) -> None:
+        self.fn = fn
+        self.label = label
+        self.template: list[Any] = []  # the positional args, tensors replaced by None
+        self.slots: list[int] = []  # positions of the tensor args in template
+        self.tensors: list[torch.Tensor] = []  # the tensor args of this call (forward only)
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                self.slots.append(i)
+                self.tensors.append(a)
+                self.template.append(None)
+            else:
+                self.template.append(a)
+        self.kwargs: dict[str, Any] = {}
+        self.grad_kwargs: tuple[str, ...] = ()
+        self.params: tuple[torch.Tensor, ...] = ()
+        self.modules: tuple[nn.Module, ...] = ()
+        self.norms: tuple[nn.Module, ...] | None = None
+        self.keep: Keep = EXACT
+        self.preserve_rng_state = True
+
+    def args(self, tensors: Sequence[Any]) -> list[Any]:
+        args = list(self.template)
+        for slot, t in zip(self.slots, tensors, strict=True):
+            args[slot] = t
+        return args
+
+
+class _RecomputeNode(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, call: _BlockCall, *inputs: torch.Tensor) -> Any:
+        tensors = inputs[: len(call.slots)]
+        ctx.call = call
+        ctx.state = ForwardState.capture(
+            *tensors,
+            call.kwargs,
+            call.fn,
+            preserve_rng_state=call.preserve_rng_state,
+            norms=call.norms,
+            modules=call.modules,
+        )
+        out = first_forward(ctx.state, call.fn, *call.args(tensors), **call.kwargs)
+        saved, ctx.recipe = call.keep.keep(tensors, call.label)
+        ctx.leaves = [t.is_floating_point() for t in tensors]
+        ctx.kw_names = [k for k, v in call.kwargs.items() if isinstance(v, torch.Tensor)]
+        ctx.kw_start = len(saved)
+        saved += [call.kwargs[k] for k in ctx.kw_names]
+        ctx.save_for_backward(*saved)
+        outs, multiple = _outputs(out, call.label)
+        del out
+        outs = [o.detach() for o in outs]  # the node is their history, not the forward's graph
+        return tuple(outs) if multiple else outs[0]
+
+    @staticmethod
+    @differentiable_once("an approximate-recompute or offloaded block")
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        call: _BlockCall = ctx.call
+        saved = ctx.saved_tensors
+        rebuilt = call.keep.rebuild(saved[: ctx.kw_start], ctx.recipe)
+        args_in = [
+            t.detach().requires_grad_(True) if leaf else t
+            for t, leaf in zip(rebuilt, ctx.leaves, strict=True)
+        ]
+        leaves = [t for t, leaf in zip(args_in, ctx.leaves, strict=True) if leaf]
+        kw = dict(call.kwargs)
+        for name, t in zip(ctx.kw_names, saved[ctx.kw_start :], strict=True):
+            kw[name] = t  # through saved_tensors: an in-place change since forward raises
+        rerun = Rerun(call.fn, call.params, kw, call.grad_kwargs, label=call.label)
+        floats = [t for t in args_in if t.is_floating_point()]
+        device_type = (floats or args_in)[0].device.type
+        replay = ctx.state.replay(label=call.label, exact_draws=True)
+        with torch.enable_grad(), replay, call.keep.rerun_context(device_type):
+            out = rerun(*call.args(args_in))
+        sources = rerun.sources(leaves)
+        leaf = rerun.unregistered(out, sources)
+        if leaf is not None:
+            raise InvalidArgumentError(
+                f"{call.label} uses a tensor of shape {tuple(leaf.shape)} that requires grad "
+                "but is neither an argument nor a parameter of the checkpointed module, so its "
+                "gradient would be lost; pass an nn.Module that registers it, or pass the "
+                "tensor as an argument"
+            )
+        result = output_grads(_outputs(out, call.label)[0], grads, sources)
+        del out
+        arg_grads, i = [], 0
+        for leaf in ctx.leaves:
+            arg_grads.append(result[i] if leaf else None)
+            i += leaf
+        return (None, *arg_grads, *result[len(leaves) :])
+
+
+def _outputs(out: Any, label: str) -> tuple[list[torch.Tensor], bool]:
+    if isinstance(out, torch.Tensor):
+        return [out], False
+    if isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
+        return list(out), True
+    raise InvalidInputTypeError(
+        f"{label} returned {type(out).__name__}; an approximate checkpoint needs a block that "
+        "returns a tensor or a tuple of tensors"
+    )
+
+
+def _targets(modules: Sequence[nn.Module]) -> tuple[tuple[torch.Tensor, ...], list[nn.Module]]:
+    """The trainable parameters (each once) and normalisation layers of ``modules``."""
+    params: list[torch.Tensor] = []
+    norms: list[nn.Module] = []
+    seen: set[int] = set()
+    for m in modules:
+        module_params, module_norms = module_targets(m)
+        for t in module_params:
+            if id(t) not in seen:
+                seen.add(id(t))
+                params.append(t)
+        norms += module_norms
+    return tuple(params), norms
+
+
+def run_node(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    *,
+    keep: Keep = EXACT,
+    modules: Sequence[nn.Module] | None = None,
+    complete: bool | None = None,
+    preserve_rng_state: bool = True,
+    label: str,
+) -> Any:
+    """Run ``fn(*args, **kwargs)`` as one recompute node keeping what ``keep`` keeps of its
+    positional tensors. ``modules``: the modules ``fn`` calls (default: ``fn`` itself when it
+    is a module); ``complete``: whether they are all it calls (then replay freezes exactly
+    their normalisation layers; else any that runs). Without grad mode, or with nothing to
+    differentiate, ``fn`` runs plainly and nothing is kept."""
+    if modules is None:
+        modules = modules_of(fn, closures=False)  # their parameters become the node's inputs
+    if complete is None:
+        complete = isinstance(fn, nn.Module)
+    params, norms = _targets(modules)
+    call = _BlockCall(fn, args, label)
+    tensors = call.tensors
+    if not tensors:
+        raise InvalidInputTypeError(
+            f"{label} got no tensor argument; pass the block input as a positional tensor"
+        )
+    if any(t.is_complex() for t in tensors):
+        raise InvalidInputTypeError(
+            f"{label} got a complex tensor; approximate recompute supports real floating-point "
+            "tensors (and keeps integer and boolean ones exact): split complex values into "
+            "real and imaginary parts"
+        )
+    grad_kwargs = grad_keywords(kwargs)
+    needs_graph = any(t.requires_grad for t in tensors) or bool(params) or bool(grad_kwargs)
+    if not torch.is_grad_enabled() or not needs_graph:
+        return fn(*args, **kwargs)  # nothing to differentiate: keep nothing, plain call
+    call.tensors = []  # the node's inputs hold them; the call must not outlive them
+    call.kwargs, call.grad_kwargs, call.params, call.keep = kwargs, grad_kwargs, params, keep
+    call.modules = tuple(dict.fromkeys((*modules, *modules_of(fn))))
+    call.norms = tuple(norms) if complete else None
+    call.preserve_rng_state = preserve_rng_state
+    return _RecomputeNode.apply(call, *tensors, *params, *(kwargs[k] for k in grad_kwargs))

@@ -1,0 +1,120 @@
+"""A block's two runs under a recompute node: the first forward, which keeps nothing, and its
+re-run in backward, which differentiates exactly the node's inputs.
+
+Every node that runs its own backward (:mod:`revckpt.engine.node` for checkpoint-style nodes,
+the half steps of :mod:`revckpt.layers.rebuild`) runs the block through these two functions:
+
+* :func:`first_forward`: the forward under its captured :class:`~revckpt.replay.ForwardState`,
+  with grad mode on as plain autograd runs it and nothing saved
+  (:func:`~revckpt.engine.autograd.forward_as_plain`); the state records what the forward left
+  however it ends.
+* :class:`Rerun`: the backward's re-run. Keyword tensors that require grad become fresh leaves
+  (their gradients are returned by the node); parameters with backward hooks are replaced by
+  detached aliases (``torch.func.functional_call``), so their hooks fire once, in the outer
+  backward that receives the node's gradients, not also inside the node; a tensor that requires
+  grad but is none of the node's inputs is reported (its gradient would be lost).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import InvalidArgumentError
+from ..replay import ForwardState
+from .autograd import first_unregistered_leaf, forward_as_plain, vjp
+
+__all__ = ["Rerun", "first_forward", "output_grads"]
+
+
+def first_forward(state: ForwardState, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` as a node's first forward: grad mode on, nothing kept for
+    backward; ``state.forward_finished()`` runs however it ends (it releases the RNG lock)."""
+    try:
+        with forward_as_plain():
+            return fn(*args, **kwargs)
+    finally:
+        state.forward_finished()
+
+
+class Rerun:
+    """The re-run of a block in backward, differentiating its node's inputs.
+
+    ``params``: the block's trainable parameters, in the order the node takes them;
+    ``kwargs``: its keyword arguments, of which ``grad_kwargs`` name the tensors that require
+    grad. Call it with the positional arguments (under the caller's replay and grad mode);
+    :meth:`sources` are the tensors to differentiate, in the order the node returns their
+    gradients: the given leaves, then :attr:`params`, then :attr:`kw_leaves`.
+    """
+
+    __slots__ = ("aliases", "fn", "kw_leaves", "kwargs", "params")
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        params: tuple[torch.Tensor, ...],
+        kwargs: dict[str, Any],
+        grad_kwargs: tuple[str, ...],
+        *,
+        label: str,
+    ) -> None:
+        self.fn = fn
+        self.kw_leaves: tuple[torch.Tensor, ...] = ()
+        if grad_kwargs:
+            kwargs = dict(kwargs)
+            for name in grad_kwargs:
+                kwargs[name] = kwargs[name].detach().requires_grad_(True)
+            self.kw_leaves = tuple(kwargs[name] for name in grad_kwargs)
+        self.kwargs = kwargs
+        self.aliases: dict[str, torch.Tensor] | None = None
+        if any(p._backward_hooks for p in params):
+            if not isinstance(fn, nn.Module):
+                raise InvalidArgumentError(
+                    f"{label}: a parameter has a backward hook, which needs the block as "
+                    "an nn.Module to recompute through detached aliases; pass nn.Module blocks"
+                )
+            names = {id(p): name for name, p in fn.named_parameters()}
+            self.aliases = {names[id(p)]: p.detach().requires_grad_(True) for p in params}
+            params = tuple(self.aliases.values())
+        self.params = params
+
+    def __call__(self, *args: Any) -> Any:
+        if self.aliases is not None:
+            fn, aliases = self.fn, self.aliases
+            return torch.func.functional_call(fn, aliases, args, self.kwargs, strict=False)
+        return self.fn(*args, **self.kwargs)
+
+    def sources(self, leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The tensors to differentiate: ``leaves`` (the rebuilt inputs), the parameters (or
+        their aliases) and the keyword leaves."""
+        return (*leaves, *self.params, *self.kw_leaves)
+
+    def unregistered(self, out: Any, sources: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+        """A tensor ``out`` depends on that requires grad but is not in ``sources`` (its
+        gradient would be lost), or ``None`` (the graph is walked once per block)."""
+        return first_unregistered_leaf(self.fn, out, sources)
+
+
+def output_grads(
+    outs: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    sources: tuple[torch.Tensor, ...],
+) -> tuple[torch.Tensor | None, ...]:
+    """The VJP of the re-run outputs ``outs`` with the node's incoming ``grads`` (each cast to
+    its output's dtype: a low-precision re-run), for ``sources``; outputs without a gradient or
+    a graph are skipped."""
+    pairs = [
+        (o, g if g.dtype == o.dtype else g.to(o.dtype))
+        for o, g in zip(outs, grads, strict=True)
+        if g is not None and o.requires_grad
+    ]
+    if not pairs:
+        return (None,) * len(sources)
+    if len(pairs) == 1:
+        return vjp(pairs[0][0], sources, pairs[0][1])
+    return torch.autograd.grad(
+        [o for o, _ in pairs], sources, [g for _, g in pairs], allow_unused=True
+    )

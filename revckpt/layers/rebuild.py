@@ -1,0 +1,370 @@
+"""The reconstruct-from-output autograd of :class:`~revckpt.layers.ReversibleSequential`.
+
+The stack is a chain of *half steps*, each updating one stream from the other,
+``s[target] = combine(s[target], branch(s[other]))``: one :class:`HalfStepNode` each, which
+keeps nothing for backward (but, at anchors, its exact inputs), and one :class:`OutputNode`
+that keeps the stack's output and seeds the backward walk. In backward each half step re-runs
+its branch once through :class:`revckpt.engine.rerun.Rerun` (keyword leaves, hooked
+parameters, the unregistered-tensor check, replay of the forward's state), rebuilds its
+target's input from ``separate(y, h)`` and differentiates ``combine(a, h)``. The drift of the
+rebuilt inputs is measured and reported here too (:class:`ReconstructionWarning`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..engine.autograd import differentiable_once, vjp
+from ..engine.rerun import Rerun, first_forward
+from ..errors import InvalidArgumentError, ReconstructionError
+from ..replay import ForwardState
+from .coupling import AdditiveCoupling, Coupling
+
+__all__ = [
+    "HalfStep",
+    "HalfStepNode",
+    "OutputNode",
+    "ReconstructionWarning",
+    "StackCall",
+    "auto_tolerance",
+]
+
+Targets = tuple[tuple[torch.Tensor, ...], tuple[nn.Module, ...]]
+
+
+class ReconstructionWarning(UserWarning):
+    """A rebuilt block input drifted from the original by more than ``check_inverse``."""
+
+
+@dataclass
+class StackCall:
+    """State shared by the nodes of one forward call of a ReversibleSequential.
+
+    In backward, ``values`` holds the current value of every stream, starting from the output;
+    each half step rebuilds its target's previous value and puts it back, so exactly one value
+    per stream is alive.
+    """
+
+    kwargs: dict[str, Any]
+    grad_kwargs: tuple[str, ...]
+    check_inverse: float | None
+    on_drift: str
+    recompute_dtype: torch.dtype | None
+    drift: list[float | None]
+    devices: list[torch.device]
+    strict: bool = False  # the default check: a drift past it raises whatever on_drift says
+    pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+    owned: set[int] = field(default_factory=set)  # streams whose value this walk created
+
+
+@dataclass(frozen=True)
+class HalfStep:
+    """One half step: ``s[target] = combine(s[target], branch(s[other]))`` of block ``index``,
+    built once per stack layout (the branch's parameters and normalisation layers are looked up
+    per call: they may change between calls).
+
+    ``anchor``: 0 keeps nothing, 1 keeps the target's input, 2 also the other stream (the first
+    half step of an anchored block). ``additive``: the coupling is exactly
+    :class:`AdditiveCoupling` (``y = a + h``), which allows in-place updates and
+    differentiating ``h`` alone.
+    """
+
+    block: Any  # the ReversibleBlock
+    which: str
+    index: int
+    target: int
+    other: int
+    anchor: int
+    branch: nn.Module
+    coupling: Coupling
+    additive: bool = field(init=False)
+    label: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "additive", type(self.coupling) is AdditiveCoupling)
+        object.__setattr__(self, "label", f"branch {self.which} of reversible block {self.index}")
+
+    def current(self) -> bool:
+        """Whether the block still has this branch and coupling."""
+        block = self.block
+        branch = block.f if self.which == "f" else block.g
+        return branch is self.branch and block.coupling is self.coupling
+
+
+class HalfStepNode(torch.autograd.Function):
+    """``y = combine(a, branch(u))`` as an autograd node that keeps nothing for backward
+    (except, at anchors, its exact inputs). ``targets``: the branch's trainable parameters (the
+    node's inputs after ``token``, before the keyword tensors) and its normalisation layers."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        call: StackCall,
+        step: HalfStep,
+        targets: Targets,
+        a: torch.Tensor,
+        u: torch.Tensor,
+        token: torch.Tensor,
+        *tensors: torch.Tensor,
+    ) -> torch.Tensor:
+        anchor = step.anchor
+        ctx.call, ctx.step, ctx.params = call, step, targets[0]
+        ctx.state = state = ForwardState.capture(
+            norms=targets[1], devices=call.devices, modules=(step.branch,)
+        )
+        h = _detached(first_forward(state, step.block._branch, step.which, u, a, call.kwargs))
+        # y = a + h is written over the branch's fresh output when nothing else holds it: no
+        # view or alias of its memory, and no Python reference but this frame's (a buffer, a
+        # tensor the branch caches on itself, a keyword tensor returned as is all hold one)
+        private = step.additive and _private_result(h, a) and sys.getrefcount(h) <= _LOCAL_REFS
+        y = h.add_(a) if private else step.coupling.combine(a, h)
+        del h
+        if anchor:  # 1 = keep a, 2 = keep a and u (the first half step of an anchored block)
+            ctx.save_for_backward(*((a, u)[:anchor]))
+        # the default check samples block 0's inputs only: every reconstruction error above
+        # reaches them, for 2 x 64 elements whatever the depth
+        sampled = call.check_inverse is not None and not (call.strict and step.index)
+        ctx.sample = _sample(a) if sampled and not anchor else None
+        return y
+
+    @staticmethod
+    @differentiable_once("a reversible block (revckpt.layers.ReversibleSequential)")
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+        call: StackCall = ctx.call
+        step: HalfStep = ctx.step
+        exact = ctx.saved_tensors if step.anchor else ()
+        if step.anchor == 2:
+            call.values[step.other] = exact[1]
+            call.owned.discard(step.other)
+        y, u = call.values[step.target], call.values[step.other]
+        u_leaf = u.detach().requires_grad_(True)
+        rerun = Rerun(step.branch, ctx.params, call.kwargs, call.grad_kwargs, label=step.label)
+        replay = ctx.state.replay(label=step.label, exact_draws=True)
+        with torch.enable_grad(), replay, _recompute_autocast(call, u):
+            h = rerun(u_leaf)
+            _check_registered(rerun, h, (u_leaf,), step)
+            a = _rebuilt_input(ctx, call, step, y, h, exact)
+            if step.additive:
+                # y = a + h: dy/da = dy/dh = identity, so differentiate h alone.
+                a_leaf, y_again = None, h
+            else:
+                a_leaf = a.detach().requires_grad_(True)
+                y_again = step.coupling.combine(a_leaf, h)
+        sources = rerun.sources((u_leaf,) if a_leaf is None else (u_leaf, a_leaf))
+        if y_again.dtype != dy.dtype and a_leaf is None:  # a low-precision recompute: h's dtype
+            dy = dy.to(y_again.dtype)
+        grads = vjp(y_again, sources, dy)
+        del y, h, y_again
+        _hand_down(call, step, a)
+        da = dy if a_leaf is None else _zeros_if_none(grads[1], a)
+        du = _zeros_if_none(grads[0], u)
+        rest = grads[1 if a_leaf is None else 2 :]
+        return (None, None, None, da, du, None, *rest)
+
+
+def _check_registered(
+    rerun: Rerun, h: Any, leaves: tuple[torch.Tensor, ...], step: HalfStep
+) -> None:
+    leaf = rerun.unregistered(h, rerun.sources(leaves))
+    if leaf is not None:
+        raise InvalidArgumentError(
+            f"{step.label} uses a tensor of shape {tuple(leaf.shape)} that requires grad but is "
+            "not one of its registered parameters, so the reversible backward cannot return "
+            "its gradient; register it as an nn.Parameter (or submodule) of the branch, or "
+            "pass it as a keyword tensor"
+        )
+
+
+def _rebuilt_input(
+    ctx: Any, call: StackCall, step: HalfStep, y: torch.Tensor, h: Any, exact: tuple[Any, ...]
+) -> torch.Tensor:
+    """The half step's input ``a = separate(y, h)`` (``y`` overwritten when this walk owns it),
+    its drift recorded; at an anchor, the kept exact input instead."""
+    with torch.no_grad():
+        if step.additive and step.target in call.owned and _sole_owner(y):
+            a = y.sub_(h)  # a value this walk rebuilt, held by nobody else: overwrite
+        else:
+            a = step.coupling.separate(y, _detached(h))
+    if step.anchor:
+        _record_drift(call, step.index, a, exact[0])
+        return exact[0]
+    if ctx.sample is not None:
+        _record_drift(call, step.index, _sample(a), ctx.sample)
+        ctx.sample = None  # used: nothing of the forward outlives the walk
+    return a
+
+
+def _hand_down(call: StackCall, step: HalfStep, a: torch.Tensor) -> None:
+    """Put the rebuilt input back as its stream's current value, for the half step below."""
+    if step.index == 0 and step.which == "f":
+        # the walk is over: drop the rebuilt stack input, which would otherwise stay alive
+        # (through the graph) while the layers before the stack run their backward
+        call.values, call.owned = {}, set()
+        _finish_drift(call)
+        return
+    call.values[step.target] = a.detach()
+    if step.anchor:
+        call.owned.discard(step.target)  # an anchor is a kept forward tensor: never overwrite
+    else:
+        call.owned.add(step.target)
+
+
+def _refs_of_a_local() -> int:
+    h = torch.empty(0)
+    return sys.getrefcount(h)
+
+
+# sys.getrefcount of a tensor held by one local variable and nothing else
+_LOCAL_REFS = _refs_of_a_local()
+
+
+@functools.cache
+def _sole_use_count() -> int:
+    """The storage use count of a tensor that nothing else references (read off a fresh one)."""
+    fresh = torch.empty(1)
+    return torch._C._storage_Use_Count(fresh.untyped_storage()._cdata)
+
+
+def _sole_owner(t: torch.Tensor) -> bool:
+    """Whether ``t`` is the only tensor on its memory: no view, ``detach()`` or ``.data`` alias
+    held by a hook, a cache or a module, so it may be overwritten."""
+    if t._base is not None or t.requires_grad or torch.compiler.is_compiling():
+        return False  # compiled: no storage counts to read (the reuse is only an optimisation)
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= _sole_use_count()
+
+
+def _private_result(h: Any, a: torch.Tensor) -> bool:
+    """Whether ``a + h`` may be written into the branch output ``h``: a tensor of the result's
+    shape, dtype and device that nothing else holds."""
+    if not isinstance(h, torch.Tensor):
+        return False
+    if (
+        h.shape != a.shape
+        or h.dtype != torch.promote_types(a.dtype, h.dtype)
+        or h.device != a.device
+    ):
+        return False
+    return _sole_owner(h)
+
+
+def _recompute_autocast(call: StackCall, u: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+    if call.recompute_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(u.device.type, dtype=call.recompute_dtype)
+
+
+def _detached(h: Any) -> Any:
+    if isinstance(h, torch.Tensor):
+        return h.detach()
+    return type(h)(_detached(v) for v in h)
+
+
+def _zeros_if_none(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if g is None else g
+
+
+def _record_drift(call: StackCall, index: int, rebuilt: torch.Tensor, exact: torch.Tensor) -> None:
+    call.pending.append((index, _norms(rebuilt, exact)))
+
+
+def _finish_drift(call: StackCall) -> None:
+    """Read the drift of every rebuilt block input of this walk (one host read) into
+    ``last_drift``, and warn or raise past ``check_inverse``."""
+    if not call.pending:
+        return
+    pending, call.pending = call.pending, []
+    values = torch.stack([n for _, n in pending]).tolist()
+    worst: tuple[float, int] | None = None
+    for (index, _), (diff, ref) in zip(pending, values, strict=True):
+        err = diff / ref if ref > 0 else (0.0 if diff == 0 else float("inf"))
+        previous = call.drift[index]
+        call.drift[index] = err if previous is None else max(previous, err)
+        tol = call.check_inverse
+        if tol is not None and err > tol and (worst is None or err > worst[0]):
+            worst = (err, index)
+    if worst is None:
+        return
+    err, index = worst
+    if call.strict:
+        raise ReconstructionError(
+            f"reversible block {index}: its rebuilt input differs from the original by "
+            f"{err:.3e} (relative), far more than round-off (default check_inverse='auto', "
+            f"tolerance {call.check_inverse:g}), so its gradients would be wrong. A branch "
+            "must compute the same function of its input in forward and backward: no state "
+            "that changes between them, no input other than its stream and the keyword "
+            "tensors. Fix the branch, or store this block instead (or pass check_inverse=None "
+            "to skip the check)"
+        )
+    message = (
+        f"reversible block {index}: rebuilt input differs from the original by {err:.3e} "
+        f"(relative) > check_inverse={call.check_inverse:g}. Reconstruction drift grows with "
+        "depth and with low precision: set anchor_every=k to store every k-th block input "
+        "exactly, keep the streams in float32, or use an affine coupling with a smaller clamp"
+    )
+    if call.on_drift == "raise":
+        raise ReconstructionError(message)
+    warnings.warn(message, ReconstructionWarning, stacklevel=2)
+
+
+class OutputNode(torch.autograd.Function):
+    """The stack's output: keeps it (the only tensor kept) and seeds the backward walk."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        call: StackCall,
+        ids: tuple[int, int],
+        dim: int | None,
+        y1: torch.Tensor,
+        y2: torch.Tensor,
+    ) -> Any:
+        ctx.call, ctx.ids, ctx.dim = call, ids, dim
+        if dim is None:
+            y1, y2 = y1.view_as(y1), y2.view_as(y2)
+            ctx.save_for_backward(y1, y2)
+            return y1, y2
+        out = torch.cat([y1, y2], dim=dim)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    @differentiable_once("a reversible stack (revckpt.layers.ReversibleSequential)")
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        saved = ctx.saved_tensors
+        if ctx.dim is None:
+            y1, y2 = saved
+            d1, d2 = grads
+        else:
+            y1, y2 = saved[0].chunk(2, dim=ctx.dim)
+            d1, d2 = grads[0].chunk(2, dim=ctx.dim)
+        ctx.call.values = {ctx.ids[0]: y1, ctx.ids[1]: y2}
+        ctx.call.owned = set()  # the output is the caller's: never overwritten
+        return None, None, None, d1, d2
+
+
+def _sample(x: torch.Tensor) -> torch.Tensor:
+    """64 elements of ``x`` at evenly spaced positions (the same for the rebuilt tensor)."""
+    flat = x.detach().reshape(-1)
+    return flat[:: max(1, flat.numel() // 64)][:64].clone()
+
+
+def _norms(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``[|a - b|, |b|]`` in float64, left on the device (read once per backward walk)."""
+    a64, b64 = a.detach().double().reshape(-1), b.detach().double().reshape(-1)
+    return torch.stack([(a64 - b64).norm(), b64.norm()])
+
+
+def auto_tolerance(dtype: torch.dtype) -> float:
+    """The default check's tolerance: far above the round-off drift of a deep stack in the
+    dtype the branches compute in (1e-2 for float32, 1/16 for float16, 1/2 for bfloat16), far
+    below the O(1) error of a branch whose recompute differs from its forward."""
+    return max(1e-2, 64 * torch.finfo(dtype).eps)
