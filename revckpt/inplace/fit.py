@@ -21,14 +21,16 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from ..errors import InfeasibleBudgetError, InvalidArgumentError, InvalidInputTypeError
-from ..schedule.budget import human_bytes, parse_budget
+from ..errors import InvalidArgumentError, InvalidInputTypeError
+from ..schedule.budget import parse_budget
 from ..schedule.plan import Plan
 from ..schedule.profile import Profile
 from ..schedule.solver import solve
 from ..strategy import Strategy, StrategyLike, argument_of, kind_of
 from .blocks import Blocks, find_blocks
-from .install import Planned, install, is_fsdp, planned, uninstall
+from .confirm import _within_budget
+from .convert import convert, restore
+from .install import Planned, install, is_fsdp, planned
 from .measure import profile_in_situ
 from .runners import runner_for, segment_runners
 from .trace import LossFn, Recorder, measure_step, trace
@@ -143,21 +145,29 @@ def fit(
     Undo with :func:`restore`. Under ``torch.distributed`` (initialised before ``fit``) every
     rank applies rank 0's plan; the budget is per rank.
     """
-    options = dict(
-        error_budget=error_budget,
-        loss_fn=loss_fn,
-        strategies=strategies,
-        blocks=blocks,
-        plan=plan,
-        repeats=repeats,
-        progress=progress,
-        segment_blocks=segment_blocks,
+    # over 60 lines for its docstring alone: the front door's contract, kept whole
+    options = _FitOptions(
+        error_budget, loss_fn, strategies, blocks, plan, repeats, progress, segment_blocks
     )
     if verify:
         from .verify import fit_verified  # it builds on this module
 
-        return fit_verified(model, example, memory_budget=memory_budget, **options).plan
-    return _fit(model, example, memory_budget=memory_budget, **options).plan
+        return fit_verified(model, example, memory_budget=memory_budget, **vars(options)).plan
+    return _fit(model, example, memory_budget=memory_budget, **vars(options)).plan
+
+
+@dataclass(frozen=True)
+class _FitOptions:
+    """The keyword arguments of :func:`fit` but ``memory_budget`` and ``verify``."""
+
+    error_budget: float = 0.0
+    loss_fn: LossFn = None
+    strategies: Sequence[StrategyLike] | None = None
+    blocks: Blocks = None
+    plan: Plan | str | Path | None = None
+    repeats: int = 3
+    progress: Callable[[int, int], None] | None = None
+    segment_blocks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -181,34 +191,75 @@ def _fit(
     example: Any,
     *,
     memory_budget: int | float | str,
-    error_budget: float = 0.0,
-    loss_fn: LossFn = None,
-    strategies: Sequence[StrategyLike] | None = None,
-    blocks: Blocks = None,
-    plan: Plan | str | Path | None = None,
-    repeats: int = 3,
-    progress: Callable[[int, int], None] | None = None,
-    segment_blocks: int | None = None,
     profiled: bool = False,
+    **options: Any,
 ) -> Fitted:
-    """:func:`fit` without ``verify``. ``profiled``: trace and profile the step even when a
-    saved ``plan`` is given, and install that plan unchecked (verification measures it)."""
+    """:func:`fit` without ``verify`` (``options``: its other keyword arguments).
+    ``profiled``: trace and profile the step even when a saved ``plan`` is given, and install
+    that plan unchecked (verification measures it)."""
+    o = _FitOptions(**options)
+    chosen = _checked(model, memory_budget, o)
+    restore(model)
+    found = find_blocks(model, o.blocks)
+    _refuse_sharded(found)
+    saved = _load(o.plan, model, found) if o.plan is not None else None
+    try:
+        for fqn, block in found:
+            install(block, Planned(fqn, "store", runner_for("store")))
+        if saved is not None and not profiled:
+            return _fit_saved(saved, found, memory_budget, tuple(chosen), o.error_budget)
+        traced = trace(model, example, o.loss_fn, found, _recorder_slot(found))
+        if o.segment_blocks is not None:
+            step = dataclasses.replace(traced.step, max_span=o.segment_blocks)
+            traced = dataclasses.replace(traced, step=step)
+        profile = _profile(model, traced, chosen, o)
+        keys = [c.key for c in traced.calls]
+        budget = parse_budget(memory_budget, traced.store_peak)
+        shapes = tuple(tuple(c.input.shape) for c in traced.calls)
+        if saved is not None:
+            result = saved
+        else:
+
+            def checked(budget: Any) -> tuple[Plan, int]:
+                found_plan = solve(
+                    profile, memory_budget=budget, error_budget=o.error_budget, strategies=chosen
+                )
+                found_plan = dataclasses.replace(
+                    found_plan, block_shapes=shapes, model_digest=model_digest(model)
+                )
+                return _measured(found_plan, model, example, o.loss_fn, found, keys)
+
+            result = _agreed(_within_budget(checked, memory_budget, traced.store_peak))
+        _apply(result, found, keys)
+        seen = (profile, traced.store_peak, shapes)
+        return Fitted(result, found, keys, tuple(chosen), o.error_budget, budget, *seen)
+    except BaseException:
+        restore(model)
+        raise
+
+
+def _checked(model: nn.Module, memory_budget: Any, o: _FitOptions) -> list[str]:
+    """:func:`fit`'s arguments checked, before any profiling; the strategies a plan may use."""
     if not isinstance(model, nn.Module):
         raise InvalidInputTypeError(f"fit(model, ...) needs an nn.Module, got {type(model)}")
     _check_budget_syntax(memory_budget)
+    error_budget = o.error_budget
     if not (isinstance(error_budget, (int, float)) and 0 <= error_budget < float("inf")):
         raise InvalidArgumentError(f"error_budget={error_budget!r}: pass a number >= 0")
-    if loss_fn is not None and not callable(loss_fn):
+    if o.loss_fn is not None and not callable(o.loss_fn):
         raise InvalidInputTypeError("loss_fn is a function from the model output to a scalar")
-    chosen = _strategies(strategies, error_budget)
+    chosen = _strategies(o.strategies, error_budget)
+    segment_blocks = o.segment_blocks
     if segment_blocks is not None and (
         not isinstance(segment_blocks, int)
         or isinstance(segment_blocks, bool)
         or segment_blocks < 1
     ):
         raise InvalidArgumentError(f"segment_blocks={segment_blocks!r}: pass None or an int >= 1")
-    restore(model)
-    found = find_blocks(model, blocks)
+    return chosen
+
+
+def _refuse_sharded(found: list[tuple[str, nn.Module]]) -> None:
     sharded = [fqn for fqn, m in found if is_fsdp(m)]
     if sharded:
         raise InvalidArgumentError(
@@ -216,118 +267,58 @@ def _fit(
             "alone to profile them, which sharded blocks cannot do. Call revckpt.fit before "
             "fully_shard (with segment_blocks=1), then shard"
         )
-    saved = _load(plan, model, found) if plan is not None else None
-    try:
-        for fqn, block in found:
-            install(block, Planned(fqn, "store", runner_for("store")))
-        if saved is not None and not profiled:
-            budget = parse_budget(memory_budget, saved.store_all_peak_bytes)
-            if saved.predicted_peak_bytes > budget:
-                raise InvalidArgumentError(
-                    f"the saved plan's whole step peaks at {saved.predicted_peak_bytes:,} bytes, "
-                    f"above memory_budget={memory_budget!r} ({budget:,} bytes); make a plan for "
-                    "this budget with revckpt.fit(model, example, memory_budget=...), or "
-                    "measure it against the simple recipes with verify=True"
-                )
-            keys: list[Any] = [None] * len(found)
-            _apply(saved, found, keys)
-            return Fitted(saved, found, keys, tuple(chosen), error_budget, budget)
-        traced = trace(model, example, loss_fn, found, _recorder_slot(found))
-        if segment_blocks is not None:
-            step = dataclasses.replace(traced.step, max_span=segment_blocks)
-            traced = dataclasses.replace(traced, step=step)
-        policies = [argument_of(s) for s in chosen if kind_of(s) == "selective"]
-        codecs = [argument_of(s) for s in chosen if kind_of(s) == "approx"]
-        compress = [argument_of(s) for s in chosen if kind_of(s) == "compress"]
-        profile = profile_in_situ(
-            model,
-            traced,
-            codecs=codecs,
-            policies=policies,
-            compress=compress,
-            repeats=repeats,
-            progress=progress,
+
+
+def _fit_saved(
+    saved: Plan,
+    found: list[tuple[str, nn.Module]],
+    memory_budget: Any,
+    chosen: tuple[str, ...],
+    error_budget: float,
+) -> Fitted:
+    """A saved plan installed as it is, when its prediction fits the budget."""
+    budget = parse_budget(memory_budget, saved.store_all_peak_bytes)
+    if saved.predicted_peak_bytes > budget:
+        raise InvalidArgumentError(
+            f"the saved plan's whole step peaks at {saved.predicted_peak_bytes:,} bytes, "
+            f"above memory_budget={memory_budget!r} ({budget:,} bytes); make a plan for "
+            "this budget with revckpt.fit(model, example, memory_budget=...), or "
+            "measure it against the simple recipes with verify=True"
         )
-        keys = [c.key for c in traced.calls]
-        budget = parse_budget(memory_budget, traced.store_peak)
-        shapes = tuple(tuple(c.input.shape) for c in traced.calls)
-
-        def fitted(done: Plan) -> Fitted:
-            seen = (profile, traced.store_peak, shapes)
-            return Fitted(done, found, keys, tuple(chosen), error_budget, budget, *seen)
-
-        if saved is not None:
-            _apply(saved, found, keys)
-            return fitted(saved)
-
-        def checked(budget: Any) -> tuple[Plan, int]:
-            found_plan = solve(
-                profile, memory_budget=budget, error_budget=error_budget, strategies=chosen
-            )
-            found_plan = dataclasses.replace(
-                found_plan,
-                block_shapes=shapes,
-                model_digest=model_digest(model),
-            )
-            _apply(found_plan, found, keys)
-            measured = measure_step(model, example, loss_fn)
-            if measured <= found_plan.predicted_peak_bytes:
-                return found_plan, 0
-            short = measured - found_plan.predicted_peak_bytes
-            return dataclasses.replace(found_plan, predicted_peak_bytes=measured), short
-
-        result = _agreed(_within_budget(checked, memory_budget, traced.store_peak))
-        _apply(result, found, keys)
-        return fitted(result)
-    except BaseException:
-        restore(model)
-        raise
+    keys: list[Any] = [None] * len(found)
+    _apply(saved, found, keys)
+    return Fitted(saved, found, keys, chosen, error_budget, budget)
 
 
-def _within_budget(
-    checked: Callable[[Any], tuple[Plan, int]], memory_budget: Any, store_peak: int
-) -> Plan:
-    """The plan solved for the budget, confirmed by one metered step (``checked`` returns the
-    plan, its prediction raised to what the step measured, and by how much the cost model was
-    short). A plan that measured over the budget is solved again with the largest shortfall
-    seen taken off the budget. An infeasible budget is answered with the smallest budget a
-    plan met in a measured step. ``store_peak``: the store-all step's measured peak, of which
-    a fractional budget is a fraction (and the plan's ``store_all_peak_bytes``)."""
-    budget = parse_budget(memory_budget, store_peak)
-    target, worst, tried = budget, 0, []
-    for _ in range(8):
-        try:
-            plan, short = checked(target)
-        except InfeasibleBudgetError as err:
-            smallest, _ = checked(err.smallest_budget_bytes)
-            least = min([smallest.predicted_peak_bytes, *tried])
-            raise _infeasible(err, budget, least, store_peak) from None
-        if plan.predicted_peak_bytes <= budget:
-            return dataclasses.replace(
-                plan, memory_budget_bytes=budget, store_all_peak_bytes=store_peak
-            )
-        tried.append(plan.predicted_peak_bytes)
-        worst = max(worst, short)
-        target = min(target - 1, budget - worst)
-    raise InfeasibleBudgetError(  # pragma: no cover - eight plans each short of the model
-        f"no plan met {budget:,} bytes in a measured step (the cost model was up to {worst:,} "
-        f"bytes short of these plans); raise the budget to {min(tried):,} bytes",
-        smallest_budget_bytes=min(tried),
+def _profile(model: nn.Module, traced: Any, chosen: list[str], o: _FitOptions) -> Profile:
+    """The blocks profiled in situ, for the codecs, policies and formats ``chosen`` names."""
+    return profile_in_situ(
+        model,
+        traced,
+        codecs=[argument_of(s) for s in chosen if kind_of(s) == "approx"],
+        policies=[argument_of(s) for s in chosen if kind_of(s) == "selective"],
+        compress=[argument_of(s) for s in chosen if kind_of(s) == "compress"],
+        repeats=o.repeats,
+        progress=o.progress,
     )
 
 
-def _infeasible(
-    err: InfeasibleBudgetError, budget: int, smallest: int, store_peak: int
-) -> InfeasibleBudgetError:
-    cures = str(err).partition("; or lower that smallest budget: ")[2]
-    return InfeasibleBudgetError(
-        f"no plan fits a memory budget of {human_bytes(budget)} ({budget:,} bytes) for the "
-        f"whole training step: the smallest budget a plan fits is {human_bytes(smallest)} "
-        f"({smallest:,} bytes, {smallest / store_peak:.1%} of the step with every block "
-        "stored, as measured on the example). Raise the budget to at least that, or use a "
-        "smaller batch" + (f"; or lower that smallest budget: {cures}" if cures else ""),
-        smallest_budget_bytes=smallest,
-    )
+def _measured(
+    plan: Plan,
+    model: nn.Module,
+    example: Any,
+    loss_fn: LossFn,
+    found: list[tuple[str, nn.Module]],
+    keys: Sequence[Any],
+) -> tuple[Plan, int]:
+    """``plan`` installed and checked in one metered step: the plan, its prediction raised to
+    what the step measured, and by how much the cost model was short."""
+    _apply(plan, found, keys)
+    measured = measure_step(model, example, loss_fn)
+    if measured <= plan.predicted_peak_bytes:
+        return plan, 0
+    short = measured - plan.predicted_peak_bytes
+    return dataclasses.replace(plan, predicted_peak_bytes=measured), short
 
 
 def _agreed(plan: _T) -> _T:
@@ -386,37 +377,3 @@ def _load(plan: Any, model: nn.Module, found: list[tuple[str, nn.Module]]) -> Pl
             "make one for this model with revckpt.fit(model, example, memory_budget=...)"
         )
     return plan
-
-
-def convert(
-    model: nn.Module,
-    strategy: StrategyLike = "checkpoint",
-    *,
-    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
-    every: int = 1,
-) -> list[str]:
-    """Apply one ``strategy`` in place to the model's blocks, without profiling, in the style
-    of torchao's ``convert_to_float8_training``: ``"checkpoint"``, ``"selective:<policy>"``,
-    ``"approx:<codec>"`` or ``"offload"`` (or a :class:`~revckpt.Strategy`), on every
-    ``every``-th block (the first of each group of ``every``) of the blocks
-    ``module_filter_fn(module, fqn)`` selects (default: the model's repeated blocks).
-    Returns the names of the converted blocks; undo with :func:`restore` (a later ``convert``
-    or ``fit`` replaces it). Eval mode and
-    ``torch.no_grad()`` run the model plainly."""
-    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-        raise InvalidArgumentError(f"every={every!r}: pass a positive int (1: every block)")
-    run = runner_for(strategy)
-    restore(model)  # a model is converted once: what was installed before goes
-    found = find_blocks(model, module_filter_fn)
-    chosen = found[::every]
-    for fqn, block in chosen:
-        install(block, Planned(fqn, str(Strategy.parse(strategy)), run))
-    return [fqn for fqn, _ in chosen]
-
-
-def restore(model: nn.Module) -> int:
-    """Undo :func:`fit` or :func:`convert`: every block runs plainly again. Returns how many
-    blocks were restored."""
-    if not isinstance(model, nn.Module):
-        raise InvalidInputTypeError(f"restore(model) needs an nn.Module, got {type(model)}")
-    return sum(uninstall(m) for m in model.modules())

@@ -142,7 +142,7 @@ def profile_in_situ(
                 progress(i, len(units))
             cost = reuse.get(key)
             if cost is None:
-                cost = profile_block(
+                cost = reuse[key] = profile_block(
                     unit,
                     x,
                     codecs=codecs,
@@ -154,16 +154,10 @@ def profile_in_situ(
                     cotangent=weights.cotangents[i] if priced else None,
                     grads_new=True,
                 )
-                reuse[key] = cost
             elif priced:  # bytes and times shared; the errors are this block's own
                 cost = dataclasses.replace(cost, **block_errors(unit, x, cost, weights, i))
             if priced:
-                cost = dataclasses.replace(
-                    cost,
-                    grad_sq=weights.grad_sq[i],
-                    upstream_grad_sq=weights.input_sq + sum(weights.grad_sq[:i]),
-                    chain_grad_sq=weights.input_sq + sum(weights.grad_sq),
-                )
+                cost = _weighted(cost, weights, i)
             costs.append(cost)
         if progress is not None:
             progress(len(units), len(units))
@@ -175,8 +169,13 @@ def profile_in_situ(
         ]
     costs = [dataclasses.replace(c, input_kept=k) for c, k in zip(costs, kept, strict=True)]
     names = tuple(c.fqn for c in trace.calls)
-    step = trace.step
-    if not kept[-1]:
+    step = _step_outside(trace.step, costs)
+    return Profile(tuple(costs), names, None, step=step, threads=torch.get_num_threads())
+
+
+def _step_outside(step: Any, costs: list[BlockCost]) -> Any:
+    """The traced step's costs outside the blocks, corrected for where the chain ends."""
+    if not costs[-1].input_kept:
         # the trace marks the chain's end inside the last block's call, where its caller still
         # holds the block's input; it goes right after, so the head runs without it
         x = costs[-1].input_bytes
@@ -186,4 +185,14 @@ def profile_in_situ(
         # arrives; it counts that gradient, and the output is still alive there only because
         # the last block saved it (its own backward frees it, counted in its transient)
         step = dataclasses.replace(step, backward_held=step.backward_held - costs[-1].output_bytes)
-    return Profile(tuple(costs), names, None, step=step, threads=torch.get_num_threads())
+    return step
+
+
+def _weighted(cost: BlockCost, weights: Any, i: int) -> BlockCost:
+    """Block ``i``'s cost with the weights of the chain's error model."""
+    return dataclasses.replace(
+        cost,
+        grad_sq=weights.grad_sq[i],
+        upstream_grad_sq=weights.input_sq + sum(weights.grad_sq[:i]),
+        chain_grad_sq=weights.input_sq + sum(weights.grad_sq),
+    )

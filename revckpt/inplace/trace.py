@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._numbers import tensor_bytes
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..measure import MemoryMeter
 from ..measure.state import preserved
@@ -226,10 +227,6 @@ def measure_step(model: nn.Module, example: Any, loss_fn: LossFn) -> int:
     return meter.peak_bytes
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def _metered(
     model: nn.Module,
     example: Any,
@@ -242,8 +239,8 @@ def _metered(
     last = len(calls) - 1
     marks: dict[str, int] = {}
     device = calls[0].input.device
-    x0_bytes = _nbytes(calls[0].input)
-    out_bytes = _nbytes(calls[-1].output)
+    x0_bytes = tensor_bytes(calls[0].input)
+    out_bytes = tensor_bytes(calls[-1].output)
     # the model's state is saved and put back outside the meter (it is not the step's)
     with _left_as_found(model), MemoryMeter(device) as meter:
 
@@ -274,7 +271,7 @@ def _metered(
             f"no gradient reached the output of the last block ({calls[-1].fqn}): the loss does "
             "not depend on it; pick the blocks the loss goes through"
         )
-    new_grads = sum(_nbytes(p) for c in calls for p in c.block.parameters() if p.requires_grad)
+    new_grads = sum(tensor_bytes(p) for c in calls for p in c.block.parameters() if p.requires_grad)
     step = StepCosts(
         before_peak=marks["chain_start_peak"],
         held=marks["chain_start"] - x0_bytes,

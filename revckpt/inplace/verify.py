@@ -167,52 +167,16 @@ def _verified(
     times = _times(model, example, loss_fn, list(plans), install, rounds, warmup)
     errors = _errors(model, example, loss_fn, plans, install, seed)
     budget, error_budget = fitted.budget, fitted.error_budget
-    rows = []
-    for name, plan in plans.items():
-        ratio = _summary(times[name], times[STORE_ALL])
-        rows.append(
-            PlanMeasurement(
-                name=name,
-                strategies=tuple(plan.strategies),
-                measured_peak_bytes=peaks[name],
-                measured_retained_bytes=0,
-                predicted_peak_bytes=plan.predicted_peak_bytes,
-                memory_budget_bytes=budget,
-                time_ratio=ratio.ratio,
-                time_ratio_iqr=(ratio.q25, ratio.q75),
-                predicted_overhead=plan.predicted_overhead,
-                gradient_error=errors[name],
-                predicted_error=plan.predicted_error,
-            )
-        )
+    rows = [_row(name, plan, peaks, times, errors, budget) for name, plan in plans.items()]
     solved = fitted.plan
     solved_row = next(r for r in rows if _key(plans[r.name]) == _key(solved))
     best = _fastest_that_fits(
         rows, memory_budget=budget, error_budget=error_budget, prefer=solved_row.name
     )
     if best is None:
-        least = min(rows, key=lambda r: r.measured_peak_bytes)
-        raise InfeasibleBudgetError(
-            f"no plan measured in the training step fits the memory budget of "
-            f"{human_bytes(budget)} ({budget:,} bytes) within the error budget "
-            f"{error_budget:g}: the least measured peak was {least.name!r}'s "
-            f"{human_bytes(least.measured_peak_bytes)} ({least.measured_peak_bytes:,} bytes). "
-            "Raise memory_budget to at least that, or fit without plan= to solve for this budget",
-            smallest_budget_bytes=least.measured_peak_bytes,
-        )
+        raise _none_fits(rows, budget, error_budget)
     replaced = _key(plans[best.name]) != _key(solved)
-    winner = plans[best.name] if replaced else solved
-    name = best.name if replaced else solved.name.removesuffix(_VERIFIED)
-    plan = dataclasses.replace(
-        winner,
-        name=name + _VERIFIED,
-        predicted_peak_bytes=max(winner.predicted_peak_bytes, best.measured_peak_bytes),
-        memory_budget_bytes=budget,
-        error_budget=error_budget,
-        store_all_peak_bytes=fitted.store_peak,
-        block_shapes=fitted.shapes,
-        model_digest=model_digest(model),
-    )
+    plan = _winner(model, fitted, plans[best.name] if replaced else solved, best, replaced)
     report = Report(
         rows=tuple(rows),
         store_all_peak_bytes=peaks[STORE_ALL],
@@ -222,6 +186,63 @@ def _verified(
     )
     note = _note(solved_row, best, replaced, rows, budget, error_budget)
     return Verified(plan, solved, report, best, replaced, note)
+
+
+def _row(
+    name: str,
+    plan: Plan,
+    peaks: dict[str, int],
+    times: dict[str, list[float]],
+    errors: dict[str, float],
+    budget: int,
+) -> PlanMeasurement:
+    """The measured row of plan ``name``, its time against store-all's of the same rounds."""
+    ratio = _summary(times[name], times[STORE_ALL])
+    return PlanMeasurement(
+        name=name,
+        strategies=tuple(plan.strategies),
+        measured_peak_bytes=peaks[name],
+        measured_retained_bytes=0,
+        predicted_peak_bytes=plan.predicted_peak_bytes,
+        memory_budget_bytes=budget,
+        time_ratio=ratio.ratio,
+        time_ratio_iqr=(ratio.q25, ratio.q75),
+        predicted_overhead=plan.predicted_overhead,
+        gradient_error=errors[name],
+        predicted_error=plan.predicted_error,
+    )
+
+
+def _none_fits(
+    rows: list[PlanMeasurement], budget: int, error_budget: float
+) -> InfeasibleBudgetError:
+    least = min(rows, key=lambda r: r.measured_peak_bytes)
+    return InfeasibleBudgetError(
+        f"no plan measured in the training step fits the memory budget of "
+        f"{human_bytes(budget)} ({budget:,} bytes) within the error budget "
+        f"{error_budget:g}: the least measured peak was {least.name!r}'s "
+        f"{human_bytes(least.measured_peak_bytes)} ({least.measured_peak_bytes:,} bytes). "
+        "Raise memory_budget to at least that, or fit without plan= to solve for this budget",
+        smallest_budget_bytes=least.measured_peak_bytes,
+    )
+
+
+def _winner(
+    model: nn.Module, fitted: Fitted, winner: Plan, best: PlanMeasurement, replaced: bool
+) -> Plan:
+    """The plan to install: the winner named ``"<name> (verified)"``, its prediction raised
+    to what it measured, made for this model and budget."""
+    name = best.name if replaced else fitted.plan.name.removesuffix(_VERIFIED)
+    return dataclasses.replace(
+        winner,
+        name=name + _VERIFIED,
+        predicted_peak_bytes=max(winner.predicted_peak_bytes, best.measured_peak_bytes),
+        memory_budget_bytes=fitted.budget,
+        error_budget=fitted.error_budget,
+        store_all_peak_bytes=fitted.store_peak,
+        block_shapes=fitted.shapes,
+        model_digest=model_digest(model),
+    )
 
 
 def _times(

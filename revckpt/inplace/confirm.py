@@ -1,0 +1,59 @@
+"""A solved plan confirmed in a measured step: solved again with the cost model's shortfall
+taken off the budget while it measures over, and an infeasible budget answered with the
+smallest one a plan met."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import InfeasibleBudgetError
+from ..schedule.budget import human_bytes, parse_budget
+from ..schedule.plan import Plan
+
+
+def _within_budget(
+    checked: Callable[[Any], tuple[Plan, int]], memory_budget: Any, store_peak: int
+) -> Plan:
+    """The plan solved for the budget, confirmed by one metered step (``checked`` returns the
+    plan, its prediction raised to what the step measured, and by how much the cost model was
+    short). A plan that measured over the budget is solved again with the largest shortfall
+    seen taken off the budget. An infeasible budget is answered with the smallest budget a
+    plan met in a measured step. ``store_peak``: the store-all step's measured peak, of which
+    a fractional budget is a fraction (and the plan's ``store_all_peak_bytes``)."""
+    budget = parse_budget(memory_budget, store_peak)
+    target, worst, tried = budget, 0, []
+    for _ in range(8):
+        try:
+            plan, short = checked(target)
+        except InfeasibleBudgetError as err:
+            smallest, _ = checked(err.smallest_budget_bytes)
+            least = min([smallest.predicted_peak_bytes, *tried])
+            raise _infeasible(err, budget, least, store_peak) from None
+        if plan.predicted_peak_bytes <= budget:
+            return dataclasses.replace(
+                plan, memory_budget_bytes=budget, store_all_peak_bytes=store_peak
+            )
+        tried.append(plan.predicted_peak_bytes)
+        worst = max(worst, short)
+        target = min(target - 1, budget - worst)
+    raise InfeasibleBudgetError(  # pragma: no cover - eight plans each short of the model
+        f"no plan met {budget:,} bytes in a measured step (the cost model was up to {worst:,} "
+        f"bytes short of these plans); raise the budget to {min(tried):,} bytes",
+        smallest_budget_bytes=min(tried),
+    )
+
+
+def _infeasible(
+    err: InfeasibleBudgetError, budget: int, smallest: int, store_peak: int
+) -> InfeasibleBudgetError:
+    cures = str(err).partition("; or lower that smallest budget: ")[2]
+    return InfeasibleBudgetError(
+        f"no plan fits a memory budget of {human_bytes(budget)} ({budget:,} bytes) for the "
+        f"whole training step: the smallest budget a plan fits is {human_bytes(smallest)} "
+        f"({smallest:,} bytes, {smallest / store_peak:.1%} of the step with every block "
+        "stored, as measured on the example). Raise the budget to at least that, or use a "
+        "smaller batch" + (f"; or lower that smallest budget: {cures}" if cures else ""),
+        smallest_budget_bytes=smallest,
+    )
