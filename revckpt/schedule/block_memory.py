@@ -1,6 +1,7 @@
 """What a block keeps for backward and the transient peaks of its forward and backward, in
 every mode a plan can run it in, metered by :class:`~revckpt.MemoryMeter` (see
-:class:`~revckpt.schedule.costs.BlockCost` for what each figure means).
+:class:`~revckpt.schedule.costs.BlockCost` for what each figure means; the runs and the metered
+steps are in :mod:`.block_runs`).
 
 :func:`memory_costs` gives every memory field of a block's ``BlockCost``; the helpers below it
 answer one question each (does the forward save its input, its own output; which operation
@@ -10,7 +11,7 @@ produced the output; what a selective policy keeps; what offload moves).
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .._numbers import tensor_bytes
-from ..approx import Approx, compress_saved
-from ..approx import checkpoint as approx_checkpoint
+from ..approx import Approx
 from ..checkpoint import checkpoint, parse_policy
 from ..errors import InvalidInputTypeError
 from ..layers import ReversibleSequential, ReversibleUnit
@@ -29,14 +29,11 @@ from ..measure import MemoryMeter
 from ..measure.timing import wall_time
 from ..offload import checkpoint as offload_checkpoint
 from ..offload import record as offload_record
-from ..strategy import Strategy, argument_of, kind_of
+from ..strategy import Strategy
+from .block_runs import PLAIN_MODES, _forward_alone, _Metered, _metered_modes, _Runs, activation
 from .costs import APPROX, CHECKPOINT, COMPRESS, OFFLOAD, REVERSIBLE, SELECTIVE
 
 __all__ = ["activation", "memory_costs", "saves_input"]
-
-# metered modes that are not strategies: the block stored, its gradients accumulated into
-# .grad or returned
-PLAIN_MODES = ("accumulate", "capture")
 
 
 class _LastWriter(TorchDispatchMode):
@@ -104,140 +101,6 @@ def _loss_bytes(like: torch.Tensor, device: Any) -> int:
         grad = torch.ones_like(loss)
     del loss, grad
     return meter.end_bytes
-
-
-@dataclass(frozen=True)
-class _Runs:
-    """One block run with each strategy, on one input leaf."""
-
-    block: nn.Module
-    leaf: torch.Tensor
-    wrt: list[torch.Tensor]
-    kwargs: dict[str, Any]
-    reversible: ReversibleSequential | None
-
-    def forward(self, mode: str) -> torch.Tensor:
-        block, leaf, kw = self.block, self.leaf, self.kwargs
-        kind = None if mode in PLAIN_MODES else kind_of(mode)
-        if kind == CHECKPOINT:
-            return checkpoint(block, leaf, **kw)
-        if kind == SELECTIVE:
-            return checkpoint(block, leaf, policy=argument_of(mode), **kw)
-        if kind == APPROX:
-            return approx_checkpoint(block, leaf, store=argument_of(mode), **kw)
-        if kind == COMPRESS:
-            return compress_saved(block, leaf, store=argument_of(mode), **kw)
-        if kind == OFFLOAD:
-            return offload_checkpoint(block, activation(leaf), **kw)
-        if kind == REVERSIBLE:
-            assert self.reversible is not None
-            return self.reversible(leaf, **kw)
-        return block(leaf, **kw)
-
-
-def _scalar_bytes(like: torch.Tensor) -> int:
-    """Bytes of one scalar on ``like``'s device, as its memory meter counts them."""
-    with MemoryMeter(like.device) as meter:
-        t = like.new_ones(())
-    del t
-    return meter.end_bytes
-
-
-class _Seed(torch.autograd.Function):
-    """A scalar whose backward hands ``holder``'s one tensor to ``y`` as its gradient, so that
-    the gradient is owned by the autograd engine (freed when used), as inside a model."""
-
-    @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, holder: list[torch.Tensor]) -> torch.Tensor:
-        ctx.holder = holder
-        return y.new_zeros(())
-
-    @staticmethod
-    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.holder.pop(), None
-
-
-@dataclass(frozen=True)
-class _Metered:
-    """Per mode: the backward transient; per recomputing mode, the bytes its forward keeps
-    beyond what the cost model counts for it (the replay state: generator states of a forward
-    that draws random numbers) and what of them is still alive after its backward."""
-
-    transient: dict[str, int]
-    rng: dict[str, int]
-    late: dict[str, int]
-
-
-def _metered_modes(
-    runs: _Runs,
-    modes: Sequence[str],
-    grad_out: torch.Tensor,
-    accounted: dict[str, int],
-    device: Any,
-    *,
-    backward: bool,
-    grads_new: bool = False,
-) -> _Metered:
-    """One metered step per mode: ``capture`` returns the gradients, the others accumulate
-    them; ``accounted``: per mode, the bytes its forward keeps that the cost model counts
-    (the compressed input of approx). ``grads_new``: the parameter gradients are ``None``
-    before each step (created by it, counted in its transients) rather than existing.
-    Selective modes count their replay state in what they keep (``selective_bytes``): only
-    what outlives their backward is recorded here."""
-    metered = _Metered({}, {}, {})
-    leaf = runs.leaf
-    params = [t for t in runs.wrt if t is not leaf]
-    for mode in modes:
-        leaf.grad = None
-        if grads_new:
-            for p in params:
-                p.grad = None
-        with MemoryMeter(device) as meter:
-            y = runs.forward(mode)
-            kept = meter.live_bytes - tensor_bytes(y) - accounted.get(mode, 0)
-            # the output's gradient reaches the block as it does in a model: made by the
-            # backward, freed once the block's last operation has used it (not held here)
-            holder = [grad_out.clone()]
-            seed = _Seed.apply(y, holder) if backward else y.new_zeros(())
-            # nor is the output held: in a model it is gone by the block's backward unless the
-            # block saved it (then it counts in the transient until the backward frees it). A
-            # reversible stack rebuilds from its output, which its caller holds (the model
-            # counts it), so there it stays.
-            out_bytes = tensor_bytes(y)
-            kept_output = [y] if mode == REVERSIBLE else []
-            start = meter.live_bytes - (0 if kept_output else out_bytes)
-            del y
-            meter.reset_peak()
-            if backward and mode == "capture":
-                grads = torch.autograd.grad(seed, runs.wrt, allow_unused=True)
-                del grads
-            elif backward:
-                seed.backward()
-            grads_made = 0 if leaf.grad is None else tensor_bytes(leaf.grad)
-            if grads_new:
-                grads_made += sum(tensor_bytes(p.grad) for p in params if p.grad is not None)
-            held = (
-                tensor_bytes(seed)
-                + sum(tensor_bytes(t) for t in holder)
-                + out_bytes * len(kept_output)
-            )
-            left = meter.live_bytes - held - grads_made
-            del seed, holder, kept_output
-        # less the seed's own gradient (a scalar the engine makes first; a model's loss
-        # gradient is counted with the loss)
-        seed_grad = _scalar_bytes(grad_out) if backward else 0
-        metered.transient[mode] = max(0, meter.since_reset_peak_bytes - start - seed_grad)
-        if mode in PLAIN_MODES:
-            continue
-        if kind_of(mode) != SELECTIVE:
-            metered.rng[mode] = max(0, kept)
-        if backward:
-            metered.late[mode] = max(0, min(left, kept))
-    return metered
-
-
-def activation(leaf: torch.Tensor) -> torch.Tensor:
-    return leaf.view_as(leaf) if leaf.requires_grad else leaf
 
 
 def _offload_costs(
@@ -309,37 +172,98 @@ def memory_costs(
     params = [p for p in block.parameters() if p.requires_grad]
     wrt = ([leaf] if leaf.requires_grad else []) + params
     approx_bytes = compressed_sizes(leaf.detach(), codecs)
-    # Backward transients, metered together with their forward (see _metered_modes): per
-    # plain mode, checkpoint, every selective policy and codec, reversible and offload
-    selective_modes = {p: str(Strategy(SELECTIVE, p)) for p in policies}  # text forms
-    approx_modes = {fmt: str(Strategy(APPROX, fmt)) for fmt in approx_bytes}
-    floating = leaf.is_floating_point()
-    compress_modes = {c: str(Strategy(COMPRESS, c)) for c in compress} if floating else {}
-    modes = [
-        *PLAIN_MODES,
-        CHECKPOINT,
-        *selective_modes.values(),
-        *approx_modes.values(),
-        *compress_modes.values(),
-    ]
     reversible = _reversible(block)
-    if reversible is not None:
-        modes.append(REVERSIBLE)
-    if offload:
-        modes.append(OFFLOAD)
+    modes = _Modes.of(leaf, policies, approx_bytes, compress, reversible is not None, offload)
     runs = _Runs(block, leaf, wrt, kwargs, reversible)
-    accounted = {approx_modes[fmt]: n for fmt, n in approx_bytes.items()}
+    accounted = {modes.approx[fmt]: n for fmt, n in approx_bytes.items()}
     compress_bytes, compress_fwd = {}, {}
-    for c, mode in compress_modes.items():  # the forward alone: what it keeps, its peak
+    for c, mode in modes.compress.items():  # the forward alone: what it keeps, its peak
         compress_bytes[c], compress_fwd[c] = _forward_alone(
             lambda mode=mode: runs.forward(mode), device, out_bytes
         )
         accounted[mode] = compress_bytes[c]
     metered = _metered_modes(
-        runs, modes, grad_out, accounted, device, backward=bool(wrt), grads_new=grads_new
+        runs, modes.all, grad_out, accounted, device, backward=bool(wrt), grads_new=grads_new
     )
-    transients = metered.transient
     leaf.grad = None
+    fields = {
+        "input_bytes": tensor_bytes(leaf),
+        "output_bytes": out_bytes,
+        "saved_bytes": max(0, fwd.end_bytes - out_bytes),
+        "forward_peak_bytes": fwd.peak_bytes,
+        **_alone_fields(runs, policies, device, out_bytes, offload),
+        **modes.transient_fields(metered),
+        "param_bytes": sum(tensor_bytes(p) for p in params),
+        "approx_bytes": approx_bytes,
+        "compress_bytes": compress_bytes,
+        "compress_forward_peak_bytes": compress_fwd,
+        "loss_bytes": _loss_bytes(grad_out, device),
+        "reversible_check_bytes": _check_bytes(leaf, block) if reversible is not None else 0,
+        "grads_new": grads_new,
+    }
+    return BlockMemory(fields, grad_out, runs)
+
+
+@dataclass(frozen=True)
+class _Modes:
+    """The modes metered for a block, in the order they are metered (``all``), and the text
+    form of each by what it runs with: per selective policy, per codec, per compress format."""
+
+    all: list[str]
+    selective: dict[str, str]
+    approx: dict[str, str]
+    compress: dict[str, str]
+
+    @classmethod
+    def of(
+        cls,
+        leaf: torch.Tensor,
+        policies: Sequence[str],
+        codecs: Sequence[str],
+        compress: Sequence[str],
+        reversible: bool,
+        offload: bool,
+    ) -> _Modes:
+        """Per plain mode, checkpoint, every selective policy and codec, compress (for a
+        floating input), reversible and offload where they apply."""
+        selective = {p: str(Strategy(SELECTIVE, p)) for p in policies}
+        approx = {fmt: str(Strategy(APPROX, fmt)) for fmt in codecs}
+        floating = leaf.is_floating_point()
+        formats = {c: str(Strategy(COMPRESS, c)) for c in compress} if floating else {}
+        modes = [
+            *PLAIN_MODES,
+            CHECKPOINT,
+            *selective.values(),
+            *approx.values(),
+            *formats.values(),
+        ]
+        if reversible:
+            modes.append(REVERSIBLE)
+        if offload:
+            modes.append(OFFLOAD)
+        return cls(modes, selective, approx, formats)
+
+    def transient_fields(self, metered: _Metered) -> dict[str, Any]:
+        """The fields of the metered steps: backward transients per mode, replay state."""
+        transients = metered.transient
+        return {
+            "backward_peak_bytes": transients["accumulate"],
+            "backward_capture_peak_bytes": transients["capture"],
+            "checkpoint_peak_bytes": transients["checkpoint"],
+            "reversible_peak_bytes": transients.get("reversible"),
+            "selective_backward_peak_bytes": {p: transients[m] for p, m in self.selective.items()},
+            "compress_backward_peak_bytes": {c: transients[m] for c, m in self.compress.items()},
+            "rng_bytes": metered.rng,
+            "rng_late_bytes": metered.late,
+        }
+
+
+def _alone_fields(
+    runs: _Runs, policies: Sequence[str], device: Any, out_bytes: int, offload: bool
+) -> dict[str, Any]:
+    """The fields measured by running the block on its own, outside the metered steps: the
+    selective forwards, the no-grad forward's peak, what it saves, offload's figures."""
+    block, leaf, kwargs = runs.block, runs.leaf, runs.kwargs
     selective = _selective(block, leaf, policies, device, kwargs, out_bytes)
     with torch.no_grad(), MemoryMeter(device) as nograd:
         z = block(leaf.detach(), **kwargs)
@@ -347,34 +271,14 @@ def memory_costs(
     offload_kept, fetch_s = (None, 0.0)
     if offload:
         offload_kept, fetch_s = _offload_costs(block, leaf, kwargs, 3)
-    fields = {
-        "input_bytes": tensor_bytes(leaf),
-        "output_bytes": out_bytes,
-        "saved_bytes": max(0, fwd.end_bytes - out_bytes),
-        "forward_peak_bytes": fwd.peak_bytes,
+    return {
         "forward_peak_nograd_bytes": nograd.peak_bytes,
-        "backward_peak_bytes": transients["accumulate"],
-        "backward_capture_peak_bytes": transients["capture"],
-        "checkpoint_peak_bytes": transients["checkpoint"],
-        "reversible_peak_bytes": transients.get("reversible"),
         **selective,
-        "selective_backward_peak_bytes": {p: transients[selective_modes[p]] for p in policies},
         "output_saved": _saves_own_output(block, leaf, kwargs),
         "invertible": isinstance(block, ReversibleUnit),
-        "param_bytes": sum(tensor_bytes(p) for p in params),
-        "approx_bytes": approx_bytes,
-        "compress_bytes": compress_bytes,
-        "compress_forward_peak_bytes": compress_fwd,
-        "compress_backward_peak_bytes": {c: transients[m] for c, m in compress_modes.items()},
         "offload_kept_bytes": offload_kept,
         "offload_fetch_s": fetch_s,
-        "rng_bytes": metered.rng,
-        "rng_late_bytes": metered.late,
-        "loss_bytes": _loss_bytes(grad_out, device),
-        "reversible_check_bytes": _check_bytes(leaf, block) if reversible is not None else 0,
-        "grads_new": grads_new,
     }
-    return BlockMemory(fields, grad_out, runs)
 
 
 def _reversible(block: nn.Module) -> ReversibleSequential | None:
@@ -383,15 +287,6 @@ def _reversible(block: nn.Module) -> ReversibleSequential | None:
     if not isinstance(block, ReversibleUnit):
         return None
     return ReversibleSequential(block.block, split_dim=block.split_dim, check_inverse=None)
-
-
-def _forward_alone(forward: Callable[[], Any], device: Any, out_bytes: int) -> tuple[int, int]:
-    """One metered forward: the bytes it keeps besides its output, and its peak."""
-    with MemoryMeter(device) as meter:
-        y = forward()
-    kept = max(0, meter.end_bytes - out_bytes)
-    del y
-    return kept, meter.peak_bytes
 
 
 def _selective(

@@ -1,0 +1,194 @@
+"""One block run in every mode a plan can run it in (:class:`_Runs`), and those runs
+metered: one forward and backward per mode (:func:`_metered_modes`), a forward alone
+(:func:`_forward_alone`). :mod:`.block_memory` turns them into a block's memory figures."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._numbers import tensor_bytes
+from ..approx import checkpoint as approx_checkpoint
+from ..approx import compress_saved
+from ..checkpoint import checkpoint
+from ..layers import ReversibleSequential
+from ..measure import MemoryMeter
+from ..offload import checkpoint as offload_checkpoint
+from ..strategy import argument_of, kind_of
+from .costs import APPROX, CHECKPOINT, COMPRESS, OFFLOAD, REVERSIBLE, SELECTIVE
+
+__all__ = ["activation"]
+
+# metered modes that are not strategies: the block stored, its gradients accumulated into
+# .grad or returned
+PLAIN_MODES = ("accumulate", "capture")
+
+
+@dataclass(frozen=True)
+class _Runs:
+    """One block run with each strategy, on one input leaf."""
+
+    block: nn.Module
+    leaf: torch.Tensor
+    wrt: list[torch.Tensor]
+    kwargs: dict[str, Any]
+    reversible: ReversibleSequential | None
+
+    def forward(self, mode: str) -> torch.Tensor:
+        block, leaf, kw = self.block, self.leaf, self.kwargs
+        kind = None if mode in PLAIN_MODES else kind_of(mode)
+        if kind == CHECKPOINT:
+            return checkpoint(block, leaf, **kw)
+        if kind == SELECTIVE:
+            return checkpoint(block, leaf, policy=argument_of(mode), **kw)
+        if kind == APPROX:
+            return approx_checkpoint(block, leaf, store=argument_of(mode), **kw)
+        if kind == COMPRESS:
+            return compress_saved(block, leaf, store=argument_of(mode), **kw)
+        if kind == OFFLOAD:
+            return offload_checkpoint(block, activation(leaf), **kw)
+        if kind == REVERSIBLE:
+            assert self.reversible is not None
+            return self.reversible(leaf, **kw)
+        return block(leaf, **kw)
+
+
+def _scalar_bytes(like: torch.Tensor) -> int:
+    """Bytes of one scalar on ``like``'s device, as its memory meter counts them."""
+    with MemoryMeter(like.device) as meter:
+        t = like.new_ones(())
+    del t
+    return meter.end_bytes
+
+
+class _Seed(torch.autograd.Function):
+    """A scalar whose backward hands ``holder``'s one tensor to ``y`` as its gradient, so that
+    the gradient is owned by the autograd engine (freed when used), as inside a model."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, holder: list[torch.Tensor]) -> torch.Tensor:
+        ctx.holder = holder
+        return y.new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.holder.pop(), None
+
+
+@dataclass(frozen=True)
+class _Metered:
+    """Per mode: the backward transient; per recomputing mode, the bytes its forward keeps
+    beyond what the cost model counts for it (the replay state: generator states of a forward
+    that draws random numbers) and what of them is still alive after its backward."""
+
+    transient: dict[str, int]
+    rng: dict[str, int]
+    late: dict[str, int]
+
+
+def _metered_modes(
+    runs: _Runs,
+    modes: Sequence[str],
+    grad_out: torch.Tensor,
+    accounted: dict[str, int],
+    device: Any,
+    *,
+    backward: bool,
+    grads_new: bool = False,
+) -> _Metered:
+    """One metered step per mode: ``capture`` returns the gradients, the others accumulate
+    them; ``accounted``: per mode, the bytes its forward keeps that the cost model counts
+    (the compressed input of approx). ``grads_new``: the parameter gradients are ``None``
+    before each step (created by it, counted in its transients) rather than existing.
+    Selective modes count their replay state in what they keep (``selective_bytes``): only
+    what outlives their backward is recorded here."""
+    metered = _Metered({}, {}, {})
+    for mode in modes:
+        step = _metered_step(
+            runs, mode, grad_out, accounted.get(mode, 0), device, backward, grads_new
+        )
+        metered.transient[mode] = step.transient
+        if mode in PLAIN_MODES:
+            continue
+        if kind_of(mode) != SELECTIVE:
+            metered.rng[mode] = max(0, step.kept)
+        if backward:
+            metered.late[mode] = max(0, min(step.left, step.kept))
+    return metered
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One metered step: its backward transient, the bytes its forward keeps beyond those
+    accounted for, and what is still alive after its backward (besides the gradients)."""
+
+    transient: int
+    kept: int
+    left: int
+
+
+def _metered_step(
+    runs: _Runs,
+    mode: str,
+    grad_out: torch.Tensor,
+    accounted: int,
+    device: Any,
+    backward: bool,
+    grads_new: bool,
+) -> _Step:
+    """The forward and backward of ``mode``, metered (see :func:`_metered_modes`)."""
+    leaf = runs.leaf
+    params = [t for t in runs.wrt if t is not leaf]
+    leaf.grad = None
+    if grads_new:
+        for p in params:
+            p.grad = None
+    with MemoryMeter(device) as meter:
+        y = runs.forward(mode)
+        kept = meter.live_bytes - tensor_bytes(y) - accounted
+        # the output's gradient reaches the block as it does in a model: made by the
+        # backward, freed once the block's last operation has used it (not held here)
+        holder = [grad_out.clone()]
+        seed = _Seed.apply(y, holder) if backward else y.new_zeros(())
+        # nor is the output held: in a model it is gone by the block's backward unless the
+        # block saved it (then it counts in the transient until the backward frees it). A
+        # reversible stack rebuilds from its output, which its caller holds (the model
+        # counts it), so there it stays.
+        out_bytes = tensor_bytes(y)
+        kept_output = [y] if mode == REVERSIBLE else []
+        start = meter.live_bytes - (0 if kept_output else out_bytes)
+        del y
+        meter.reset_peak()
+        if backward and mode == "capture":
+            grads = torch.autograd.grad(seed, runs.wrt, allow_unused=True)
+            del grads
+        elif backward:
+            seed.backward()
+        grads_made = 0 if leaf.grad is None else tensor_bytes(leaf.grad)
+        if grads_new:
+            grads_made += sum(tensor_bytes(p.grad) for p in params if p.grad is not None)
+        held = tensor_bytes(seed) + sum(tensor_bytes(t) for t in holder)
+        left = meter.live_bytes - held - out_bytes * len(kept_output) - grads_made
+        del seed, holder, kept_output
+    # less the seed's own gradient (a scalar the engine makes first; a model's loss
+    # gradient is counted with the loss)
+    seed_grad = _scalar_bytes(grad_out) if backward else 0
+    transient = max(0, meter.since_reset_peak_bytes - start - seed_grad)
+    return _Step(transient, kept, left)
+
+
+def activation(leaf: torch.Tensor) -> torch.Tensor:
+    return leaf.view_as(leaf) if leaf.requires_grad else leaf
+
+
+def _forward_alone(forward: Callable[[], Any], device: Any, out_bytes: int) -> tuple[int, int]:
+    """One metered forward: the bytes it keeps besides its output, and its peak."""
+    with MemoryMeter(device) as meter:
+        y = forward()
+    kept = max(0, meter.end_bytes - out_bytes)
+    del y
+    return kept, meter.peak_bytes
