@@ -26,23 +26,17 @@ are modified in place later in the forward (torch's cache refuses a kept tensor 
 
 from __future__ import annotations
 
-import contextlib
 import statistics
-import time
 from collections import defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from ..checkpoint import POLICY_PRESETS, parse_policy, policy_text
 from ..errors import InvalidArgumentError, InvalidInputTypeError, RevckptError
-from ..replay import ForwardState, devices_of
+from .op_record import RecordedForward, _Call, _key, record_forward
 
 __all__ = ["OpChoice", "OpCost", "op_choices", "op_costs"]
 
@@ -98,109 +92,28 @@ class OpChoice:
         return f"selective:{self.spec}"
 
 
-@dataclass
-class _Call:
-    packet: Any
-    outputs: list[torch.Tensor]
-    versions: list[int]
-    new: list[int]  # storages of outputs this call allocated
-    drew: bool
-
-    def mutated(self) -> bool:
-        """Whether an output changed in place since the call (as torch's cache checks)."""
-        return any(t._version != v for t, v in zip(self.outputs, self.versions, strict=True))
-
-
-def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
-
-
-def _rng_states(devices: list[torch.device]) -> list[torch.Tensor]:
-    states = [torch.get_rng_state()]
-    for d in devices:
-        if d.type != "cpu":
-            module = torch.get_device_module(d.type)
-            states.append(module.get_rng_state() if d.type == "mps" else module.get_rng_state(d))
-    return states
-
-
-class _Recorder(TorchDispatchMode):
-    """Times every aten call (summed per packet); with ``record``, also keeps each call's
-    outputs (so no storage is freed and its id reused during the forward), which storages it
-    allocated, and whether it drew random numbers."""
-
-    def __init__(self, devices: list[torch.device], *, record: bool) -> None:
-        super().__init__()
-        self.devices = devices
-        self.record = record
-        self.sync = any(d.type != "cpu" for d in devices)
-        self.seconds: dict[Any, float] = defaultdict(float)
-        self.calls: list[_Call] = []
-        self.seen: set[int] = set()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func in SAC_IGNORED_OPS:  # invisible to a selective policy
-            return func(*args, **kwargs)
-        seeded = self.record and torch.Tag.nondeterministic_seeded in func.tags
-        before = _rng_states(self.devices) if seeded else []
-        if self.sync:
-            torch.accelerator.synchronize()
-        start = time.perf_counter()
-        out = func(*args, **kwargs)
-        if self.sync:
-            torch.accelerator.synchronize()
-        self.seconds[func.overloadpacket] += time.perf_counter() - start
-        if self.record:
-            drew = seeded and not all(map(torch.equal, before, _rng_states(self.devices)))
-            inputs = {_key(t) for t in _tensors((args, kwargs))}
-            outputs = _tensors(out)
-            new = []
-            for t in outputs:
-                k = _key(t)
-                if k not in inputs and k not in self.seen:
-                    new.append(k)
-                self.seen.add(k)
-            self.seen |= inputs
-            versions = [t._version for t in outputs]
-            self.calls.append(_Call(func.overloadpacket, outputs, versions, new, drew))
-        return out
-
-
-@contextlib.contextmanager
-def _untouched(block: nn.Module, devices: list[torch.device]) -> Iterator[None]:
-    """Leaves the global RNG and the block's buffers (BatchNorm statistics) as they were."""
-    buffers = [(b, b.detach().clone()) for b in block.buffers()]
-    accelerators = [d for d in devices if d.type != "cpu"]
-    kind = accelerators[0].type if accelerators else "cuda"
-    indices = [d.index for d in accelerators if d.type == kind]
-    try:
-        with torch.random.fork_rng(devices=indices, device_type=kind):
-            yield
-    finally:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
+# op_costs' arguments of the wrong type, each with what to pass instead
+_ARGUMENT_TYPES = (
+    ("block", nn.Module, "op_costs(block, x) needs an nn.Module block, got {}"),
+    (
+        "x",
+        torch.Tensor,
+        "op_costs(block, x): x must be the block's input tensor, got {}; "
+        "pass other arguments as kwargs={{...}}",
+    ),
+    (
+        "kwargs",
+        (dict, type(None)),
+        "kwargs must be a dict of the block's keyword arguments, got {}",
+    ),
+)
 
 
 def _check_block(block: Any, x: Any, kwargs: dict[str, Any] | None, repeats: int) -> None:
-    if not isinstance(block, nn.Module):
-        raise InvalidInputTypeError(
-            f"op_costs(block, x) needs an nn.Module block, got {type(block).__name__}"
-        )
-    if not isinstance(x, torch.Tensor):
-        raise InvalidInputTypeError(
-            f"op_costs(block, x): x must be the block's input tensor, got {type(x).__name__}; "
-            "pass other arguments as kwargs={...}"
-        )
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise InvalidInputTypeError(
-            f"kwargs must be a dict of the block's keyword arguments, got {type(kwargs).__name__}"
-        )
+    given = {"block": block, "x": x, "kwargs": kwargs}
+    for name, expected, message in _ARGUMENT_TYPES:
+        if not isinstance(given[name], expected):
+            raise InvalidInputTypeError(message.format(type(given[name]).__name__))
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise InvalidArgumentError(f"repeats={repeats!r}: pass an int >= 1 (timed forwards)")
 
@@ -226,40 +139,13 @@ def _analyse(
     block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any] | None, repeats: int
 ) -> _Analysis:
     _check_block(block, x, kwargs, repeats)
-    kwargs = dict(kwargs or {})
-    leaf = x.detach().requires_grad_(x.is_floating_point())
-    devices = devices_of(block, leaf, kwargs)
-    saved: set[int] = set()
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.add(_key(t))
-        return t
-
-    with _untouched(block, devices):
-        recorder = _Recorder(devices, record=True)
-        state = ForwardState.capture(block, leaf, kwargs)
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
-                y = block(leaf, **kwargs)
-        finally:
-            state.forward_finished()
-        if not isinstance(y, torch.Tensor):
-            raise InvalidInputTypeError(
-                f"op_costs handles blocks returning one tensor; {type(block).__name__} returned "
-                f"{type(y).__name__}"
-            )
-        timings = [recorder.seconds]
-        for _ in range(repeats - 1):
-            timer = _Recorder(devices, record=False)
-            with timer:
-                block(leaf, **kwargs)
-            timings.append(timer.seconds)
-    out = _key(y)
-    allocated = {k for call in recorder.calls for k in call.new}
+    forward = record_forward(block, x, dict(kwargs or {}), repeats)
+    out = forward.output
+    allocated = {k for call in forward.calls for k in call.new}
     sizes: dict[int, int] = {}
     by_op: dict[str, list[_Call]] = defaultdict(list)
     packets: dict[str, Any] = {}
-    for call in recorder.calls:
+    for call in forward.calls:
         name = call.packet.__name__
         by_op[name].append(call)
         packets.setdefault(name, call.packet)
@@ -267,31 +153,40 @@ def _analyse(
             sizes.setdefault(_key(t), t.untyped_storage().nbytes())
     costs, storages = [], {}
     for name, calls in by_op.items():
-        packet = packets[name]
-        kept = frozenset(
+        storages[name] = frozenset(
             k for c in calls for t in c.outputs if (k := _key(t)) in allocated and k != out
         )
-        excluded: str | None = None
-        if any(c.drew for c in calls):
-            excluded = RANDOM
-        elif not _token_ok(packet):
-            excluded = RANDOM if _random_packet(packet) else NOT_A_TOKEN
-        elif any(c.mutated() for c in calls):
-            excluded = MUTATED
-        storages[name] = kept
-        costs.append(
-            OpCost(
-                op=name,
-                calls=len(calls),
-                forward_s=statistics.median(t.get(packet, 0.0) for t in timings),
-                kept_bytes=sum(sizes[k] for k in kept),
-                saved_bytes=sum(sizes[k] for c in calls for k in c.new if k in saved),
-                keeps_output=any(_key(t) == out for c in calls for t in c.outputs),
-                excluded=excluded,
-            )
-        )
-    store = sum(sizes[k] for k in saved & allocated if k != out)
-    return _Analysis(costs, storages, sizes, packets, state.retained_bytes, store)
+        costs.append(_op_cost(name, calls, packets[name], storages[name], sizes, forward))
+    store = sum(sizes[k] for k in forward.saved & allocated if k != out)
+    return _Analysis(costs, storages, sizes, packets, forward.replay_bytes, store)
+
+
+def _op_cost(
+    name: str,
+    calls: list[_Call],
+    packet: Any,
+    kept: frozenset[int],
+    sizes: dict[int, int],
+    forward: RecordedForward,
+) -> OpCost:
+    """The :class:`OpCost` of the operation ``name`` (its ``calls``, keeping ``kept``)."""
+    excluded: str | None = None
+    if any(c.drew for c in calls):
+        excluded = RANDOM
+    elif not _token_ok(packet):
+        excluded = RANDOM if _random_packet(packet) else NOT_A_TOKEN
+    elif any(c.mutated() for c in calls):
+        excluded = MUTATED
+    out = forward.output
+    return OpCost(
+        op=name,
+        calls=len(calls),
+        forward_s=statistics.median(t.get(packet, 0.0) for t in forward.timings),
+        kept_bytes=sum(sizes[k] for k in kept),
+        saved_bytes=sum(sizes[k] for c in calls for k in c.new if k in forward.saved),
+        keeps_output=any(_key(t) == out for c in calls for t in c.outputs),
+        excluded=excluded,
+    )
 
 
 def _random_packet(packet: Any) -> bool:
