@@ -17,7 +17,7 @@ from ..errors import InvalidArgumentError
 from ..strategy import argument_of, kind_of
 
 if TYPE_CHECKING:
-    from .costs import BlockCost, Segment
+    from .cost_records import BlockCost, Segment
 
 __all__ = ["KINDS", "Kind", "Work", "approximate"]
 

@@ -56,7 +56,9 @@ Rounding = Literal["up", "down"]
 
 @dataclass(frozen=True)
 class Candidate:
-    """A segment the programme may choose, its cost and what may follow it."""
+    """A segment the programme may choose: ``segment``, its ``cost``
+    (:func:`~revckpt.schedule.costs.segment_cost`) and ``limit``, what may follow it
+    (:func:`~revckpt.schedule.costs.follow_limit`)."""
 
     segment: Segment
     cost: SegmentCost
