@@ -50,7 +50,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._host_copies import FORCED as _FORCED
+from . import _host_copies
+from ._host_copies import FORCED as _FORCED  # noqa: F401  (tests and tools append to it)
 from ._host_copies import LOCK, RECORDERS, HostHooks
 from .checkpoint import segment_bounds
 from .engine.chain import as_chain, run_nodes
@@ -77,13 +78,14 @@ def force_copies(*, simulate_device: bool = False) -> Iterator[None]:
             f"simulate_device= must be True or False, got {simulate_device!r}"
         )
     entry = [simulate_device]  # a list: told apart by identity when removed
+    forced = _host_copies.FORCED  # read where the copies read it
     with LOCK:
-        _FORCED.append(entry)
+        forced.append(entry)
     try:
         yield
     finally:
         with LOCK:
-            del _FORCED[next(i for i, e in enumerate(_FORCED) if e is entry)]
+            del forced[next(i for i, e in enumerate(forced) if e is entry)]
 
 
 @dataclass(eq=False)  # recorders are told apart by identity

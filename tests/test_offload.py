@@ -58,7 +58,7 @@ def _grads(chain, run, x0, **kwargs):
 @pytest.mark.parametrize("segments", [4, 2, [1, 3]])
 @pytest.mark.parametrize("forced", [False, True])
 def test_gradients_bitwise_equal_to_checkpoint(segments, forced, monkeypatch):
-    monkeypatch.setattr(offload, "_FORCED", [[False]] if forced else [])
+    monkeypatch.setattr(host_copies, "FORCED", [[False]] if forced else [])
     chain = _chain(p=0.2)  # dropout: the recompute replays the forward's masks
     x = torch.randn(5, 12, dtype=torch.float64)
     mask = (torch.rand(5, 12) > 0.3).double()
@@ -348,7 +348,7 @@ def test_offload_plans_with_inputs_moved_off_the_meter(make, host_off_the_meter)
 def test_an_input_modified_in_place_after_the_block_raises(forced, monkeypatch):
     """Saved-tensor hooks bypass autograd's version check; offload makes its own, for tensors
     kept in place and for copied tensors whose source is still alive."""
-    monkeypatch.setattr(offload, "_FORCED", [[False]] if forced else [])
+    monkeypatch.setattr(host_copies, "FORCED", [[False]] if forced else [])
     lin = nn.Linear(8, 8)
     x = torch.randn(3, 8, requires_grad=True)
     h = x * 1

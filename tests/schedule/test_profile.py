@@ -66,7 +66,7 @@ def test_measured_transients_recorded():
 
 
 def test_offload_is_priced_when_asked_and_measures_what_moves(monkeypatch):
-    from revckpt import offload
+    from revckpt import _host_copies
     from revckpt.schedule import make_plan
     from revckpt.schedule.costs import strategy_names
 
@@ -84,7 +84,7 @@ def test_offload_is_priced_when_asked_and_measures_what_moves(monkeypatch):
     offloaded = make_plan(asked, [Segment(0, 3, "offload")])
     assert offloaded.predicted_peak_bytes >= sum(b.input_bytes for b in asked.blocks)
     # where the copies happen (forced here: the path CUDA takes), every input byte moves
-    monkeypatch.setattr(offload, "_FORCED", [[False]])
+    monkeypatch.setattr(_host_copies, "FORCED", [[False]])
     moved = profile(chain, x, repeats=1, codecs=(), policies=(), offload=True)
     assert all(b.offload_kept_bytes == 0 for b in moved.blocks)
     with pytest.raises(InvalidArgumentError, match="offload"):
