@@ -13,7 +13,7 @@ from ..strategy import Strategy
 from .block_errors import codec_errors, compress_errors
 from .block_memory import memory_costs
 from .block_time import block_times, codec_seconds, derived_codecs
-from .costs import APPROX, CHECKPOINT, COMPRESS, OFFLOAD, REVERSIBLE, SELECTIVE, BlockCost
+from .costs import APPROX, CHECKPOINT, COMPRESS, OFFLOAD, REVERSIBLE, SELECTIVE, STORE, BlockCost
 
 
 def profile_block(
@@ -50,7 +50,7 @@ def profile_block(
         block,
         leaf,
         memory.grad_out,
-        _strategies(fields, policies, offload),
+        one_block_strategies(fields, offload)[1:],  # besides store
         kwargs,
         repeats,
         reversible=memory.runs.reversible,
@@ -67,14 +67,16 @@ def profile_block(
     return BlockCost(**fields)
 
 
-def _strategies(fields: dict[str, Any], policies: Sequence[str], offload: bool) -> list[str]:
-    """The strategies to time besides store: checkpoint, the policies, the compress formats,
-    the first codec priced, reversible when the block is invertible, offload when asked."""
-    strategies = [CHECKPOINT, *(str(Strategy(SELECTIVE, p)) for p in policies)]
+def one_block_strategies(fields: dict[str, Any], offload: bool) -> list[str]:
+    """The strategies a block with these memory ``fields`` (:func:`memory_costs`) can run with
+    on its own, store first: checkpoint, the first codec priced, the selective policies, the
+    compress formats, reversible when the block is invertible, offload when asked. Their
+    order is the order they are timed in and that of ``strategy_overhead_s``."""
+    strategies = [STORE, CHECKPOINT]
+    if fields["approx_bytes"]:
+        strategies.append(str(Strategy(APPROX, next(iter(fields["approx_bytes"])))))
+    strategies += [str(Strategy(SELECTIVE, p)) for p in fields["selective_bytes"]]
     strategies += [str(Strategy(COMPRESS, c)) for c in fields["compress_bytes"]]
-    codecs_priced = list(fields["approx_bytes"])
-    if codecs_priced:
-        strategies.append(str(Strategy(APPROX, codecs_priced[0])))
     if fields["invertible"]:
         strategies.append(REVERSIBLE)
     if offload:

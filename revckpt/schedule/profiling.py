@@ -16,9 +16,10 @@ from ..errors import InvalidInputTypeError
 from ..strategy import Strategy
 from .block_errors import codec_errors, compress_errors, sensitivities
 from .block_memory import memory_costs
+from .block_profile import one_block_strategies
 from .block_time import block_times, codec_seconds, derived_codecs
 from .compiled import compiled_costs
-from .costs import APPROX, CHECKPOINT, COMPRESS, OFFLOAD, REVERSIBLE, SELECTIVE, STORE, BlockCost
+from .costs import CHECKPOINT, SELECTIVE, STORE, BlockCost
 from .ops import op_choices
 from .probe import InChain, probe_chain
 
@@ -101,7 +102,7 @@ class _ProfilingJob:
             tick()
         if self.compiled:
             return self._compiled(memory, groups, tick)
-        options = [self._options(memory[g].fields, inputs[g], offload) for g in groups]
+        options = [one_block_strategies(memory[g].fields, offload) for g in groups]
         grad = memory[groups[-1]].grad_out
         probed = probe_chain(
             chain, self.x, grad, kw, groups, options, rounds=self.rounds, warm=weights is not None
@@ -168,19 +169,6 @@ class _ProfilingJob:
             r, q = compress_errors(block, x, list(fields["compress_bytes"]), *args)
             out.update(compress_error=r, compress_input_error=q)
         return out
-
-    def _options(self, fields: dict[str, Any], x: torch.Tensor, offload: bool) -> list[str]:
-        """The one-block strategies a block can run with, store first."""
-        opts = [STORE, CHECKPOINT]
-        if fields["approx_bytes"]:
-            opts.append(str(Strategy(APPROX, next(iter(fields["approx_bytes"])))))
-        opts += [str(Strategy(SELECTIVE, p)) for p in fields["selective_bytes"]]
-        opts += [str(Strategy(COMPRESS, c)) for c in fields["compress_bytes"]]
-        if fields["invertible"]:
-            opts.append(REVERSIBLE)
-        if offload:
-            opts.append(OFFLOAD)
-        return opts
 
     def _times(
         self, g: int, memory: Any, x: torch.Tensor, options: list[str], probed: InChain
