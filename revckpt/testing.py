@@ -309,10 +309,6 @@ def assert_error_within_bound(
     above; returns the :class:`ErrorCheck` (print it for the table) otherwise. The blocks must
     be deterministic (see :mod:`revckpt.approx.bounds`); their ``.grad`` are overwritten.
     """
-    import copy
-
-    from .approx.bounds import estimate_error
-
     if not roundoff_ulps >= 0:
         raise InvalidArgumentError(
             f"roundoff_ulps={roundoff_ulps}: pass a number >= 0 (units in the last place of "
@@ -326,16 +322,59 @@ def assert_error_within_bound(
     names = [
         f"{k}.{n}" for k, b in enumerate(chain) for n, p in b.named_parameters() if p.requires_grad
     ]
+    bound, estimate, worst_row = _bounds(chain, x, approx, ct, names, probes, power_iterations)
+    check = ErrorCheck(
+        **_measured(chain, x, approx, ct, names, roundoff_ulps),
+        bound=bound,
+        estimate=estimate,
+        config=str(approx),
+        worst_row_bound=worst_row,
+    )
+    if check.violations:
+        raise GradientMismatchError(
+            f"gradient error above the first-order bound for {check.violations}:\n"
+            f"{check.table()}\nThe bound assumes smooth blocks (no ReLU kinks crossed, no "
+            "saturated softmax); see docs/approx.md"
+        )
+    return check
+
+
+def _bounds(
+    chain: nn.Sequential,
+    x: torch.Tensor,
+    approx: Any,
+    ct: torch.Tensor,
+    names: list[str],
+    probes: int,
+    power_iterations: int,
+) -> tuple[dict[str, float], dict[str, float], float]:
+    """Per parameter, the bound and the estimate of ``approx``'s gradient error, and the
+    worst row bound (:func:`revckpt.approx.bounds.estimate_error`)."""
+    from .approx.bounds import estimate_error
+
     if approx.recompute_dtype is not None or approx.codec is None:
         # not modelled (a low-precision recompute) or nothing compressed: measured only
         bound = dict.fromkeys(names, math.inf if approx.recompute_dtype is not None else 0.0)
-        estimate = dict.fromkeys(names, math.nan)
-        worst_row = 0.0
-    else:
-        est = estimate_error(
-            chain, x, approx, cotangent=ct, probes=probes, power_iterations=power_iterations
-        )
-        bound, estimate, worst_row = est.bound, est.estimate, est.worst_row_bound
+        return bound, dict.fromkeys(names, math.nan), 0.0
+    est = estimate_error(
+        chain, x, approx, cotangent=ct, probes=probes, power_iterations=power_iterations
+    )
+    return est.bound, est.estimate, est.worst_row_bound
+
+
+def _measured(
+    chain: nn.Sequential,
+    x: torch.Tensor,
+    approx: Any,
+    ct: torch.Tensor,
+    names: list[str],
+    roundoff_ulps: float,
+) -> dict[str, dict[str, float]]:
+    """The measured fields of an :class:`ErrorCheck`: the errors of the float32 gradients,
+    exact and through ``approx``, against float64, the gradients' norms and the round-off
+    allowed."""
+    import copy
+
     exact32 = _chain_grads(chain, x, ct)
     approx32 = _chain_grads(chain, x, ct, approx=approx)
     chain64 = copy.deepcopy(chain).double()
@@ -348,20 +387,9 @@ def assert_error_within_bound(
 
     grad_norm = {n: float(g.norm()) for n, g in zip(names, exact64, strict=True)}
     ulp = {n: roundoff_ulps * torch.finfo(g.dtype).eps for n, g in zip(names, exact32, strict=True)}
-    check = ErrorCheck(
-        measured=dist(approx32, exact64),
-        exact=dist(exact32, exact64),
-        bound=bound,
-        estimate=estimate,
-        grad_norm=grad_norm,
-        config=str(approx),
-        worst_row_bound=worst_row,
-        roundoff={n: ulp[n] * grad_norm[n] for n in names},
-    )
-    if check.violations:
-        raise GradientMismatchError(
-            f"gradient error above the first-order bound for {check.violations}:\n"
-            f"{check.table()}\nThe bound assumes smooth blocks (no ReLU kinks crossed, no "
-            "saturated softmax); see docs/approx.md"
-        )
-    return check
+    return {
+        "measured": dist(approx32, exact64),
+        "exact": dist(exact32, exact64),
+        "grad_norm": grad_norm,
+        "roundoff": {n: ulp[n] * grad_norm[n] for n in names},
+    }
