@@ -32,6 +32,7 @@ that were reached (recomputing costs in proportion to the forward).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections import defaultdict
@@ -170,31 +171,11 @@ def probe_chain(
     kinds = [*strategies, CHAINED] if n > 1 else strategies
     if parts is None:  # two strategy steps: halves for up to four kinds, thirds for six
         parts = max(2, -(-len(kinds) // 2))
-    samples: dict[tuple[int, str], list[float]] = defaultdict(list)
-    spans: list[tuple[Segment, float]] = []
     steps = [kinds[a : a + parts] for a in range(0, len(kinds), parts)]
-    for r in range(rounds):
-        for kinds_of_step in steps:
-            rotated = (
-                kinds_of_step[r % len(kinds_of_step) :] + kinds_of_step[: r % len(kinds_of_step)]
-            )
-            segments = _segments(_parts(n, rotated), options)
-            times = timed_step(chain, segments, x, grad, kwargs, clock=clock)
-            for seg, (f, b) in zip(segments, times, strict=True):
-                extra = f + b - sum(own[seg.start : seg.stop])
-                if seg.stop - seg.start == 1:
-                    samples[(groups[seg.start], seg.strategy)].append(extra)
-                else:
-                    spans.append((seg, extra))
+    run = functools.partial(timed_step, chain, x=x, grad=grad, kwargs=kwargs, clock=clock)
+    samples, spans = _rounds(run, steps, rounds, groups, options, own)
     extra = {key: max(0.0, statistics.median(v)) for key, v in samples.items()}
-    ratio = _ratios(extra, fwd)
-    overhead = []
-    for i, g in enumerate(groups):
-        mine = {s: extra[(g, s)] for s in options[i] if (g, s) in extra}
-        for s in options[i]:
-            if s != STORE and s not in mine and s in ratio:
-                mine[s] = ratio[s] * fwd[g]
-        overhead.append(mine)
+    overhead = _overheads(groups, options, extra, fwd)
     chained = _chained(spans, groups, overhead, fwd)
     return InChain(
         forward_s=tuple(fwd[g] for g in groups),
@@ -203,6 +184,54 @@ def probe_chain(
         chained_s=tuple(chained[i] for i in range(n)),
         rounds=1 + rounds * len(steps) + (0 if warm else 1),
     )
+
+
+def _rounds(
+    run: Callable[..., list[tuple[float, float]]],
+    steps: list[list[str]],
+    rounds: int,
+    groups: Sequence[int],
+    options: Sequence[Sequence[str]],
+    own: list[float],
+) -> tuple[dict[tuple[int, str], list[float]], list[tuple[Segment, float]]]:
+    """The strategy steps, ``rounds`` times with their parts rotated (``run(segments)`` times
+    one step): per ``(group, strategy)`` the extra seconds of each one-block segment, and
+    each multi-block segment with its extra seconds (``own``: a block's stored seconds)."""
+    samples: dict[tuple[int, str], list[float]] = defaultdict(list)
+    spans: list[tuple[Segment, float]] = []
+    for r in range(rounds):
+        for kinds_of_step in steps:
+            rotated = (
+                kinds_of_step[r % len(kinds_of_step) :] + kinds_of_step[: r % len(kinds_of_step)]
+            )
+            segments = _segments(_parts(len(groups), rotated), options)
+            times = run(segments)
+            for seg, (f, b) in zip(segments, times, strict=True):
+                extra = f + b - sum(own[seg.start : seg.stop])
+                if seg.stop - seg.start == 1:
+                    samples[(groups[seg.start], seg.strategy)].append(extra)
+                else:
+                    spans.append((seg, extra))
+    return samples, spans
+
+
+def _overheads(
+    groups: Sequence[int],
+    options: Sequence[Sequence[str]],
+    extra: dict[tuple[int, str], float],
+    fwd: dict[int, float],
+) -> list[dict[str, float]]:
+    """Per block, the extra seconds of each of its strategies: measured on its group, else
+    the strategy's ratio to the forward time where measured on another group."""
+    ratio = _ratios(extra, fwd)
+    overhead = []
+    for i, g in enumerate(groups):
+        mine = {s: extra[(g, s)] for s in options[i] if (g, s) in extra}
+        for s in options[i]:
+            if s != STORE and s not in mine and s in ratio:
+                mine[s] = ratio[s] * fwd[g]
+        overhead.append(mine)
+    return overhead
 
 
 def _order(options: Sequence[Sequence[str]]) -> Callable[[str], int]:
