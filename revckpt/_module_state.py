@@ -74,28 +74,46 @@ class _Layout:
     """The modules under one root, the names of their plain attributes and their normalisation
     layers, found once per root (the walk and the attribute scan cost more than the rest of a
     capture). ``closed``: whether a recompute of the root was seen to call no normalisation
-    layer but its own (``None``: not seen yet; see :meth:`ModuleState.norms`)."""
+    layer but its own (``None``: not seen yet; see :meth:`ModuleState.norms`).
 
-    __slots__ = ("__weakref__", "attrs", "closed", "modules", "norms", "signature")
+    It holds the modules by weak reference: the cache maps each root to its layout, and a
+    layout holding its own root would keep every module ever captured alive."""
+
+    __slots__ = ("__weakref__", "_attrs", "_modules", "_norms", "closed", "signature")
 
     def __init__(self, root: nn.Module) -> None:
-        self.modules = _walk((root,))
-        self.signature = self._signature()
-        self.norms = tuple(m for m in self.modules if isinstance(m, _NormBase))
+        modules = _walk((root,))
+        self._modules = tuple(weakref.ref(m) for m in modules)
+        self.signature = _signature(modules)
+        self._norms = tuple(weakref.ref(m) for m in modules if isinstance(m, _NormBase))
         self.closed: bool | None = None
-        self.attrs = []
-        for m in self.modules:
+        self._attrs = []
+        for m in modules:
             keys = tuple(k for k, v in m.__dict__.items() if k[0] != "_" and type(v) in _PLAIN)
             if keys:
-                self.attrs.append((m, keys, operator.itemgetter(*keys)))
+                self._attrs.append((weakref.ref(m), keys, operator.itemgetter(*keys)))
 
-    def _signature(self) -> list[int]:
-        return [id(c) for m in self.modules for c in m._modules.values()]
+    @property
+    def modules(self) -> list[nn.Module]:
+        return [ref() for ref in self._modules]  # type: ignore[misc]  # alive with the root
+
+    @property
+    def norms(self) -> tuple[nn.Module, ...]:
+        return tuple(ref() for ref in self._norms)  # type: ignore[misc]
+
+    @property
+    def attrs(self) -> list[tuple[nn.Module, tuple[str, ...], Any]]:
+        return [(ref(), keys, get) for ref, keys, get in self._attrs]  # type: ignore[misc]
 
     def current(self) -> bool:
         """Whether no submodule was added, removed or replaced since the scan (new attributes
         of an existing module are not seen until the root is scanned again)."""
-        return self._signature() == self.signature
+        modules = [ref() for ref in self._modules]
+        return None not in modules and _signature(modules) == self.signature
+
+
+def _signature(modules: list[Any]) -> list[int]:
+    return [id(c) for m in modules for c in m._modules.values()]
 
 
 _LAYOUTS: weakref.WeakKeyDictionary[nn.Module, _Layout] = weakref.WeakKeyDictionary()
@@ -106,6 +124,12 @@ def _layout(root: nn.Module) -> _Layout:
     if layout is None or not layout.current():
         layout = _LAYOUTS[root] = _Layout(root)
     return layout
+
+
+def layout_of(root: nn.Module) -> _Layout:
+    """``root``'s layout (cached; scanned again when a submodule was added, removed or
+    replaced: a new layout object then)."""
+    return _layout(root)
 
 
 def submodules(root: nn.Module) -> list[nn.Module]:

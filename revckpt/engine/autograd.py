@@ -18,10 +18,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._pytree import tree_flatten
 
-from .._module_state import submodules
+from .._module_state import layout_of
 from ..errors import DoubleBackwardError, InvalidInputTypeError
 
 __all__ = [
@@ -67,22 +66,24 @@ def differentiable_once(what: str) -> Callable[[Callable[..., Any]], Callable[..
 
 class _Targets:
     """The parameters (each once, trainable or not) and normalisation layers under one root
-    module, with what they were found from: the root's module list (:func:`submodules`: a new
-    list once a submodule was added, removed or replaced) and the identity of every registered
-    parameter (one added, removed or replaced, as ``functional_call`` does, changes it)."""
+    module, with what they were found from: the root's layout (:func:`layout_of`: a new one
+    once a submodule was added, removed or replaced) and the identity of every registered
+    parameter (one added, removed or replaced, as ``functional_call`` does, changes it).
+    Modules are held through the layout (by weak reference): the cache maps each root to its
+    targets, which must not keep the root alive."""
 
-    __slots__ = ("ids", "modules", "norms", "params")
+    __slots__ = ("ids", "layout", "params")
 
     def __init__(self, root: nn.Module) -> None:
-        self.modules = submodules(root)
-        self.ids = _parameter_ids(self.modules)
+        self.layout = layout_of(root)
+        modules = self.layout.modules
+        self.ids = _parameter_ids(modules)
         params: dict[int, torch.Tensor] = {}
-        for m in self.modules:
+        for m in modules:
             for p in m._parameters.values():
                 if p is not None:
                     params.setdefault(id(p), p)
         self.params = tuple(params.values())
-        self.norms = tuple(m for m in self.modules if isinstance(m, _NormBase))
 
 
 def _parameter_ids(modules: list[nn.Module]) -> list[int]:
@@ -102,11 +103,11 @@ def module_targets(module: Any) -> tuple[tuple[torch.Tensor, ...], tuple[nn.Modu
     found = _TARGETS.get(module)
     if (
         found is None
-        or submodules(module) is not found.modules
-        or _parameter_ids(found.modules) != found.ids
+        or layout_of(module) is not found.layout
+        or _parameter_ids(found.layout.modules) != found.ids
     ):
         found = _TARGETS[module] = _Targets(module)
-    return tuple(p for p in found.params if p.requires_grad), found.norms
+    return tuple(p for p in found.params if p.requires_grad), found.layout.norms
 
 
 def _drop(t: torch.Tensor) -> None:
