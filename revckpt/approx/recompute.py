@@ -122,14 +122,15 @@ class Compressed(Keep):
     def keep(self, tensors: Sequence[torch.Tensor], label: str) -> tuple[list[torch.Tensor], Any]:
         codec = self.codec
         saved: list[torch.Tensor] = []
-        recipe: list[tuple[torch.dtype, bool] | None] = []  # per tensor: None if kept exactly
+        # per tensor: None if kept exactly, else (dtype, scaled, where: for a decode-time error)
+        recipe: list[tuple[torch.dtype, bool, str] | None] = []
         for i, t in enumerate(tensors):
             if codec is None or not t.is_floating_point():
                 recipe.append(None)
                 saved.append(t)
                 continue
             enc = _encode(codec, t, i, label)
-            recipe.append((t.dtype, enc.scales is not None))
+            recipe.append((t.dtype, enc.scales is not None, f"positional argument {i} of {label}"))
             saved.append(enc.payload)
             if enc.scales is not None:
                 saved.append(enc.scales)
@@ -143,9 +144,9 @@ class Compressed(Keep):
                 i += 1
                 continue
             assert self.codec is not None
-            dtype, scaled = entry
+            dtype, scaled, where = entry
             scales = saved[i + 1] if scaled else None
-            out.append(self.codec.decode(Encoded(saved[i], scales, dtype, self.codec)))
+            out.append(_decode(self.codec, Encoded(saved[i], scales, dtype, self.codec), where))
             i += 2 if scaled else 1
         return out
 
@@ -175,6 +176,15 @@ def _encode(codec: Codec, t: torch.Tensor, index: int, label: str) -> Encoded:
             "(kept exactly); otherwise find where the model overflows (e.g. with "
             "torch.autograd.detect_anomaly) or keep the boundary exact (store=None)"
         ) from None
+
+
+def _decode(codec: Codec, enc: Encoded, where: str) -> torch.Tensor:
+    """``enc`` decoded; a non-finite input whose check the codec left to decode (off the CPU)
+    is reported with where it was kept, as at encode."""
+    try:
+        return codec.decode(enc)
+    except NonFiniteInputError as err:
+        raise NonFiniteInputError(f"{where}: {err}") from None
 
 
 def checkpoint(

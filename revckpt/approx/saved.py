@@ -47,6 +47,7 @@ uses (the decoded copy lives from its first use in backward to its last).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import weakref
 from collections.abc import Callable
@@ -105,6 +106,9 @@ class _SavedCodec:
 
     def __init__(self, codec: Codec, min_numel: int, label: str) -> None:
         self.codec = codec
+        # constants (masks) are told apart at encode, where they are kept exact instead, so
+        # their check is never deferred to decode
+        self.constants = dataclasses.replace(codec, defer_checks=False)
         self.min_numel = min_numel
         self.label = label
         self.width = codec.spec.itemsize
@@ -161,7 +165,7 @@ class _SavedCodec:
     def _encode(self, t: torch.Tensor) -> Encoded | None:
         """``t`` encoded; ``None`` for a constant with non-finite values, kept exact."""
         try:
-            return self.codec.encode(t)
+            return (self.codec if t.requires_grad else self.constants).encode(t)
         except NonFiniteInputError:
             if not t.requires_grad:
                 return None  # a mask or constant (SDPA's -inf mask from a boolean one)
