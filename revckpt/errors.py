@@ -36,6 +36,10 @@ class InvalidArgumentError(RevckptError, ValueError):
 class InfeasibleBudgetError(InvalidArgumentError):
     """No plan fits the memory budget; ``smallest_budget_bytes`` is the smallest that does."""
 
+    # the ways to lower that smallest budget which the message suggests, one a string (the
+    # solver sets them where it found any)
+    fixes: tuple[str, ...] = ()
+
     def __init__(self, message: str, *, smallest_budget_bytes: int) -> None:
         super().__init__(message)
         self.smallest_budget_bytes = smallest_budget_bytes

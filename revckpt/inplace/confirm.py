@@ -48,8 +48,8 @@ def _within_budget(
 def _infeasible(
     err: InfeasibleBudgetError, budget: int, smallest: int, store_peak: int
 ) -> InfeasibleBudgetError:
-    cures = str(err).partition("; or lower that smallest budget: ")[2]
-    return InfeasibleBudgetError(
+    cures = "; or ".join(err.fixes)
+    infeasible = InfeasibleBudgetError(
         f"no plan fits a memory budget of {human_bytes(budget)} ({budget:,} bytes) for the "
         f"whole training step: the smallest budget a plan fits is {human_bytes(smallest)} "
         f"({smallest:,} bytes, {smallest / store_peak:.1%} of the step with every block "
@@ -57,3 +57,5 @@ def _infeasible(
         "smaller batch" + (f"; or lower that smallest budget: {cures}" if cures else ""),
         smallest_budget_bytes=smallest,
     )
+    infeasible.fixes = err.fixes
+    return infeasible

@@ -261,7 +261,7 @@ def _infeasible(
     problem: _Problem, budget: int, smallest: int, store_peak: int, slots: int
 ) -> InfeasibleBudgetError:
     cures = _cures(problem, smallest, store_peak, slots)
-    return InfeasibleBudgetError(
+    err = InfeasibleBudgetError(
         f"no plan fits a memory budget of {human_bytes(budget)} ({budget:,} bytes) with "
         f"strategies {list(problem.strategies)} and error budget {problem.error_budget:g}: "
         f"the smallest budget a plan fits is {human_bytes(smallest)} ({smallest:,} bytes, "
@@ -270,6 +270,8 @@ def _infeasible(
         + ("; or lower that smallest budget: " + "; or ".join(cures) if cures else ""),
         smallest_budget_bytes=smallest,
     )
+    err.fixes = tuple(cures)
+    return err
 
 
 def solve(

@@ -236,9 +236,7 @@ def test_infeasible_budget_names_the_smallest_budget_that_works(seed, error_budg
     blocks = make_chain(10, seed)
     with pytest.raises(InvalidArgumentError, match=r"smallest budget a plan fits") as info:
         solve(blocks, memory_budget=1, error_budget=error_budget)
-    named = int(
-        info.value.args[0].split("fits is ")[1].split("(")[1].split(" bytes")[0].replace(",", "")
-    )
+    named = info.value.smallest_budget_bytes
     plan = solve(blocks, memory_budget=named, error_budget=error_budget)  # the advice works
     assert plan.predicted_peak_bytes <= named
     with pytest.raises(InvalidArgumentError):  # and it is the smallest, to 2%
