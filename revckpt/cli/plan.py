@@ -137,15 +137,14 @@ _RETURNS = "(model, example[, loss_fn]) or (blocks, example_input[, kwargs])"
 
 def _plan(args: argparse.Namespace) -> int:
     from ..schedule import parse_budget
+    from ..schedule.budget import UNKNOWN_PEAK
 
     # the budget's syntax and the strategies' names, checked before the factory's module is
-    # imported and the model profiled (a fraction is read against a dummy store-all peak,
-    # which an error about it does not show)
-    dummy = 1 << 62
+    # imported and the model profiled (a fraction is checked, not read: no peak yet)
     try:
-        parse_budget(args.budget, dummy)
+        parse_budget(args.budget, UNKNOWN_PEAK)
     except RevckptError as err:
-        raise _UsageError(str(err).replace(f" ({dummy:,} bytes)", "")) from err
+        raise _UsageError(str(err)) from err
     strategies = _strategy_names(args.strategies)
     _profile_options(strategies, False)
     if args.out and not Path(args.out).resolve().parent.is_dir():

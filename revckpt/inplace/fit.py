@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from ..errors import InvalidArgumentError, InvalidInputTypeError
-from ..schedule.budget import parse_budget
+from ..schedule.budget import UNKNOWN_PEAK, parse_budget
 from ..schedule.plan import Plan
 from ..schedule.profile import Profile
 from ..schedule.solver import solve
@@ -45,11 +45,7 @@ _T = TypeVar("_T")
 def _check_budget_syntax(memory_budget: Any) -> None:
     """The budget's syntax, before any profiling (a fraction is read once the step's store-all
     peak is known)."""
-    dummy = 1 << 62
-    try:
-        parse_budget(memory_budget, dummy)
-    except InvalidArgumentError as err:
-        raise InvalidArgumentError(str(err).replace(f" ({dummy:,} bytes)", "")) from None
+    parse_budget(memory_budget, UNKNOWN_PEAK)
 
 
 def model_digest(model: nn.Module) -> str:

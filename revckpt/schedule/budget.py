@@ -10,7 +10,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["human_bytes", "parse_budget"]
+__all__ = ["UNKNOWN_PEAK", "human_bytes", "parse_budget"]
 
 _UNITS = {
     "b": 1,
@@ -29,6 +29,9 @@ _FORMS = (
     "'1.5e9' bytes), a percentage of the store-all peak ('30%') or a fraction of it in (0, 1] "
     "(0.3 or '0.3')"
 )
+# the store-all peak to pass to parse_budget to check a budget's syntax before the peak is
+# known (no step reaches it): a fraction is then checked, and its error does not show the peak
+UNKNOWN_PEAK = 1 << 62
 _NUMBER = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z%]*)\s*")
 
 
@@ -56,9 +59,10 @@ def parse_budget(budget: Any, store_all_peak: int) -> int:
 
 def _fraction(value: float, written: str, store_all_peak: int) -> int:
     if not (math.isfinite(value) and 0 < value <= 1):
+        peak = "" if store_all_peak == UNKNOWN_PEAK else f" ({store_all_peak:,} bytes)"
         raise InvalidArgumentError(
-            f"memory_budget={written}: a fraction of the store-everything peak "
-            f"({store_all_peak:,} bytes) must be in (0, 1]; {_FORMS}"
+            f"memory_budget={written}: a fraction of the store-everything peak{peak} must be "
+            f"in (0, 1]; {_FORMS}"
         )
     return max(1, math.floor(value * store_all_peak))
 
