@@ -4,6 +4,7 @@ a chain of blocks profiled and solved."""
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -150,20 +151,28 @@ def _plan(args: argparse.Namespace) -> int:
     if args.out and not Path(args.out).resolve().parent.is_dir():
         raise _UsageError(f"--out {args.out}: its folder does not exist; create it first")
     factory = _load_factory(args.factory)
-    try:
-        result = factory()
-    except TypeError as err:
-        if "argument" not in str(err):
-            raise
-        raise _UsageError(
-            f"{args.factory}() cannot be called without arguments ({err}); give every "
-            "argument a default"
-        ) from err
+    _check_callable_without_arguments(factory, args.factory)
+    result = factory()
     if not (isinstance(result, tuple) and len(result) in (2, 3)):
         raise _UsageError(f"{args.factory} returned {type(result).__name__}; return {_RETURNS}")
     if _is_chain(result, args):
         return _plan_chain(args, result, strategies)
     return _plan_model(args, result, strategies)
+
+
+def _check_callable_without_arguments(factory: Any, spec: str) -> None:
+    """Raise a usage error when ``factory``'s signature needs arguments (one without a
+    signature, a builtin, is called as it is)."""
+    try:
+        signature = inspect.signature(factory)
+    except ValueError:
+        return
+    try:
+        signature.bind()
+    except TypeError as err:
+        raise _UsageError(
+            f"{spec}() cannot be called without arguments ({err}); give every argument a default"
+        ) from err
 
 
 def _strategy_names(given: Sequence[str] | None) -> list[str] | None:
