@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._numbers import relative
 from ..errors import InfeasibleBudgetError, InvalidArgumentError
 from ..measure.timing import _summary, wall_time
 from ..report import PlanMeasurement, Report
@@ -305,7 +306,7 @@ def _errors(
                     continue
                 den += float(r.double().norm() ** 2)
                 num += float((g.double() - r.double()).norm() ** 2) if g is not None else 0.0
-            errors[name] = math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
+            errors[name] = relative(math.sqrt(num), math.sqrt(den))
     return errors
 
 
