@@ -15,12 +15,11 @@ import torch
 from torch import nn
 
 from ..approx import Approx, compress_saved
-from ..approx.formats import FORMATS
-from ..checkpoint import POLICY_PRESETS, checkpoint, checkpoint_sequential
+from ..checkpoint import checkpoint, checkpoint_sequential
 from ..errors import InvalidArgumentError, InvalidInputTypeError, PlanWarning
 from ..layers import ReversibleSequential, ReversibleUnit
 from ..offload import checkpoint_sequential as offload_sequential
-from ..strategy import Strategy, argument_of, kind_of
+from ..strategy import argument_of, kind_of
 from .costs import (
     APPROX,
     CHECKPOINT,
@@ -30,6 +29,15 @@ from .costs import (
     SELECTIVE,
     STORE,
     Segment,
+)
+from .plan_checks import (
+    _check_fields,
+    _checked_names,
+    _checked_segments,
+    _is_int,
+    _json_list,
+    _segments_from_json,
+    _signature_from_json,
 )
 
 __all__ = ["Plan", "Scheduled", "apply"]
@@ -211,180 +219,6 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Plan)}
 _OPTIONAL = {n for n, f in _FIELDS.items() if f.default is not dataclasses.MISSING}
 _OPTIONAL |= {n for n, f in _FIELDS.items() if f.default_factory is not dataclasses.MISSING}
 _REQUIRED = set(_FIELDS) - _OPTIONAL
-_SEGMENT_FORM = (
-    "a plan's segments are [start, stop, strategy] (blocks start to stop - 1), in block order "
-    "from block 0, each starting where the one before stops"
-)
-
-
-def _strategy_form() -> str:
-    return (
-        "'store', 'checkpoint', 'reversible', 'offload', 'approx:<codec>' or "
-        f"'compress:<codec>' with a codec of {sorted(FORMATS)}, or 'selective:<policy>' with a "
-        f"policy of {sorted(POLICY_PRESETS)} (or groups and aten ops joined by '+')"
-    )
-
-
-def _known_strategy(strategy: str) -> bool:
-    """Whether ``strategy`` is the text form of a :class:`~revckpt.Strategy` (exactly: no
-    spaces around it, a known policy or codec)."""
-    try:
-        return str(Strategy.parse(strategy)) == strategy
-    except InvalidArgumentError:
-        return False
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _show(seg: Segment) -> str:
-    return f"[{seg.start!r}, {seg.stop!r}, {seg.strategy!r}]"
-
-
-def _checked_segments(segments: Any) -> tuple[Segment, ...]:
-    """The segments as a tuple, checked: Segment objects with int bounds and a known strategy,
-    non-empty ranges, selective segments of one block, in order, without gaps or overlaps."""
-    if not isinstance(segments, (tuple, list)) or not segments:
-        raise InvalidArgumentError(f"a plan needs at least one segment, got {segments!r}")
-    for i, seg in enumerate(segments):
-        if not isinstance(seg, Segment):
-            raise InvalidInputTypeError(
-                f"segment {i} is {seg!r}, not a revckpt.schedule.Segment(start, stop, strategy)"
-            )
-        if not (_is_int(seg.start) and _is_int(seg.stop) and isinstance(seg.strategy, str)):
-            raise InvalidInputTypeError(
-                f"segment {i} {_show(seg)}: start and stop are ints and strategy a string"
-            )
-        if not 0 <= seg.start < seg.stop:
-            raise InvalidArgumentError(
-                f"segment {i} {_show(seg)} is an empty or negative range; {_SEGMENT_FORM}"
-            )
-        if not _known_strategy(seg.strategy):
-            raise InvalidArgumentError(
-                f"segment {i} {_show(seg)}: unknown strategy; use {_strategy_form()}"
-            )
-        if kind_of(seg.strategy) == COMPRESS and seg.stop != seg.start + 1:
-            raise InvalidArgumentError(
-                f"segment {i} {_show(seg)}: a compress segment covers one block; give one "
-                "segment per block"
-            )
-        if kind_of(seg.strategy) == SELECTIVE and seg.stop != seg.start + 1:
-            raise InvalidArgumentError(
-                f"segment {i} {_show(seg)}: a selective segment covers one block (its policy "
-                f"applies per block); split it into {seg.stop - seg.start} segments of one"
-            )
-    _check_order(segments)
-    return tuple(segments)
-
-
-def _span(first: int, last: int) -> str:
-    return f"block {first}" if first == last else f"blocks {first} to {last}"
-
-
-def _check_order(segments: Sequence[Segment]) -> None:
-    for i in range(1, len(segments)):
-        a, b = segments[i - 1], segments[i]
-        if b.start < a.start:
-            raise InvalidArgumentError(
-                f"segment {i} {_show(b)} comes after segment {i - 1} {_show(a)}: out of order; "
-                f"{_SEGMENT_FORM}"
-            )
-    first = segments[0]
-    if first.start != 0:
-        raise InvalidArgumentError(
-            f"segment 0 {_show(first)} does not start at block 0 "
-            f"({_span(0, first.start - 1)} would not run); {_SEGMENT_FORM}"
-        )
-    for i in range(1, len(segments)):
-        a, b = segments[i - 1], segments[i]
-        if b.start < a.stop:
-            what = f"overlaps ({_span(b.start, min(a.stop, b.stop) - 1)} would run twice)"
-        elif b.start > a.stop:
-            what = f"leaves a gap after ({_span(a.stop, b.start - 1)} would not run)"
-        else:
-            continue
-        raise InvalidArgumentError(
-            f"segment {i} {_show(b)} {what} segment {i - 1} {_show(a)}; {_SEGMENT_FORM}"
-        )
-
-
-def _checked_names(names: Any, length: int) -> tuple[str, ...]:
-    if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
-        raise InvalidInputTypeError(f"block_names must be a list of strings, got {names!r}")
-    if names and len(names) != length:
-        raise InvalidArgumentError(
-            f"block_names has {len(names)} names but the segments cover {length} blocks; "
-            "give one name per block, or none"
-        )
-    return tuple(names)
-
-
-def _check_fields(plan: Plan) -> None:
-    """Types and ranges of the figures (what JSON could get wrong)."""
-    least = {"predicted_peak_bytes": 0, "store_all_peak_bytes": 1, "memory_budget_bytes": 1}
-    for name, low in least.items():
-        value = getattr(plan, name)
-        if name == "memory_budget_bytes" and value is None:
-            continue
-        if not _is_int(value):
-            raise InvalidInputTypeError(f"{name}={value!r}: a plan's byte figures are ints")
-        if value < low:
-            raise InvalidArgumentError(f"{name}={value!r}: pass an int >= {low}")
-    for name in ("predicted_overhead", "predicted_error", "error_budget", "base_time_s"):
-        value = getattr(plan, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise InvalidInputTypeError(f"{name}={value!r}: pass a number >= 0")
-        if not value >= 0:
-            raise InvalidArgumentError(f"{name}={value!r}: pass a number >= 0")
-    if not isinstance(plan.name, str):
-        raise InvalidInputTypeError(f"name={plan.name!r}: a plan's name is a string")
-    if not isinstance(plan.compiled, bool):
-        raise InvalidInputTypeError(f"compiled={plan.compiled!r}: pass true or false")
-    if plan.input_signature is not None:
-        _check_signature(plan.input_signature)
-
-
-def _check_signature(sig: Any) -> None:
-    form = "input_signature is null or (shape: list of ints, dtype: str, device: str)"
-    if not (isinstance(sig, tuple) and len(sig) == 3):
-        raise InvalidInputTypeError(f"input_signature={sig!r}: {form}")
-    shape, dtype, device = sig
-    if not (
-        isinstance(shape, tuple)
-        and all(_is_int(n) and n >= 0 for n in shape)
-        and isinstance(dtype, str)
-        and isinstance(device, str)
-    ):
-        raise InvalidInputTypeError(f"input_signature={sig!r}: {form}")
-
-
-def _json_list(value: Any, key: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise InvalidInputTypeError(f"{key} in plan JSON must be a list, got {value!r}")
-    return value
-
-
-def _segments_from_json(value: Any) -> tuple[Segment, ...]:
-    out = []
-    for i, item in enumerate(_json_list(value, "segments")):
-        if not (isinstance(item, list) and len(item) == 3):
-            raise InvalidInputTypeError(
-                f"segment {i} in plan JSON is {item!r}; {_SEGMENT_FORM}, e.g. [0, 4, 'checkpoint']"
-            )
-        out.append(Segment(*item))
-    return tuple(out)
-
-
-def _signature_from_json(sig: Any) -> tuple[Any, ...] | None:
-    if sig is None:
-        return None
-    if not (isinstance(sig, list) and len(sig) == 3 and isinstance(sig[0], list)):
-        raise InvalidInputTypeError(
-            f"input_signature in plan JSON is {sig!r}; expected null or [shape (a list of "
-            "ints), dtype, device]"
-        )
-    return (tuple(sig[0]), sig[1], sig[2])
 
 
 def _fits_signature(x: torch.Tensor, sig: tuple[Any, ...]) -> bool:
