@@ -46,21 +46,18 @@ strategy uses it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
-from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_flatten
 
-from ._module_state import ModuleState, submodules
+from ._autocast import AutocastState, autocast_device_types
+from ._devices import devices_of, get_rng, set_rng
+from ._module_state import ModuleState
+from ._running_stats import freeze_called, freeze_running_stats, swapped_statistics
 from .errors import ReplayError
 
 __all__ = [
@@ -70,165 +67,6 @@ __all__ = [
     "freeze_running_stats",
     "is_replaying",
 ]
-
-_RUNNING_STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
-
-
-@functools.cache
-def _accelerator_type() -> str | None:
-    if not torch.accelerator.is_available():
-        return None
-    accelerator = torch.accelerator.current_accelerator()
-    return None if accelerator is None else accelerator.type
-
-
-def _accelerator_initialised() -> bool:
-    """Whether any accelerator runtime has been started (else every tensor lives on the CPU)."""
-    if torch.cuda.is_initialized():
-        return True
-    kind = _accelerator_type()
-    if kind is None or kind == "cuda":
-        return False
-    module = torch.get_device_module(kind)
-    return bool(getattr(module, "is_initialized", lambda: True)())
-
-
-def devices_of(*objs: Any) -> list[torch.device]:
-    """The distinct devices of the tensors in ``objs`` (nested containers and modules included).
-
-    Modules contribute their parameters and buffers (scanned only once an accelerator runtime
-    has started: before that, every tensor is on the CPU). The result is ordered by first
-    appearance; ``meta`` tensors are ignored.
-    """
-    scan_modules = _accelerator_initialised()
-    seen: dict[torch.device, None] = {}
-    for obj in objs:
-        if isinstance(obj, nn.Module):
-            if scan_modules:
-                for m in submodules(obj):  # the walk is cached per module tree
-                    for t in (*m._parameters.values(), *m._buffers.values()):
-                        if t is not None:
-                            seen[t.device] = None
-        else:
-            _scan(obj, seen)
-    seen.pop(_META, None)
-    if len(seen) == 1 and _CPU in seen:
-        return [_CPU]
-    return list(dict.fromkeys(_normalise(d) for d in seen))
-
-
-_CPU = torch.device("cpu")
-_META = torch.device("meta")
-_PLAIN = (int, float, str, bool, type(None))
-
-
-def _scan(obj: Any, seen: dict[torch.device, None]) -> None:
-    """Add the devices of the tensors in ``obj`` to ``seen``: tuples, lists and dicts are walked
-    here (a block's arguments, called per block and step), other containers by pytree."""
-    kind = type(obj)
-    if isinstance(obj, torch.Tensor):
-        seen[obj.device] = None
-    elif kind is tuple or kind is list:
-        for item in obj:
-            _scan(item, seen)
-    elif kind is dict:
-        for item in obj.values():
-            _scan(item, seen)
-    elif not isinstance(obj, _PLAIN):
-        for t in tree_flatten(obj)[0]:
-            if isinstance(t, torch.Tensor):
-                seen[t.device] = None
-
-
-def _normalise(device: torch.device) -> torch.device:
-    if device.type == "cpu" or device.index is not None:
-        return torch.device(device.type) if device.type == "cpu" else device
-    module = torch.get_device_module(device.type)
-    return torch.device(device.type, module.current_device())
-
-
-def _get_rng(device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":
-        return torch.get_rng_state()
-    module = torch.get_device_module(device.type)
-    if device.type == "mps":
-        return module.get_rng_state()
-    return module.get_rng_state(device.index)
-
-
-def _set_rng(device: torch.device, state: torch.Tensor) -> None:
-    if device.type == "cpu":
-        torch.set_rng_state(state)
-        return
-    module = torch.get_device_module(device.type)
-    if device.type == "mps":
-        module.set_rng_state(state)
-    else:
-        module.set_rng_state(state, device.index)
-
-
-@functools.cache
-def _autocast_types(extra: frozenset[str]) -> tuple[str, ...]:
-    types = {"cpu", *extra}
-    if torch.cuda.is_available():
-        types.add("cuda")
-    return tuple(sorted(t for t in types if torch.amp.is_autocast_available(t)))
-
-
-def _autocast_device_types(devices: Iterable[torch.device]) -> tuple[str, ...]:
-    extra = [d.type for d in devices if d.type != "cpu"]
-    return _autocast_types(frozenset(extra) if extra else _NO_EXTRA)
-
-
-_NO_EXTRA: frozenset[str] = frozenset()
-
-
-@functools.lru_cache(maxsize=256)
-def _autocast_state(
-    device_type: str, enabled: bool, dtype: torch.dtype, cache_enabled: bool
-) -> AutocastState:
-    return AutocastState(device_type, enabled, dtype, cache_enabled)
-
-
-@dataclasses.dataclass(frozen=True)
-class AutocastState:
-    """The autocast settings of one device type at capture time."""
-
-    device_type: str
-    enabled: bool
-    dtype: torch.dtype
-    cache_enabled: bool
-
-    @classmethod
-    def capture(cls, device_type: str) -> AutocastState:
-        """The autocast settings now in effect for ``device_type`` (one shared instance per
-        distinct setting: a capture runs per block and step)."""
-        return _autocast_state(
-            device_type,
-            torch.is_autocast_enabled(device_type),
-            torch.get_autocast_dtype(device_type),
-            torch.is_autocast_cache_enabled(),
-        )
-
-    def matches_current(self) -> bool:
-        """Whether autocast on this device type is already in this state (so replay need not
-        enter a context)."""
-        if not torch.is_autocast_enabled(self.device_type):
-            return not self.enabled
-        return (
-            self.enabled
-            and torch.get_autocast_dtype(self.device_type) == self.dtype
-            and torch.is_autocast_cache_enabled() == self.cache_enabled
-        )
-
-    def context(self) -> contextlib.AbstractContextManager[Any]:
-        """A context that re-establishes these settings (or disables autocast if it was off)."""
-        return torch.autocast(
-            self.device_type,
-            dtype=self.dtype,
-            enabled=self.enabled,
-            cache_enabled=self.cache_enabled,
-        )
 
 
 # The global CPU generator is shared by all threads. This lock is held from the capture of a
@@ -338,8 +176,8 @@ class ForwardState:
             if preserve_rng_state:
                 for device in [torch.device("cpu"), *devices]:
                     if device not in rng:
-                        rng[device] = _get_rng(device)
-            autocast = tuple(AutocastState.capture(t) for t in _autocast_device_types(devices))
+                        rng[device] = get_rng(device)
+            autocast = tuple(AutocastState.capture(t) for t in autocast_device_types(devices))
             state = cls(devices, rng, autocast)
             state.norms = norms
             state._owners = modules
@@ -357,7 +195,7 @@ class ForwardState:
         them), record the module state the forward left, and release the RNG lock."""
         try:
             for device in list(self._rng):
-                before, now = self._rng[device], _get_rng(device)
+                before, now = self._rng[device], get_rng(device)
                 if torch.equal(before, now):
                     del self._rng[device]
                 else:
@@ -427,9 +265,9 @@ class _Replay:
             self._locked = _lock_for(f"the recompute of {self._label}", drawing=True)
         self._contexts = []
         try:
-            self._outer = {device: _get_rng(device) for device in state._rng}
+            self._outer = {device: get_rng(device) for device in state._rng}
             for device, rng in state._rng.items():
-                _set_rng(device, rng)
+                set_rng(device, rng)
             if state.modules is not None:
                 self._undo = state.modules.enter()
             pending: list[contextlib.AbstractContextManager[Any]] = [
@@ -441,7 +279,7 @@ class _Replay:
             if norms is None:
                 pending.append(_LearnNorms(state.modules))
             elif norms:
-                pending.append(_swapped_statistics(norms))
+                pending.append(swapped_statistics(norms))
             for context in pending:
                 context.__enter__()
                 self._contexts.append(context)
@@ -466,7 +304,7 @@ class _Replay:
                 self._check_draws()
         finally:
             for device, rng in self._outer.items():
-                _set_rng(device, rng)
+                set_rng(device, rng)
             self._outer = {}
             if self._locked:
                 self._locked = False
@@ -474,7 +312,7 @@ class _Replay:
 
     def _check_draws(self) -> None:
         for device, end in self._state._end.items():
-            if _digest(_get_rng(device)) != end:
+            if _digest(get_rng(device)) != end:
                 raise ReplayError(
                     f"the recompute of {self._label} drew other random numbers than its forward "
                     f"on {device} (the generator ended elsewhere), so its dropout masks would "
@@ -507,7 +345,7 @@ class _LearnNorms:
         self._modules = modules
         self._ran: list[nn.Module] = []
         self._installed = False
-        self._context = _freeze_called(self._ran if modules is not None else None)
+        self._context = freeze_called(self._ran if modules is not None else None)
 
     def __enter__(self) -> None:
         self._installed = self._context.__enter__()
@@ -533,115 +371,3 @@ def is_replaying() -> bool:
     update once per step, as :func:`freeze_running_stats` does for normalisation layers.
     """
     return _replaying.depth > 0
-
-
-def _swap_in_copies(module: nn.Module) -> dict[str, torch.Tensor | None]:
-    originals = {n: module._buffers[n] for n in _RUNNING_STAT_BUFFERS if n in module._buffers}
-    # The copies are bookkeeping, not part of the block: hide them from dispatch modes
-    # (selective-checkpoint caches, value checks, memory meters) and from autograd.
-    with _disable_current_modes(), torch.no_grad():
-        for name, buf in originals.items():
-            if buf is not None:
-                module._buffers[name] = buf.clone()
-    return originals
-
-
-@contextlib.contextmanager
-def _swapped_statistics(modules: Iterable[nn.Module]) -> Iterator[None]:
-    swapped = {}
-    try:
-        for m in modules:
-            if (
-                isinstance(m, _NormBase)
-                and m.training
-                and m.track_running_stats
-                and m not in swapped
-            ):
-                swapped[m] = _swap_in_copies(m)
-        yield
-    finally:
-        for m, originals in swapped.items():
-            m._buffers.update(originals)
-
-
-class _Frozen(threading.local):
-    depth: int = 0
-
-
-_frozen = _Frozen()
-
-
-@contextlib.contextmanager
-def freeze_running_stats(modules: Iterable[nn.Module] | None = None) -> Iterator[None]:
-    """Within this context, normalisation modules in training mode do not change their statistics.
-
-    Every ``torch.nn`` BatchNorm / SyncBatchNorm / InstanceNorm module with
-    ``track_running_stats=True`` that is called in training mode on this thread gets throwaway
-    copies of ``running_mean``, ``running_var`` and ``num_batches_tracked`` for the duration of its
-    call; its output (which uses batch statistics in training mode) and the tensors it saves for
-    backward are unchanged. The real buffers are restored when the call returns or raises.
-    Nested uses share one table per thread (the hooks are installed by the outermost only), so a
-    recompute inside a recompute restores the real buffers too.
-
-    ``modules``: when given, exactly these modules are frozen for the whole context (their
-    buffers swapped on entry, restored on exit) and no global hook is installed, which keeps
-    module calls on PyTorch's fast path; pass every normalisation module the code can call.
-
-    .. note:: Normalisation layers written from scratch (buffers updated by hand with
-       ``F.batch_norm``) are not recognised; derive them from
-       ``torch.nn.modules.batchnorm._NormBase``, check :func:`is_replaying` in their forward,
-       or keep such blocks out of recompute.
-    """
-    if modules is not None:
-        with _swapped_statistics(modules):
-            yield
-        return
-    with _freeze_called(None):
-        yield
-
-
-@contextlib.contextmanager
-def _freeze_called(ran: list[nn.Module] | None) -> Iterator[bool]:
-    """:func:`freeze_running_stats` for whatever normalisation module runs (global module
-    hooks). ``ran``: gets every normalisation module called on this thread meanwhile (in any
-    mode). Yields whether this context installed the hooks (``False`` inside another one,
-    whose hooks do the work: then ``ran`` stays empty)."""
-    state = _frozen
-    if state.depth > 0:
-        state.depth += 1
-        try:
-            yield False
-        finally:
-            state.depth -= 1
-        return
-    owner = threading.get_ident()
-    swapped: dict[nn.Module, dict[str, torch.Tensor | None]] = {}
-
-    def before(module: nn.Module, args: Any) -> None:
-        if threading.get_ident() != owner or not isinstance(module, _NormBase):
-            return
-        if ran is not None:
-            ran.append(module)
-        if module.training and module.track_running_stats and module not in swapped:
-            swapped[module] = _swap_in_copies(module)
-
-    def restore(module: nn.Module) -> None:
-        originals = swapped.pop(module, None)
-        if originals is not None:
-            module._buffers.update(originals)
-
-    def after(module: nn.Module, args: Any, output: Any) -> None:
-        if threading.get_ident() == owner:
-            restore(module)
-
-    pre = nn.modules.module.register_module_forward_pre_hook(before)
-    post = nn.modules.module.register_module_forward_hook(after, always_call=True)
-    state.depth = 1
-    try:
-        yield True
-    finally:
-        state.depth = 0
-        pre.remove()
-        post.remove()
-        for module in list(swapped):
-            restore(module)

@@ -43,7 +43,9 @@ def test_replay_and_measure_import_nothing_else_of_revckpt():
     import pathlib
 
     root = pathlib.Path(revckpt.__file__).parent
-    replay = [root / "replay.py", root / "_module_state.py"]  # replay and its module-state part
+    # replay and its parts: module state, devices and generators, autocast, running statistics
+    parts = ("_module_state", "_devices", "_autocast", "_running_stats")
+    replay = [root / "replay.py", *(root / f"{p}.py" for p in parts)]
     for path in [*replay, *(root / "measure").glob("*.py")]:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
@@ -53,6 +55,9 @@ def test_replay_and_measure_import_nothing_else_of_revckpt():
                     "errors",
                     "_numbers",
                     "_module_state",
+                    "_devices",
+                    "_autocast",
+                    "_running_stats",
                     "memory",
                     "allocator",
                     "timing",
