@@ -261,6 +261,8 @@ class Scheduled(nn.Module):
         ]
 
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        # read first: past a graph break, Dynamo may run the rest of this frame eagerly
+        compiling = torch.compiler.is_compiling()
         sig = self.plan.input_signature
         if (
             sig is not None
@@ -274,9 +276,9 @@ class Scheduled(nn.Module):
                 "or no grad, is fine). Profile and solve again for this input "
                 "(schedule.profile(blocks, x))"
             )
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not compiling:  # (the checks would break the graph)
             warn_if_threads_differ(self.plan.threads)
-            if self.plan.compiled and not torch.compiler.is_compiling():
+            if self.plan.compiled:
                 _warn_eager_run()
         for (strategy, run), approx in zip(self._runs, self._approx, strict=True):
             if approx is None:

@@ -13,6 +13,7 @@ from revckpt import InvalidArgumentError, PlanWarning
 from revckpt.measure import MemoryMeter, gradient_error
 from revckpt.models import gpt_like
 from revckpt.schedule import Plan, Segment, apply, make_plan, profile, solve
+from revckpt.schedule import plan as plan_module
 from revckpt.schedule.costs import strategy_names
 
 
@@ -51,7 +52,7 @@ def test_compiled_profile_prices_store_checkpoint_selective(chain):
         # decides: recomputing attention may keep its inputs, so "matmul" is not always less)
         for policy in ("matmul", "matmul+attention"):
             assert 0 < b.selective_bytes[policy] < b.saved_bytes
-        assert b.forward_s > 0 and b.backward_s > 0
+        assert b.forward_s > 0 and b.backward_s >= 0  # (a measured difference: may read 0)
         assert set(b.strategy_overhead_s) == {
             "checkpoint",
             "selective:matmul+attention",
@@ -98,6 +99,7 @@ def test_compiled_plan_gradients_match_float64(chain):
 def test_compiled_plan_run_eagerly_warns(chain):
     blocks, x, prof = chain
     plan = solve(prof, memory_budget=0.6)
+    plan_module._warn_eager_run.cache_clear()  # once per process: start from none
     with pytest.warns(PlanWarning, match="compiled profile"):
         apply(blocks, plan)(x.clone().requires_grad_()).sum().backward()
     with warnings.catch_warnings():
