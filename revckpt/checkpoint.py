@@ -24,17 +24,21 @@ Compared with ``torch.utils.checkpoint`` (whose non-reentrant engine does the bo
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
+from ._deprecation import warn_deprecated
+from .approx import recompute as _approx
 from .approx.recompute import Approx, keep_of
+from .approx.saved import compress_saved
 from .engine.autograd import modules_of
 from .engine.chain import Segment, as_chain, run_nodes
 from .engine.frame import FrameCall, run_checkpoint
@@ -42,16 +46,22 @@ from .errors import InvalidArgumentError, InvalidInputTypeError
 from .policy import (
     POLICY_PRESETS,
     Policy,
+    Selective,
     canonical_policy,
     parse_policy,
     policy_context_fn,
     policy_text,
 )
+from .strategy import Strategy
+
+if TYPE_CHECKING:
+    from .offload import Offload
 
 __all__ = [
     "POLICY_PRESETS",
     "DeterminismCheck",
     "Policy",
+    "Selective",
     "canonical_policy",
     "checkpoint",
     "checkpoint_sequential",
@@ -62,6 +72,89 @@ __all__ = [
 
 DeterminismCheck = Literal["metadata", "values", "none"]
 _DETERMINISM_CHECKS = ("metadata", "values", "none")
+
+_STRATEGY_FORMS = (
+    "None or 'checkpoint' (exact), 'selective:<policy spec>', 'approx:<codec>', 'offload', "
+    "'compress:<codec>' (or the revckpt.Strategy of one), revckpt.approx.Approx(...), "
+    "revckpt.offload.Offload(...) or revckpt.policy.Selective(<function op -> bool>)"
+)
+
+
+@functools.lru_cache(maxsize=256)
+def _resolve_text(text: str) -> tuple[str, Any]:
+    return _resolve_typed(Strategy.parse(text))
+
+
+def _resolve_typed(s: Strategy) -> tuple[str, Any]:
+    if s.kind == "checkpoint":
+        return "checkpoint", None
+    if s.kind == "selective":
+        return "selective", s.arg
+    if s.kind == "approx":
+        return "approx", Approx(store=s.arg)
+    if s.kind == "offload":
+        from .offload import Offload
+
+        return "offload", Offload()
+    if s.kind == "compress":
+        return "compress", s.arg
+    why = (
+        "keeps everything autograd saves: call the block directly"
+        if s.kind == "store"
+        else "rebuilds inputs from outputs: build the stack from revckpt.layers "
+        "(ReversibleSequential) or let revckpt.convert / revckpt.fit swap it in"
+    )
+    raise InvalidArgumentError(f"strategy {str(s)!r} is no checkpoint: it {why}")
+
+
+def _resolve(strategy: Any) -> tuple[str, Any]:
+    """``(kind, options)`` of a ``strategy=`` value: options are ``None`` (checkpoint), the
+    policy (selective), an :class:`Approx`, an ``Offload`` or the codec name (compress)."""
+    if strategy is None:
+        return "checkpoint", None
+    if isinstance(strategy, str):
+        return _resolve_text(strategy)
+    if isinstance(strategy, Strategy):
+        return _resolve_typed(strategy)
+    if isinstance(strategy, Approx):
+        return "approx", strategy
+    if isinstance(strategy, Selective):
+        return "selective", strategy.policy
+    from .offload import Offload
+
+    if isinstance(strategy, Offload):
+        return "offload", strategy
+    raise InvalidInputTypeError(f"strategy= takes {_STRATEGY_FORMS}; got {type(strategy).__name__}")
+
+
+def _check_applies(kind: str, determinism_check: str, preserve_rng_state: bool) -> None:
+    """Options that have no meaning for ``kind`` raise, naming what applies."""
+    if kind in ("checkpoint", "selective"):
+        return
+    if determinism_check == "values":
+        why = (
+            "keeps the saved tensors compressed and recomputes nothing"
+            if kind == "compress"
+            else "re-runs the block from a compressed input, so its values differ from the "
+            "forward by design"
+            if kind == "approx"
+            else "re-runs the block as one recompute node, which fingerprints no values"
+        )
+        raise InvalidArgumentError(
+            f"determinism_check='values' does not apply to the {kind} strategy (it {why}); "
+            "it applies to strategy=None / 'checkpoint' and 'selective:<policy>': use "
+            "determinism_check='metadata' (the default) or 'none' here"
+        )
+    if kind == "compress" and not preserve_rng_state:
+        raise InvalidArgumentError(
+            "preserve_rng_state=False does not apply to the compress strategy (it runs the "
+            "block once and recomputes nothing, so no random numbers are drawn again); drop "
+            "it, or choose a recomputing strategy ('checkpoint', 'approx:<codec>', 'offload')"
+        )
+
+
+def _label(fn: Any) -> str:
+    return getattr(fn, "__qualname__", type(fn).__name__)
 
 
 def _check_options(determinism_check: str, preserve_rng_state: bool) -> None:
@@ -144,52 +237,99 @@ def _compiled_checkpoint(
 def checkpoint(
     fn: Callable[..., Any],
     *args: Any,
+    strategy: str | Strategy | Approx | Offload | Selective | None = None,
     preserve_rng_state: bool = True,
     determinism_check: DeterminismCheck = "metadata",
     policy: Policy | None = None,
     **kwargs: Any,
 ) -> Any:
-    """Run ``fn(*args, **kwargs)`` keeping only its inputs; recompute it during backward.
+    """Run ``fn(*args, **kwargs)`` keeping less than autograd would; rebuild it during backward.
 
-    Memory: the tensors ``fn`` would save for backward are dropped after the forward; what
-    stays alive is what the caller passed in (``args``, ``kwargs``) and, if ``fn`` drew random
-    numbers, the generator state (5,056 bytes on CPU, 16 per CUDA device). Cost: one more
-    forward of ``fn`` during backward. Gradients are bitwise equal to running ``fn`` plainly.
+    With the default ``strategy=None`` (``"checkpoint"``) only the inputs are kept and ``fn``
+    is re-run during backward. Memory: the tensors ``fn`` would save for backward are dropped
+    after the forward; what stays alive is what the caller passed in (``args``, ``kwargs``)
+    and, if ``fn`` drew random numbers, the generator state (5,056 bytes on CPU, 16 per CUDA
+    device). Cost: one more forward of ``fn`` during backward. Gradients are bitwise equal to
+    running ``fn`` plainly.
 
     Args:
         fn: the block: a module or any callable. Parameters of a module (or of the module a bound
             method belongs to) decide which accelerator RNGs are captured.
         *args, **kwargs: passed to ``fn``; keyword tensors (masks, positions) may require grad.
+        strategy: what to keep and how to rebuild it:
+
+            * ``None`` or ``"checkpoint"``: the inputs, exact recompute (above);
+            * ``"selective:<policy>"``: op-level selective recompute: the outputs of the aten
+              ops a policy spec names are kept too (see :func:`parse_policy`): a preset in
+              :data:`POLICY_PRESETS` (``"selective:matmul+attention"``) or groups and aten op
+              names joined by ``"+"`` (``"selective:matmul+gelu"``);
+              :class:`~revckpt.policy.Selective` takes a function ``op -> bool`` instead (it
+              may keep random ops: keep all of them or none, else later dropout masks differ).
+              torch's selective-checkpoint cache is consumed by the first backward: a second
+              backward over the same graph (``retain_graph=True``) is not supported;
+            * ``"approx:<codec>"`` or :class:`revckpt.approx.Approx`: the tensor arguments kept
+              compressed (bf16, fp8), the block re-run from them (optionally in bf16): see
+              :mod:`revckpt.approx.recompute`; exact forward, approximate gradients;
+            * ``"offload"`` or :class:`revckpt.offload.Offload`: the positional tensor
+              arguments kept in host memory and copied back for the recompute
+              (:mod:`revckpt.offload`);
+            * ``"compress:<codec>"``: no recompute: every tensor autograd saves inside ``fn``
+              kept compressed (:func:`revckpt.approx.compress_saved`, its defaults).
+
+            A :class:`~revckpt.Strategy` of these kinds works too.
         preserve_rng_state: replay the forward's RNG so dropout masks match. Only generators the
-            forward actually advanced are kept.
+            forward actually advanced are kept. Not for ``"compress"`` (nothing is re-run).
         determinism_check: ``"metadata"`` (default) errors if the recompute saves tensors of other
             shapes or dtypes; ``"values"`` also fingerprints the value of every operation's output
             during the forward and raises :class:`~revckpt.CheckpointMismatchError` naming the
-            first operation whose recomputed value differs; ``"none"`` checks nothing.
-        policy: op-level selective recompute: a spec naming the aten ops whose outputs to
-            keep (see :func:`parse_policy`): a preset in :data:`POLICY_PRESETS` (``"matmul"``,
-            ``"attention"``, ``"matmul+attention"``) or groups and aten op names joined by
-            ``"+"`` (``"matmul+gelu"``); or a function ``op -> bool`` returning True for the
-            aten ops whose outputs to keep (it may keep random ops: keep all of them or none,
-            else later dropout masks differ). torch's selective-checkpoint cache is consumed
-            by the first backward: a second backward over the same graph
-            (``retain_graph=True``) is not supported with a policy.
+            first operation whose recomputed value differs; ``"none"`` checks nothing. The
+            checks apply to ``"checkpoint"`` and ``"selective"``; ``"values"`` raises with the
+            other strategies.
+        policy: deprecated: ``strategy="selective:<policy>"`` (or ``Selective(<function>)``).
 
     .. note:: Autocast: the recompute runs under the forward's autocast state, whatever the
        state during backward. BatchNorm: running statistics are updated by the first forward
        only (see :func:`revckpt.replay.freeze_running_stats`).
 
-    .. note:: Under ``torch.compile`` the region is handed to the compiler as torch's own
-       checkpoint (with the selective policy, if any): the compiler plans the recompute, keeps
-       BatchNorm statistics single-updated and handles random ops itself;
+    .. note:: Under ``torch.compile`` an exact or selective region is handed to the compiler as
+       torch's own checkpoint (with the selective policy, if any): the compiler plans the
+       recompute, keeps BatchNorm statistics single-updated and handles random ops itself;
        ``determinism_check="values"`` raises there (it needs eager execution).
 
-    .. warning:: The names ``preserve_rng_state``, ``determinism_check`` and ``policy`` are taken
-       by this function; ``fn`` cannot receive keyword arguments of those names through it.
+    .. warning:: The names ``strategy``, ``preserve_rng_state``, ``determinism_check`` and
+       ``policy`` are taken by this function; ``fn`` cannot receive keyword arguments of those
+       names through it.
     """
+    if policy is not None:
+        warn_deprecated(
+            "revckpt.checkpoint(fn, *args, policy=p)",
+            "revckpt.checkpoint(fn, *args, strategy='selective:p') (a function p: "
+            "strategy=revckpt.policy.Selective(p))",
+        )
+        if strategy is not None:
+            raise InvalidArgumentError(
+                "checkpoint got both strategy= and policy=; pass the policy in the strategy: "
+                "strategy='selective:<policy>' or strategy=revckpt.policy.Selective(<function>)"
+            )
+        kind, options = "selective", policy
+    else:
+        kind, options = _resolve(strategy)
     if not callable(fn):
         raise _not_callable(fn)
     _check_options(determinism_check, preserve_rng_state)
+    _check_applies(kind, determinism_check, preserve_rng_state)
+    if kind == "approx":
+        return _approx._checkpoint(
+            fn, args, kwargs, config=options, preserve_rng_state=preserve_rng_state
+        )
+    if kind == "offload":
+        from .offload import _checkpoint as _offload_checkpoint
+
+        return _offload_checkpoint(
+            fn, args, kwargs, config=options, preserve_rng_state=preserve_rng_state
+        )
+    if kind == "compress":
+        return compress_saved(fn, *args, store=options, **kwargs)
     return _checkpoint(
         fn,
         args,
@@ -197,8 +337,8 @@ def checkpoint(
         modules=modules_of(fn),
         preserve_rng_state=preserve_rng_state,
         determinism_check=determinism_check,
-        policy=policy,
-        label=getattr(fn, "__qualname__", type(fn).__name__),
+        policy=options,
+        label=_label(fn),
     )
 
 
@@ -272,6 +412,7 @@ def checkpoint_sequential(
     segments: int | str | Sequence[int],
     input: torch.Tensor,
     *,
+    strategy: str | Strategy | Approx | Offload | Selective | None = None,
     preserve_rng_state: bool = True,
     determinism_check: DeterminismCheck = "metadata",
     policy: Policy | None = None,
@@ -294,12 +435,34 @@ def checkpoint_sequential(
             the last segment is checkpointed too.
         input: the chain's input tensor.
         **kwargs: passed to every block (``block(x, **kwargs)``): attention masks, positions.
-        preserve_rng_state, determinism_check, policy: as in :func:`checkpoint`.
-        approx: an :class:`revckpt.approx.Approx`: keep each segment input compressed and/or
-            recompute in bf16 (see :func:`revckpt.approx.checkpoint`). The value-level
-            determinism check and ``policy`` do not apply to an approximate recompute (its
-            values differ by design): combining them raises.
+        strategy: as in :func:`checkpoint`, for every segment: with ``"approx:<codec>"`` or an
+            :class:`revckpt.approx.Approx` each segment input is kept compressed (and the
+            segment optionally re-run in bf16); with ``"offload"`` or an
+            :class:`revckpt.offload.Offload` each segment input lives in host memory, and
+            with ``Offload(prefetch=True)`` (the default) backward copies segment ``p - 1``'s
+            input back while segment ``p`` runs its backward (keyword arguments stay on the
+            device); with ``"compress:<codec>"`` each segment keeps its saved tensors
+            compressed and recomputes nothing.
+        preserve_rng_state, determinism_check: as in :func:`checkpoint`.
+        policy: deprecated: ``strategy="selective:<policy>"``.
+        approx: deprecated: ``strategy=<the Approx>``.
     """
+    if policy is not None:
+        warn_deprecated(
+            "revckpt.checkpoint_sequential(..., policy=p)",
+            "revckpt.checkpoint_sequential(..., strategy='selective:p') (a function p: "
+            "strategy=revckpt.policy.Selective(p))",
+        )
+    if approx is not None:
+        warn_deprecated(
+            "revckpt.checkpoint_sequential(..., approx=revckpt.approx.Approx(...))",
+            "revckpt.checkpoint_sequential(..., strategy=revckpt.approx.Approx(...))",
+        )
+    if (policy is not None or approx is not None) and strategy is not None:
+        raise InvalidArgumentError(
+            "checkpoint_sequential got strategy= and a deprecated policy= or approx=; pass "
+            "only strategy= ('selective:<policy>', or the revckpt.approx.Approx itself)"
+        )
     chain = as_chain(blocks, input, what="checkpoint_sequential")
     _check_options(determinism_check, preserve_rng_state)
     bounds = segment_bounds(len(chain), segments)
@@ -309,13 +472,35 @@ def checkpoint_sequential(
                 "approx= recomputes from a compressed input, so its values differ from the "
                 "forward by design: drop policy= and determinism_check='values' when using it"
             )
-        keep = keep_of(approx)
+        kind, options = "approx", approx
+        if not isinstance(approx, Approx):
+            keep_of(approx)  # raises, naming what approx= takes
+    elif policy is not None:
+        kind, options = "selective", policy
+    else:
+        kind, options = _resolve(strategy)
+    _check_applies(kind, determinism_check, preserve_rng_state)
+    if kind == "approx":
         return run_nodes(
-            chain, bounds, input, kwargs, keep=keep, preserve_rng_state=preserve_rng_state
+            chain,
+            bounds,
+            input,
+            kwargs,
+            keep=keep_of(options),
+            preserve_rng_state=preserve_rng_state,
+        )
+    if kind == "offload":
+        from .offload import _run_sequential
+
+        return _run_sequential(
+            chain, bounds, input, kwargs, config=options, preserve_rng_state=preserve_rng_state
         )
     x = input
     for start, stop in bounds:
         part = chain[start:stop]
+        if kind == "compress":
+            x = compress_saved(Segment(part), x, store=options, **kwargs)
+            continue
         x = _checkpoint(
             Segment(part),
             (x,),
@@ -323,7 +508,7 @@ def checkpoint_sequential(
             modules=tuple(m for b in part for m in modules_of(b)),
             preserve_rng_state=preserve_rng_state,
             determinism_check=determinism_check,
-            policy=policy,
+            policy=options,
             label=f"blocks[{start}:{stop}]",
         )
     return x

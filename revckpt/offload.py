@@ -1,13 +1,14 @@
 """Host offload: a checkpoint whose kept block input lives in host memory, not on the device.
 
-``offload.checkpoint(fn, x)`` runs ``fn(x)`` keeping none of its activations, like
-:func:`revckpt.checkpoint`, and moves ``x`` itself to host memory; backward copies it back and
-re-runs ``fn``::
+``revckpt.checkpoint(fn, x, strategy="offload")`` runs ``fn(x)`` keeping none of its
+activations, like a plain checkpoint, and moves ``x`` itself to host memory; backward copies it
+back and re-runs ``fn``::
 
     forward:   y = fn(x);  x -> host (pinned buffer, copy on a side stream)
     backward:  x' = host -> device;  y' = fn(x');  dx, dtheta = VJP of y' with the incoming dy
 
-:func:`checkpoint_sequential` offloads every segment's input and, in backward, starts copying
+``revckpt.checkpoint_sequential(blocks, segments, x, strategy="offload")`` offloads every
+segment's input and, in backward, starts copying
 segment ``p - 1``'s input back while segment ``p`` runs its backward (prefetch one segment
 ahead, on the side stream), so the copies overlap compute. Device memory held between forward
 and backward for an offloaded boundary: **zero** bytes; host memory: the boundary. While
@@ -51,6 +52,7 @@ import torch
 from torch import nn
 
 from . import _host_copies
+from ._deprecation import warn_deprecated
 from ._host_copies import FORCED as _FORCED  # noqa: F401  (tests and tools append to it)
 from ._host_copies import LOCK, RECORDERS, HostHooks
 from .checkpoint import segment_bounds
@@ -58,7 +60,14 @@ from .engine.chain import as_chain, run_nodes
 from .engine.node import EXACT, run_node
 from .errors import InvalidArgumentError, InvalidInputTypeError
 
-__all__ = ["OffloadStats", "checkpoint", "checkpoint_sequential", "force_copies", "record"]
+__all__ = [
+    "Offload",
+    "OffloadStats",
+    "checkpoint",
+    "checkpoint_sequential",
+    "force_copies",
+    "record",
+]
 
 
 @contextmanager
@@ -133,33 +142,41 @@ def record() -> Iterator[OffloadStats]:
             RECORDERS.remove(stats)
 
 
-def _check(pin_memory: bool, prefetch: bool) -> None:
-    for name, value in (("pin_memory", pin_memory), ("prefetch", prefetch)):
-        if not isinstance(value, bool):
-            raise InvalidArgumentError(f"{name}= must be True or False, got {value!r}")
+@dataclass(frozen=True)
+class Offload:
+    """The offload strategy's options, for ``revckpt.checkpoint(..., strategy=Offload(...))`` and
+    ``revckpt.checkpoint_sequential(..., strategy=Offload(...))`` (``strategy="offload"`` is
+    ``Offload()``).
 
-
-def checkpoint(
-    fn: Callable[..., Any],
-    *args: Any,
-    pin_memory: bool = True,
-    preserve_rng_state: bool = True,
-    **kwargs: Any,
-) -> Any:
-    """Run ``fn(*args, **kwargs)`` keeping only its positional tensor arguments, in host memory.
-
-    Device memory held until backward: none for the offloaded arguments (see the module
-    docstring for what stays in place). Host memory: their bytes, in a pinned buffer on CUDA
-    (``pin_memory=False`` for pageable memory: less pinned RAM, slower and synchronous copies).
-    Extra work: one forward of ``fn`` in backward, one copy out and one back. RNG, autocast and
-    BatchNorm statistics are replayed as for every recompute (:mod:`revckpt.replay`).
+    Args:
+        pin_memory: keep the host copies in pinned memory on CUDA (``False``: pageable memory,
+            less pinned RAM, slower and synchronous copies).
+        prefetch: in :func:`revckpt.checkpoint_sequential`, copy segment ``p - 1``'s input back
+            while segment ``p`` runs its backward (``False``: each copy back starts when its
+            segment's backward does). A single checkpointed block has nothing to prefetch.
     """
-    if not callable(fn):
-        raise InvalidInputTypeError(
-            f"offload.checkpoint(fn, *args): fn must be callable, got {type(fn).__name__}"
-        )
-    _check(pin_memory, True)
-    hooks = HostHooks(kwargs.values(), pin_memory=pin_memory, prefetch=False)
+
+    pin_memory: bool = True
+    prefetch: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("pin_memory", "prefetch"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise InvalidArgumentError(f"{name}= must be True or False, got {value!r}")
+
+
+def _checkpoint(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    config: Offload,
+    preserve_rng_state: bool,
+) -> Any:
+    """``fn(*args, **kwargs)`` as one recompute node whose kept positional tensors live in host
+    memory: what ``revckpt.checkpoint(fn, *args, strategy=config)`` runs (``fn`` checked)."""
+    hooks = HostHooks(kwargs.values(), pin_memory=config.pin_memory, prefetch=False)
     with hooks.hooks():
         return run_node(
             fn,
@@ -169,6 +186,52 @@ def checkpoint(
             preserve_rng_state=preserve_rng_state,
             label=f"offloaded {getattr(fn, '__qualname__', type(fn).__name__)}",
         )
+
+
+def _run_sequential(
+    chain: list[Callable[..., Any]],
+    bounds: list[tuple[int, int]],
+    input: torch.Tensor,
+    kwargs: dict[str, Any],
+    *,
+    config: Offload,
+    preserve_rng_state: bool,
+) -> torch.Tensor:
+    """A checked chain run in segments ``bounds``, each segment's input kept in host memory:
+    what ``revckpt.checkpoint_sequential(..., strategy=config)`` runs."""
+    hooks = HostHooks(kwargs.values(), pin_memory=config.pin_memory, prefetch=config.prefetch)
+    with hooks.hooks():
+        return run_nodes(
+            chain, bounds, input, kwargs, keep=EXACT, preserve_rng_state=preserve_rng_state
+        )
+
+
+def checkpoint(
+    fn: Callable[..., Any],
+    *args: Any,
+    pin_memory: bool = True,
+    preserve_rng_state: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """Deprecated: ``revckpt.checkpoint(fn, *args, strategy=Offload(pin_memory=...))``.
+
+    Runs ``fn(*args, **kwargs)`` keeping only its positional tensor arguments, in host memory.
+    Device memory held until backward: none for the offloaded arguments (see the module
+    docstring for what stays in place). Host memory: their bytes, in a pinned buffer on CUDA
+    (``pin_memory=False`` for pageable memory). Extra work: one forward of ``fn`` in backward,
+    one copy out and one back. RNG, autocast and BatchNorm statistics are replayed as for every
+    recompute (:mod:`revckpt.replay`).
+    """
+    warn_deprecated(
+        "revckpt.offload.checkpoint(fn, *args, pin_memory=...)",
+        "revckpt.checkpoint(fn, *args, strategy=revckpt.offload.Offload(pin_memory=...))",
+    )
+    if not callable(fn):
+        raise InvalidInputTypeError(
+            f"offload.checkpoint(fn, *args): fn must be callable, got {type(fn).__name__}"
+        )
+    config = Offload(pin_memory=pin_memory)
+    return _checkpoint(fn, args, kwargs, config=config, preserve_rng_state=preserve_rng_state)
 
 
 def checkpoint_sequential(
@@ -181,21 +244,21 @@ def checkpoint_sequential(
     preserve_rng_state: bool = True,
     **kwargs: Any,
 ) -> torch.Tensor:
-    """Run a chain of blocks in segments, each segment's input kept in host memory.
+    """Deprecated: ``revckpt.checkpoint_sequential(blocks, segments, input,
+    strategy=Offload(pin_memory=..., prefetch=...))``.
 
-    ``segments`` as in :func:`revckpt.checkpoint_sequential` (``len(blocks)`` for one block per
-    segment, the usual choice: the device then holds no boundary at all). With ``prefetch``,
-    backward copies segment ``p - 1``'s input back while segment ``p`` runs its backward, so
-    the device holds at most two boundaries at a time during backward; without it each copy
-    back starts when its segment's backward does. ``**kwargs`` reach every block and stay on
-    the device. Gradients are bitwise those of ``revckpt.checkpoint_sequential`` (keyword
-    tensors that require grad: to round-off, see the module docstring).
+    Runs a chain of blocks in segments, each segment's input kept in host memory (see
+    :class:`Offload` for the options). ``**kwargs`` reach every block and stay on the device.
     """
+    warn_deprecated(
+        "revckpt.offload.checkpoint_sequential(blocks, segments, input, pin_memory=..., "
+        "prefetch=...)",
+        "revckpt.checkpoint_sequential(blocks, segments, input, "
+        "strategy=revckpt.offload.Offload(pin_memory=..., prefetch=...))",
+    )
     chain = as_chain(blocks, input, what="offload.checkpoint_sequential")
-    _check(pin_memory, prefetch)
+    config = Offload(pin_memory=pin_memory, prefetch=prefetch)
     bounds = segment_bounds(len(chain), segments)
-    hooks = HostHooks(kwargs.values(), pin_memory=pin_memory, prefetch=prefetch)
-    with hooks.hooks():
-        return run_nodes(
-            chain, bounds, input, kwargs, keep=EXACT, preserve_rng_state=preserve_rng_state
-        )
+    return _run_sequential(
+        chain, bounds, input, kwargs, config=config, preserve_rng_state=preserve_rng_state
+    )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from .errors import InvalidArgumentError, InvalidInputTypeError
 __all__ = [
     "POLICY_PRESETS",
     "Policy",
+    "Selective",
     "canonical_policy",
     "parse_policy",
     "policy_context_fn",
@@ -191,3 +193,16 @@ def policy_context_fn(policy: Policy) -> Callable[[], tuple[Any, Any]]:
         return CheckpointPolicy.MUST_SAVE if verdict else CheckpointPolicy.PREFER_RECOMPUTE
 
     return functools.partial(create_selective_checkpoint_contexts, torch_policy)
+
+
+@dataclass(frozen=True)
+class Selective:
+    """The selective strategy with a policy the text form cannot carry: a function
+    ``op -> bool`` (or ``-> torch.utils.checkpoint.CheckpointPolicy``) returning True for the
+    aten operations whose outputs to keep, for ``revckpt.checkpoint(..., strategy=Selective(f))``.
+    A spec string works too (``Selective("matmul")`` is ``strategy="selective:matmul"``)."""
+
+    policy: Policy
+
+    def __post_init__(self) -> None:
+        policy_context_fn(self.policy)  # a spec that parses, or a callable

@@ -275,7 +275,9 @@ def test_values_check_passes_on_deterministic_blocks(policy):
     model = mlp_chain(4, 8, 16, dropout=0.3, norm="batch")
     ref = twin(model)
     x = torch.randn(6, 8, requires_grad=True)
-    got = train_step(model, x, seq(2, determinism_check="values", policy=policy))
+    got = train_step(
+        model, x, seq(2, strategy=policy and f"selective:{policy}", determinism_check="values")
+    )
     assert bitwise_equal(train_step(ref, x)[1], got[1])
 
 
@@ -288,7 +290,7 @@ def test_policy_presets_exact_and_between_plain_and_full(policy):
     model = transformer_chain(2, 32, 4)
     x = torch.randn(4, 16, 32, requires_grad=True)
     ref = train_step(twin(model), x)
-    got = train_step(model, x, seq(2, policy=policy))
+    got = train_step(model, x, seq(2, strategy=revckpt.policy.Selective(policy)))
     assert bitwise_equal(ref[1], got[1])
 
     def retained(run):
@@ -299,7 +301,7 @@ def test_policy_presets_exact_and_between_plain_and_full(policy):
 
     plain = retained(lambda m, x: m(x))
     full = retained(seq(2))
-    sel = retained(seq(2, policy=policy))
+    sel = retained(seq(2, strategy=revckpt.policy.Selective(policy)))
     assert full < sel < plain
 
 
@@ -307,7 +309,12 @@ def test_policy_function_keeps_more_than_full_recompute():
     model = mlp_chain(3, 32, 64)
     x = torch.randn(16, 32, requires_grad=True)
     with MemoryMeter("cpu") as m_sel:
-        y = checkpoint_sequential(model, 3, x, policy=lambda op: op != torch.ops.aten.add.Tensor)
+        y = checkpoint_sequential(
+            model,
+            3,
+            x,
+            strategy=revckpt.policy.Selective(lambda op: op != torch.ops.aten.add.Tensor),
+        )
     y.sum().backward()
     with MemoryMeter("cpu") as m_full:
         z = checkpoint_sequential(model, 3, x)
@@ -318,9 +325,9 @@ def test_policy_function_keeps_more_than_full_recompute():
 def test_policy_errors():
     x = torch.randn(2, 4, requires_grad=True)
     with pytest.raises(InvalidArgumentError, match=r"unknown checkpoint policy 'fast'.*matmul"):
-        checkpoint(nn.Linear(4, 4), x, policy="fast")
+        checkpoint(nn.Linear(4, 4), x, strategy="selective:fast")
     with pytest.raises(InvalidInputTypeError, match="preset name"):
-        checkpoint(nn.Linear(4, 4), x, policy=3)
+        checkpoint(nn.Linear(4, 4), x, strategy=revckpt.policy.Selective(3))
 
 
 _TOKENS = ["matmul", "attention", "addmm", "native_layer_norm", "gelu", "_softmax", "mul", "mm"]
@@ -362,7 +369,7 @@ def test_policy_spec_keeps_the_ops_it_names():
 
     def kept(policy):
         with MemoryMeter("cpu") as m:
-            y = checkpoint(model, x, policy=policy)
+            y = checkpoint(model, x, strategy=revckpt.policy.Selective(policy))
         return m.end_bytes - y.numel() * y.element_size()
 
     gelu = kept("gelu")
@@ -371,7 +378,9 @@ def test_policy_spec_keeps_the_ops_it_names():
     assert kept("gelu+matmul") == kept(
         lambda op: op.overloadpacket in revckpt.POLICY_PRESETS["matmul"] | {torch.ops.aten.gelu}
     )
-    got = train_step(model, x, lambda m, z: checkpoint(m, z, policy="addmm+native_layer_norm"))
+    got = train_step(
+        model, x, lambda m, z: checkpoint(m, z, strategy="selective:addmm+native_layer_norm")
+    )
     assert bitwise_equal(ref[1], got[1]) and torch.equal(ref[2], got[2])
 
 
@@ -398,7 +407,11 @@ def test_policy_spec_errors_name_the_token(spec, message):
     with pytest.raises(InvalidArgumentError, match=message):
         Strategy("selective", spec)
     with pytest.raises(InvalidArgumentError, match=message):
-        checkpoint(nn.Linear(4, 4), torch.randn(2, 4, requires_grad=True), policy=spec)
+        checkpoint(
+            nn.Linear(4, 4),
+            torch.randn(2, 4, requires_grad=True),
+            strategy=revckpt.policy.Selective(spec),
+        )
 
 
 def test_policy_text_errors():
@@ -668,9 +681,9 @@ def test_torch_entry_point_gives_the_same_results_as_the_frame_engine(monkeypatc
     model = transformer_chain(2, 8, 2, dropout=0.1).double()
     twin_model = copy.deepcopy(model)
     x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
-    ref = train_step(model, x, seq(2, policy="matmul"))
+    ref = train_step(model, x, seq(2, strategy="selective:matmul"))
     monkeypatch.setattr(frame, "frame_usable", lambda: False)
-    got = train_step(twin_model, x, seq(2, policy="matmul"))
+    got = train_step(twin_model, x, seq(2, strategy="selective:matmul"))
     assert bitwise_equal(ref[1], got[1])
 
 

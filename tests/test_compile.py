@@ -38,17 +38,17 @@ def _strategies():
     def approx():
         torch.manual_seed(0)
         m = mlp_chain(3, 16, 32, norm="layer")
-        return m, lambda x: revckpt.checkpoint_sequential(m, 3, x, approx=Approx(store="e4m3"))
+        return m, lambda x: revckpt.checkpoint_sequential(m, 3, x, strategy=Approx(store="e4m3"))
 
     def selective():
         torch.manual_seed(0)
         m = mlp_chain(3, 16, 32, norm="layer")
-        return m, lambda x: revckpt.checkpoint_sequential(m, 3, x, policy="matmul")
+        return m, lambda x: revckpt.checkpoint_sequential(m, 3, x, strategy="selective:matmul")
 
     def offloaded():
         torch.manual_seed(0)
         m = mlp_chain(3, 16, 32, norm="layer")
-        return m, lambda x: revckpt.offload.checkpoint_sequential(m, 3, x)
+        return m, lambda x: revckpt.checkpoint_sequential(m, 3, x, strategy="offload")
 
     def scheduled():
         torch.manual_seed(0)
@@ -144,7 +144,7 @@ def test_compiled_codec_still_refuses_non_finite_boundaries():
     torch.manual_seed(0)
     m = mlp_chain(2, 16, 32)
     step = torch.compile(
-        lambda x: revckpt.checkpoint_sequential(m, 2, x, approx=Approx(store="e4m3"))
+        lambda x: revckpt.checkpoint_sequential(m, 2, x, strategy=Approx(store="e4m3"))
     )
     x = torch.randn(4, 16, requires_grad=True)
     step(x).sum().backward()

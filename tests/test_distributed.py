@@ -74,13 +74,15 @@ class Net(nn.Module):
         if self.strategy == "checkpoint":
             return revckpt.checkpoint_sequential(self.body, len(self.body), x)
         if self.strategy == "selective":
-            return revckpt.checkpoint_sequential(self.body, len(self.body), x, policy="matmul")
+            return revckpt.checkpoint_sequential(
+                self.body, len(self.body), x, strategy="selective:matmul"
+            )
         if self.strategy == "offload":
-            return revckpt.offload.checkpoint_sequential(self.body, len(self.body), x)
+            return revckpt.checkpoint_sequential(self.body, len(self.body), x, strategy="offload")
         if self.strategy.startswith("approx-"):
             fmt = self.strategy.split("-")[1]
             return revckpt.checkpoint_sequential(
-                self.body, len(self.body), x, approx=Approx(store=fmt)
+                self.body, len(self.body), x, strategy=Approx(store=fmt)
             )
         return self.body(x)
 

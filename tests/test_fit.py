@@ -233,7 +233,8 @@ def test_approx_checkpoint_takes_bound_methods_and_partials() -> None:
     ref = layer.weight.grad.clone()
     for fn in (layer.forward, functools.partial(type(layer).forward, layer)):
         layer.weight.grad = None
-        revckpt.approx.checkpoint(fn, x, store="bf16").square().sum().backward()
+        y = revckpt.checkpoint(fn, x, strategy=revckpt.approx.Approx(store="bf16"))
+        y.square().sum().backward()
         assert torch.allclose(layer.weight.grad, ref, rtol=1e-2, atol=1e-2)
         assert not torch.equal(layer.weight.grad, torch.zeros_like(ref))
 

@@ -50,16 +50,18 @@ def _scheduled(segments):
 STRATEGIES = {
     "checkpoint": (lambda c, x: revckpt.checkpoint_sequential(c, len(c), x), 0.0),
     "approx, nothing compressed": (
-        lambda c, x: revckpt.checkpoint_sequential(c, len(c), x, approx=Approx(store=None)),
+        lambda c, x: revckpt.checkpoint_sequential(c, len(c), x, strategy=Approx(store=None)),
         0.0,
     ),
-    "offload": (lambda c, x: revckpt.offload.checkpoint_sequential(c, len(c), x), 0.0),
+    "offload": (lambda c, x: revckpt.checkpoint_sequential(c, len(c), x, strategy="offload"), 0.0),
     "scheduled, exact strategies": (
         _scheduled([Segment(0, 1, "checkpoint"), Segment(1, 3, "offload"), Segment(3, 4, "store")]),
         0.0,
     ),
     "selective matmul+attention": (
-        lambda c, x: revckpt.checkpoint_sequential(c, len(c), x, policy="matmul+attention"),
+        lambda c, x: revckpt.checkpoint_sequential(
+            c, len(c), x, strategy="selective:matmul+attention"
+        ),
         0.0,
     ),
     "scheduled, reversible": (
@@ -67,11 +69,11 @@ STRATEGIES = {
         1e-2,
     ),
     "approx e4m3": (
-        lambda c, x: revckpt.checkpoint_sequential(c, len(c), x, approx=Approx(store="e4m3")),
+        lambda c, x: revckpt.checkpoint_sequential(c, len(c), x, strategy=Approx(store="e4m3")),
         5e-2,
     ),
     "approx bf16": (
-        lambda c, x: revckpt.checkpoint_sequential(c, len(c), x, approx=Approx(store="bf16")),
+        lambda c, x: revckpt.checkpoint_sequential(c, len(c), x, strategy=Approx(store="bf16")),
         1e-2,
     ),
     "scheduled, approx and reversible": (

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 import revckpt
-from revckpt.approx import checkpoint as approx_checkpoint
 from revckpt.layers import ReversibleBlock, ReversibleSequential
 
 
@@ -23,10 +22,10 @@ def _branch():
 
 RUNS = {
     "checkpoint": lambda m, x: revckpt.checkpoint(m, x),
-    "selective": lambda m, x: revckpt.checkpoint(m, x, policy="matmul"),
+    "selective": lambda m, x: revckpt.checkpoint(m, x, strategy="selective:matmul"),
     "checkpoint_sequential": lambda m, x: revckpt.checkpoint_sequential(m, 2, x),
-    "approx": lambda m, x: approx_checkpoint(m, x, store="bf16"),
-    "offload": lambda m, x: revckpt.offload.checkpoint(m, x),
+    "approx": lambda m, x: revckpt.checkpoint(m, x, strategy=revckpt.approx.Approx(store="bf16")),
+    "offload": lambda m, x: revckpt.checkpoint(m, x, strategy="offload"),
 }
 
 

@@ -66,7 +66,10 @@ def test_gradients_bitwise_equal_to_checkpoint(segments, forced, monkeypatch):
         chain, lambda c, h, **kw: revckpt.checkpoint_sequential(c, segments, h, **kw), x, mask=mask
     )
     got = _grads(
-        chain, lambda c, h, **kw: offload.checkpoint_sequential(c, segments, h, **kw), x, mask=mask
+        chain,
+        lambda c, h, **kw: revckpt.checkpoint_sequential(c, segments, h, strategy="offload", **kw),
+        x,
+        mask=mask,
     )
     for a, b in zip(want, got, strict=True):
         assert torch.equal(a, b)
@@ -82,7 +85,7 @@ def test_single_block_checkpoint(copy_path):
     x = torch.randn(3, 12, dtype=torch.float64, requires_grad=True)
     h = x * 1.5
     with offload.record() as stats:
-        offload.checkpoint(block, h).sum().backward()
+        revckpt.checkpoint(block, h, strategy="offload").sum().backward()
     assert stats.to_host_bytes == h.numel() * 8 and stats.to_device_bytes == h.numel() * 8
     got = [x.grad.clone()] + [q.grad.clone() for q in block.parameters()]
     x.grad = None
@@ -107,9 +110,15 @@ def test_parameters_and_keyword_tensors_are_never_copied(copy_path):
     leaf = torch.randn(5, 12, dtype=torch.float64, requires_grad=True)
     h = leaf * 2
     with offload.record() as stats:
-        y = offload.checkpoint(block, h, tied)  # activation + parameter, positional
-        y = offload.checkpoint_sequential([Block().double()] * 2, 2, y, mask=mask)
-        y = offload.checkpoint(block, leaf, tied)  # a leaf requiring grad: the caller holds it
+        y = revckpt.checkpoint(
+            block, h, tied, strategy="offload"
+        )  # activation + parameter, positional
+        y = revckpt.checkpoint_sequential(
+            [Block().double()] * 2, 2, y, strategy="offload", mask=mask
+        )
+        y = revckpt.checkpoint(
+            block, leaf, tied, strategy="offload"
+        )  # a leaf requiring grad: the caller holds it
         y.sum().backward()
     activations = 2 * h.numel() * 8 + h.numel() * 8  # h, and the two inputs of the chain
     assert stats.to_host_bytes == activations
@@ -127,7 +136,7 @@ def test_without_copies_on_the_host_nothing_moves():
     chain = _chain()
     with offload.record() as stats:
         h = torch.randn(5, 12, dtype=torch.float64, requires_grad=True) * 2
-        offload.checkpoint_sequential(chain, 4, h).sum().backward()
+        revckpt.checkpoint_sequential(chain, 4, h, strategy="offload").sum().backward()
     assert stats.to_host_bytes == 0 and stats.to_device_bytes == 0
     assert stats.kept_in_place == {"already on the host": 4}
 
@@ -153,7 +162,9 @@ def test_offloaded_boundaries_are_released_after_the_forward(copy_path):
     inputs (only their host copies); a checkpoint keeps every one of them."""
     chain = _chain(n=4)
     x = torch.randn(5, 12, dtype=torch.float64, requires_grad=True)
-    y, alive = _block_inputs(chain, lambda h: offload.checkpoint_sequential(chain, 4, h * 2), x)
+    y, alive = _block_inputs(
+        chain, lambda h: revckpt.checkpoint_sequential(chain, 4, h * 2, strategy="offload"), x
+    )
     assert alive == [False, False, False, False]
     y.sum().backward()
     _y2, alive2 = _block_inputs(chain, lambda h: revckpt.checkpoint_sequential(chain, 4, h * 2), x)
@@ -165,7 +176,9 @@ def test_prefetch_one_segment_ahead(copy_path):
     x = torch.randn(5, 12, dtype=torch.float64, requires_grad=True)
     for prefetch, expected in ((True, 4), (False, 0)):
         with offload.record() as stats:
-            y = offload.checkpoint_sequential(chain, 5, x * 2, prefetch=prefetch)
+            y = revckpt.checkpoint_sequential(
+                chain, 5, x * 2, strategy=revckpt.offload.Offload(prefetch=prefetch)
+            )
             y.sum().backward()
         assert stats.to_device_tensors == 5
         assert stats.prefetched == expected
@@ -204,7 +217,7 @@ def test_prefetch_order_holds_at_most_two_boundaries(copy_path):
     mp.setattr(host_copies._Offloaded, "__init__", init)
     try:
         x = torch.randn(5, 12, dtype=torch.float64, requires_grad=True)
-        offload.checkpoint_sequential(chain, 5, x * 2).sum().backward()
+        revckpt.checkpoint_sequential(chain, 5, x * 2, strategy="offload").sum().backward()
     finally:
         mp.undo()
     ids = [id(h) for h in handles]
@@ -216,7 +229,7 @@ def test_prefetch_order_holds_at_most_two_boundaries(copy_path):
 def test_a_second_backward_copies_again(copy_path):
     chain = _chain(n=3)
     x = torch.randn(5, 12, dtype=torch.float64, requires_grad=True)
-    y = offload.checkpoint_sequential(chain, 3, x * 2)
+    y = revckpt.checkpoint_sequential(chain, 3, x * 2, strategy="offload")
     y.sum().backward(retain_graph=True)
     first = [q.grad.clone() for q in chain.parameters()]
     y.sum().backward()
@@ -229,7 +242,9 @@ def test_bf16_autocast_matches_checkpoint():
     x = torch.randn(5, 12)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = _grads(chain, lambda c, h: revckpt.checkpoint_sequential(c, 3, h), x)
-        got = _grads(chain, lambda c, h: offload.checkpoint_sequential(c, 3, h), x)
+        got = _grads(
+            chain, lambda c, h: revckpt.checkpoint_sequential(c, 3, h, strategy="offload"), x
+        )
     for a, b in zip(want, got, strict=True):
         assert torch.equal(a, b)
 
@@ -238,13 +253,15 @@ def test_bad_input():
     chain = _chain(n=2)
     x = torch.randn(5, 12, dtype=torch.float64)
     with pytest.raises(InvalidInputTypeError, match="callable"):
-        offload.checkpoint("not a block", x)
+        revckpt.checkpoint("not a block", x, strategy="offload")
     with pytest.raises(InvalidInputTypeError, match=r"must be a torch\.Tensor"):
-        offload.checkpoint_sequential(chain, 2, [x])
+        revckpt.checkpoint_sequential(chain, 2, [x], strategy="offload")
     with pytest.raises(InvalidArgumentError, match="pin_memory"):
-        offload.checkpoint_sequential(chain, 2, x, pin_memory="yes")
+        revckpt.checkpoint_sequential(
+            chain, 2, x, strategy=revckpt.offload.Offload(pin_memory="yes")
+        )
     with pytest.raises(InvalidArgumentError, match="segments"):
-        offload.checkpoint_sequential(chain, 5, x)
+        revckpt.checkpoint_sequential(chain, 5, x, strategy="offload")
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -259,7 +276,7 @@ def test_cuda_offloaded_boundaries_hold_no_device_bytes():
     results = {}
     for name, run in (
         ("checkpoint", lambda h: revckpt.checkpoint_sequential(chain, 6, h)),
-        ("offload", lambda h: offload.checkpoint_sequential(chain, 6, h)),
+        ("offload", lambda h: revckpt.checkpoint_sequential(chain, 6, h, strategy="offload")),
     ):
         torch.cuda.synchronize()
         with MemoryMeter("cuda") as meter, offload.record() as stats:
@@ -289,7 +306,7 @@ def test_offloaded_boundaries_leave_nothing_on_the_meter(host_off_the_meter):
     x = torch.randn(5, 12, dtype=torch.float64, requires_grad=True)
     for run, boundaries in (
         (lambda h: revckpt.checkpoint_sequential(chain, 4, h), 4),
-        (lambda h: offload.checkpoint_sequential(chain, 4, h), 0),
+        (lambda h: revckpt.checkpoint_sequential(chain, 4, h, strategy="offload"), 0),
     ):
         with MemoryMeter("cpu") as meter:
             h = x * 2
@@ -352,13 +369,13 @@ def test_an_input_modified_in_place_after_the_block_raises(forced, monkeypatch):
     lin = nn.Linear(8, 8)
     x = torch.randn(3, 8, requires_grad=True)
     h = x * 1
-    y = offload.checkpoint(lin, h)
+    y = revckpt.checkpoint(lin, h, strategy="offload")
     h.add_(1)
     with pytest.raises(revckpt.ModifiedInputError, match="modified in place"):
         y.pow(2).sum().backward()
     # unchanged: fine, and the same gradients as a plain run
     h = x * 1
-    offload.checkpoint(lin, h).pow(2).sum().backward()
+    revckpt.checkpoint(lin, h, strategy="offload").pow(2).sum().backward()
 
 
 def test_force_copies_is_scoped():
@@ -382,7 +399,9 @@ def test_simulated_device_round_trips_every_dtype_bitwise(dtype, host_off_the_me
     block = Block().to(dtype)
     x = torch.randn(4, 3, 12).to(dtype).requires_grad_(True)
     want = torch.autograd.grad(revckpt.checkpoint(block, x * 1).sum(), [x, *block.parameters()])
-    got = torch.autograd.grad(offload.checkpoint(block, x * 1).sum(), [x, *block.parameters()])
+    got = torch.autograd.grad(
+        revckpt.checkpoint(block, x * 1, strategy="offload").sum(), [x, *block.parameters()]
+    )
     for a, b in zip(want, got, strict=True):
         assert torch.equal(a, b)
 
@@ -424,5 +443,9 @@ def test_keyword_tensor_gradients_equal_checkpoint_to_round_off(segments):
 
     expected = grad(lambda s: revckpt.checkpoint_sequential(blocks, segments, x, scale=s))
     with offload.force_copies():
-        got = grad(lambda s: offload.checkpoint_sequential(blocks, segments, x, scale=s))
+        got = grad(
+            lambda s: revckpt.checkpoint_sequential(
+                blocks, segments, x, strategy="offload", scale=s
+            )
+        )
     torch.testing.assert_close(got, expected, rtol=1e-13, atol=0)

@@ -89,7 +89,7 @@ class Model(nn.Module):
                 return self.scheduled(x)
         if s == "offload":
             with rv_offload.force_copies():
-                return rv_offload.checkpoint_sequential(blocks, len(blocks), x)
+                return revckpt.checkpoint_sequential(blocks, len(blocks), x, strategy="offload")
         options = {
             "checkpoint": {"segments": len(blocks)},
             "checkpoint-segment": {"segments": 2},
@@ -541,10 +541,10 @@ def _encoder_step(strategy: str, enc: nn.Module, x: torch.Tensor, mask: torch.Te
     if strategy == "plain":
         y = enc(x, src_key_padding_mask=mask)
     elif strategy == "approx-exact":
-        y = revckpt.approx.checkpoint(enc, x, store=None, src_key_padding_mask=mask)
+        y = revckpt.checkpoint(enc, x, strategy=Approx(store=None), src_key_padding_mask=mask)
     elif strategy == "offload":
         with rv_offload.force_copies():
-            y = rv_offload.checkpoint(enc, x, src_key_padding_mask=mask)
+            y = revckpt.checkpoint(enc, x, strategy="offload", src_key_padding_mask=mask)
     else:
         y = revckpt.checkpoint(enc, x, src_key_padding_mask=mask)
     y.square().sum().backward()

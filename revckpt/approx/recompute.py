@@ -1,7 +1,8 @@
 """Approximate recompute: a checkpoint whose kept input is compressed, optionally re-run in bf16.
 
-``checkpoint(fn, x, store="e4m3")`` runs ``fn(x)`` without keeping its activations, like
-:func:`revckpt.checkpoint`, but keeps ``x`` itself compressed by a
+``revckpt.checkpoint(fn, x, strategy=Approx(store="e4m3"))`` (or ``strategy="approx:e4m3"``)
+runs ``fn(x)`` without keeping its activations, like a plain checkpoint, but keeps ``x`` itself
+compressed by a
 :class:`~revckpt.approx.formats.Codec` (1 byte per element plus a float32 scale per row for
 fp8, 2 bytes for bf16, against 4 for float32). Backward decodes ``x_hat``, re-runs ``fn`` from
 it, and returns the gradients of that recompute::
@@ -37,6 +38,7 @@ from typing import Any, Literal
 
 import torch
 
+from .._deprecation import warn_deprecated
 from ..engine.node import EXACT, Keep, run_node
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from .formats import FORMATS, Codec, Encoded, NonFiniteInputError, Rounding, Scaling
@@ -187,6 +189,22 @@ def _decode(codec: Codec, enc: Encoded, where: str) -> torch.Tensor:
         raise NonFiniteInputError(f"{where}: {err}") from None
 
 
+def _checkpoint(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    config: Approx,
+    preserve_rng_state: bool,
+) -> Any:
+    """``fn(*args, **kwargs)`` as one recompute node keeping its tensor arguments as ``config``
+    says: what ``revckpt.checkpoint(fn, *args, strategy=config)`` runs (``fn`` checked)."""
+    label = getattr(fn, "__qualname__", type(fn).__name__)
+    return run_node(
+        fn, args, kwargs, keep=keep_of(config), preserve_rng_state=preserve_rng_state, label=label
+    )
+
+
 def checkpoint(
     fn: Callable[..., Any],
     *args: Any,
@@ -198,7 +216,9 @@ def checkpoint(
     preserve_rng_state: bool = True,
     **kwargs: Any,
 ) -> Any:
-    """Run ``fn(*args, **kwargs)`` keeping only its tensor arguments, compressed.
+    """Deprecated: ``revckpt.checkpoint(fn, *args, strategy=Approx(store=..., ...))``.
+
+    Runs ``fn(*args, **kwargs)`` keeping only its tensor arguments, compressed.
 
     Floating-point tensor arguments are kept in ``store`` format (see :class:`Approx` for the
     options; integer and boolean tensors are kept exactly); keyword arguments are passed to
@@ -210,6 +230,10 @@ def checkpoint(
     plus RNG state when ``fn`` drew random numbers. Extra work: one forward of ``fn`` in
     backward, plus an encode and a decode.
     """
+    warn_deprecated(
+        "revckpt.approx.checkpoint(fn, *args, store=...)",
+        "revckpt.checkpoint(fn, *args, strategy=revckpt.approx.Approx(store=...))",
+    )
     config = Approx(
         store=store,
         scaling=scaling,
@@ -221,7 +245,4 @@ def checkpoint(
         raise InvalidInputTypeError(
             f"approx.checkpoint(fn, *args): fn must be callable, got {type(fn).__name__}"
         )
-    label = getattr(fn, "__qualname__", type(fn).__name__)
-    return run_node(
-        fn, args, kwargs, keep=keep_of(config), preserve_rng_state=preserve_rng_state, label=label
-    )
+    return _checkpoint(fn, args, kwargs, config=config, preserve_rng_state=preserve_rng_state)

@@ -6,7 +6,7 @@ from helpers import bitwise_equal, train_step, twin
 from torch import nn
 
 import revckpt
-from revckpt import InvalidArgumentError, InvalidInputTypeError, MemoryMeter, approx
+from revckpt import InvalidArgumentError, InvalidInputTypeError, MemoryMeter
 from revckpt.approx import Approx
 from revckpt.layers import ReversibleSequential, reversible_mlp_block
 from revckpt.models import ResidualMLPBlock, mlp_chain
@@ -15,7 +15,7 @@ from revckpt.models import ResidualMLPBlock, mlp_chain
 def _held(store, x, block):
     xx = x.detach().clone().requires_grad_()
     with MemoryMeter("cpu") as meter:
-        y = approx.checkpoint(block, xx, store=store)
+        y = revckpt.checkpoint(block, xx, strategy=Approx(store=store))
     return meter.end_bytes - y.numel() * y.element_size(), y, xx
 
 
@@ -45,7 +45,7 @@ def test_no_compression_is_bitwise_plain_checkpoint():
         return revckpt.checkpoint_sequential(m, 4, xx)
 
     def run_approx(m, xx):
-        return revckpt.checkpoint_sequential(m, 4, xx, approx=Approx(store=None))
+        return revckpt.checkpoint_sequential(m, 4, xx, strategy=Approx(store=None))
 
     out_a, grads_a, dx_a = train_step(chain, x, run_plain)
     out_b, grads_b, dx_b = train_step(other, x, run_approx)
@@ -59,7 +59,7 @@ def test_single_block_no_compression_matches_revckpt_checkpoint():
     other = twin(block)
     x = torch.randn(8, 32, requires_grad=True)
     a = train_step(block, x, lambda m, xx: revckpt.checkpoint(m, xx))
-    b = train_step(other, x, lambda m, xx: approx.checkpoint(m, xx, store=None))
+    b = train_step(other, x, lambda m, xx: revckpt.checkpoint(m, xx, strategy=Approx(store=None)))
     assert torch.equal(a[0], b[0]) and bitwise_equal(a[1], b[1]) and torch.equal(a[2], b[2])
 
 
@@ -70,7 +70,9 @@ def test_forward_exact_gradients_close(store):
     x = torch.randn(16, 32, requires_grad=True)
     out_a, grads_a, dx_a = train_step(chain, x)
     out_b, grads_b, dx_b = train_step(
-        other, x, lambda m, xx: revckpt.checkpoint_sequential(m, 3, xx, approx=Approx(store=store))
+        other,
+        x,
+        lambda m, xx: revckpt.checkpoint_sequential(m, 3, xx, strategy=Approx(store=store)),
     )
     assert torch.equal(out_a, out_b)  # only backward sees the approximation
     a, b = torch.cat([g.flatten() for g in grads_a]), torch.cat([g.flatten() for g in grads_b])
@@ -84,7 +86,7 @@ def test_bf16_recompute_runs_under_autocast_and_first_forward_stays_exact():
     x = torch.randn(8, 32, requires_grad=True)
     seen = []
     block.fc1.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
-    y = approx.checkpoint(block, x, store=None, recompute_dtype=torch.bfloat16)
+    y = revckpt.checkpoint(block, x, strategy=Approx(store=None, recompute_dtype=torch.bfloat16))
     assert y.dtype == torch.float32 and seen == [torch.float32]
     y.sum().backward()
     assert seen == [torch.float32, torch.bfloat16]
@@ -108,7 +110,7 @@ def test_autograd_grad_and_inputs_without_grad_and_kwargs():
     block = Masked()
     x = torch.randn(4, 16)  # does not require grad
     scale = torch.rand(4, 1, requires_grad=True)
-    y = approx.checkpoint(block, x, store="e4m3", scale=scale)
+    y = revckpt.checkpoint(block, x, strategy=Approx(store="e4m3"), scale=scale)
     gw, gs = torch.autograd.grad(y.sum(), (block.lin.weight, scale))
     ref_w, ref_s = torch.autograd.grad(block(x, scale=scale).sum(), (block.lin.weight, scale))
     assert (gw - ref_w).norm() < 0.1 * ref_w.norm()
@@ -119,7 +121,7 @@ def test_autograd_grad_and_inputs_without_grad_and_kwargs():
 def test_retain_graph_and_accumulation():
     block = ResidualMLPBlock(16, 32)
     x = torch.randn(4, 16, requires_grad=True)
-    y = approx.checkpoint(block, x, store="bf16")
+    y = revckpt.checkpoint(block, x, strategy=Approx(store="bf16"))
     y.sum().backward(retain_graph=True)
     first = block.fc1.weight.grad.clone()
     y.sum().backward()
@@ -130,7 +132,7 @@ def test_no_grad_forward_keeps_nothing():
     block = ResidualMLPBlock(64, 128)
     x = torch.randn(16, 64)
     with torch.no_grad(), MemoryMeter("cpu") as meter:
-        y = approx.checkpoint(block, x, store="e4m3")
+        y = revckpt.checkpoint(block, x, strategy=Approx(store="e4m3"))
     assert meter.end_bytes == y.numel() * 4
 
 
@@ -150,7 +152,7 @@ def test_integer_arguments_kept_exact():
 
     ids = torch.tensor([1, 2, 3])
     h = torch.randn(3, 8, requires_grad=True)
-    approx.checkpoint(F(), ids, h, store="e4m3").sum().backward()
+    revckpt.checkpoint(F(), ids, h, strategy=Approx(store="e4m3")).sum().backward()
     assert emb.weight.grad is not None and h.grad is not None
 
 
@@ -160,17 +162,17 @@ def test_unregistered_tensor_raises_with_fix():
     def fn(x):
         return x @ w
 
-    y = approx.checkpoint(fn, torch.randn(2, 8, requires_grad=True), store="bf16")
+    y = revckpt.checkpoint(fn, torch.randn(2, 8, requires_grad=True), strategy=Approx(store="bf16"))
     with pytest.raises(InvalidArgumentError, match=r"pass an nn\.Module that registers it"):
         y.sum().backward()
 
 
 def test_nothing_to_differentiate_runs_plainly():
     frozen = nn.Linear(8, 8).requires_grad_(False)
-    y = approx.checkpoint(frozen, torch.randn(2, 8), store="e4m3")
+    y = revckpt.checkpoint(frozen, torch.randn(2, 8), strategy=Approx(store="e4m3"))
     assert not y.requires_grad  # no node, nothing kept
     w = torch.randn(8, 8, requires_grad=True)
-    z = approx.checkpoint(lambda x: x @ w, torch.randn(2, 8), store="e4m3")
+    z = revckpt.checkpoint(lambda x: x @ w, torch.randn(2, 8), strategy=Approx(store="e4m3"))
     z.sum().backward()  # a closure over a leaf: plain autograd, exact gradient
     assert w.grad is not None
 
@@ -180,7 +182,7 @@ def test_parameter_hooks_fire_once_through_segments():
     calls = []
     chain[1].fc1.weight.register_hook(lambda g: calls.append(1))
     x = torch.randn(4, 16, requires_grad=True)
-    revckpt.checkpoint_sequential(chain, 2, x, approx=Approx(store="e4m3")).sum().backward()
+    revckpt.checkpoint_sequential(chain, 2, x, strategy=Approx(store="e4m3")).sum().backward()
     assert calls == [1] and chain[1].fc1.weight.grad is not None
 
 
@@ -194,7 +196,9 @@ def test_keyword_tensor_changed_in_place_after_forward_raises():
             return self.lin(x) * scale
 
     scale = torch.rand(2, 1)
-    y = approx.checkpoint(Scaled(), torch.randn(2, 8, requires_grad=True), scale=scale)
+    y = revckpt.checkpoint(
+        Scaled(), torch.randn(2, 8, requires_grad=True), strategy=Approx(), scale=scale
+    )
     scale.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
@@ -207,13 +211,17 @@ def test_positional_mask_with_inf_gets_a_keyword_hint():
     mask = torch.zeros(2, 8)
     mask[0, 0] = float("-inf")
     with pytest.raises(InvalidArgumentError, match="belongs in a keyword argument"):
-        approx.checkpoint(fn, torch.randn(2, 8, requires_grad=True), mask, store="e4m3")
+        revckpt.checkpoint(
+            fn, torch.randn(2, 8, requires_grad=True), mask, strategy=Approx(store="e4m3")
+        )
 
 
 def test_complex_input_rejected():
     with pytest.raises(InvalidInputTypeError, match="complex"):
-        approx.checkpoint(
-            lambda z: z * 2, torch.randn(2, 4, dtype=torch.cfloat, requires_grad=True)
+        revckpt.checkpoint(
+            lambda z: z * 2,
+            torch.randn(2, 4, dtype=torch.cfloat, requires_grad=True),
+            strategy=Approx(),
         )
 
 
@@ -221,24 +229,30 @@ def test_bad_input():
     block = ResidualMLPBlock(16, 32)
     x = torch.randn(2, 16)
     with pytest.raises(InvalidArgumentError, match="unknown store format 'fp4'"):
-        approx.checkpoint(block, x, store="fp4")
+        revckpt.checkpoint(block, x, strategy=Approx(store="fp4"))
     with pytest.raises(InvalidArgumentError, match="unknown scaling"):
-        approx.checkpoint(block, x, scaling="col")
+        revckpt.checkpoint(block, x, strategy=Approx(scaling="col"))
     with pytest.raises(InvalidArgumentError, match="store=None keeps the input exact"):
         Approx(store=None, rounding="stochastic")
     with pytest.raises(InvalidArgumentError, match="recompute_dtype"):
-        approx.checkpoint(block, x, recompute_dtype=torch.int8)
+        revckpt.checkpoint(block, x, strategy=Approx(recompute_dtype=torch.int8))
     bad = x.clone()
     bad[0, 0] = float("inf")
     with pytest.raises(InvalidArgumentError, match="non-finite"):
-        approx.checkpoint(block, bad.requires_grad_(), store="e4m3")
+        revckpt.checkpoint(block, bad.requires_grad_(), strategy=Approx(store="e4m3"))
     with pytest.raises(InvalidArgumentError, match="does not divide the row length 16"):
-        approx.checkpoint(block, x.requires_grad_(), store="e4m3", scaling="block")
+        revckpt.checkpoint(
+            block, x.requires_grad_(), strategy=Approx(store="e4m3", scaling="block")
+        )
     with pytest.raises(InvalidInputTypeError, match="no tensor argument"):
-        approx.checkpoint(block, 3.0)
-    with pytest.raises(InvalidArgumentError, match="drop policy="):
+        revckpt.checkpoint(block, 3.0, strategy=Approx())
+    with pytest.raises(InvalidArgumentError, match="drop policy="), pytest.warns(FutureWarning):
         revckpt.checkpoint_sequential(
             mlp_chain(2, 16), 2, x, approx=Approx(), determinism_check="values"
+        )
+    with pytest.raises(InvalidArgumentError, match="'values' does not apply to the approx"):
+        revckpt.checkpoint_sequential(
+            mlp_chain(2, 16), 2, x, strategy=Approx(), determinism_check="values"
         )
 
 

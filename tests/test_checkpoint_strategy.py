@@ -1,0 +1,199 @@
+"""revckpt.checkpoint / checkpoint_sequential with strategy=: every form, the options that do not
+apply, and the deprecated spellings (a FutureWarning naming the new call, the same result)."""
+
+import warnings
+
+import pytest
+import torch
+from helpers import bitwise_equal, train_step, twin
+
+import revckpt
+from revckpt import InvalidArgumentError, InvalidInputTypeError, Strategy
+from revckpt.approx import Approx, compress_saved
+from revckpt.models import ResidualMLPBlock, mlp_chain
+from revckpt.offload import Offload
+from revckpt.policy import Selective
+
+
+def _same(run_old, run_new, model, x, **kwargs):
+    other = twin(model)
+    with pytest.warns(FutureWarning) as caught:
+        old = train_step(model, x, run_old, **kwargs)
+    new_call = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        new = train_step(other, x, run_new, **kwargs)
+    assert torch.equal(old[0], new[0]) and torch.equal(old[2], new[2])
+    assert bitwise_equal(old[1], new[1])
+    return new_call
+
+
+def _block_and_input():
+    torch.manual_seed(0)
+    return ResidualMLPBlock(16, 32, dropout=0.2), torch.randn(4, 16, requires_grad=True)
+
+
+def _chain_and_input():
+    torch.manual_seed(0)
+    return mlp_chain(4, 16, 32, dropout=0.2), torch.randn(4, 16, requires_grad=True)
+
+
+# --- deprecated spellings ----------------------------------------------------------------------
+
+
+def test_checkpoint_policy_alias():
+    block, x = _block_and_input()
+    said = _same(
+        lambda m, z: revckpt.checkpoint(m, z, policy="matmul"),
+        lambda m, z: revckpt.checkpoint(m, z, strategy="selective:matmul"),
+        block,
+        x,
+    )
+    assert any("strategy='selective:p'" in s for s in said)
+
+
+def test_checkpoint_sequential_policy_alias():
+    chain, x = _chain_and_input()
+    said = _same(
+        lambda m, z: revckpt.checkpoint_sequential(m, 2, z, policy="matmul"),
+        lambda m, z: revckpt.checkpoint_sequential(m, 2, z, strategy="selective:matmul"),
+        chain,
+        x,
+    )
+    assert any("strategy='selective:p'" in s for s in said)
+
+
+def test_checkpoint_sequential_approx_alias():
+    chain, x = _chain_and_input()
+    said = _same(
+        lambda m, z: revckpt.checkpoint_sequential(m, 2, z, approx=Approx(store="bf16")),
+        lambda m, z: revckpt.checkpoint_sequential(m, 2, z, strategy=Approx(store="bf16")),
+        chain,
+        x,
+    )
+    assert any("strategy=revckpt.approx.Approx(...)" in s for s in said)
+
+
+def test_approx_checkpoint_alias():
+    block, x = _block_and_input()
+    said = _same(
+        lambda m, z: revckpt.approx.checkpoint(m, z, store="e4m3", scaling="tensor"),
+        lambda m, z: revckpt.checkpoint(m, z, strategy=Approx(store="e4m3", scaling="tensor")),
+        block,
+        x,
+    )
+    assert any("revckpt.checkpoint(fn, *args, strategy=revckpt.approx.Approx(" in s for s in said)
+
+
+def test_offload_checkpoint_alias():
+    block, x = _block_and_input()
+    with revckpt.offload.force_copies():
+        said = _same(
+            lambda m, z: revckpt.offload.checkpoint(m, z, pin_memory=False),
+            lambda m, z: revckpt.checkpoint(m, z, strategy=Offload(pin_memory=False)),
+            block,
+            x,
+        )
+    assert any("strategy=revckpt.offload.Offload(" in s for s in said)
+
+
+def test_offload_checkpoint_sequential_alias():
+    chain, x = _chain_and_input()
+    with revckpt.offload.force_copies():
+        said = _same(
+            lambda m, z: revckpt.offload.checkpoint_sequential(m, 4, z, prefetch=False),
+            lambda m, z: revckpt.checkpoint_sequential(m, 4, z, strategy=Offload(prefetch=False)),
+            chain,
+            x,
+        )
+    assert any(
+        "revckpt.checkpoint_sequential(blocks, segments, input, strategy=" in s for s in said
+    )
+
+
+def test_the_warning_points_at_the_callers_line():
+    block, x = _block_and_input()
+    with pytest.warns(FutureWarning) as caught:
+        revckpt.checkpoint(block, x, policy="matmul")
+    assert caught[0].filename == __file__
+
+
+# --- strategy= forms ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [
+        (None, "checkpoint"),
+        ("checkpoint", Strategy("checkpoint")),
+        ("selective:matmul", Selective("matmul")),
+        ("selective:attention+matmul", Strategy("selective", "matmul+attention")),
+        ("approx:e4m3", Approx(store="e4m3")),
+        ("approx:bf16", Strategy("approx", "bf16")),
+        ("offload", Offload()),
+    ],
+)
+def test_equivalent_forms_give_bitwise_equal_results(one, other):
+    block, x = _block_and_input()
+    twin_block = twin(block)
+    a = train_step(block, x, lambda m, z: revckpt.checkpoint(m, z, strategy=one))
+    b = train_step(twin_block, x, lambda m, z: revckpt.checkpoint(m, z, strategy=other))
+    assert torch.equal(a[0], b[0]) and bitwise_equal(a[1], b[1]) and torch.equal(a[2], b[2])
+
+
+def test_compress_strategy_is_compress_saved():
+    block, x = _block_and_input()
+    block.eval()  # no dropout: two separate runs
+    twin_block = twin(block)
+    a = train_step(block, x, lambda m, z: revckpt.checkpoint(m, z, strategy="compress:bf16"))
+    b = train_step(twin_block, x, lambda m, z: compress_saved(m, z, store="bf16"))
+    assert torch.equal(a[0], b[0]) and bitwise_equal(a[1], b[1]) and torch.equal(a[2], b[2])
+    chain, y = _chain_and_input()
+    chain.eval()
+    got = revckpt.checkpoint_sequential(chain, 2, y, strategy="compress:e4m3")
+    assert torch.equal(got, chain(y))
+
+
+def test_offload_strategy_in_sequential_matches_plain_checkpoint():
+    chain, x = _chain_and_input()
+    other = twin(chain)
+    a = train_step(chain, x, lambda m, z: revckpt.checkpoint_sequential(m, 4, z))
+    with revckpt.offload.force_copies():
+        b = train_step(
+            other, x, lambda m, z: revckpt.checkpoint_sequential(m, 4, z, strategy=Offload())
+        )
+    assert torch.equal(a[0], b[0]) and bitwise_equal(a[1], b[1]) and torch.equal(a[2], b[2])
+
+
+def test_options_that_do_not_apply_raise():
+    block, x = _block_and_input()
+    for strategy in ("offload", Offload(), "approx:e4m3", "compress:bf16"):
+        with pytest.raises(InvalidArgumentError, match="applies to strategy=None / 'checkpoint'"):
+            revckpt.checkpoint(block, x, strategy=strategy, determinism_check="values")
+    with pytest.raises(InvalidArgumentError, match="preserve_rng_state=False does not apply"):
+        revckpt.checkpoint(block, x, strategy="compress:bf16", preserve_rng_state=False)
+    with (
+        pytest.raises(InvalidArgumentError, match="both strategy= and policy="),
+        pytest.warns(FutureWarning),
+    ):
+        revckpt.checkpoint(block, x, strategy="checkpoint", policy="matmul")
+    chain, y = _chain_and_input()
+    with (
+        pytest.raises(InvalidArgumentError, match="pass only strategy="),
+        pytest.warns(FutureWarning),
+    ):
+        revckpt.checkpoint_sequential(chain, 2, y, strategy="offload", approx=Approx())
+
+
+def test_bad_strategies_raise_naming_the_forms():
+    block, x = _block_and_input()
+    with pytest.raises(InvalidArgumentError, match="unknown strategy 'fast'"):
+        revckpt.checkpoint(block, x, strategy="fast")
+    with pytest.raises(InvalidArgumentError, match="'store' is no checkpoint"):
+        revckpt.checkpoint(block, x, strategy="store")
+    with pytest.raises(InvalidArgumentError, match=r"revckpt\.layers"):
+        revckpt.checkpoint(block, x, strategy=Strategy("reversible"))
+    with pytest.raises(InvalidInputTypeError, match=r"Offload\(\.\.\.\)"):
+        revckpt.checkpoint(block, x, strategy=3)
+    with pytest.raises(InvalidArgumentError, match="pin_memory"):
+        Offload(pin_memory="yes")
