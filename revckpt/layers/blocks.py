@@ -18,14 +18,16 @@ for ``"additive"``):
 
 from __future__ import annotations
 
+import inspect
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._deprecation import warn_deprecated
 from ..errors import InvalidArgumentError
-from .coupling import Coupling, make_coupling
+from .coupling import Coupling, _split_dim, make_coupling
 from .sequential import ReversibleBlock
 
 __all__ = [
@@ -127,11 +129,19 @@ class ConvBranch(nn.Module):
         return self.body(x)
 
 
-def _coupled(coupling: str | Coupling, size: int, *, dim: int) -> tuple[Coupling, int]:
-    """The block's coupling (a named one splits its branch output along ``dim``) and the size
-    along ``dim`` its branches must produce for streams of size ``size``."""
-    made = make_coupling(coupling, dim=dim)
-    return made, made.branch_size(size, dim=dim)
+def _coupled(coupling: str | Coupling, size: int, *, split_dim: int) -> tuple[Coupling, int]:
+    """The block's coupling (a named one splits its branch output along ``split_dim``) and the
+    size along ``split_dim`` its branches must produce for streams of size ``size``."""
+    made = make_coupling(coupling, split_dim=split_dim)
+    params = inspect.signature(made.branch_size).parameters
+    if "split_dim" not in params and "dim" in params:  # a custom coupling written before 0.2
+        warn_deprecated(
+            f"{type(made).__name__}.branch_size(size, *, dim)",
+            f"{type(made).__name__}.branch_size(size, *, split_dim)",
+            depth=2,
+        )
+        return made, made.branch_size(size, dim=split_dim)
+    return made, made.branch_size(size, split_dim=split_dim)
 
 
 def reversible_transformer_block(
@@ -146,7 +156,7 @@ def reversible_transformer_block(
     """Reversible pre-norm transformer block on ``(batch, seq, dim)`` streams; ``coupling``
     (``"additive"``, ``"affine"`` or a :class:`~revckpt.layers.Coupling`) couples along the
     last dim."""
-    made, out = _coupled(coupling, dim, dim=-1)
+    made, out = _coupled(coupling, dim, split_dim=-1)
     return ReversibleBlock(
         AttentionBranch(dim, heads, out_dim=out, dropout=dropout, causal=causal),
         MLPBranch(dim, mlp_ratio * dim, out_dim=out, norm="layer", dropout=dropout),
@@ -164,7 +174,7 @@ def reversible_mlp_block(
 ) -> ReversibleBlock:
     """Reversible MLP block; each stream has width ``dim`` (the last dim); ``coupling``
     (``"additive"``, ``"affine"`` or a :class:`~revckpt.layers.Coupling`) couples along it."""
-    made, out = _coupled(coupling, dim, dim=-1)
+    made, out = _coupled(coupling, dim, split_dim=-1)
     return ReversibleBlock(
         MLPBranch(dim, hidden, out_dim=out, norm=norm, dropout=dropout),
         MLPBranch(dim, hidden, out_dim=out, norm=norm, dropout=dropout),
@@ -175,13 +185,13 @@ def reversible_mlp_block(
 def revnet_conv_block(channels: int, *, coupling: str | Coupling = "additive") -> ReversibleBlock:
     """RevNet block for inputs of ``channels`` channels, split in two along dim 1
     (use ``ReversibleSequential(..., split_dim=1)``); ``coupling`` couples along the channels
-    (``"affine"`` means ``AffineCoupling(dim=1)``). Keeps resolution and channels;
+    (``"affine"`` means ``AffineCoupling(split_dim=1)``). Keeps resolution and channels;
     downsampling is not invertible and belongs between reversible stacks."""
     if channels % 2:
         raise InvalidArgumentError(
             f"channels={channels} is odd; a RevNet block splits channels into two equal halves"
         )
-    made, out = _coupled(coupling, channels // 2, dim=1)
+    made, out = _coupled(coupling, channels // 2, split_dim=1)
     return ReversibleBlock(
         ConvBranch(channels // 2, out_channels=out),
         ConvBranch(channels // 2, out_channels=out),
@@ -190,36 +200,53 @@ def revnet_conv_block(channels: int, *, coupling: str | Coupling = "additive") -
 
 
 class EnterStreams(nn.Module):
-    """``x -> (x, x)`` (``"duplicate"``) or the halves of ``x`` along ``dim`` (``"split"``)."""
+    """``x -> (x, x)`` (``"duplicate"``) or the halves of ``x`` along ``split_dim``
+    (``"split"``). ``dim=``: deprecated spelling of ``split_dim=``."""
 
-    def __init__(self, mode: Literal["duplicate", "split"] = "duplicate", *, dim: int = -1):
+    def __init__(
+        self,
+        mode: Literal["duplicate", "split"] = "duplicate",
+        *,
+        split_dim: int = -1,
+        dim: int | None = None,
+    ):
         super().__init__()
-        self.mode, self.dim = _mode(mode, ("duplicate", "split")), dim
+        split_dim = _split_dim(split_dim, dim, "EnterStreams(mode, dim=...)", -1, depth=2)
+        self.mode, self.split_dim = _mode(mode, ("duplicate", "split")), split_dim
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.mode == "duplicate":
             return x, x
-        has_dim = -x.dim() <= self.dim < x.dim()
-        if not has_dim or x.shape[self.dim] % 2:
+        d = self.split_dim
+        has_dim = -x.dim() <= d < x.dim()
+        if not has_dim or x.shape[d] % 2:
             raise InvalidArgumentError(
-                f"cannot split shape {tuple(x.shape)} in two along dim {self.dim}: "
+                f"cannot split shape {tuple(x.shape)} in two along dim {d}: "
                 f"{'odd size' if has_dim else 'no such dim'}; use mode='duplicate', pad, or "
-                "pass the dim to split"
+                "pass the split_dim to split along"
             )
-        a, b = x.chunk(2, dim=self.dim)
+        a, b = x.chunk(2, dim=d)
         return a, b
 
 
 class LeaveStreams(nn.Module):
-    """``(y1, y2) -> (y1 + y2) / 2`` (``"average"``) or their concatenation (``"concat"``)."""
+    """``(y1, y2) -> (y1 + y2) / 2`` (``"average"``) or their concatenation along
+    ``split_dim`` (``"concat"``). ``dim=``: deprecated spelling of ``split_dim=``."""
 
-    def __init__(self, mode: Literal["average", "concat"] = "average", *, dim: int = -1):
+    def __init__(
+        self,
+        mode: Literal["average", "concat"] = "average",
+        *,
+        split_dim: int = -1,
+        dim: int | None = None,
+    ):
         super().__init__()
-        self.mode, self.dim = _mode(mode, ("average", "concat")), dim
+        split_dim = _split_dim(split_dim, dim, "LeaveStreams(mode, dim=...)", -1, depth=2)
+        self.mode, self.split_dim = _mode(mode, ("average", "concat")), split_dim
 
     def forward(self, streams: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         y1, y2 = streams
-        return (y1 + y2) / 2 if self.mode == "average" else torch.cat([y1, y2], dim=self.dim)
+        return (y1 + y2) / 2 if self.mode == "average" else torch.cat([y1, y2], dim=self.split_dim)
 
 
 def _mode(mode: str, allowed: tuple[str, str]) -> str:

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from .blocks import EnterStreams, LeaveStreams
+from .coupling import _split_dim
 from .sequential import ReversibleBlock, ReversibleSequential
 
 __all__ = ["ReversibleStack", "convert_to_reversible"]
@@ -38,12 +39,14 @@ class ReversibleStack(nn.Module):
         *,
         enter: Literal["duplicate", "split"] = "duplicate",
         leave: Literal["average", "concat"] = "average",
-        dim: int = -1,
+        split_dim: int = -1,
+        dim: int | None = None,
     ) -> None:
         super().__init__()
-        self.enter = EnterStreams(enter, dim=dim)
+        split_dim = _split_dim(split_dim, dim, "ReversibleStack(rev, dim=...)", -1, depth=2)
+        self.enter = EnterStreams(enter, split_dim=split_dim)
         self.rev = rev
-        self.leave = LeaveStreams(leave, dim=dim)
+        self.leave = LeaveStreams(leave, split_dim=split_dim)
 
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         return self.leave(self.rev(self.enter(x), **kwargs))
@@ -83,9 +86,9 @@ def _convert_stack(
     ]
     enter = options.pop("enter", "duplicate")
     leave = options.pop("leave", "average")
-    dim = options.get("split_dim", -1)
+    split_dim = options.get("split_dim", -1)
     return ReversibleStack(
-        ReversibleSequential(*blocks, **options), enter=enter, leave=leave, dim=dim
+        ReversibleSequential(*blocks, **options), enter=enter, leave=leave, split_dim=split_dim
     )
 
 

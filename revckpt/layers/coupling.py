@@ -28,9 +28,9 @@ twice the stream's size along the last dim that is split into ``a`` and ``b``::
             a, b = h if isinstance(h, tuple) else h.chunk(2, dim=-1)
             return y - torch.sigmoid(a) * b
 
-        def branch_size(self, size, *, dim):  # a and b stacked along the last dim
-            if dim != -1:
-                raise InvalidArgumentError(f"GatedCoupling splits h along dim -1, not {dim}")
+        def branch_size(self, size, *, split_dim):  # a and b stacked along the last dim
+            if split_dim != -1:
+                raise InvalidArgumentError(f"GatedCoupling splits h along -1, not {split_dim}")
             return 2 * size
 """
 
@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from .._deprecation import warn_deprecated
 from ..errors import InvalidArgumentError
 
 __all__ = ["AdditiveCoupling", "AffineCoupling", "Coupling", "make_coupling"]
@@ -60,11 +61,15 @@ class Coupling:
     def check(self, x: torch.Tensor, h: Any, *, branch: str) -> None:
         """Raise :class:`~revckpt.InvalidArgumentError` if ``h`` cannot be coupled with ``x``."""
 
-    def branch_size(self, size: int, *, dim: int) -> int:
-        """The size along ``dim`` of the branch output ``h`` this coupling needs for a stream
-        of size ``size`` there (a ready block's branches produce their features along ``dim``).
-        Default: ``size``, ``h`` has the stream's shape. A coupling that splits ``h`` along a
-        fixed dim raises :class:`~revckpt.InvalidArgumentError` for any other ``dim``."""
+    def branch_size(
+        self, size: int, *, split_dim: int | None = None, dim: int | None = None
+    ) -> int:
+        """The size along ``split_dim`` of the branch output ``h`` this coupling needs for a
+        stream of size ``size`` there (a ready block's branches produce their features along
+        ``split_dim``). Default: ``size``, ``h`` has the stream's shape. A coupling that splits
+        ``h`` along a fixed dim raises :class:`~revckpt.InvalidArgumentError` for any other
+        ``split_dim``. ``dim=``: deprecated spelling of ``split_dim=``."""
+        _split_dim(split_dim, dim, "Coupling.branch_size(size, dim=...)", None, depth=2)
         return size
 
     def __repr__(self) -> str:
@@ -99,28 +104,37 @@ class AdditiveCoupling(Coupling):
 class AffineCoupling(Coupling):
     """``y = x * s + t`` with ``s = exp(c * tanh(a / c))``; inverse ``x = (y - t) / s``.
 
-    The branch returns ``h = (a, t)``, or one tensor twice the stream's size along ``dim``
-    that is split into ``a`` and ``t``. The scale is bounded, ``exp(-c) <= s <= exp(c)``
-    (``c = clamp``, default 2), so the inverse never divides by a vanishing number and a
-    block amplifies reconstruction error by at most ``exp(c)``. Rounding: four roundings,
-    ``|x_hat - x| <= 4u * (|x| + |t| / s)`` per block (to first order in the unit roundoff ``u``).
+    The branch returns ``h = (a, t)``, or one tensor twice the stream's size along
+    ``split_dim`` that is split into ``a`` and ``t``. The scale is bounded,
+    ``exp(-c) <= s <= exp(c)`` (``c = clamp``, default 2), so the inverse never divides by a
+    vanishing number and a block amplifies reconstruction error by at most ``exp(c)``.
+    Rounding: four roundings, ``|x_hat - x| <= 4u * (|x| + |t| / s)`` per block (to first order
+    in the unit roundoff ``u``).
+    ``dim=``: deprecated spelling of ``split_dim=``.
     """
 
-    def __init__(self, *, clamp: float = 2.0, dim: int = -1) -> None:
+    def __init__(self, *, clamp: float = 2.0, split_dim: int = -1, dim: int | None = None) -> None:
+        split_dim = _split_dim(split_dim, dim, "AffineCoupling(dim=...)", -1, depth=2)
         if not (_is_number(clamp) and clamp > 0 and math.isfinite(clamp)):
             raise InvalidArgumentError(
                 f"clamp={clamp!r}: the scale bound must be a positive finite number, e.g. 2.0"
             )
-        if isinstance(dim, bool) or not isinstance(dim, int):
+        if isinstance(split_dim, bool) or not isinstance(split_dim, int):
             raise InvalidArgumentError(
-                f"dim={dim!r}: pass the int dimension along which a single-tensor branch output "
-                "is split into (log_scale, shift), e.g. -1"
+                f"split_dim={split_dim!r}: pass the int dimension along which a single-tensor "
+                "branch output is split into (log_scale, shift), e.g. -1"
             )
         self.clamp = float(clamp)
-        self.dim = dim
+        self.split_dim = split_dim
+
+    @property
+    def dim(self) -> int:
+        """Deprecated: :attr:`split_dim`."""
+        warn_deprecated("AffineCoupling.dim", "AffineCoupling.split_dim")
+        return self.split_dim
 
     def _scale_shift(self, h: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        a, t = h if isinstance(h, (tuple, list)) else h.chunk(2, dim=self.dim)
+        a, t = h if isinstance(h, (tuple, list)) else h.chunk(2, dim=self.split_dim)
         return torch.exp(self.clamp * torch.tanh(a / self.clamp)), t
 
     def combine(self, x: torch.Tensor, h: Any) -> torch.Tensor:
@@ -136,14 +150,14 @@ class AffineCoupling(Coupling):
             shapes = [tuple(p.shape) for p in h if isinstance(p, torch.Tensor)]
             ok = len(h) == 2 and shapes == [tuple(x.shape)] * 2
         elif isinstance(h, torch.Tensor):
-            if not -x.dim() <= self.dim < x.dim():
+            if not -x.dim() <= self.split_dim < x.dim():
                 raise InvalidArgumentError(
-                    f"AffineCoupling(dim={self.dim}) splits the branch output along dim "
-                    f"{self.dim}, but the stream has shape {tuple(x.shape)}; pass a dim the "
-                    "stream has, or return (log_scale, shift) as a tuple"
+                    f"AffineCoupling(split_dim={self.split_dim}) splits the branch output along "
+                    f"dim {self.split_dim}, but the stream has shape {tuple(x.shape)}; pass a dim "
+                    "the stream has as split_dim, or return (log_scale, shift) as a tuple"
                 )
             want = list(x.shape)
-            want[self.dim] *= 2
+            want[self.split_dim] *= 2
             ok, shapes = list(h.shape) == want, [tuple(h.shape)]
         else:
             ok, shapes = False, [type(h).__name__]
@@ -151,37 +165,64 @@ class AffineCoupling(Coupling):
             raise InvalidArgumentError(
                 f"branch {branch} returned {shapes} for a stream of shape {tuple(x.shape)}; an "
                 "affine coupling needs (log_scale, shift) of the stream's shape, or one tensor "
-                f"twice its size along dim {self.dim}"
+                f"twice its size along dim {self.split_dim}"
             )
 
-    def branch_size(self, size: int, *, dim: int) -> int:
-        """``2 * size``: the branch returns log-scale and shift stacked along ``dim``, which must
-        be the coupling's own ``dim``."""
-        if dim != self.dim:
+    def branch_size(
+        self, size: int, *, split_dim: int | None = None, dim: int | None = None
+    ) -> int:
+        """``2 * size``: the branch returns log-scale and shift stacked along ``split_dim``,
+        which must be the coupling's own ``split_dim``. ``dim=``: deprecated spelling."""
+        split_dim = _split_dim(
+            split_dim, dim, "AffineCoupling.branch_size(size, dim=...)", None, depth=2
+        )
+        if split_dim != self.split_dim:
             raise InvalidArgumentError(
-                f"AffineCoupling(dim={self.dim}) splits the branch output along dim {self.dim}, "
-                f"but this block's branches produce their features along dim {dim}; pass "
-                f"AffineCoupling(dim={dim}) or coupling='affine'"
+                f"AffineCoupling(split_dim={self.split_dim}) splits the branch output along dim "
+                f"{self.split_dim}, but this block's branches produce their features along dim "
+                f"{split_dim}; pass AffineCoupling(split_dim={split_dim}) or coupling='affine'"
             )
         return 2 * size
 
     def __repr__(self) -> str:
-        return f"AffineCoupling(clamp={self.clamp}, dim={self.dim})"
+        return f"AffineCoupling(clamp={self.clamp}, split_dim={self.split_dim})"
 
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def make_coupling(coupling: str | Coupling, *, dim: int = -1) -> Coupling:
+def make_coupling(
+    coupling: str | Coupling, *, split_dim: int = -1, dim: int | None = None
+) -> Coupling:
     """A coupling from a name (``"additive"``, ``"affine"``) or a :class:`Coupling` instance
-    (returned as is). ``dim``: the dimension a named affine coupling splits its branch output
-    along (``AffineCoupling(dim=dim)``)."""
+    (returned as is). ``split_dim``: the dimension a named affine coupling splits its branch
+    output along (``AffineCoupling(split_dim=split_dim)``); ``dim=``: its deprecated spelling."""
+    split_dim = _split_dim(split_dim, dim, "make_coupling(coupling, dim=...)", -1, depth=2)
     if isinstance(coupling, Coupling):
         return coupling
     if isinstance(coupling, str) and coupling in ("additive", "affine"):
-        return AdditiveCoupling() if coupling == "additive" else AffineCoupling(dim=dim)
+        if coupling == "additive":
+            return AdditiveCoupling()
+        return AffineCoupling(split_dim=split_dim)
     raise InvalidArgumentError(
         f"coupling={coupling!r} is not a coupling; use 'additive', 'affine', or an instance of "
         "revckpt.layers.Coupling (subclass it to write your own)"
     )
+
+
+def _split_dim(
+    split_dim: int | None, dim: int | None, old: str, default: int | None, *, depth: int
+) -> int:
+    """``split_dim``, or the deprecated ``dim=`` given in its place (warned at the caller of the
+    function ``depth - 1`` frames up); both given raises."""
+    if dim is None:
+        if split_dim is None and default is None:
+            raise InvalidArgumentError(f"{old.replace('dim=', 'split_dim=')} needs split_dim")
+        return split_dim
+    warn_deprecated(old, old.replace("dim=", "split_dim="), depth=depth)
+    if split_dim is not None and split_dim != default:
+        raise InvalidArgumentError(
+            f"got split_dim={split_dim} and its deprecated spelling dim={dim}; pass split_dim only"
+        )
+    return dim

@@ -22,9 +22,9 @@ class GatedCoupling(Coupling):
         a, b = h.chunk(2, dim=self.dim)
         return y - torch.sigmoid(a) * b
 
-    def branch_size(self, size, *, dim):
-        if dim != self.dim:
-            raise InvalidArgumentError(f"GatedCoupling splits h along {self.dim}, not {dim}")
+    def branch_size(self, size, *, split_dim):
+        if split_dim != self.dim:
+            raise InvalidArgumentError(f"GatedCoupling splits h along {self.dim}, not {split_dim}")
         return 2 * size
 
 

@@ -37,7 +37,7 @@ class HalfCoupling(Coupling):
 COUPLINGS = {
     "additive": lambda dim: "additive",
     "affine": lambda dim: "affine",
-    "affine-instance": lambda dim: AffineCoupling(clamp=1.0, dim=dim),
+    "affine-instance": lambda dim: AffineCoupling(clamp=1.0, split_dim=dim),
     "custom-gated": GatedCoupling,
     "custom-same-width": lambda dim: HalfCoupling(),
 }
@@ -141,7 +141,7 @@ def test_branches_are_sized_for_the_coupling():
     assert widths["affine"] == widths["affine-instance"] == widths["custom-gated"]
     assert widths["affine"] == tuple(2 * w for w in same)
     assert type(revnet_conv_block(4).coupling) is AdditiveCoupling
-    assert revnet_conv_block(4, coupling="affine").coupling.dim == 1
+    assert revnet_conv_block(4, coupling="affine").coupling.split_dim == 1
     custom = HalfCoupling()
     assert reversible_mlp_block(3, 6, coupling=custom).coupling is custom
 
@@ -162,9 +162,9 @@ def test_branch_output_widths():
 
 def test_enter_and_leave_streams():
     x = torch.randn(2, 6, 4)
-    a, b = EnterStreams("split", dim=1)(x)
+    a, b = EnterStreams("split", split_dim=1)(x)
     assert torch.equal(a, x[:, :3]) and torch.equal(b, x[:, 3:])
-    assert torch.equal(LeaveStreams("concat", dim=1)((a, b)), x)
+    assert torch.equal(LeaveStreams("concat", split_dim=1)((a, b)), x)
     a, b = EnterStreams()(x)
     assert a is x and b is x
     assert torch.equal(LeaveStreams()((x, 3 * x)), 2 * x)
@@ -197,13 +197,13 @@ def test_bad_block_options():
     with pytest.raises(InvalidArgumentError, match=r"channels=5 is odd"):
         revnet_conv_block(5)
     with pytest.raises(
-        InvalidArgumentError, match=r"AffineCoupling\(dim=-1\).*AffineCoupling\(dim=1\)"
+        InvalidArgumentError, match=r"AffineCoupling\(split_dim=-1\).*AffineCoupling\(split_dim=1\)"
     ):
         revnet_conv_block(4, coupling=AffineCoupling())
     with pytest.raises(InvalidArgumentError, match=r"GatedCoupling splits h along -1, not 1"):
         revnet_conv_block(4, coupling=GatedCoupling())
-    with pytest.raises(InvalidArgumentError, match=r"AffineCoupling\(dim=1\).*along dim -1"):
-        reversible_mlp_block(3, 6, coupling=AffineCoupling(dim=1))
+    with pytest.raises(InvalidArgumentError, match=r"AffineCoupling\(split_dim=1\).*along dim -1"):
+        reversible_mlp_block(3, 6, coupling=AffineCoupling(split_dim=1))
     for make in (
         lambda: reversible_mlp_block(3, 6, coupling="mult"),
         lambda: reversible_transformer_block(4, 2, coupling="mult"),
@@ -225,6 +225,6 @@ def test_bad_stream_modes_and_splits():
     with pytest.raises(InvalidArgumentError, match=r"shape \(2, 5\) in two along dim -1: odd"):
         EnterStreams("split")(torch.zeros(2, 5))
     with pytest.raises(InvalidArgumentError, match=r"along dim 2: no such dim"):
-        EnterStreams("split", dim=2)(torch.zeros(2, 4))
+        EnterStreams("split", split_dim=2)(torch.zeros(2, 4))
     with pytest.raises(InvalidArgumentError, match=r"shape \(\) in two along dim -1: no such"):
         EnterStreams("split")(torch.tensor(1.0))

@@ -66,7 +66,7 @@ COUPLINGS = {
 def _h(coupling, x, gen):
     """A branch output of the width ``coupling`` asks for (features along the last dim)."""
     shape = list(x.shape)
-    shape[-1] = coupling.branch_size(shape[-1], dim=-1)
+    shape[-1] = coupling.branch_size(shape[-1], split_dim=-1)
     return 3 * torch.randn(shape, dtype=x.dtype, generator=gen)
 
 
@@ -86,7 +86,7 @@ def test_round_trip_float64(name):
 
 
 def test_affine_tuple_and_tensor_forms_agree():
-    c = AffineCoupling(dim=1)
+    c = AffineCoupling(split_dim=1)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 4, dtype=torch.float64, generator=gen)
     h = torch.randn(2, 6, 4, dtype=torch.float64, generator=gen)
@@ -139,9 +139,9 @@ def test_additive_round_trip_within_its_documented_bound(case, data):
 @given(case=streams(), data=st.data(), clamp=st.floats(0.1, 8.0), as_tuple=st.booleans())
 def test_affine_round_trip_within_its_documented_bound(case, data, clamp, as_tuple):
     x, dim = case
-    c = AffineCoupling(clamp=clamp, dim=dim)
+    c = AffineCoupling(clamp=clamp, split_dim=dim)
     shape = list(x.shape)
-    shape[dim] = c.branch_size(shape[dim], dim=dim)
+    shape[dim] = c.branch_size(shape[dim], split_dim=dim)
     # log-scales far past the clamp, shifts over many orders of magnitude
     h = torch.from_numpy(
         data.draw(hnp.arrays(np.float64, shape, elements=st.floats(-1e4, 1e4, **finite)))
@@ -175,7 +175,7 @@ def _branch(coupling, width, tuple_branch):
     if tuple_branch:
         return TwoHeads(width)
     return nn.Sequential(
-        nn.Linear(width, 7), nn.Tanh(), nn.Linear(7, coupling.branch_size(width, dim=-1))
+        nn.Linear(width, 7), nn.Tanh(), nn.Linear(7, coupling.branch_size(width, split_dim=-1))
     )
 
 
@@ -237,7 +237,7 @@ def test_affine_check_names_what_it_got_and_needs(h, got):
 
 def test_affine_check_a_dim_the_stream_lacks():
     with pytest.raises(InvalidArgumentError, match=r"dim=2.*shape \(2, 3\); pass a dim"):
-        AffineCoupling(dim=2).check(torch.zeros(2, 3), torch.zeros(2, 3, 2), branch="f")
+        AffineCoupling(split_dim=2).check(torch.zeros(2, 3), torch.zeros(2, 3, 2), branch="f")
     with pytest.raises(InvalidArgumentError, match=r"dim=-1.*shape \(\)"):
         AffineCoupling().check(torch.tensor(1.0), torch.zeros(2), branch="f")
 
@@ -251,25 +251,27 @@ def test_affine_bad_clamp(clamp):
 @pytest.mark.parametrize("dim", [1.0, "1", True, None])
 def test_affine_bad_dim(dim):
     with pytest.raises(InvalidArgumentError, match=r"dim=.*int dimension"):
-        AffineCoupling(dim=dim)
+        AffineCoupling(split_dim=dim)
 
 
 def test_branch_size():
-    assert AdditiveCoupling().branch_size(5, dim=1) == 5
-    assert Coupling().branch_size(5, dim=-1) == 5
-    assert AffineCoupling().branch_size(5, dim=-1) == 10
-    assert AffineCoupling(dim=1).branch_size(5, dim=1) == 10
-    with pytest.raises(InvalidArgumentError, match=r"AffineCoupling\(dim=-1\).*along dim 1; pass "):
-        AffineCoupling().branch_size(5, dim=1)
+    assert AdditiveCoupling().branch_size(5, split_dim=1) == 5
+    assert Coupling().branch_size(5, split_dim=-1) == 5
+    assert AffineCoupling().branch_size(5, split_dim=-1) == 10
+    assert AffineCoupling(split_dim=1).branch_size(5, split_dim=1) == 10
+    with pytest.raises(
+        InvalidArgumentError, match=r"AffineCoupling\(split_dim=-1\).*along dim 1; pass "
+    ):
+        AffineCoupling().branch_size(5, split_dim=1)
 
 
 def test_make_coupling():
     assert type(make_coupling("additive")) is AdditiveCoupling
-    affine = make_coupling("affine", dim=1)
-    assert type(affine) is AffineCoupling and (affine.dim, affine.clamp) == (1, 2.0)
-    assert make_coupling("affine").dim == -1
+    affine = make_coupling("affine", split_dim=1)
+    assert type(affine) is AffineCoupling and (affine.split_dim, affine.clamp) == (1, 2.0)
+    assert make_coupling("affine").split_dim == -1
     custom = GatedCoupling()
-    assert make_coupling(custom, dim=1) is custom
+    assert make_coupling(custom, split_dim=1) is custom
     for bad in ["mult", "Affine", None, 3, AdditiveCoupling]:
         with pytest.raises(InvalidArgumentError, match=r"is not a coupling; use 'additive'"):
             make_coupling(bad)
