@@ -1,14 +1,25 @@
 """revckpt: train deeper and wider PyTorch models in the same memory, and know what it cost.
 
-Strategies that trade compute for activation memory: classic checkpoint segments
-(:func:`checkpoint`, :func:`checkpoint_sequential`), reversible blocks (``revckpt.layers``),
-approximate recompute (``revckpt.approx``), and a scheduler that mixes them under a memory and
-an error budget (``revckpt.schedule``); with the measurement tools to prove what they save
-(:class:`MemoryMeter`, :func:`time_ratios`, :func:`gradient_error`, ``revckpt.report``).
+Strategies that trade compute for activation memory, chosen by ``strategy=`` of one
+:func:`checkpoint` and one :func:`checkpoint_sequential` (exact, selective, approximate
+recompute from compressed inputs (``revckpt.approx``), host offload (``revckpt.offload``),
+compressed saved tensors), reversible blocks (``revckpt.layers``), and a scheduler that mixes
+them under a memory and an error budget (``revckpt.schedule``); with the measurement tools to
+prove what they save (:class:`MemoryMeter`, :func:`time_ratios`, :func:`gradient_error`,
+``revckpt.report``).
 """
 
-from . import inplace, layers, measure, offload, replay, testing
-from .checkpoint import POLICY_PRESETS, checkpoint, checkpoint_sequential, segment_bounds
+# importable from here, outside __all__ (the redundant aliases say so)
+from . import approx as approx
+from . import inplace as inplace
+from . import layers as layers
+from . import measure as measure
+from . import offload as offload
+from . import replay as replay
+from . import testing as testing
+from .checkpoint import POLICY_PRESETS as POLICY_PRESETS
+from .checkpoint import checkpoint, checkpoint_sequential
+from .checkpoint import segment_bounds as segment_bounds
 from .errors import (
     CheckpointMismatchError,
     DoubleBackwardError,
@@ -39,8 +50,12 @@ from .strategy import Strategy
 
 __version__ = "0.1.0"
 
+# What a user needs for the three main jobs (checkpoint a model or a function: fit, convert,
+# restore, checkpoint, checkpoint_sequential; make a stack reversible: revckpt.layers; fit a
+# budget: fit), the strategies as values, the error types and the measurement tools. The
+# subpackages (layers, approx, offload, measure, replay, testing, inplace, schedule) and the
+# names not listed (POLICY_PRESETS, segment_bounds) stay importable from here.
 __all__ = [
-    "POLICY_PRESETS",
     "CheckpointMismatchError",
     "DoubleBackwardError",
     "GradientError",
@@ -64,15 +79,8 @@ __all__ = [
     "convert",
     "fit",
     "gradient_error",
-    "inplace",
-    "layers",
-    "measure",
-    "offload",
     "peak_memory",
-    "replay",
     "restore",
-    "segment_bounds",
-    "testing",
     "time_ratio",
     "time_ratios",
 ]

@@ -2,8 +2,10 @@
 
 * :mod:`~revckpt.approx.formats`: :class:`Codec` (bf16, fp8 e4m3 / e5m2; tensor, row or block
   scaling; nearest or stochastic rounding) with its per-element error bound.
-* :mod:`~revckpt.approx.recompute`: :func:`checkpoint` and the :class:`Approx` configuration
-  taken by ``checkpoint_sequential(approx=...)`` and ``ReversibleSequential(approx=...)``.
+* :mod:`~revckpt.approx.recompute`: the :class:`Approx` configuration taken by
+  ``revckpt.checkpoint(..., strategy=Approx(...))``, ``revckpt.checkpoint_sequential(...,
+  strategy=Approx(...))`` and ``ReversibleSequential(approx=...)``; :func:`checkpoint` is its
+  deprecated spelling.
 * :mod:`~revckpt.approx.bounds`: :func:`estimate_error`, a first-order hard bound and a cheap
   random-probe estimate of the parameter-gradient error; :func:`estimate_totals`, the estimate
   alone for several codecs at once.

@@ -11,10 +11,11 @@ outputs, normalisation inputs...) goes through a :class:`~revckpt.approx.formats
 
 so each element of a saved tensor is within ``k * (u * |a| + eta / s)`` of its value (see
 :mod:`revckpt.approx.formats`; ``u = 2**-8`` for bf16, ``2**-4`` for e4m3, ``2**-3`` for e5m2),
-and only the gradients see the approximation. Against :func:`revckpt.approx.checkpoint`, which
-keeps the block *input* compressed and re-runs the forward, it costs no forward (an encode per
-saved tensor and a decode in backward) and keeps more bytes (every saved activation, at 1 or 2
-bytes per element instead of 4).
+and only the gradients see the approximation. Against
+``revckpt.checkpoint(fn, x, strategy=Approx(...))``, which keeps the block *input* compressed
+and re-runs the forward, it costs no forward (an encode per saved tensor and a decode in
+backward) and keeps more bytes (every saved activation, at 1 or 2 bytes per element instead
+of 4).
 
 What is compressed: floating-point saved tensors with at least ``min_numel`` elements whose
 dtype is wider than the format (a bf16 tensor, e.g. a matmul input under bf16 autocast, is not
