@@ -134,7 +134,10 @@ def layout_of(root: nn.Module) -> _Layout:
 
 def submodules(root: nn.Module) -> list[nn.Module]:
     """``root`` and its submodules, each once (cached per root; walked again when a submodule
-    was added, removed or replaced)."""
+    was added, removed or replaced). Under ``torch.compile`` the walk is traced, not cached:
+    guards on the cache (a weak dictionary whose entries come and go) would not hold."""
+    if torch.compiler.is_compiling():
+        return _walk((root,))
     return _layout(root).modules
 
 

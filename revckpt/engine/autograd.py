@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._pytree import tree_flatten
 
-from .._module_state import layout_of
+from .._module_state import layout_of, submodules
 from ..errors import DoubleBackwardError, InvalidInputTypeError
 
 __all__ = [
@@ -100,6 +101,8 @@ def module_targets(module: Any) -> tuple[tuple[torch.Tensor, ...], tuple[nn.Modu
     or unfrozen since). Not a module: ``((), ())``."""
     if not isinstance(module, nn.Module):
         return (), ()
+    if torch.compiler.is_compiling():  # traced, not cached (see _module_state.submodules)
+        return _traced_targets(module)
     found = _TARGETS.get(module)
     if (
         found is None
@@ -108,6 +111,16 @@ def module_targets(module: Any) -> tuple[tuple[torch.Tensor, ...], tuple[nn.Modu
     ):
         found = _TARGETS[module] = _Targets(module)
     return tuple(p for p in found.params if p.requires_grad), found.layout.norms
+
+
+def _traced_targets(module: nn.Module) -> tuple[tuple[torch.Tensor, ...], tuple[nn.Module, ...]]:
+    modules = submodules(module)
+    params: dict[int, torch.Tensor] = {}
+    for m in modules:
+        for p in m._parameters.values():
+            if p is not None and p.requires_grad:
+                params.setdefault(id(p), p)
+    return tuple(params.values()), tuple(m for m in modules if isinstance(m, _NormBase))
 
 
 def _drop(t: torch.Tensor) -> None:
