@@ -1,13 +1,13 @@
 """Deprecated spellings: one warning, in one place, that names the call to use instead.
 
 An old spelling keeps working for one release and emits a :class:`FutureWarning` (shown to
-users by default, unlike :class:`DeprecationWarning`) naming its replacement. Calls made from
-inside revckpt itself do not warn: the user did not write them.
+users by default, unlike :class:`DeprecationWarning`) naming its replacement. revckpt's own
+code uses the new spellings only (the test suite runs its library paths with the warning as
+an error).
 """
 
 from __future__ import annotations
 
-import sys
 import warnings
 
 import torch
@@ -15,17 +15,11 @@ import torch
 __all__ = ["warn_deprecated"]
 
 
-def _caller_is_revckpt(depth: int) -> bool:
-    frame = sys._getframe(depth + 1)
-    name = frame.f_globals.get("__name__", "")
-    return name == "revckpt" or name.startswith("revckpt.")
-
-
 def warn_deprecated(old: str, new: str, *, depth: int = 1) -> None:
     """Warn that ``old`` is deprecated in favour of ``new``, at the caller ``depth`` frames up
-    from the deprecated function (1: its direct caller), unless that caller is revckpt's own
-    code. Silent while ``torch.compile`` traces (the eager run warns)."""
-    if torch.compiler.is_compiling() or _caller_is_revckpt(depth + 1):
+    from the deprecated function (1: its direct caller). Silent while ``torch.compile``
+    traces (the eager run warns)."""
+    if torch.compiler.is_compiling():
         return
     warnings.warn(
         f"{old} is deprecated and will be removed in the next release; use {new}",

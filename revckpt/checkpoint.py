@@ -16,10 +16,11 @@ Compared with ``torch.utils.checkpoint`` (whose non-reentrant engine does the bo
 * ``determinism_check="values"`` compares the recomputed values of every operation with the first
   forward (torch compares only shapes, dtypes and devices) and names the first operation that
   differs;
-* ``policy=`` selects op-level selective recompute (keep matrix-multiply / attention outputs,
-  recompute the cheap pointwise and normalisation work), built on torch's selective-checkpoint
-  contexts; a policy spec names any keep-set of aten operations (``"matmul+gelu"``,
-  :func:`parse_policy`) and has one canonical text (:func:`canonical_policy`).
+* ``strategy="selective:<spec>"`` selects op-level selective recompute (keep matrix-multiply /
+  attention outputs, recompute the cheap pointwise and normalisation work), built on torch's
+  selective-checkpoint contexts; a policy spec names any keep-set of aten operations
+  (``"matmul+gelu"``, :func:`parse_policy`) and has one canonical text
+  (:func:`canonical_policy`).
 """
 
 from __future__ import annotations

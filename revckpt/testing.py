@@ -376,7 +376,7 @@ def _measured(
     import copy
 
     exact32 = _chain_grads(chain, x, ct)
-    approx32 = _chain_grads(chain, x, ct, approx=approx)
+    approx32 = _chain_grads(chain, x, ct, strategy=approx)
     chain64 = copy.deepcopy(chain).double()
     exact64 = _chain_grads(chain64, x.double(), ct.double())
     for p in chain.parameters():

@@ -243,8 +243,8 @@ def estimate_error(
 ) -> ErrorEstimate:
     """Bound and estimate the parameter-gradient error of keeping every block input of the
     chain ``blocks`` through ``codec`` (as ``checkpoint_sequential(blocks, len(blocks), x,
-    approx=...)`` does), for input ``x`` and output cotangent ``cotangent`` (default: ones,
-    i.e. ``loss = y.sum()``). See the module docstring for the formulas."""
+    strategy=Approx(...))`` does), for input ``x`` and output cotangent ``cotangent``
+    (default: ones, i.e. ``loss = y.sum()``). See the module docstring for the formulas."""
     codec = codec_of(codec)
     chain = checked_chain(blocks, "estimate_error")
     if probes < 1 or power_iterations < 1:

@@ -17,11 +17,9 @@ from typing import Any
 
 from torch import nn
 
-from ..approx import checkpoint as approx_checkpoint
-from ..approx import compress_saved
+from ..approx import Approx, compress_saved
 from ..checkpoint import checkpoint
 from ..errors import InvalidArgumentError
-from ..offload import checkpoint as offload_checkpoint
 from ..strategy import Strategy, StrategyLike
 from .calls import Key, replaced, run_with
 from .install import Runner
@@ -45,7 +43,7 @@ class _Selective:
     def __call__(
         self, block: nn.Module, fn: Callable[..., Any], args: Any, kwargs: Any, key: Key
     ) -> Any:
-        return checkpoint(fn, *args, policy=self.policy, **kwargs)
+        return checkpoint(fn, *args, strategy=f"selective:{self.policy}", **kwargs)
 
 
 @dataclass(frozen=True)
@@ -72,8 +70,8 @@ class _HiddenOnly:
         rest_args, rest_kwargs = replaced(args, kwargs, key, None)
         call = functools.partial(run_with, fn, rest_args, rest_kwargs, key)
         if self.entry == "offload":
-            return offload_checkpoint(call, hidden)
-        return approx_checkpoint(call, hidden, store=self.store)
+            return checkpoint(call, hidden, strategy="offload")
+        return checkpoint(call, hidden, strategy=Approx(store=self.store))
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ from ..errors import InvalidInputTypeError
 from ..layers import ReversibleSequential, ReversibleUnit
 from ..measure import MemoryMeter
 from ..measure.timing import wall_time
-from ..offload import checkpoint as offload_checkpoint
 from ..offload import record as offload_record
 from ..strategy import Strategy
 from .block_runs import PLAIN_MODES, _forward_alone, _Metered, _metered_modes, _Runs, activation
@@ -110,7 +109,7 @@ def _offload_costs(
     bytes minus what :mod:`revckpt.offload` moved), and the median time of copying what moved
     back to the device (saved when the copy is prefetched)."""
     with offload_record() as stats:
-        y = offload_checkpoint(block, activation(leaf), **kwargs)
+        y = checkpoint(block, activation(leaf), strategy=OFFLOAD, **kwargs)
     del y
     kept = max(0, tensor_bytes(leaf) - stats.to_host_bytes)
     if stats.to_host_bytes == 0:
@@ -302,7 +301,9 @@ def _selective(
     output_op = _output_op(block, leaf.detach(), kwargs) if policies else None
     for policy in policies:
         kept[policy], peaks[policy] = _forward_alone(
-            lambda policy=policy: checkpoint(block, leaf, policy=policy, **kwargs),
+            lambda policy=policy: checkpoint(
+                block, leaf, strategy=f"{SELECTIVE}:{policy}", **kwargs
+            ),
             device,
             out_bytes,
         )

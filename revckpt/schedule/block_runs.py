@@ -12,12 +12,10 @@ import torch
 from torch import nn
 
 from .._numbers import tensor_bytes
-from ..approx import checkpoint as approx_checkpoint
 from ..approx import compress_saved
 from ..checkpoint import checkpoint
 from ..layers import ReversibleSequential
 from ..measure import MemoryMeter
-from ..offload import checkpoint as offload_checkpoint
 from ..strategy import argument_of, kind_of
 from .costs import APPROX, CHECKPOINT, COMPRESS, OFFLOAD, REVERSIBLE, SELECTIVE
 
@@ -44,13 +42,13 @@ class _Runs:
         if kind == CHECKPOINT:
             return checkpoint(block, leaf, **kw)
         if kind == SELECTIVE:
-            return checkpoint(block, leaf, policy=argument_of(mode), **kw)
+            return checkpoint(block, leaf, strategy=mode, **kw)
         if kind == APPROX:
-            return approx_checkpoint(block, leaf, store=argument_of(mode), **kw)
+            return checkpoint(block, leaf, strategy=mode, **kw)
         if kind == COMPRESS:
             return compress_saved(block, leaf, store=argument_of(mode), **kw)
         if kind == OFFLOAD:
-            return offload_checkpoint(block, activation(leaf), **kw)
+            return checkpoint(block, activation(leaf), strategy=OFFLOAD, **kw)
         if kind == REVERSIBLE:
             assert self.reversible is not None
             return self.reversible(leaf, **kw)

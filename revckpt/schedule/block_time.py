@@ -23,11 +23,9 @@ import torch
 from torch import nn
 
 from ..approx import Approx, compress_saved
-from ..approx import checkpoint as approx_checkpoint
 from ..checkpoint import checkpoint
 from ..measure import time_ratios
 from ..measure.timing import wall_time
-from ..offload import checkpoint as offload_checkpoint
 from ..strategy import argument_of, kind_of
 from .block_memory import activation
 from .costs import APPROX, CHECKPOINT, COMPRESS, OFFLOAD, REVERSIBLE, SELECTIVE, STORE
@@ -115,15 +113,13 @@ def _runner(
     if kind == CHECKPOINT:
         return functools.partial(checkpoint, block, leaf, **kwargs)
     if kind == SELECTIVE:
-        return functools.partial(checkpoint, block, leaf, policy=argument_of(strategy), **kwargs)
+        return functools.partial(checkpoint, block, leaf, strategy=strategy, **kwargs)
     if kind == APPROX and leaf.is_floating_point():
-        return functools.partial(
-            approx_checkpoint, block, leaf, store=argument_of(strategy), **kwargs
-        )
+        return functools.partial(checkpoint, block, leaf, strategy=strategy, **kwargs)
     if kind == COMPRESS and leaf.is_floating_point():
         return functools.partial(compress_saved, block, leaf, store=argument_of(strategy), **kwargs)
     if kind == REVERSIBLE and reversible is not None:
         return functools.partial(reversible, leaf, **kwargs)
     if kind == OFFLOAD:  # a view: an activation, as inside a chain (a leaf would stay in place)
-        return lambda: offload_checkpoint(block, activation(leaf), **kwargs)
+        return lambda: checkpoint(block, activation(leaf), strategy=OFFLOAD, **kwargs)
     return None

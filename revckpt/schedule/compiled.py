@@ -53,12 +53,12 @@ class _Run(nn.Module):
         super().__init__()
         self.block = block
         self.kind = kind_of(strategy)
-        self.policy = argument_of(strategy) if self.kind == SELECTIVE else None
+        self.strategy = strategy if self.kind == SELECTIVE else None  # None: exact
 
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         if self.kind == STORE:
             return self.block(x, **kwargs)
-        return checkpoint(self.block, x, policy=self.policy, **kwargs)
+        return checkpoint(self.block, x, strategy=self.strategy, **kwargs)
 
 
 def _meter(device: Any) -> MemoryMeter:

@@ -76,10 +76,10 @@ class OpCost:
 @dataclass(frozen=True)
 class OpChoice:
     """One keep-set of a block: ``spec`` (canonical, valid for ``Strategy("selective", spec)``
-    and ``checkpoint(..., policy=spec)``), the estimated ``kept_bytes`` (beyond the block's
-    input and output, replay state included) and ``recompute_s`` (the forward time of the
-    operations it does not keep), and ``keeps_output``: whether it keeps the block output (the
-    scheduler's ``selective_output_kept``)."""
+    and ``checkpoint(..., strategy=f"selective:{spec}")``), the estimated ``kept_bytes``
+    (beyond the block's input and output, replay state included) and ``recompute_s`` (the
+    forward time of the operations it does not keep), and ``keeps_output``: whether it keeps
+    the block output (the scheduler's ``selective_output_kept``)."""
 
     spec: str
     kept_bytes: int

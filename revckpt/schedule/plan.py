@@ -18,7 +18,6 @@ from ..approx import Approx, compress_saved
 from ..checkpoint import checkpoint, checkpoint_sequential
 from ..errors import InvalidArgumentError, InvalidInputTypeError, PlanWarning
 from ..layers import ReversibleSequential, ReversibleUnit
-from ..offload import checkpoint_sequential as offload_sequential
 from ..strategy import argument_of, kind_of
 from .costs import (
     APPROX,
@@ -284,7 +283,7 @@ class Scheduled(nn.Module):
             if approx is None:
                 x = run_segment(strategy, run, x, kwargs)
             else:
-                x = checkpoint_sequential(run, 1, x, approx=approx, **kwargs)
+                x = checkpoint_sequential(run, 1, x, strategy=approx, **kwargs)
         return x
 
 
@@ -352,12 +351,12 @@ def run_segment(strategy: str, run: Any, x: torch.Tensor, kwargs: dict[str, Any]
     if strategy == REVERSIBLE:
         return run(x, **kwargs)
     if strategy == OFFLOAD:
-        return offload_sequential(run, len(run), x, **kwargs)
+        return checkpoint_sequential(run, len(run), x, strategy=OFFLOAD, **kwargs)
     if kind_of(strategy) == SELECTIVE:
-        return checkpoint(run[0], x, policy=argument_of(strategy), **kwargs)
+        return checkpoint(run[0], x, strategy=strategy, **kwargs)
     if kind_of(strategy) == COMPRESS:
         return compress_saved(run[0], x, store=argument_of(strategy), **kwargs)
-    return checkpoint_sequential(run, 1, x, approx=Approx(store=argument_of(strategy)), **kwargs)
+    return checkpoint_sequential(run, 1, x, strategy=Approx(store=argument_of(strategy)), **kwargs)
 
 
 def apply(blocks: nn.Sequential | Sequence[nn.Module], plan: Plan) -> Scheduled:
