@@ -3,7 +3,7 @@
 For each chain (a pre-norm GELU MLP, the same MLP with ReLU and no norm, and a small pre-norm
 transformer) and each configuration (codec format x scaling x rounding, and bf16 recompute),
 every block input is kept through the configuration (``checkpoint_sequential(blocks, L, x,
-approx=...)``) and compared with float64 autograd of the same weights:
+strategy=Approx(...))``) and compared with float64 autograd of the same weights:
 
 * kept per boundary: bytes held after forward per block input (``revckpt.MemoryMeter``: all
   live bytes minus the output, over ``L`` boundaries), and as a fraction of float32;
@@ -79,7 +79,7 @@ def chains(quick: bool) -> dict[str, tuple[nn.Sequential, torch.Tensor]]:
 def grads(chain: nn.Sequential, x: torch.Tensor, approx: Approx | None) -> torch.Tensor:
     for p in chain.parameters():
         p.grad = None
-    y = checkpoint_sequential(chain, len(chain), x, approx=approx) if approx else chain(x)
+    y = checkpoint_sequential(chain, len(chain), x, strategy=approx) if approx else chain(x)
     y.sum().backward()
     return torch.cat([p.grad.flatten().double() for p in chain.parameters()])
 
@@ -89,7 +89,7 @@ def kept_per_boundary(chain: nn.Sequential, x: torch.Tensor, approx: Approx) -> 
     and dropped by the caller, so an exactly kept input counts and a compressed one does not."""
     with MemoryMeter("cpu") as meter:
         xx = x.clone()
-        y = checkpoint_sequential(chain, len(chain), xx, approx=approx)
+        y = checkpoint_sequential(chain, len(chain), xx, strategy=approx)
         del xx
     held = meter.end_bytes - y.numel() * y.element_size()
     del y
@@ -129,7 +129,7 @@ def bench_chain(
         )
 
         def step(approx: Approx = approx) -> None:
-            checkpoint_sequential(chain, len(chain), x, approx=approx).sum().backward()
+            checkpoint_sequential(chain, len(chain), x, strategy=approx).sum().backward()
 
         steps[label] = step
         print(f"  {name}: {label}", file=sys.stderr)

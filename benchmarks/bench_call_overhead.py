@@ -10,9 +10,9 @@ the same input, and reports the median time ratio revckpt / torch with its inter
 * one ``gpt_like`` block (dim 64, 4 heads, input 4x128x64), forward + backward;
 * a 24-block ``gpt_like`` chain, every block checkpointed (``checkpoint_sequential(m, 24, x)``
   against torch's checkpoint per block), forward + backward, and forward alone;
-* selective recompute keeping matrix multiplies and attention (``policy="matmul+attention"``
-  against torch's selective-checkpoint contexts with the same keep-set), on one block and on
-  the chain, forward + backward.
+* selective recompute keeping matrix multiplies and attention
+  (``strategy="selective:matmul+attention"`` against torch's selective-checkpoint contexts
+  with the same keep-set), on one block and on the chain, forward + backward.
 
 Run ``python benchmarks/bench_call_overhead.py`` (``--quick`` for a small smoke run); it prints
 a table and writes ``benchmarks/results/bench_call_overhead.json``. ``--before PATH`` adds the
@@ -52,8 +52,13 @@ _TORCH_SAC = functools.partial(tcp.create_selective_checkpoint_contexts, _torch_
 Block = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
 
+def _strategy(policy: str | None) -> str | None:
+    return None if policy is None else f"selective:{policy}"
+
+
 def ours(policy: str | None = None) -> Block:
-    return lambda block, x: revckpt.checkpoint(block, x, policy=policy)
+    strategy = _strategy(policy)
+    return lambda block, x: revckpt.checkpoint(block, x, strategy=strategy)
 
 
 def theirs(selective: bool = False) -> Block:
@@ -71,7 +76,8 @@ def block_step(run: Block, block: nn.Module, x: torch.Tensor, calls: int) -> Cal
 
 
 def chain_ours(chain: nn.Sequential, policy: str | None = None) -> Callable[[torch.Tensor], Any]:
-    return lambda x: checkpoint_sequential(chain, len(chain), x, policy=policy)
+    strategy = _strategy(policy)
+    return lambda x: checkpoint_sequential(chain, len(chain), x, strategy=strategy)
 
 
 def chain_theirs(chain: nn.Sequential, selective: bool = False) -> Callable[[torch.Tensor], Any]:

@@ -61,7 +61,9 @@ def variants(depth: int, selective: str) -> dict[str, Run]:
         "revckpt per-block": ours("per-block"),
         "revckpt sqrt": ours("sqrt"),
         f"revckpt every-{every}": ours(depth // every),
-        f"revckpt per-block + policy={selective}": ours("per-block", policy=selective),
+        f"revckpt per-block + policy={selective}": ours(
+            "per-block", strategy=f"selective:{selective}"
+        ),
     }
 
 

@@ -84,20 +84,22 @@ def _variants(
         "torch.utils.checkpoint per block": torch_per_block,
         "checkpoint sqrt": lambda h: revckpt.checkpoint_sequential(chain, "sqrt", h),
         "selective matmul+attention": lambda h: revckpt.checkpoint_sequential(
-            chain, n, h, policy="matmul+attention"
+            chain, n, h, strategy="selective:matmul+attention"
         ),
         "approx bf16": lambda h: revckpt.checkpoint_sequential(
-            chain, n, h, approx=Approx(store="bf16")
+            chain, n, h, strategy=Approx(store="bf16")
         ),
         "approx e4m3": lambda h: revckpt.checkpoint_sequential(
-            chain, n, h, approx=Approx(store="e4m3")
+            chain, n, h, strategy=Approx(store="e4m3")
         ),
         "bf16 recompute": lambda h: revckpt.checkpoint_sequential(
-            chain, n, h, approx=Approx(store=None, recompute_dtype=torch.bfloat16)
+            chain, n, h, strategy=Approx(store=None, recompute_dtype=torch.bfloat16)
         ),
-        "offload per block": lambda h: revckpt.offload.checkpoint_sequential(chain, n, h),
-        "offload per block, no prefetch": lambda h: revckpt.offload.checkpoint_sequential(
-            chain, n, h, prefetch=False
+        "offload per block": lambda h: revckpt.checkpoint_sequential(
+            chain, n, h, strategy="offload"
+        ),
+        "offload per block, no prefetch": lambda h: revckpt.checkpoint_sequential(
+            chain, n, h, strategy=revckpt.offload.Offload(prefetch=False)
         ),
         f"scheduler ({', '.join(sorted(set(plan.strategies)))})": scheduled,
     }
@@ -136,10 +138,13 @@ def _fp16_scaler_rows(chain, x, device) -> list[dict[str, Any]]:
     for name, fn in (
         ("store-all", chain),
         ("checkpoint per block", lambda h: revckpt.checkpoint_sequential(chain, n, h)),
-        ("offload per block", lambda h: revckpt.offload.checkpoint_sequential(chain, n, h)),
+        (
+            "offload per block",
+            lambda h: revckpt.checkpoint_sequential(chain, n, h, strategy="offload"),
+        ),
         (
             "approx e4m3",
-            lambda h: revckpt.checkpoint_sequential(chain, n, h, approx=Approx(store="e4m3")),
+            lambda h: revckpt.checkpoint_sequential(chain, n, h, strategy=Approx(store="e4m3")),
         ),
     ):
         scaler = torch.amp.GradScaler(device)
