@@ -25,18 +25,23 @@ Compared with ``torch.utils.checkpoint`` (whose non-reentrant engine does the bo
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import operator
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
-from ._deprecation import warn_deprecated
+from ._call_options import (
+    DeterminismCheck,
+    check_applies,
+    check_options,
+    sequential_strategy_of,
+    strategy_of,
+)
 from .approx import recompute as _approx
 from .approx.recompute import Approx, keep_of
 from .approx.saved import compress_saved
@@ -71,106 +76,9 @@ __all__ = [
     "segment_bounds",
 ]
 
-DeterminismCheck = Literal["metadata", "values", "none"]
-_DETERMINISM_CHECKS = ("metadata", "values", "none")
-
-_STRATEGY_FORMS = (
-    "None or 'checkpoint' (exact), 'selective:<policy spec>', 'approx:<codec>', 'offload', "
-    "'compress:<codec>' (or the revckpt.Strategy of one), revckpt.approx.Approx(...), "
-    "revckpt.offload.Offload(...) or revckpt.policy.Selective(<function op -> bool>)"
-)
-
-
-@functools.lru_cache(maxsize=256)
-def _resolve_text(text: str) -> tuple[str, Any]:
-    return _resolve_typed(Strategy.parse(text))
-
-
-def _resolve_typed(s: Strategy) -> tuple[str, Any]:
-    if s.kind == "checkpoint":
-        return "checkpoint", None
-    if s.kind == "selective":
-        return "selective", s.arg
-    if s.kind == "approx":
-        return "approx", Approx(store=s.arg)
-    if s.kind == "offload":
-        from .offload import Offload
-
-        return "offload", Offload()
-    if s.kind == "compress":
-        return "compress", s.arg
-    why = (
-        "keeps everything autograd saves: call the block directly"
-        if s.kind == "store"
-        else "rebuilds inputs from outputs: build the stack from revckpt.layers "
-        "(ReversibleSequential) or let revckpt.convert / revckpt.fit swap it in"
-    )
-    raise InvalidArgumentError(f"strategy {str(s)!r} is no checkpoint: it {why}")
-
-
-def _resolve(strategy: Any) -> tuple[str, Any]:
-    """``(kind, options)`` of a ``strategy=`` value: options are ``None`` (checkpoint), the
-    policy (selective), an :class:`Approx`, an ``Offload`` or the codec name (compress)."""
-    if strategy is None:
-        return "checkpoint", None
-    if isinstance(strategy, str):
-        return _resolve_text(strategy)
-    if isinstance(strategy, Strategy):
-        return _resolve_typed(strategy)
-    if isinstance(strategy, Approx):
-        return "approx", strategy
-    if isinstance(strategy, Selective):
-        return "selective", strategy.policy
-    from .offload import Offload
-
-    if isinstance(strategy, Offload):
-        return "offload", strategy
-    raise InvalidInputTypeError(f"strategy= takes {_STRATEGY_FORMS}; got {type(strategy).__name__}")
-
-
-def _check_applies(kind: str, determinism_check: str, preserve_rng_state: bool) -> None:
-    """Options that have no meaning for ``kind`` raise, naming what applies."""
-    if kind in ("checkpoint", "selective"):
-        return
-    if determinism_check == "values":
-        why = (
-            "keeps the saved tensors compressed and recomputes nothing"
-            if kind == "compress"
-            else "re-runs the block from a compressed input, so its values differ from the "
-            "forward by design"
-            if kind == "approx"
-            else "re-runs the block as one recompute node, which fingerprints no values"
-        )
-        raise InvalidArgumentError(
-            f"determinism_check='values' does not apply to the {kind} strategy (it {why}); "
-            "it applies to strategy=None / 'checkpoint' and 'selective:<policy>': use "
-            "determinism_check='metadata' (the default) or 'none' here"
-        )
-    if kind == "compress" and not preserve_rng_state:
-        raise InvalidArgumentError(
-            "preserve_rng_state=False does not apply to the compress strategy (it runs the "
-            "block once and recomputes nothing, so no random numbers are drawn again); drop "
-            "it, or choose a recomputing strategy ('checkpoint', 'approx:<codec>', 'offload')"
-        )
-
 
 def _label(fn: Any) -> str:
     return getattr(fn, "__qualname__", type(fn).__name__)
-
-
-def _check_options(determinism_check: str, preserve_rng_state: bool) -> None:
-    if determinism_check not in _DETERMINISM_CHECKS:
-        raise InvalidArgumentError(
-            f"determinism_check={determinism_check!r} is not an option; use 'metadata' (compare "
-            "shapes and dtypes of recomputed tensors), 'values' (also compare their values) or "
-            "'none'"
-        )
-    if determinism_check == "values" and not preserve_rng_state:
-        raise InvalidArgumentError(
-            "determinism_check='values' with preserve_rng_state=False flags every block that "
-            "draws random numbers (its recompute draws new ones); keep preserve_rng_state=True "
-            "or use determinism_check='metadata'"
-        )
 
 
 def _checkpoint(
@@ -301,24 +209,35 @@ def checkpoint(
        ``policy`` are taken by this function; ``fn`` cannot receive keyword arguments of those
        names through it.
     """
-    if policy is not None:
-        warn_deprecated(
-            "revckpt.checkpoint(fn, *args, policy=p)",
-            "revckpt.checkpoint(fn, *args, strategy='selective:p') (a function p: "
-            "strategy=revckpt.policy.Selective(p))",
-        )
-        if strategy is not None:
-            raise InvalidArgumentError(
-                "checkpoint got both strategy= and policy=; pass the policy in the strategy: "
-                "strategy='selective:<policy>' or strategy=revckpt.policy.Selective(<function>)"
-            )
-        kind, options = "selective", policy
-    else:
-        kind, options = _resolve(strategy)
+    # (over 60 lines for its docstring: the body is the dozen lines below)
+    kind, options = strategy_of(strategy, policy)
     if not callable(fn):
         raise _not_callable(fn)
-    _check_options(determinism_check, preserve_rng_state)
-    _check_applies(kind, determinism_check, preserve_rng_state)
+    check_options(determinism_check, preserve_rng_state)
+    check_applies(kind, determinism_check, preserve_rng_state)
+    if kind == "checkpoint" or kind == "selective":
+        return _checkpoint(
+            fn,
+            args,
+            kwargs,
+            modules=modules_of(fn),
+            preserve_rng_state=preserve_rng_state,
+            determinism_check=determinism_check,
+            policy=options,
+            label=_label(fn),
+        )
+    return _run_other(kind, options, fn, args, kwargs, preserve_rng_state)
+
+
+def _run_other(
+    kind: str,
+    options: Any,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    preserve_rng_state: bool,
+) -> Any:
+    """One call with the approx, offload or compress strategy."""
     if kind == "approx":
         return _approx._checkpoint(
             fn, args, kwargs, config=options, preserve_rng_state=preserve_rng_state
@@ -329,18 +248,7 @@ def checkpoint(
         return _offload_checkpoint(
             fn, args, kwargs, config=options, preserve_rng_state=preserve_rng_state
         )
-    if kind == "compress":
-        return compress_saved(fn, *args, store=options, **kwargs)
-    return _checkpoint(
-        fn,
-        args,
-        kwargs,
-        modules=modules_of(fn),
-        preserve_rng_state=preserve_rng_state,
-        determinism_check=determinism_check,
-        policy=options,
-        label=_label(fn),
-    )
+    return compress_saved(fn, *args, store=options, **kwargs)
 
 
 def _not_callable(fn: Any) -> InvalidInputTypeError:
@@ -448,47 +356,16 @@ def checkpoint_sequential(
         policy: deprecated: ``strategy="selective:<policy>"``.
         approx: deprecated: ``strategy=<the Approx>``.
     """
-    if policy is not None:
-        warn_deprecated(
-            "revckpt.checkpoint_sequential(..., policy=p)",
-            "revckpt.checkpoint_sequential(..., strategy='selective:p') (a function p: "
-            "strategy=revckpt.policy.Selective(p))",
-        )
-    if approx is not None:
-        warn_deprecated(
-            "revckpt.checkpoint_sequential(..., approx=revckpt.approx.Approx(...))",
-            "revckpt.checkpoint_sequential(..., strategy=revckpt.approx.Approx(...))",
-        )
-    if (policy is not None or approx is not None) and strategy is not None:
-        raise InvalidArgumentError(
-            "checkpoint_sequential got strategy= and a deprecated policy= or approx=; pass "
-            "only strategy= ('selective:<policy>', or the revckpt.approx.Approx itself)"
-        )
+    # (over 60 lines for its signature and docstring: the body is the 30 lines below)
+    kind, options = sequential_strategy_of(strategy, policy, approx, determinism_check)
     chain = as_chain(blocks, input, what="checkpoint_sequential")
-    _check_options(determinism_check, preserve_rng_state)
+    check_options(determinism_check, preserve_rng_state)
     bounds = segment_bounds(len(chain), segments)
-    if approx is not None:
-        if policy is not None or determinism_check == "values":
-            raise InvalidArgumentError(
-                "approx= recomputes from a compressed input, so its values differ from the "
-                "forward by design: drop policy= and determinism_check='values' when using it"
-            )
-        kind, options = "approx", approx
-        if not isinstance(approx, Approx):
-            keep_of(approx)  # raises, naming what approx= takes
-    elif policy is not None:
-        kind, options = "selective", policy
-    else:
-        kind, options = _resolve(strategy)
-    _check_applies(kind, determinism_check, preserve_rng_state)
+    check_applies(kind, determinism_check, preserve_rng_state)
     if kind == "approx":
+        keep = keep_of(options)
         return run_nodes(
-            chain,
-            bounds,
-            input,
-            kwargs,
-            keep=keep_of(options),
-            preserve_rng_state=preserve_rng_state,
+            chain, bounds, input, kwargs, keep=keep, preserve_rng_state=preserve_rng_state
         )
     if kind == "offload":
         from .offload import _run_sequential

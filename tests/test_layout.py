@@ -31,6 +31,7 @@ PART_OF = {
     "_running_stats": "replay",
     "_host_copies": "offload",
     "policy": "checkpoint",
+    "_call_options": "checkpoint",
 }
 LEAVES = {"errors", "_numbers"}
 STRATEGIES = {"checkpoint", "approx", "layers", "offload", "engine"}
