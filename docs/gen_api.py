@@ -23,6 +23,7 @@ MODULES = (
     "revckpt.layers",
     "revckpt.approx",
     "revckpt.offload",
+    "revckpt.policy",
     "revckpt.schedule",
     "revckpt.report",
     "revckpt.measure",
