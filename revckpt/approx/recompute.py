@@ -124,15 +124,15 @@ class Compressed(Keep):
     def keep(self, tensors: Sequence[torch.Tensor], label: str) -> tuple[list[torch.Tensor], Any]:
         codec = self.codec
         saved: list[torch.Tensor] = []
-        # per tensor: None if kept exactly, else (dtype, scaled, where: for a decode-time error)
-        recipe: list[tuple[torch.dtype, bool, str] | None] = []
+        # per tensor: None if kept exactly, else (dtype, scaled, (index, label): for an error)
+        recipe: list[tuple[torch.dtype, bool, tuple[int, str]] | None] = []
         for i, t in enumerate(tensors):
             if codec is None or not t.is_floating_point():
                 recipe.append(None)
                 saved.append(t)
                 continue
             enc = _encode(codec, t, i, label)
-            recipe.append((t.dtype, enc.scales is not None, f"positional argument {i} of {label}"))
+            recipe.append((t.dtype, enc.scales is not None, (i, label)))
             saved.append(enc.payload)
             if enc.scales is not None:
                 saved.append(enc.scales)
@@ -180,13 +180,14 @@ def _encode(codec: Codec, t: torch.Tensor, index: int, label: str) -> Encoded:
         ) from None
 
 
-def _decode(codec: Codec, enc: Encoded, where: str) -> torch.Tensor:
+def _decode(codec: Codec, enc: Encoded, where: tuple[int, str]) -> torch.Tensor:
     """``enc`` decoded; a non-finite input whose check the codec left to decode (off the CPU)
-    is reported with where it was kept, as at encode."""
+    is reported with where it was kept (argument index, block label), as at encode."""
     try:
         return codec.decode(enc)
     except NonFiniteInputError as err:
-        raise NonFiniteInputError(f"{where}: {err}") from None
+        index, label = where
+        raise NonFiniteInputError(f"positional argument {index} of {label}: {err}") from None
 
 
 def _checkpoint(
