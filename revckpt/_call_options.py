@@ -7,11 +7,13 @@ from __future__ import annotations
 import functools
 from typing import Any, Literal
 
+import torch
+
 from ._deprecation import warn_deprecated
 from .approx.recompute import Approx, keep_of
 from .errors import InvalidArgumentError, InvalidInputTypeError
 from .policy import Policy, Selective
-from .strategy import Strategy
+from .strategy import Strategy, argument_of, kind_of
 
 __all__ = [
     "DeterminismCheck",
@@ -65,6 +67,9 @@ def resolve(strategy: Any) -> tuple[str, Any]:
     if strategy is None:
         return "checkpoint", None
     if isinstance(strategy, str):
+        if torch.compiler.is_compiling() and kind_of(strategy) in ("checkpoint", "selective"):
+            # traced: parsing a Strategy (its policy's canonical text) would break the graph
+            return kind_of(strategy), argument_of(strategy)
         return _resolve_text(strategy)
     if isinstance(strategy, Strategy):
         return _resolve_typed(strategy)
