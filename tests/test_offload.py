@@ -361,6 +361,30 @@ def test_offload_plans_with_inputs_moved_off_the_meter(make, host_off_the_meter)
         assert 0.95 <= ratio <= 1.0 + 1e-3, (plan.strategies, ratio)
 
 
+@pytest.mark.parametrize(
+    "segments",
+    [
+        # an offloaded block's node holds its output's gradient while its parameter gradients
+        # are made (the transient is measured so)
+        [(0, 3, "store"), (3, 4, "offload"), (4, 5, "reversible"), (5, 7, "store")],
+        [(0, 3, "store"), (3, 4, "approx:e4m3"), (4, 5, "reversible"), (5, 7, "store")],
+        # compressing the head's input, next to everything stored: the codec's temporaries
+        [(0, 6, "store"), (6, 7, "approx:e4m3")],
+    ],
+    ids=["offload-node", "approx-node", "approx-encode"],
+)
+def test_node_and_encode_peaks_are_predicted(segments, host_off_the_meter):
+    from revckpt.report import measure_peak
+    from revckpt.schedule import Segment, apply, make_plan, profile
+
+    torch.manual_seed(0)
+    chain, x = revnet_like((2, 2), (8, 16)), torch.randn(4, 3, 16, 16)
+    prof = profile(chain, x, repeats=1, codecs=("e4m3",), policies=(), offload=True)
+    plan = make_plan(prof, [Segment(*s) for s in segments])
+    ratio = measure_peak(apply(chain, plan), x) / plan.predicted_peak_bytes
+    assert 0.99 <= ratio <= 1.0 + 1e-3, ratio
+
+
 @pytest.mark.parametrize("forced", [False, True])
 def test_an_input_modified_in_place_after_the_block_raises(forced, monkeypatch):
     """Saved-tensor hooks bypass autograd's version check; offload makes its own, for tensors

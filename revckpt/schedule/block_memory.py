@@ -122,16 +122,22 @@ def _offload_costs(
     return kept, fetch
 
 
-def compressed_sizes(x: torch.Tensor, codecs: Sequence[str]) -> dict[str, int]:
-    """Per codec, the bytes of ``x`` compressed (none for an input that is not floating)."""
+def compressed_sizes(
+    x: torch.Tensor, codecs: Sequence[str], device: Any = None
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Per codec, the bytes of ``x`` compressed and the peak live bytes of compressing it
+    (temporaries included; none for an input that is not floating)."""
     if not x.is_floating_point():
-        return {}
-    sizes = {}
+        return {}, {}
+    sizes, peaks = {}, {}
     for fmt in codecs:
         codec = Approx(store=fmt).codec
         assert codec is not None
-        sizes[fmt] = codec.encode(x).nbytes
-    return sizes
+        with MemoryMeter(device if device is not None else x.device) as meter:
+            encoded = codec.encode(x)
+        sizes[fmt], peaks[fmt] = encoded.nbytes, max(meter.peak_bytes, encoded.nbytes)
+        del encoded
+    return sizes, peaks
 
 
 @dataclass(frozen=True)
@@ -170,7 +176,7 @@ def memory_costs(
     del y
     params = [p for p in block.parameters() if p.requires_grad]
     wrt = ([leaf] if leaf.requires_grad else []) + params
-    approx_bytes = compressed_sizes(leaf.detach(), codecs)
+    approx_bytes, encode_peaks = compressed_sizes(leaf.detach(), codecs, device)
     reversible = _reversible(block)
     modes = _Modes.of(leaf, policies, approx_bytes, compress, reversible is not None, offload)
     runs = _Runs(block, leaf, wrt, kwargs, reversible)
@@ -194,6 +200,7 @@ def memory_costs(
         **modes.transient_fields(metered),
         "param_bytes": sum(tensor_bytes(p) for p in params),
         "approx_bytes": approx_bytes,
+        "approx_encode_peak_bytes": encode_peaks,
         "compress_bytes": compress_bytes,
         "compress_forward_peak_bytes": compress_fwd,
         "loss_bytes": _loss_bytes(grad_out, device),

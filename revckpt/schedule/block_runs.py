@@ -162,8 +162,11 @@ def _metered_step(
         del y
         meter.reset_peak()
         if backward and mode == "capture":
+            # as inside one approx or offload node, which holds the gradient of its output
+            # until it returns: the gradient stays alive for the whole backward
+            node_held = holder[0]
             grads = torch.autograd.grad(seed, runs.wrt, allow_unused=True)
-            del grads
+            del grads, node_held
         elif backward:
             seed.backward()
         grads_made = 0 if leaf.grad is None else tensor_bytes(leaf.grad)

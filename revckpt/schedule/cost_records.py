@@ -15,7 +15,9 @@ class BlockCost:
     """Measured costs of one block (bytes and seconds). ``param_bytes``: its trainable
     parameters' gradients. ``approx_bytes[c]`` and ``approx_error[c]``: the block input's size
     compressed by codec ``c``, and the estimated relative parameter-gradient error of
-    compressing it. ``offload_kept_bytes``: the bytes of the block's input still on the device
+    compressing it; ``approx_encode_peak_bytes[c]``: the peak live bytes of compressing it
+    (its temporaries and the result; missing: the result only). ``offload_kept_bytes``: the
+    bytes of the block's input still on the device
     when it is offloaded (``None``: offload not profiled); ``offload_fetch_s``: the time of
     copying it back, saved when it is prefetched. ``rng_bytes[s]``: the bytes of forward-time
     state that strategy ``s`` keeps for its recompute from the block's forward to its backward
@@ -48,6 +50,7 @@ class BlockCost:
     param_bytes: int = 0
     approx_bytes: Mapping[str, int] = field(default_factory=dict)
     approx_error: Mapping[str, float] = field(default_factory=dict)
+    approx_encode_peak_bytes: Mapping[str, int] = field(default_factory=dict)
     backward_capture_peak_bytes: int | None = None
     checkpoint_peak_bytes: int | None = None
     reversible_peak_bytes: int | None = None

@@ -27,8 +27,9 @@ live bytes during the block's forward above those alive before it and its input,
 recording) and ``tn_i`` (the same without recording, as in a recompute-later forward); the
 backward transients, each the peak above the level when the backward starts, metered together
 with the forward so that saved tensors freed during the backward count as freed: ``tb_i``
-(gradients accumulated into ``.grad``), ``tc_i`` (gradients returned and kept, as inside one
-approx or reversible node), ``tk_i`` (the block checkpointed: its recompute and backward) and
+(gradients accumulated into ``.grad``), ``tc_i`` (gradients returned and kept, and the output's
+gradient held throughout, as inside one approx or offload node), ``tk_i`` (the block
+checkpointed: its recompute and backward) and
 ``tr_i`` (an invertible block run reversibly). The chain input counts as held by the caller
 for the whole step (a leaf that requires grad is), so an approx or reversible first segment
 does not free it.
@@ -46,8 +47,10 @@ gradient of block ``i``'s output (``x_{i+1}`` bytes), block ``i`` peaks at
   (the recompute stops after the last tensor the backward needs); then block ``i``'s backward
   as for store;
 * approx:<c>: ``c_j`` (the compressed input; plus ``x_0`` when ``j = 0``) is held throughout;
-  the recompute as for checkpoint with ``tf``; the backward of block ``i`` at
-  ``P + c_j + A_i + O + 2 g_k + [i < k-1] g_i + tc_i + sum_{i' in (i, k)} p_i'``: one node,
+  compressing it peaks at ``P + x_j + te_j(c)`` (``te``: the codec's temporaries and result,
+  measured); the recompute as for checkpoint with ``tf``; the backward of block ``i`` at
+  ``P + c_j + A_i + O + 2 g_k + [i < k-1] g_i + tc_i + sum_{i' in (i, k)} p_i'`` (an inner
+  block's gradient is freed once used: ``min(tc_i, tb_i + p_i)`` bounds it there): one node,
   so the rebuilt segment output (``g_k`` bytes) stays alive and the parameter gradients made
   so far are kept until it returns them;
 * selective:<p> (one block ``j``): keeps ``x_j + c_j(p)`` (the outputs the policy keeps);

@@ -103,6 +103,9 @@ def _recompute_work(part: Sequence[BlockCost], strategy: str, first: bool, out: 
             kept += part[0].input_bytes
             held += part[0].input_bytes
     fwd = 0
+    if strategy != CHECKPOINT:  # compressing the input, next to it
+        codec = argument_of(strategy)
+        fwd = part[0].input_bytes + part[0].approx_encode_peak_bytes.get(codec, held)
     for i, b in enumerate(part):
         alive = kept if strategy == CHECKPOINT else held
         current = b.input_bytes if (i > 0 or strategy != CHECKPOINT) else 0
@@ -135,7 +138,14 @@ def _recompute_work(part: Sequence[BlockCost], strategy: str, first: bool, out: 
         b = part[i]
         inner = b.output_bytes if i < len(part) - 1 else 0  # g_i, unless it is g_k
         recomputed = grad_out  # the segment output, rebuilt, alive until the node returns
-        bwd = max(bwd, held + acc + out + grad_out + recomputed + inner + b.capture_peak + captured)
+        # tc is measured with the output's gradient held, as the node holds g_k; an inner
+        # block's gradient is freed once used, for which tb + p bounds it too
+        tc = (
+            b.capture_peak
+            if inner == 0
+            else min(b.capture_peak, b.backward_peak_bytes + b.param_bytes)
+        )
+        bwd = max(bwd, held + acc + out + grad_out + recomputed + inner + tc + captured)
         captured += b.param_bytes
         acc -= b.input_bytes + b.saved_bytes
     return kept, fwd, bwd
