@@ -24,13 +24,14 @@ buffers (BatchNorm statistics) and RNG state are left as they were.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from .._deprecation import warn_deprecated
 from ..checkpoint import canonical_policy
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..measure.state import preserved
@@ -99,6 +100,7 @@ def profile(
     blocks: nn.Sequential | Sequence[nn.Module],
     x: torch.Tensor,
     *,
+    kwargs: Mapping[str, Any] | None = None,
     codecs: Sequence[str] = DEFAULT_CODECS,
     policies: Sequence[str] | str = DEFAULT_POLICIES,
     compress: Sequence[str] = (),
@@ -108,10 +110,13 @@ def profile(
     offload: bool | None = None,
     compiled: bool = False,
     progress: Progress | None = None,
-    **kwargs: Any,
+    **block_kwargs: Any,
 ) -> Profile:
-    """Profile the chain ``blocks`` on input ``x`` (keyword arguments reach every block).
+    """Profile the chain ``blocks`` on input ``x``.
 
+    ``kwargs``: keyword arguments passed to every block (``block(h, **kwargs)``), as in
+    :func:`~revckpt.schedule.verify`; passing them as extra keywords of ``profile`` is
+    deprecated (it warns, a :class:`FutureWarning`, for one release).
     ``codecs``: the approx formats to price (``()`` for none). ``policies``: the selective
     recompute policies to price: specs (:func:`revckpt.checkpoint.parse_policy`: presets of
     :data:`revckpt.POLICY_PRESETS`, or groups and aten operations joined by ``"+"``; ``()``
@@ -135,6 +140,7 @@ def profile(
     ``progress(done, total)``: called as the work advances (a progress bar).
     """
     # over 60 lines for its signature and docstring: every option of the profiler, explained
+    kwargs = _block_kwargs(kwargs, block_kwargs)
     chain = list(blocks)
     offload, policies = _checked_options(
         chain,
@@ -176,6 +182,29 @@ def profile(
         seconds=time.perf_counter() - started,
         compiled=compiled,
     )
+
+
+def _block_kwargs(kwargs: Mapping[str, Any] | None, block_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The blocks' keyword arguments: ``kwargs=``, or the deprecated extra keywords of
+    :func:`profile` given in its place (warned at profile's caller); both given raises."""
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise InvalidInputTypeError(
+            f"profile(..., kwargs=): pass a mapping of the blocks' keyword arguments, got "
+            f"{type(kwargs).__name__}"
+        )
+    if not block_kwargs:
+        return dict(kwargs or {})
+    warn_deprecated(
+        f"profile(blocks, x, {', '.join(f'{k}=...' for k in block_kwargs)})",
+        f"profile(blocks, x, kwargs={{{', '.join(repr(k) + ': ...' for k in block_kwargs)}}})",
+        depth=2,
+    )
+    if kwargs is not None:
+        raise InvalidArgumentError(
+            f"profile got kwargs= and the blocks' keyword arguments {sorted(block_kwargs)} as "
+            "extra keywords (their deprecated spelling); pass them all in kwargs= only"
+        )
+    return block_kwargs
 
 
 def _checked_options(

@@ -116,3 +116,35 @@ def test_threads_are_part_of_the_profile_and_the_plans_validity():
             model(x).sum().backward()
     finally:
         torch.set_num_threads(before)
+
+
+class _Deepened(nn.Module):
+    """A block whose keyword ``depth`` changes what it saves (one more tanh per step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, depth=0):
+        h = self.lin(x)
+        for _ in range(depth):
+            h = torch.tanh(h)
+        return h
+
+
+def test_block_keywords_go_in_kwargs_and_the_old_spelling_warns():
+    import warnings
+
+    chain, x = nn.Sequential(_Deepened(), _Deepened()), torch.randn(4, 8)
+    options = {"repeats": 1, "codecs": (), "policies": ()}
+    plain = profile(chain, x, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = profile(chain, x, kwargs={"depth": 3}, **options)
+    with pytest.warns(FutureWarning, match=r"kwargs=\{'depth': \.\.\.\}") as caught:
+        old = profile(chain, x, depth=3, **options)
+    assert caught[0].filename == __file__  # warned at the caller
+    saved = [[b.saved_bytes for b in p.blocks] for p in (plain, new, old)]
+    assert saved[1] == saved[2] and saved[1] != saved[0]
+    with pytest.raises(InvalidArgumentError, match="kwargs= only"), pytest.warns(FutureWarning):
+        profile(chain, x, kwargs={"depth": 3}, depth=3, **options)
