@@ -130,12 +130,12 @@ def compressed_sizes(
     if not x.is_floating_point():
         return {}, {}
     sizes, peaks = {}, {}
-    for fmt in codecs:
-        codec = Approx(store=fmt).codec
+    for codec_name in codecs:
+        codec = Approx(store=codec_name).codec
         assert codec is not None
         with MemoryMeter(device if device is not None else x.device) as meter:
             encoded = codec.encode(x)
-        sizes[fmt], peaks[fmt] = encoded.nbytes, max(meter.peak_bytes, encoded.nbytes)
+        sizes[codec_name], peaks[codec_name] = encoded.nbytes, max(meter.peak_bytes, encoded.nbytes)
         del encoded
     return sizes, peaks
 
@@ -180,7 +180,7 @@ def memory_costs(
     reversible = _reversible(block)
     modes = _Modes.of(leaf, policies, approx_bytes, compress, reversible is not None, offload)
     runs = _Runs(block, leaf, wrt, kwargs, reversible)
-    accounted = {modes.approx[fmt]: n for fmt, n in approx_bytes.items()}
+    accounted = {modes.approx[codec]: n for codec, n in approx_bytes.items()}
     compress_bytes, compress_fwd = {}, {}
     for c, mode in modes.compress.items():  # the forward alone: what it keeps, its peak
         compress_bytes[c], compress_fwd[c] = _forward_alone(
@@ -233,7 +233,7 @@ class _Modes:
         """Per plain mode, checkpoint, every selective policy and codec, compress (for a
         floating input), reversible and offload where they apply."""
         selective = {p: str(Strategy(SELECTIVE, p)) for p in policies}
-        approx = {fmt: str(Strategy(APPROX, fmt)) for fmt in codecs}
+        approx = {codec: str(Strategy(APPROX, codec)) for codec in codecs}
         floating = leaf.is_floating_point()
         formats = {c: str(Strategy(COMPRESS, c)) for c in compress} if floating else {}
         modes = [

@@ -41,12 +41,12 @@ def codec_seconds(x: torch.Tensor, codecs: Sequence[str], repeats: int = 3) -> d
         return {}
     out = {}
     x_ = x.detach()
-    for fmt in codecs:
-        codec = Approx(store=fmt).codec
+    for codec_name in codecs:
+        codec = Approx(store=codec_name).codec
         assert codec is not None
         run = functools.partial(codec.roundtrip, x_)
         run()  # warm
-        out[fmt] = statistics.median(wall_time(run) for _ in range(repeats))
+        out[codec_name] = statistics.median(wall_time(run) for _ in range(repeats))
     return out
 
 
@@ -59,9 +59,9 @@ def derived_codecs(
     if timed is None or key not in overhead:
         return overhead
     out = dict(overhead)
-    for fmt, secs in codec_s.items():
-        if fmt != timed:
-            out[f"{APPROX}:{fmt}"] = max(0.0, overhead[key] + secs - codec_s[timed])
+    for codec, secs in codec_s.items():
+        if codec != timed:
+            out[f"{APPROX}:{codec}"] = max(0.0, overhead[key] + secs - codec_s[timed])
     return out
 
 
