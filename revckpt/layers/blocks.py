@@ -42,9 +42,22 @@ __all__ = [
 ]
 
 
+class _FeatureBatchNorm(nn.BatchNorm1d):
+    """BatchNorm over the last (feature) dimension of ``(..., features)``: statistics over every
+    other dimension, as ``nn.BatchNorm1d`` computes them for ``(batch, features)`` (it reads a
+    3-D input as ``(batch, channels, length)``, which would normalise the tokens)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() <= 2:
+            return super().forward(x)
+        return super().forward(x.reshape(-1, x.shape[-1])).view(x.shape)
+
+
 class MLPBranch(nn.Module):
-    """``W2 · drop(act(W1 · norm(x)))``; ``norm`` is ``None``, ``"layer"`` or ``"batch"``.
-    Maps width ``dim`` to ``out_dim`` (default ``dim``)."""
+    """``W2 · drop(act(W1 · norm(x)))`` on ``(..., dim)``; ``norm`` is ``None``, ``"layer"``
+    or ``"batch"`` (BatchNorm of the ``dim`` features, its statistics over every other
+    dimension: batch and tokens of a ``(batch, tokens, dim)`` input). Maps width ``dim`` to
+    ``out_dim`` (default ``dim``)."""
 
     def __init__(
         self,
@@ -59,7 +72,7 @@ class MLPBranch(nn.Module):
         super().__init__()
         if norm not in (None, "layer", "batch"):
             raise InvalidArgumentError(f"norm={norm!r}: use None, 'layer' or 'batch'")
-        self.norm = {None: nn.Identity, "layer": nn.LayerNorm, "batch": nn.BatchNorm1d}[norm](
+        self.norm = {None: nn.Identity, "layer": nn.LayerNorm, "batch": _FeatureBatchNorm}[norm](
             *(() if norm is None else (dim,))
         )
         self.fc1 = nn.Linear(dim, hidden)

@@ -157,6 +157,50 @@ def test_branch_output_widths():
     assert ConvBranch(3, out_channels=6)(img).shape == (2, 6, 5, 5)
 
 
+def _batch_norm_of_features(x, weight, bias, eps):
+    """The reference: each feature normalised by its mean and (biased) variance over every
+    other dimension, then scaled and shifted."""
+    dims = tuple(range(x.dim() - 1))
+    mean, var = x.mean(dims, keepdim=True), x.var(dims, unbiased=False, keepdim=True)
+    return (x - mean) / torch.sqrt(var + eps) * weight + bias
+
+
+@pytest.mark.parametrize(
+    "shape", [(6, 4), (2, 5, 4), (3, 4, 4)], ids=["2d", "3d", "3d-as-many-tokens-as-features"]
+)
+def test_mlp_branch_batch_norm_normalises_the_features(shape):
+    torch.manual_seed(0)
+    branch = MLPBranch(4, 8, norm="batch").double()
+    with torch.no_grad():  # weights away from the identity, so they count in the check
+        branch.norm.weight.uniform_(0.5, 2.0)
+        branch.norm.bias.uniform_(-1.0, 1.0)
+    x = torch.randn(shape, dtype=torch.float64) * 3 + torch.arange(4.0, dtype=torch.float64)
+    norm = branch.norm
+    want = _batch_norm_of_features(x, norm.weight, norm.bias, norm.eps)
+    torch.testing.assert_close(norm(x), want, rtol=1e-10, atol=1e-10)
+    # the running statistics are per feature, the variance unbiased over the batch and tokens
+    flat = x.reshape(-1, 4)
+    m = norm.momentum
+    torch.testing.assert_close(norm.running_mean, m * flat.mean(0), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(norm.running_var, (1 - m) + m * flat.var(0), rtol=1e-10, atol=0)
+    branch.eval()
+    frozen = (x - norm.running_mean) / torch.sqrt(norm.running_var + norm.eps)
+    torch.testing.assert_close(norm(x), frozen * norm.weight + norm.bias, rtol=1e-10, atol=1e-10)
+    assert branch(x).shape == shape
+
+
+def test_mlp_block_with_batch_norm_on_tokens_matches_plain_float64():
+    torch.manual_seed(0)
+    rev = ReversibleSequential(reversible_mlp_block(4, 8, norm="batch")).double()
+    ref = copy.deepcopy(rev)
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    y_rev, g_rev = step(lambda m, x, **k: m(x), rev, x, None)
+    y_ref, g_ref = step(plain_forward, ref, x, None)
+    torch.testing.assert_close(y_rev, y_ref, rtol=1e-12, atol=1e-12)
+    assert_grads_match(g_rev, g_ref, 1e-10)
+    assert rev.blocks[0].f.norm.running_mean.shape == (4,)
+
+
 # --- entering and leaving the two streams -----------------------------------------------------
 
 
