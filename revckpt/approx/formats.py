@@ -49,7 +49,6 @@ global random stream that dropout and replay rely on.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -64,72 +63,16 @@ from ._checks import (
     raise_if_invalid,
     raise_if_marked,
 )
+from ._rounding import generator as _generator
+from ._rounding import stochastic_round
+from ._scaling import power_of_two_scales as _power_of_two_scales
+from ._scaling import work_dtype as _work_dtype
+from .number_formats import FORMATS, FormatSpec
 
 __all__ = ["FORMATS", "Codec", "Encoded", "FormatSpec", "NonFiniteInputError"]
 
 Scaling = Literal["tensor", "row", "block"]
 Rounding = Literal["nearest", "stochastic"]
-
-_BITS = {  # scaling dtype: (same-size int dtype, stored significand bits, exponent bias)
-    torch.float32: (torch.int32, 23, 127),
-    torch.float64: (torch.int64, 52, 1023),
-}
-
-
-def _work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype scaling runs in: float64 for float64 input (it may exceed float32's range),
-    float32 otherwise (it holds every float16 and bfloat16 value)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _power_of_two_scales(amax: torch.Tensor, fmax: float, work: torch.dtype) -> torch.Tensor:
-    """``2 ** clamp(floor(log2(fmax / amax)), -m, m)`` per group, exactly, in ``work``; 1 where
-    ``amax`` is 0 (or nan). With ``amax = a * 2**ea`` and ``fmax = f * 2**ef`` (``0.5 <= a, f <
-    1``), ``fmax / amax = (f / a) * 2**(ef - ea)`` and ``f / a`` lies in ``[1, 2)`` when
-    ``a <= f``, in ``(1/2, 1)`` otherwise: the floor is ``ef - ea - [a > f]``, integer
-    arithmetic. The power of two is built from its bits (``2**-m`` is normal, so ``e + bias``
-    is a valid biased exponent): every step exact, on the device, no host synchronisation."""
-    int_dtype, significand, bias = _BITS[work]
-    m = bias - 1
-    a, ea = torch.frexp(amax.to(work))
-    f, ef = math.frexp(fmax)
-    e = (ef - ea) - (a > f).to(ea.dtype)
-    e = torch.where(amax > 0, e, 0).clamp(-m, m)
-    return ((e.to(int_dtype) + bias) << significand).view(work)
-
-
-@dataclass(frozen=True)
-class FormatSpec:
-    """The number format: dtype, significand bits ``p`` (with the implicit bit), largest finite
-    value ``fmax`` and smallest normal exponent ``emin``."""
-
-    name: str
-    dtype: torch.dtype
-    significand_bits: int
-    fmax: float
-    emin: int
-
-    @property
-    def unit_roundoff(self) -> float:
-        """``u = 2**-p``: the relative error bound of round-to-nearest in the normal range."""
-        return 2.0**-self.significand_bits
-
-    @property
-    def eta(self) -> float:
-        """Half the smallest subnormal, ``2**(emin - p)``: the absolute error bound of
-        round-to-nearest below the normal range."""
-        return 2.0 ** (self.emin - self.significand_bits)
-
-    @property
-    def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
-
-
-FORMATS: dict[str, FormatSpec] = {
-    "bf16": FormatSpec("bf16", torch.bfloat16, 8, torch.finfo(torch.bfloat16).max, -126),
-    "e4m3": FormatSpec("e4m3", torch.float8_e4m3fn, 4, 448.0, -6),
-    "e5m2": FormatSpec("e5m2", torch.float8_e5m2, 3, 57344.0, -14),
-}
 
 
 @dataclass(frozen=True)
@@ -153,18 +96,6 @@ class Encoded:
     def decode(self) -> torch.Tensor:
         """The tensor back in its original dtype (scales applied)."""
         return self.codec.decode(self)
-
-
-_GENERATORS: dict[torch.device, torch.Generator] = {}
-
-
-def _generator(device: torch.device) -> torch.Generator:
-    gen = _GENERATORS.get(device)
-    if gen is None:
-        gen = torch.Generator(device=device)
-        gen.manual_seed(0x5EED)
-        _GENERATORS[device] = gen
-    return gen
 
 
 @dataclass(frozen=True)
@@ -352,17 +283,9 @@ class Codec:
         return Encoded(payload=payload, scales=scales, dtype=x.dtype, codec=self)
 
     def _stochastic(self, t: torch.Tensor) -> torch.Tensor:
-        """Round ``t`` (within range) to one of its two neighbours in the format: with
-        ``t = (n + f) * ulp``, ``n`` an integer and ``0 <= f < 1``, to ``(n + [r < f]) * ulp``
-        for ``r`` uniform on ``[0, 1)`` (up with probability ``f``). Every step is exact, so a
-        representable ``t`` stays put, and the result is at most ``fmax`` (which is on the grid)."""
-        spec = self.spec
-        _, e = torch.frexp(t)  # t = m * 2**e, 0.5 <= |m| < 1, so floor(log2|t|) = e - 1
-        ulp_exp = torch.clamp(e - 1, min=spec.emin) - (spec.significand_bits - 1)
-        scaled = torch.ldexp(t, -ulp_exp)
-        lower = torch.floor(scaled)
-        noise = torch.rand(t.shape, generator=_generator(t.device), device=t.device)
-        return torch.ldexp(lower + (noise < scaled - lower).to(t.dtype), ulp_exp)
+        """``t`` (within range) rounded stochastically to the format
+        (:func:`~revckpt.approx._rounding.stochastic_round`), from this device's generator."""
+        return stochastic_round(t, self.spec, _generator(t.device))
 
     def decode(self, encoded: Encoded) -> torch.Tensor:
         """``x_hat = clamp(q / s, -xmax, xmax)`` in the original dtype, ``xmax`` its largest

@@ -1,0 +1,45 @@
+"""The number formats a :class:`~revckpt.approx.formats.Codec` keeps a tensor in: bf16, and fp8
+e4m3 / e5m2, each with its dtype, significand bits, largest finite value and smallest normal
+exponent (:class:`FormatSpec`), by name in :data:`FORMATS`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["FORMATS", "FormatSpec"]
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """The number format: dtype, significand bits ``p`` (with the implicit bit), largest finite
+    value ``fmax`` and smallest normal exponent ``emin``."""
+
+    name: str
+    dtype: torch.dtype
+    significand_bits: int
+    fmax: float
+    emin: int
+
+    @property
+    def unit_roundoff(self) -> float:
+        """``u = 2**-p``: the relative error bound of round-to-nearest in the normal range."""
+        return 2.0**-self.significand_bits
+
+    @property
+    def eta(self) -> float:
+        """Half the smallest subnormal, ``2**(emin - p)``: the absolute error bound of
+        round-to-nearest below the normal range."""
+        return 2.0 ** (self.emin - self.significand_bits)
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+FORMATS: dict[str, FormatSpec] = {
+    "bf16": FormatSpec("bf16", torch.bfloat16, 8, torch.finfo(torch.bfloat16).max, -126),
+    "e4m3": FormatSpec("e4m3", torch.float8_e4m3fn, 4, 448.0, -6),
+    "e5m2": FormatSpec("e5m2", torch.float8_e5m2, 3, 57344.0, -14),
+}
