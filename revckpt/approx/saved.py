@@ -107,9 +107,7 @@ class _SavedCodec:
 
     def __init__(self, codec: Codec, min_numel: int, label: str) -> None:
         self.codec = codec
-        # constants (masks) are told apart at encode, where they are kept exact instead, so
-        # their check is never deferred to decode
-        self.constants = dataclasses.replace(codec, defer_checks=False)
+        self.constants = _checked_at_encode(codec)
         self.min_numel = min_numel
         self.label = label
         self.width = codec.spec.itemsize
@@ -214,12 +212,33 @@ class _View:
 def _codec(
     store: str | None, scaling: Scaling | Literal["auto"] | None, block_size: int, rounding: str
 ) -> Codec | None:
+    """The checked codec of ``compress_saved(store=..., ...)`` (``None``: ``store=None``), built
+    once per options (a compress segment asks at every call); only options of plain types are
+    cached, so ``True`` is not taken for ``1`` and an unhashable option is checked as before."""
+    options = (store, scaling, block_size, rounding)
+    if all(type(v) in (str, int, type(None)) for v in options):
+        return _cached_codec(*options)
+    return _build_codec(*options)
+
+
+def _build_codec(
+    store: str | None, scaling: Scaling | Literal["auto"] | None, block_size: int, rounding: str
+) -> Codec | None:
     if store is not None and store not in FORMATS:
         raise InvalidArgumentError(
             f"compress_saved: unknown store format {store!r}; use one of {sorted(FORMATS)} "
             "(bf16 halves the saved bytes, e4m3 / e5m2 quarter them) or None to keep them exact"
         )
     return Approx(store=store, scaling=scaling, block_size=block_size, rounding=rounding).codec
+
+
+_cached_codec = functools.lru_cache(maxsize=64)(_build_codec)
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_at_encode(codec: Codec) -> Codec:
+    """``codec`` checking at encode, for constants (masks), told apart there and kept exact."""
+    return dataclasses.replace(codec, defer_checks=False)
 
 
 def _check_min_numel(min_numel: Any) -> None:
