@@ -11,6 +11,7 @@ prove what they save (:class:`MemoryMeter`, :func:`time_ratios`, :func:`gradient
 
 # importable from here, outside __all__ (the redundant aliases say so)
 from . import approx as approx
+from . import errors as errors
 from . import inplace as inplace
 from . import layers as layers
 from . import measure as measure
@@ -20,21 +21,7 @@ from . import testing as testing
 from .checkpoint import POLICY_PRESETS as POLICY_PRESETS
 from .checkpoint import checkpoint, checkpoint_sequential
 from .checkpoint import segment_bounds as segment_bounds
-from .errors import (
-    CheckpointMismatchError,
-    DoubleBackwardError,
-    GradientMismatchError,
-    InfeasibleBudgetError,
-    InvalidArgumentError,
-    InvalidInputTypeError,
-    MeasurementError,
-    ModifiedInputError,
-    ModifiedParameterError,
-    PlanWarning,
-    ReconstructionError,
-    ReplayError,
-    RevckptError,
-)
+from .errors import *  # noqa: F403  (the error types: revckpt.errors.__all__, added below)
 from .inplace import convert, fit, restore
 from .measure import (
     GradientError,
@@ -54,24 +41,12 @@ __version__ = "0.1.0"
 # restore, checkpoint, checkpoint_sequential; make a stack reversible: revckpt.layers; fit a
 # budget: fit), the strategies as values, the error types and the measurement tools. The
 # subpackages (layers, approx, offload, measure, replay, testing, inplace, schedule) and the
-# names not listed (POLICY_PRESETS, segment_bounds) stay importable from here.
+# names not listed (POLICY_PRESETS, segment_bounds) stay importable from here. The error types
+# are listed once, in revckpt.errors.__all__.
 __all__ = [
-    "CheckpointMismatchError",
-    "DoubleBackwardError",
     "GradientError",
-    "GradientMismatchError",
-    "InfeasibleBudgetError",
-    "InvalidArgumentError",
-    "InvalidInputTypeError",
-    "MeasurementError",
     "MemoryMeter",
     "MemoryStats",
-    "ModifiedInputError",
-    "ModifiedParameterError",
-    "PlanWarning",
-    "ReconstructionError",
-    "ReplayError",
-    "RevckptError",
     "Strategy",
     "TimeRatio",
     "checkpoint",
@@ -84,3 +59,4 @@ __all__ = [
     "time_ratio",
     "time_ratios",
 ]
+__all__ += errors.__all__
