@@ -362,16 +362,17 @@ def checkpoint_sequential(
     check_options(determinism_check, preserve_rng_state)
     bounds = segment_bounds(len(chain), segments)
     check_applies(kind, determinism_check, preserve_rng_state)
+    rng = preserve_rng_state
     if kind == "approx":
         keep = keep_of(options)
         return run_nodes(
-            chain, bounds, input, kwargs, keep=keep, preserve_rng_state=preserve_rng_state
+            chain, bounds, input, kwargs, keep=keep, preserve_rng_state=rng, source=blocks
         )
     if kind == "offload":
         from .offload import _run_sequential
 
         return _run_sequential(
-            chain, bounds, input, kwargs, config=options, preserve_rng_state=preserve_rng_state
+            chain, bounds, input, kwargs, config=options, preserve_rng_state=rng, source=blocks
         )
     x = input
     for start, stop in bounds:

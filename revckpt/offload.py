@@ -196,13 +196,21 @@ def _run_sequential(
     *,
     config: Offload,
     preserve_rng_state: bool,
+    source: object = None,
 ) -> torch.Tensor:
     """A checked chain run in segments ``bounds``, each segment's input kept in host memory:
-    what ``revckpt.checkpoint_sequential(..., strategy=config)`` runs."""
+    what ``revckpt.checkpoint_sequential(..., strategy=config)`` runs (``source``: as in
+    :func:`~revckpt.engine.chain.run_nodes`)."""
     hooks = HostHooks(kwargs.values(), pin_memory=config.pin_memory, prefetch=config.prefetch)
     with hooks.hooks():
         return run_nodes(
-            chain, bounds, input, kwargs, keep=EXACT, preserve_rng_state=preserve_rng_state
+            chain,
+            bounds,
+            input,
+            kwargs,
+            keep=EXACT,
+            preserve_rng_state=preserve_rng_state,
+            source=source,
         )
 
 
@@ -260,5 +268,11 @@ def checkpoint_sequential(
     config = Offload(pin_memory=pin_memory, prefetch=prefetch)
     bounds = segment_bounds(len(chain), segments)
     return _run_sequential(
-        chain, bounds, input, kwargs, config=config, preserve_rng_state=preserve_rng_state
+        chain,
+        bounds,
+        input,
+        kwargs,
+        config=config,
+        preserve_rng_state=preserve_rng_state,
+        source=blocks,
     )

@@ -24,6 +24,12 @@ RUNS = {
     "checkpoint": lambda m, x: revckpt.checkpoint(m, x),
     "selective": lambda m, x: revckpt.checkpoint(m, x, strategy="selective:matmul"),
     "checkpoint_sequential": lambda m, x: revckpt.checkpoint_sequential(m, 2, x),
+    "checkpoint_sequential-approx": lambda m, x: revckpt.checkpoint_sequential(
+        m, 2, x, strategy=revckpt.approx.Approx(store="bf16")
+    ),
+    "checkpoint_sequential-offload": lambda m, x: revckpt.checkpoint_sequential(
+        m, 2, x, strategy="offload"
+    ),
     "approx": lambda m, x: revckpt.checkpoint(m, x, strategy=revckpt.approx.Approx(store="bf16")),
     "offload": lambda m, x: revckpt.checkpoint(m, x, strategy="offload"),
 }

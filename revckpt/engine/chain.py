@@ -3,6 +3,7 @@ of checkpoint, approx and offload): the chain's checks and the segment callables
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -74,6 +75,39 @@ def as_chain(blocks: Any, input: Any, *, what: str) -> list[Callable[..., Any]]:
     return chain
 
 
+# The segments of a chain given as one module (nn.Sequential, nn.ModuleList), each built once
+# per (start, stop) and reused while it holds the same blocks: a wrapper built per call would
+# miss every per-module cache downstream (module layouts, whether a forward draws random
+# numbers, the check for unregistered leaves). Held through the chain module, weakly keyed (its
+# blocks do not refer back to it): dropping the chain drops its segments.
+_SEGMENTS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, int], ModuleSegment]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _segment(
+    chain: list[Callable[..., Any]], start: int, stop: int, source: object
+) -> Callable[..., Any]:
+    """``chain[start:stop]`` as one callable: a :class:`ModuleSegment` when its blocks are all
+    modules (the one built for ``source``'s segment before, if its blocks are the same), else
+    a :class:`Segment`."""
+    part = chain[start:stop]
+    if not all(isinstance(b, nn.Module) for b in part):
+        return Segment(part)
+    if not isinstance(source, nn.Module) or torch.compiler.is_compiling():
+        return ModuleSegment(part)
+    built = _SEGMENTS.setdefault(source, {})
+    segment = built.get((start, stop))
+    if segment is None or not _holds(segment, part):  # new, or a block replaced since
+        segment = built[(start, stop)] = ModuleSegment(part)
+    return segment
+
+
+def _holds(segment: ModuleSegment, part: list[nn.Module]) -> bool:
+    held = list(segment.blocks)
+    return len(held) == len(part) and all(a is b for a, b in zip(held, part, strict=True))
+
+
 def run_nodes(
     chain: list[Callable[..., Any]],
     bounds: list[tuple[int, int]],
@@ -82,14 +116,16 @@ def run_nodes(
     *,
     keep: Keep,
     preserve_rng_state: bool,
+    source: object = None,
 ) -> torch.Tensor:
     """Run each segment ``chain[start:stop]`` of ``bounds`` as one recompute node
-    (:func:`~revckpt.engine.node.run_node`) keeping what ``keep`` keeps of its input."""
+    (:func:`~revckpt.engine.node.run_node`) keeping what ``keep`` keeps of its input.
+    ``source``: what ``chain`` was made from (:func:`as_chain`'s ``blocks``); a module's
+    segments are built once and reused across calls."""
     for start, stop in bounds:
         part = chain[start:stop]
-        complete = all(isinstance(b, nn.Module) for b in part)
         x = run_node(
-            ModuleSegment(part) if complete else Segment(part),
+            _segment(chain, start, stop, source),
             (x,),
             kwargs,
             keep=keep,

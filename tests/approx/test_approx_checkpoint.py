@@ -186,6 +186,34 @@ def test_parameter_hooks_fire_once_through_segments():
     assert calls == [1] and chain[1].fc1.weight.grad is not None
 
 
+def test_segments_of_a_module_chain_are_built_once_and_follow_its_blocks():
+    from revckpt.engine.chain import _SEGMENTS
+
+    chain, x = mlp_chain(4, 16, 32), torch.randn(4, 16, requires_grad=True)
+    calls = []
+    chain[1].fc1.weight.register_hook(lambda g: calls.append(1))
+
+    def step(blocks):
+        y = revckpt.checkpoint_sequential(blocks, 2, x, strategy=Approx(store=None))
+        y.sum().backward()
+        return y
+
+    step(chain)
+    built = dict(_SEGMENTS[chain])
+    assert sorted(built) == [(0, 2), (2, 4)]
+    step(chain)
+    assert all(_SEGMENTS[chain][k] is v for k, v in built.items())  # reused
+    assert calls == [1, 1]  # the hook fires once per step through the reused segment
+    chain[3] = ResidualMLPBlock(16, 32)  # a block replaced: its segment is rebuilt
+    y = step(chain)
+    assert _SEGMENTS[chain][(0, 2)] is built[(0, 2)]
+    assert _SEGMENTS[chain][(2, 4)] is not built[(2, 4)]
+    assert _SEGMENTS[chain][(2, 4)].blocks[1] is chain[3]
+    assert torch.equal(y, chain(x))
+    as_list = list(chain)
+    assert torch.equal(step(as_list), y)  # a list of blocks: built per call, same result
+
+
 def test_keyword_tensor_changed_in_place_after_forward_raises():
     class Scaled(nn.Module):
         def __init__(self):
