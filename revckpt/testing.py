@@ -237,19 +237,17 @@ class ErrorCheck:
 
     def table(self) -> str:
         """Markdown: measured error, bound, estimate and float32 error per parameter."""
-        lines = [
-            f"gradient error of {self.config} against float64, relative to ||grad||",
-            "| parameter | measured | bound | estimate | exact fp32 |",
-            "|---|---|---|---|---|",
-        ]
+        from .approx.bounds import _parameter_table
+
+        violations, rows = self.violations, []
         for n, m in self.measured.items():
             g = self.grad_norm[n] or 1.0
-            flag = "  <-- above bound" if n in self.violations else ""
-            lines.append(
-                f"| {n} | {m / g:.2e} | {self.bound[n] / g:.2e} | {self.estimate[n] / g:.2e} | "
-                f"{self.exact[n] / g:.2e} |{flag}"
+            flag = "  <-- above bound" if n in violations else ""
+            rows.append(
+                (n, [m / g, self.bound[n] / g, self.estimate[n] / g, self.exact[n] / g], flag)
             )
-        return "\n".join(lines)
+        title = f"gradient error of {self.config} against float64, relative to ||grad||"
+        return _parameter_table(title, ("measured", "bound", "estimate", "exact fp32"), rows)
 
     def __str__(self) -> str:
         return self.table()

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -152,19 +152,12 @@ class ErrorEstimate:
 
     def table(self) -> str:
         """Markdown: relative bound, estimate and linearised error per parameter."""
-        lines = [
-            f"gradient error of approximate recompute ({self.codec}), relative to ||grad||",
-            "| parameter | bound | estimate | linearised |",
-            "|---|---|---|---|",
-        ]
-        rb, re, rl = self.relative("bound"), self.relative("estimate"), self.relative("linearised")
-        for name in self.bound:
-            lines.append(f"| {name} | {rb[name]:.2e} | {re[name]:.2e} | {rl[name]:.2e} |")
-        lines.append(
-            f"| all | {self.total('bound'):.2e} | {self.total('estimate'):.2e} | "
-            f"{self.total('linearised'):.2e} |"
-        )
-        return "\n".join(lines)
+        kinds = ("bound", "estimate", "linearised")
+        rel = {k: self.relative(k) for k in kinds}
+        rows = [(name, [rel[k][name] for k in kinds], "") for name in self.bound]
+        rows.append(("all", [self.total(k) for k in kinds], ""))
+        title = f"gradient error of approximate recompute ({self.codec}), relative to ||grad||"
+        return _parameter_table(title, kinds, rows)
 
     def __str__(self) -> str:
         return self.table()
@@ -274,6 +267,22 @@ def estimate_error(
         worst_row_bound=worst_row,
         codec=str(codec),
     )
+
+
+def _parameter_table(
+    title: str, columns: Sequence[str], rows: Iterable[tuple[str, Sequence[float], str]]
+) -> str:
+    """Markdown under ``title``: a row per ``(parameter, values, note)``, the values (errors)
+    in ``.2e`` under ``columns``, the note after the row (also for
+    :meth:`revckpt.testing.ErrorCheck.table`)."""
+    lines = [
+        title,
+        "| " + " | ".join(["parameter", *columns]) + " |",
+        "|" + "---|" * (len(columns) + 1),
+    ]
+    for name, values, note in rows:
+        lines.append("| " + " | ".join([name, *(f"{v:.2e}" for v in values)]) + " |" + note)
+    return "\n".join(lines)
 
 
 def _warn_if_non_smooth(chain: Sequence[nn.Module]) -> None:
