@@ -44,7 +44,7 @@ import torch
 from .._deprecation import warn_deprecated
 from ..errors import InvalidArgumentError
 
-__all__ = ["AdditiveCoupling", "AffineCoupling", "Coupling", "make_coupling"]
+__all__ = ["AdditiveCoupling", "AffineCoupling", "Coupling", "ScaledCoupling", "make_coupling"]
 
 
 class Coupling:
@@ -99,6 +99,41 @@ class AdditiveCoupling(Coupling):
                 f"branch {branch} returned {got} for a stream of shape {tuple(x.shape)}; an "
                 "additive coupling needs a branch that keeps the shape (y = x + branch(u))"
             )
+
+
+class ScaledCoupling(Coupling):
+    """``y = scale * x + h``; inverse ``x = (y - h) / scale``, with a constant ``scale > 0``.
+
+    What makes a pretrained layer reversible while keeping its output (MEFT, Liao et al. 2023;
+    :func:`revckpt.make_reversible`): with a small ``scale`` the stream ``x`` barely enters
+    ``y``, so ``y`` is close to ``h``, the layer's own output. The price is in the inverse,
+    which divides by ``scale``: the rebuilt ``x`` carries the rounding of ``y`` amplified by
+    ``1 / scale``, ``|x_hat - x| <= 2u * (|x| + |h| / scale)`` per block (``u``: the unit
+    roundoff), and the error of the blocks above it grows by the same factor per block. A
+    power of two (the default, 1/8) scales exactly.
+    """
+
+    def __init__(self, scale: float = 0.125) -> None:
+        if not (_is_number(scale) and scale > 0 and math.isfinite(scale)):
+            raise InvalidArgumentError(
+                f"scale={scale!r}: pass a positive finite number, e.g. 0.125 (a power of two "
+                "scales exactly)"
+            )
+        self.scale = float(scale)
+
+    def combine(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """``y = scale * x + h``."""
+        return torch.add(h, x, alpha=self.scale)
+
+    def separate(self, y: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """``x = (y - h) / scale``."""
+        return (y - h) / self.scale
+
+    def check(self, x: torch.Tensor, h: Any, *, branch: str) -> None:
+        AdditiveCoupling().check(x, h, branch=branch)
+
+    def __repr__(self) -> str:
+        return f"ScaledCoupling(scale={self.scale:g})"
 
 
 class AffineCoupling(Coupling):

@@ -96,8 +96,9 @@ class HalfStep:
     def current(self) -> bool:
         """Whether the block still has this branch and coupling."""
         block = self.block
-        branch = block.f if self.which == "f" else block.g
-        return branch is self.branch and block.coupling is self.coupling
+        if self.which == "f":
+            return block.f is self.branch and block.coupling is self.coupling
+        return block.g is self.branch and block.g_coupling is self.coupling
 
 
 class HalfStepNode(torch.autograd.Function):

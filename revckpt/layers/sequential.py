@@ -38,14 +38,8 @@ from ..engine.autograd import grad_keywords, module_targets
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..replay import devices_of
 from .coupling import Coupling, make_coupling
-from .rebuild import (
-    HalfStep,
-    HalfStepNode,
-    OutputNode,
-    ReconstructionWarning,
-    StackCall,
-    auto_tolerance,
-)
+from .rebuild import ReconstructionWarning, StackCall, auto_tolerance
+from .steps import HalfSteps, StackRun
 
 __all__ = ["ReconstructionWarning", "ReversibleBlock", "ReversibleSequential", "ReversibleUnit"]
 
@@ -83,10 +77,11 @@ def _positive_int(value: Any) -> bool:
 class ReversibleBlock(nn.Module):
     """Two-stream reversible block ``(x1, x2) -> (y1, y2)``.
 
-    With both branches: ``y1 = c(x1, f(x2))``, ``y2 = c(x2, g(y1))``, where ``c`` is the
-    coupling's ``combine`` (``x + h`` for ``"additive"``). With ``g=None`` the block updates one
-    stream and swaps them: ``(y1, y2) = (x2, c(x1, f(x2)))``, so a stack of such blocks updates
-    the two streams alternately.
+    With both branches: ``y1 = c(x1, f(x2))``, ``y2 = c_g(x2, g(y1))``, where ``c`` is the
+    coupling's ``combine`` (``x + h`` for ``"additive"``) and ``c_g`` the ``g_coupling``'s
+    (default: the same coupling); with ``swap=True`` the block returns ``(y2, y1)``. With
+    ``g=None`` the block updates one stream and swaps them: ``(y1, y2) = (x2, c(x1, f(x2)))``,
+    so a stack of such blocks updates the two streams alternately.
 
     Calling the block runs plain autograd (everything stored); inside a
     :class:`ReversibleSequential` it runs with the reversible backward. :meth:`inverse` rebuilds
@@ -99,8 +94,15 @@ class ReversibleBlock(nn.Module):
         g: Callable[..., Any] | None = None,
         *,
         coupling: str | Coupling = "additive",
+        g_coupling: str | Coupling | None = None,
+        swap: bool = False,
     ) -> None:
         super().__init__()
+        if g is None and (g_coupling is not None or swap):
+            raise InvalidArgumentError(
+                "a ReversibleBlock without g updates one stream and swaps the two already: "
+                "g_coupling= and swap= need a g branch"
+            )
         for name, branch in (("f", f), ("g", g)):
             if branch is not None and not isinstance(branch, nn.Module):
                 raise InvalidInputTypeError(
@@ -111,66 +113,41 @@ class ReversibleBlock(nn.Module):
         self.f = f
         self.g = g
         self.coupling = make_coupling(coupling)
+        self.g_coupling = self.coupling if g_coupling is None else make_coupling(g_coupling)
+        self._swap = bool(swap)
+
+    @property
+    def swap(self) -> bool:
+        """Whether the block returns ``(y2, y1)`` (fixed at construction)."""
+        return self._swap
 
     def _branch(self, which: str, u: torch.Tensor, x: torch.Tensor, kwargs: dict[str, Any]) -> Any:
         h = _call(self.f if which == "f" else self.g, u, kwargs)
-        self.coupling.check(x, h, branch=which)
+        (self.coupling if which == "f" else self.g_coupling).check(x, h, branch=which)
         return h
 
     def forward(self, x1: torch.Tensor, x2: torch.Tensor, **kwargs: Any) -> Streams:
         y1 = self.coupling.combine(x1, self._branch("f", x2, x1, kwargs))
         if self.g is None:
             return x2, y1
-        return y1, self.coupling.combine(x2, self._branch("g", y1, x2, kwargs))
+        y2 = self.g_coupling.combine(x2, self._branch("g", y1, x2, kwargs))
+        return (y2, y1) if self._swap else (y1, y2)
 
     def inverse(self, y1: torch.Tensor, y2: torch.Tensor, **kwargs: Any) -> Streams:
         """The input ``(x1, x2)`` that produced ``(y1, y2)``."""
         if self.g is None:
             return self.coupling.separate(y2, self._branch("f", y1, y2, kwargs)), y1
-        x2 = self.coupling.separate(y2, self._branch("g", y1, y2, kwargs))
+        if self._swap:
+            y1, y2 = y2, y1
+        x2 = self.g_coupling.separate(y2, self._branch("g", y1, y2, kwargs))
         return self.coupling.separate(y1, self._branch("f", x2, y1, kwargs)), x2
 
     def extra_repr(self) -> str:
-        return f"coupling={self.coupling!r}, branches={'f' if self.g is None else 'f, g'}"
-
-
-class _HalfSteps:
-    """The half steps of a stack's blocks, in forward order, and which stream is the first and
-    which the second output: built once, valid while the stack has the same blocks, branches,
-    couplings and ``anchor_every``."""
-
-    __slots__ = ("anchor_every", "blocks", "ids", "steps")
-
-    def __init__(self, blocks: tuple[nn.Module, ...], anchor_every: int | None) -> None:
-        self.blocks = blocks
-        self.anchor_every = anchor_every
-        self.steps: list[HalfStep] = []
-        ids = (0, 1)  # which stream is the block's first and second input
-        for i, block in enumerate(blocks):
-            assert isinstance(block, ReversibleBlock)
-            anchored = anchor_every is not None and i % anchor_every == 0
-            first, second = ids
-            self.steps.append(
-                HalfStep(
-                    block, "f", i, first, second, 2 if anchored else 0, block.f, block.coupling
-                )
-            )
-            if block.g is None:
-                ids = (second, first)
-            else:
-                self.steps.append(
-                    HalfStep(
-                        block, "g", i, second, first, 1 if anchored else 0, block.g, block.coupling
-                    )
-                )
-        self.ids = ids
-
-    def current(self, blocks: tuple[nn.Module, ...], anchor_every: int | None) -> bool:
-        return (
-            blocks == self.blocks
-            and anchor_every == self.anchor_every
-            and all(step.current() for step in self.steps)
-        )
+        text = f"coupling={self.coupling!r}"
+        if self.g_coupling is not self.coupling:
+            text += f", g_coupling={self.g_coupling!r}"
+        text += f", branches={'f' if self.g is None else 'f, g'}"
+        return text + (", swap=True" if self._swap else "")
 
 
 class ReversibleSequential(nn.Module):
@@ -259,7 +236,7 @@ class ReversibleSequential(nn.Module):
         self.anchor_every = anchor_every
         self.approx = approx
         self.last_drift: list[float | None] = []
-        self._half_steps: _HalfSteps | None = None
+        self._half_steps: HalfSteps | None = None
 
     def _tolerance(self, x: torch.Tensor) -> float | None:
         if self.check_inverse != "auto":
@@ -281,18 +258,33 @@ class ReversibleSequential(nn.Module):
             f"ReversibleSequential takes a tensor or a tuple (x1, x2), got {type(x).__name__}"
         )
 
-    def _steps(self) -> _HalfSteps:
+    def _steps(self) -> HalfSteps:
         """The cached half steps, rebuilt when the blocks, a branch, a coupling or
         ``anchor_every`` changed since."""
         blocks = tuple(self.blocks._modules.values())
         steps = getattr(self, "_half_steps", None)
         if steps is None or not steps.current(blocks, self.anchor_every):
-            steps = self._half_steps = _HalfSteps(blocks, self.anchor_every)
+            steps = self._half_steps = HalfSteps(blocks, self.anchor_every)
         return steps
 
     def forward(self, x: torch.Tensor | Streams, **kwargs: Any) -> torch.Tensor | Streams:
         tuple_mode = isinstance(x, (tuple, list))
         x1, x2 = self._streams(x)
+        run = self.stepwise(x1, x2, **kwargs)
+        if run is None:
+            for block in self.blocks:
+                x1, x2 = block(x1, x2, **kwargs)
+            return (x1, x2) if tuple_mode else torch.cat([x1, x2], dim=self.split_dim)
+        for i in range(len(self.blocks)):
+            run.block(i)
+        out = run.finish(None if tuple_mode else self.split_dim)
+        return tuple(out) if tuple_mode else out
+
+    def stepwise(self, x1: torch.Tensor, x2: torch.Tensor, **kwargs: Any) -> StackRun | None:
+        """Start one forward call to be driven block by block (``run.block(i)`` for ``i`` in
+        order, then ``run.finish(dim)``), as :meth:`forward` does and as a model converted in
+        place does from its own loop; ``None`` when nothing needs a graph (``no_grad``, or no
+        input, keyword tensor or parameter requiring grad): then call the blocks plainly."""
         grad_kwargs = grad_keywords(kwargs)
         plan = self._steps() if torch.is_grad_enabled() else None
         # Looked up per call (cached per branch, rescanned when its modules or parameters
@@ -302,9 +294,7 @@ class ReversibleSequential(nn.Module):
             x1.requires_grad or x2.requires_grad or bool(grad_kwargs) or any(p for p, _ in targets)
         )
         if not needs_graph:
-            for block in self.blocks:
-                x1, x2 = block(x1, x2, **kwargs)
-            return (x1, x2) if tuple_mode else torch.cat([x1, x2], dim=self.split_dim)
+            return None
         assert plan is not None
         call = StackCall(
             kwargs=kwargs,
@@ -317,20 +307,7 @@ class ReversibleSequential(nn.Module):
             devices=devices_of(x1, x2, kwargs, self),
         )
         self.last_drift = call.drift
-        kw_tensors = [kwargs[k] for k in grad_kwargs]
-        # Every half step joins the graph (even one whose inputs and registered parameters need
-        # no gradient), so that its backward runs and can check what its branch really used.
-        token = torch.empty(0, requires_grad=True)
-        streams = [x1, x2]
-        for step, found in zip(plan.steps, targets, strict=True):
-            a, u = streams[step.target], streams[step.other]
-            streams[step.target] = HalfStepNode.apply(
-                call, step, found, a, u, token, *found[0], *kw_tensors
-            )
-        first, second = plan.ids
-        dim = None if tuple_mode else self.split_dim
-        out = OutputNode.apply(call, plan.ids, dim, streams[first], streams[second])
-        return tuple(out) if tuple_mode else out
+        return StackRun(plan, call, targets, x1, x2, [kwargs[k] for k in grad_kwargs])
 
 
 class ReversibleUnit(nn.Module):

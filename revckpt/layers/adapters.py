@@ -1,0 +1,124 @@
+"""The pieces that make a pretrained layer reversible while keeping its output (MEFT: Liao,
+Tan and Monz, "Make Pre-trained Model Reversible", NeurIPS 2023).
+
+A pretrained residual layer ``L`` (the whole layer, its own residual included) and two small
+adapters ``A_f``, ``A_g`` become one :class:`~revckpt.layers.ReversibleBlock` on a *hidden*
+stream ``h`` (what the layer saw before) and an *auxiliary* stream ``a``:
+
+``"layer_f"`` (MEFT's first variant: the layer in ``F``, an adapter as ``G``)::
+
+    h' = scale * a + L(h) + A_f(h)      a' = h - h' + A_g(h')      then the streams swap
+
+``"layer_g"`` (the second: an adapter as ``F``, the layer in ``G``)::
+
+    u = h + A_f(a)                       h' = scale * a + L(u) + A_g(u)    then they swap
+
+The adapters are ``up(act(down(x)))`` with ``up`` zero at construction, so at conversion
+``A = 0`` and the only change to what the layers compute is ``scale * a`` (at the first layer
+``a = 0``, which is exact). With ``"layer_f"``, ``a`` is minus the residual update of the
+layer before (``h' - h``), so each layer's input moves by ``scale`` times that update; with
+``"layer_g"``, ``a`` is the hidden state one layer back, a larger move for the same
+``scale``. The inverse divides by ``scale``: reconstruction error grows by about
+``1 / scale`` per layer (:class:`~revckpt.layers.ScaledCoupling`), which ``anchor_every``
+bounds. :func:`revckpt.make_reversible` builds these blocks on a model's own
+layers, in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from ..errors import InvalidArgumentError
+from .coupling import AdditiveCoupling, Coupling, ScaledCoupling
+from .sequential import ReversibleBlock
+
+__all__ = ["VARIANTS", "Adapter", "LayerBranch", "adapter_block"]
+
+Variant = Literal["layer_f", "layer_g"]
+VARIANTS: tuple[str, ...] = ("layer_f", "layer_g")
+
+
+class Adapter(nn.Module):
+    """``up(act(down(x)))``, a bottleneck of ``rank`` features, without biases: ``down`` drawn
+    from ``N(0, init_std^2)`` (MEFT's 0.02), ``up`` zero, so a new adapter returns zeros and
+    its first gradients reach ``up``. Extra keyword arguments (a block's) are ignored."""
+
+    def __init__(self, width: int, rank: int = 8, *, init_std: float = 0.02) -> None:
+        super().__init__()
+        if not (isinstance(rank, int) and rank >= 1 and isinstance(width, int) and width >= 1):
+            raise InvalidArgumentError(
+                f"Adapter(width={width!r}, rank={rank!r}): pass positive ints"
+            )
+        self.down = nn.Linear(width, rank, bias=False)
+        self.act = nn.GELU()
+        self.up = nn.Linear(rank, width, bias=False)
+        nn.init.normal_(self.down.weight, std=init_std)
+        nn.init.zeros_(self.up.weight)
+
+    def forward(self, x: torch.Tensor, **_: Any) -> torch.Tensor:
+        return self.up(self.act(self.down(x)))
+
+
+class LayerBranch(nn.Module):
+    """A pretrained layer as a reversible branch: ``call(layer, u, **kwargs)`` (the layer's own
+    forward on the hidden state ``u``, its other arguments supplied by ``call``) plus an
+    adapter on ``u``. The layer and the adapter are submodules: their parameters are the
+    branch's, trainable or frozen as they are in the model."""
+
+    def __init__(
+        self, layer: nn.Module, adapter: Adapter, call: Callable[..., torch.Tensor]
+    ) -> None:
+        super().__init__()
+        self.layer = layer
+        self.adapter = adapter
+        self._call = call
+
+    def forward(self, u: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return self._call(self.layer, u, **kwargs) + self.adapter(u)
+
+
+class _StartCoupling(Coupling):
+    """The first layer's coupling on the auxiliary stream, which enters as zeros: ``y = h``
+    and the rebuilt input is zeros again, exactly (nothing divides by ``scale``)."""
+
+    def combine(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return h + 0 * x  # differentiable in x (gradient zero), as a coupling must be
+
+    def separate(self, y: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(y)
+
+    def check(self, x: torch.Tensor, h: Any, *, branch: str) -> None:
+        AdditiveCoupling().check(x, h, branch=branch)
+
+
+class _Difference(nn.Module):
+    """``adapter(u) - u``: as ``G`` of ``"layer_f"``, the auxiliary stream becomes
+    ``h - h' + A_g(h')``, minus the layer's residual update, small beside the hidden state."""
+
+    def __init__(self, adapter: Adapter) -> None:
+        super().__init__()
+        self.adapter = adapter
+
+    def forward(self, u: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return self.adapter(u) - u
+
+
+def adapter_block(
+    layer: LayerBranch, adapter: Adapter, *, variant: Variant, scale: float, first: bool
+) -> ReversibleBlock:
+    """The reversible block of one pretrained layer (see the module docstring). Its input is
+    ``(a, h)`` for ``"layer_f"`` and ``(h, a)`` for ``"layer_g"``, and so is its output (the
+    block swaps its streams), so a stack of them chains; ``first``: the block of the first
+    layer, whose auxiliary input is zeros."""
+    if variant not in VARIANTS:
+        raise InvalidArgumentError(f"variant={variant!r}: use one of {', '.join(VARIANTS)}")
+    scaled: Coupling = _StartCoupling() if first else ScaledCoupling(scale)
+    if variant == "layer_f":  # y1 = scale * a + F(h); y2 = h + A_g(y1); out (y2, y1)
+        g = _Difference(adapter)
+        return ReversibleBlock(layer, g, coupling=scaled, g_coupling="additive", swap=True)
+    # y1 = h + A_f(a); y2 = scale * a + G(y1); out (y2, y1)
+    return ReversibleBlock(adapter, layer, coupling="additive", g_coupling=scaled, swap=True)
