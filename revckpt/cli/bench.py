@@ -10,14 +10,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .usage import _UsageError
+from .usage import _add_command, _UsageError
 
 
 def _add_bench(sub: Any) -> None:
     """The ``bench`` subcommand and its options."""
-    bench = sub.add_parser(
+    bench = _add_command(
+        sub,
         "bench",
-        help="run the benchmark suite (source checkout)",
+        _bench,
+        summary="run the benchmark suite (source checkout)",
         description="Run the scripts in benchmarks/; peers that are not installed are skipped.",
     )
     bench.add_argument(
@@ -26,7 +28,6 @@ def _add_bench(sub: Any) -> None:
         help="reduced sizes, results written to a temporary folder (a smoke run)",
     )
     bench.add_argument("--only", nargs="+", metavar="NAME", help=f"any of {', '.join(BENCHES)}")
-    bench.set_defaults(run=_bench)
 
 
 def _benchmarks_dir() -> Path:

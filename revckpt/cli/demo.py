@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import RevckptError
 from .terminal import _CPU_SCOPE, _Progress
-from .usage import _positive_int, _UsageError
+from .usage import _add_command, _positive_int, _UsageError
 
 DEMO_SIZES = {
     # depth, dim, heads, batch, sequence
@@ -25,15 +25,15 @@ DEMO_SIZES = {
 
 def _add_demo(sub: Any) -> None:
     """The ``demo`` subcommand and its options."""
-    demo = sub.add_parser(
+    demo = _add_command(
+        sub,
         "demo",
-        help="measure every strategy on a built-in GPT-like model",
-        description=(
-            "Measure store, checkpoint (per block, sqrt), approx (bf16, e4m3), reversible and "
-            "the scheduler's plan on a built-in GPT-like model: peak and retained memory, time "
-            "against store-all, gradient error against float64. Writes report.json, plan.json "
-            "and two PNG plots to --out."
-        ),
+        _demo,
+        summary="measure every strategy on a built-in GPT-like model",
+        description="Measure store, checkpoint (per block, sqrt), approx (bf16, e4m3), reversible "
+        "and the scheduler's plan on a built-in GPT-like model: peak and retained memory, time "
+        "against store-all, gradient error against float64. Writes report.json, plan.json and two "
+        "PNG plots to --out.",
     )
     demo.add_argument("--out", default="revckpt-demo", help="output folder (default: %(default)s)")
     demo.add_argument(
@@ -55,7 +55,6 @@ def _add_demo(sub: Any) -> None:
         help="CPU threads for torch (default: %(default)s)",
     )
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
-    demo.set_defaults(run=_demo)
 
 
 def _demo(args: argparse.Namespace) -> int:

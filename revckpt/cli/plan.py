@@ -14,28 +14,27 @@ from typing import Any
 from ..errors import RevckptError
 from .factory import _load_factory
 from .terminal import _CPU_SCOPE, _end_progress_line, _progress_bar
-from .usage import _positive_int, _UsageError
+from .usage import _add_command, _positive_int, _UsageError
 
 
 def _add_plan(sub: Any) -> None:
     """The ``plan`` subcommand and its options."""
-    plan = sub.add_parser(
+    plan = _add_command(
+        sub,
         "plan",
-        help="plan for your own model under a memory budget",
-        description=(
-            "Import FACTORY from MODULE (MODULE:FACTORY, e.g. ./model.py:make or "
-            "examples.user_model:build) and call it. When it returns (model, example) or "
-            "(model, example, loss_fn), plan the whole training step with revckpt.fit (the "
-            "model's repeated blocks, or --blocks) and write the plan as JSON to --out "
-            "(default plan.json), to apply with revckpt.fit(model, example, "
-            "memory_budget=..., plan='plan.json'). When it returns (blocks, example_input) or "
-            "(blocks, example_input, kwargs), with blocks a list of modules or an "
-            "nn.Sequential, profile that chain and print the cheapest plan that fits."
-        ),
+        _plan,
+        summary="plan for your own model under a memory budget",
+        description="Import FACTORY from MODULE (MODULE:FACTORY, e.g. ./model.py:make or "
+        "examples.user_model:build) and call it. When it returns (model, example) or "
+        "(model, example, loss_fn), plan the whole training step with revckpt.fit (the "
+        "model's repeated blocks, or --blocks) and write the plan as JSON to --out "
+        "(default plan.json), to apply with revckpt.fit(model, example, "
+        "memory_budget=..., plan='plan.json'). When it returns (blocks, example_input) or "
+        "(blocks, example_input, kwargs), with blocks a list of modules or an "
+        "nn.Sequential, profile that chain and print the cheapest plan that fits.",
     )
     _add_plan_problem(plan)
     _add_plan_output(plan)
-    plan.set_defaults(run=_plan)
 
 
 def _add_plan_problem(plan: argparse.ArgumentParser) -> None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from typing import NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 EXIT_USAGE = 2
 
@@ -32,3 +33,13 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
     return value
+
+
+def _add_command(
+    sub: Any, name: str, run: Callable[[argparse.Namespace], int], *, summary: str, description: str
+) -> argparse.ArgumentParser:
+    """The subcommand ``name`` of ``sub`` (``summary`` in the command list, ``description`` in
+    its ``--help``), run by ``run(args)``; its parser, for its options."""
+    parser = sub.add_parser(name, help=summary, description=description)
+    parser.set_defaults(run=run)
+    return parser
