@@ -157,16 +157,8 @@ def _verified(
     seed: int,
 ) -> Verified:
     plans = _agreed(_candidates(fitted))  # every rank measures the same plans, in one order
-
-    def install(name: str) -> None:
-        _apply(plans[name], fitted.found, fitted.keys)
-
-    peaks = {}
-    for name in plans:
-        install(name)
-        peaks[name] = measure_step(model, example, loss_fn)
-    times = _times(model, example, loss_fn, list(plans), install, rounds, warmup)
-    errors = _errors(model, example, loss_fn, plans, install, seed)
+    in_step = _InStep(model, example, loss_fn, plans, fitted)
+    peaks, times, errors = in_step.peaks(), in_step.times(rounds, warmup), in_step.errors(seed)
     budget, error_budget = fitted.budget, fitted.error_budget
     rows = [_row(name, plan, peaks, times, errors, budget) for name, plan in plans.items()]
     solved = fitted.plan
@@ -246,68 +238,81 @@ def _winner(
     )
 
 
-def _times(
-    model: nn.Module,
-    example: Any,
-    loss_fn: LossFn,
-    names: list[str],
-    install: Any,
-    rounds: int,
-    warmup: int,
-) -> dict[str, list[float]]:
-    """Seconds of the step per plan and round: ``warmup`` untimed rounds, then ``rounds``
-    rounds in an order rotated by one each round; each plan installed, and the gradients set
-    to ``None``, before its step, outside the clock."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    times: dict[str, list[float]] = {name: [] for name in names}
-    with _left_as_found(model):
-        for i in range(warmup + rounds):
-            shift = i % len(names)
-            for name in names[shift:] + names[:shift]:
-                install(name)
-                for p in params:
-                    p.grad = None
-                seconds = wall_time(lambda: run_step(model, example, loss_fn))
-                if i >= warmup:
-                    times[name].append(seconds)
-    return times
+@dataclasses.dataclass(frozen=True)
+class _InStep:
+    """The plans to measure in the user's training step (``example`` and ``loss_fn``), each
+    installed on the model itself by name (an attribute set on each block: no copy, no
+    allocation)."""
 
+    model: nn.Module
+    example: Any
+    loss_fn: LossFn
+    plans: dict[str, Plan]
+    fitted: Fitted
 
-def _errors(
-    model: nn.Module,
-    example: Any,
-    loss_fn: LossFn,
-    plans: dict[str, Plan],
-    install: Any,
-    seed: int,
-) -> dict[str, float]:
-    """The relative L2 error of all parameter gradients against store-all's, from the same
-    seed, of every plan with an approx segment; 0 for the others (exact)."""
-    approx = [n for n, p in plans.items() if any(kind_of(s) == "approx" for s in p.strategies)]
-    errors = dict.fromkeys(plans, 0.0)
-    if not approx:
+    def install(self, name: str) -> None:
+        _apply(self.plans[name], self.fitted.found, self.fitted.keys)
+
+    def step(self) -> None:
+        """One training step of the model as installed."""
+        run_step(self.model, self.example, self.loss_fn)
+
+    def peaks(self) -> dict[str, int]:
+        """The metered step's peak per plan."""
+        peaks = {}
+        for name in self.plans:
+            self.install(name)
+            peaks[name] = measure_step(self.model, self.example, self.loss_fn)
+        return peaks
+
+    def times(self, rounds: int, warmup: int) -> dict[str, list[float]]:
+        """Seconds of the step per plan and round: ``warmup`` untimed rounds, then ``rounds``
+        rounds in an order rotated by one each round; each plan installed, and the gradients
+        set to ``None``, before its step, outside the clock."""
+        names = list(self.plans)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        times: dict[str, list[float]] = {name: [] for name in names}
+        with _left_as_found(self.model):
+            for i in range(warmup + rounds):
+                shift = i % len(names)
+                for name in names[shift:] + names[:shift]:
+                    self.install(name)
+                    for p in params:
+                        p.grad = None
+                    seconds = wall_time(self.step)
+                    if i >= warmup:
+                        times[name].append(seconds)
+        return times
+
+    def errors(self, seed: int) -> dict[str, float]:
+        """The relative L2 error of all parameter gradients against store-all's, from the
+        same seed, of every plan with an approx segment; 0 for the others (exact)."""
+        plans = self.plans
+        approx = [n for n, p in plans.items() if any(kind_of(s) == "approx" for s in p.strategies)]
+        errors = dict.fromkeys(plans, 0.0)
+        if not approx:
+            return errors
+        params = [p for p in self.model.parameters() if p.requires_grad]
+
+        def gradients(name: str) -> list[torch.Tensor | None]:
+            self.install(name)
+            for p in params:
+                p.grad = None
+            torch.manual_seed(seed)
+            self.step()
+            return [None if p.grad is None else p.grad.detach().clone() for p in params]
+
+        with _left_as_found(self.model):
+            reference = gradients(STORE_ALL)
+            for name in approx:
+                num = den = 0.0
+                for g, r in zip(gradients(name), reference, strict=True):
+                    if r is None:
+                        continue
+                    den += float(r.double().norm() ** 2)
+                    num += float((g.double() - r.double()).norm() ** 2) if g is not None else 0.0
+                errors[name] = relative(math.sqrt(num), math.sqrt(den))
         return errors
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def gradients(name: str) -> list[torch.Tensor | None]:
-        install(name)
-        for p in params:
-            p.grad = None
-        torch.manual_seed(seed)
-        run_step(model, example, loss_fn)
-        return [None if p.grad is None else p.grad.detach().clone() for p in params]
-
-    with _left_as_found(model):
-        reference = gradients(STORE_ALL)
-        for name in approx:
-            num = den = 0.0
-            for g, r in zip(gradients(name), reference, strict=True):
-                if r is None:
-                    continue
-                den += float(r.double().norm() ** 2)
-                num += float((g.double() - r.double()).norm() ** 2) if g is not None else 0.0
-            errors[name] = relative(math.sqrt(num), math.sqrt(den))
-    return errors
 
 
 def _note(
