@@ -13,6 +13,7 @@ optimiser over ``model.parameters()`` and ``state_dict`` see them; the original
 
 from __future__ import annotations
 
+import math
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from torch import nn
 
 from ..errors import InvalidArgumentError, RevckptError
 from ..layers.adapters import VARIANTS, Adapter, LayerBranch, adapter_block
+from ..layers.coupling import ScaledCoupling
 from ..layers.sequential import ReversibleSequential
 from ..layers.steps import StackRun
 from .blocks import Blocks, find_blocks
@@ -189,8 +191,16 @@ def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _width(layer: nn.Module, fqn: str) -> int:
-    for p in layer.parameters():
-        if p.dim() == 1:
+    """The hidden width: the size of the layer's first normalisation weight (of a module whose
+    class or a 1-D parameter whose name says norm or ln)."""
+    for m in layer.modules():
+        weight = getattr(m, "weight", None)
+        named_norm = "norm" in type(m).__name__.lower()
+        if named_norm and isinstance(weight, torch.Tensor) and weight.dim() == 1:
+            return weight.numel()
+    for name, p in layer.named_parameters():
+        leaf = name.lower().rpartition(".")[0].rpartition(".")[2]
+        if p.dim() == 1 and ("norm" in leaf or leaf.startswith("ln")):
             return p.numel()
     raise InvalidArgumentError(
         f"cannot tell the hidden width of layer {fqn}: pass width= (the size of its hidden "
@@ -207,7 +217,7 @@ def make_reversible(
     trainable: Literal["adapters", "all"] = "adapters",
     blocks: Blocks = None,
     width: int | None = None,
-    anchor_every: int | None = None,
+    anchor_every: int | Literal["auto"] | None = "auto",
     check_inverse: float | Literal["auto"] | None = "auto",
 ) -> nn.Module:
     """Make a pretrained model's layers one reversible stack, keeping its output at
@@ -229,12 +239,19 @@ def make_reversible(
             default the model's repeated blocks (:func:`revckpt.inplace.find_blocks`), which
             must be consecutive children of one container.
         width: the hidden state's size (default: read off the first layer's norm).
-        anchor_every, check_inverse: as for :class:`revckpt.layers.ReversibleSequential`.
+        anchor_every: store the inputs of every k-th layer exactly, so reconstruction error
+            grows over at most ``k`` layers (``2 * ceil(L / k)`` stored hidden states).
+            ``"auto"``: the largest ``k`` with ``(1 / scale) ** k * eps <= 1e-3`` for the
+            model's dtype (float32, scale 1/8: 4; bfloat16: 1), none if that covers every
+            layer; ``None``: no anchors.
+        check_inverse: as for :class:`revckpt.layers.ReversibleSequential`; the measured
+            drift per layer is in ``revckpt.inplace.reversible_layers(model).last_drift``.
     """
     if variant not in VARIANTS:
         raise InvalidArgumentError(f"variant={variant!r}: use one of {', '.join(VARIANTS)}")
     if trainable not in ("adapters", "all"):
         raise InvalidArgumentError(f"trainable={trainable!r}: use 'adapters' or 'all'")
+    ScaledCoupling(scale)  # checks the scale
     layers = _layers_of(model, blocks)
     if trainable == "adapters":
         for p in model.parameters():
@@ -242,7 +259,11 @@ def make_reversible(
     built = []
     for i, (fqn, layer) in enumerate(layers):
         size = width if width is not None else _width(layer, fqn)
+        like = next(layer.parameters(), None)
         a_f, a_g = Adapter(size, rank), Adapter(size, rank)
+        if like is not None:
+            a_f.to(like.device, like.dtype)
+            a_g.to(like.device, like.dtype)
         layer.add_module("revckpt_adapter_f", a_f)
         layer.add_module("revckpt_adapter_g", a_g)
         function = layer.__dict__.get("forward") or types.MethodType(type(layer).forward, layer)
@@ -252,6 +273,8 @@ def make_reversible(
         else:
             branch, other = LayerBranch(layer, a_g, call), a_f
         built.append(adapter_block(branch, other, variant=variant, scale=scale, first=i == 0))
+    if anchor_every == "auto":
+        anchor_every = auto_anchors(scale, next(model.parameters()).dtype, len(layers))
     stack = ReversibleSequential(*built, anchor_every=anchor_every, check_inverse=check_inverse)
     converted = ReversibleLayers(layers, stack, hidden=1 if variant == "layer_f" else 0)
     for i, (_, layer) in enumerate(layers):
@@ -259,6 +282,16 @@ def make_reversible(
         object.__setattr__(layer, "forward", types.MethodType(_forward, layer))
     object.__setattr__(model, _ATTR, converted)
     return model
+
+
+def auto_anchors(scale: float, dtype: torch.dtype, depth: int) -> int | None:
+    """``anchor_every="auto"``: the largest ``k`` with ``(1 / scale) ** k * eps <= 1e-3``
+    (``eps`` of ``dtype``; at least 1), or ``None`` when ``k`` covers all ``depth`` layers."""
+    eps = torch.finfo(dtype if dtype.is_floating_point else torch.float32).eps
+    if scale >= 1:
+        return None
+    k = max(1, math.floor(math.log(1e-3 / eps) / math.log(1 / scale))) if eps < 1e-3 else 1
+    return None if k >= depth else k
 
 
 def reversible_layers(model: nn.Module) -> ReversibleLayers:

@@ -61,6 +61,7 @@ class StackCall:
     drift: list[float | None]
     devices: list[torch.device]
     strict: bool = False  # the default check: a drift past it raises whatever on_drift says
+    scaled: bool = False  # a coupling divides by a scale (ScaledCoupling): drift is expected
     pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     values: dict[int, torch.Tensor] = field(default_factory=dict)
     owned: set[int] = field(default_factory=set)  # streams whose value this walk created
@@ -295,6 +296,15 @@ def _finish_drift(call: StackCall) -> None:
     if worst is None:
         return
     err, index = worst
+    if call.strict and call.scaled:
+        raise ReconstructionError(
+            f"reversible block {index}: its rebuilt input differs from the original by "
+            f"{err:.3e} (relative), past the default tolerance {call.check_inverse:g}: the "
+            "scaled couplings (ScaledCoupling, revckpt.make_reversible) amplify rounding by "
+            "about 1 / scale per block. Set anchor_every=k to store every k-th block input "
+            "exactly (smaller k, smaller drift), use a larger scale, or keep the streams in a "
+            "wider dtype"
+        )
     if call.strict:
         raise ReconstructionError(
             f"reversible block {index}: its rebuilt input differs from the original by "

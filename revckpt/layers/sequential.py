@@ -37,7 +37,7 @@ from ..approx.recompute import Approx
 from ..engine.autograd import grad_keywords, module_targets
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..replay import devices_of
-from .coupling import Coupling, make_coupling
+from .coupling import Coupling, ScaledCoupling, make_coupling
 from .rebuild import ReconstructionWarning, StackCall, auto_tolerance
 from .steps import HalfSteps, StackRun
 
@@ -301,6 +301,7 @@ class ReversibleSequential(nn.Module):
             grad_kwargs=grad_kwargs,
             check_inverse=self._tolerance(x1),
             strict=self.check_inverse == "auto",
+            scaled=any(isinstance(step.coupling, ScaledCoupling) for step in plan.steps),
             recompute_dtype=None if self.approx is None else self.approx.recompute_dtype,
             on_drift=self.on_drift,
             drift=[None] * len(self.blocks),

@@ -1,0 +1,198 @@
+"""revckpt.make_reversible: a pretrained model's own layers as one reversible stack, in place
+(MEFT-style adapters and scaled couplings), on the zoo's transformers."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import zoo
+from torch import nn
+
+from revckpt import InvalidArgumentError, RevckptError
+from revckpt.inplace import make_reversible, reversible_layers
+from revckpt.report import measure_step
+
+CASES = ["nanogpt", "gpt2", "llama", "bert", "encoder"]
+
+
+def _logits(model: nn.Module, example):
+    out = model(**example) if isinstance(example, dict) else model(*example)
+    out = out[0] if isinstance(out, tuple) else out
+    return out.logits if hasattr(out, "logits") else out
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
+def _converted(name: str, **options):
+    case = zoo.CASES[name]
+    model = case.make_model().double()
+    original = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' notes on configs
+        make_reversible(model, blocks=case.blocks_path, **options)
+    return case, original, model
+
+
+@pytest.mark.parametrize("variant", ["layer_f", "layer_g"])
+@pytest.mark.parametrize("name", CASES)
+def test_gradients_equal_plain_autograd_in_float64(name, variant):
+    """The reversible backward gives the gradients plain autograd gives for the same
+    converted function (everything stored), for the adapters and the pretrained weights."""
+    case, _, model = _converted(name, variant=variant, scale=2**-3, trainable="all")
+    torch.manual_seed(1)
+    for n, p in model.named_parameters():
+        if "revckpt_adapter" in n:  # trained adapters: up is no longer zero
+            p.data.normal_(0, 0.05)
+    example = case.make_example()
+    loss = zoo.step(model, example, case.loss_fn)
+    reversible = _grads(model)
+    model.zero_grad(set_to_none=True)
+    reversible_layers(model).reversible = False
+    plain_loss = zoo.step(model, example, case.loss_fn)
+    plain = _grads(model)
+    assert loss.item() == plain_loss.item()
+    for n, g in plain.items():
+        torch.testing.assert_close(reversible[n], g, rtol=1e-9, atol=1e-12, msg=n)
+    assert any(g.abs().sum() > 0 for n, g in reversible.items() if "revckpt_adapter" in n)
+
+
+@pytest.mark.parametrize("variant", ["layer_f", "layer_g"])
+def test_output_at_conversion_moves_by_about_scale(variant):
+    """The first layer is exact; each further one moves by ``scale`` times the auxiliary
+    stream: the output's relative change shrinks with the scale."""
+    moved = []
+    for scale in (2**-1, 2**-3, 2**-6):
+        case, original, model = _converted("nanogpt", variant=variant, scale=scale)
+        example = case.make_example()
+        with torch.no_grad():
+            ref, got = _logits(original, example), _logits(model, example)
+        moved.append(((got - ref).norm() / ref.norm()).item())
+    assert moved[0] > moved[1] > moved[2] > 0
+    assert moved[2] < 0.05
+    # a single converted layer is the original layer exactly
+    case = zoo.CASES["nanogpt"]
+    model = case.make_model().double()
+    original = copy.deepcopy(model)
+    make_reversible(model, blocks=lambda m, fqn: fqn == "transformer.h.0", variant=variant)
+    example = case.make_example()
+    with torch.no_grad():
+        torch.testing.assert_close(_logits(model, example), _logits(original, example))
+
+
+def test_layer_f_moves_less_than_layer_g():
+    """layer_f's auxiliary stream is the residual update, layer_g's the hidden state."""
+    moved = {}
+    for variant in ("layer_f", "layer_g"):
+        case, original, model = _converted("gpt2", variant=variant, scale=2**-4)
+        example = case.make_example()
+        with torch.no_grad():
+            ref, got = _logits(original, example), _logits(model, example)
+        moved[variant] = ((got - ref).norm() / ref.norm()).item()
+    assert moved["layer_f"] < moved["layer_g"]
+
+
+def test_frozen_base_weights_get_no_gradients():
+    case, _, model = _converted("gpt2", scale=2**-3)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("revckpt_adapter" in n for n in trainable)
+    assert len(trainable) == 4 * len(reversible_layers(model).layers)  # down, up per adapter
+    zoo.step(model, case.make_example(), case.loss_fn)
+    for n, p in model.named_parameters():
+        assert (p.grad is not None) == ("revckpt_adapter" in n and p.requires_grad), n
+
+
+def test_state_dict_is_the_original_plus_adapters():
+    case, original, model = _converted("llama")
+    before = {n: p for n, p in original.state_dict().items()}
+    after = model.state_dict()
+    adapters = {k for k in after if "revckpt_adapter" in k}
+    assert set(after) - set(before) == adapters and set(before) <= set(after)
+    result = model.load_state_dict(original.state_dict(), strict=False)
+    assert set(result.missing_keys) == adapters and not result.unexpected_keys
+    fresh = zoo.CASES["llama"].make_model().double()
+    ids = {n: p.data_ptr() for n, p in fresh.named_parameters()}
+    make_reversible(fresh, blocks=case.blocks_path)
+    assert all(p.data_ptr() == ids[n] for n, p in fresh.named_parameters() if n in ids)
+
+
+def test_eval_and_no_grad_compute_the_same_function():
+    case, _, model = _converted("nanogpt", scale=2**-2, trainable="all")
+    example = case.make_example()
+    train = _logits(model, example)
+    with torch.no_grad():
+        plain = _logits(model, example)
+    model.eval()
+    with torch.no_grad():
+        evaluated = _logits(model, example)
+    torch.testing.assert_close(train.detach(), plain, rtol=0, atol=0)
+    torch.testing.assert_close(evaluated, plain, rtol=0, atol=0)
+
+
+def _retained(name: str, depth: int, convert: bool) -> int:
+    case = zoo.CASES[name]
+    model = case.make_model()
+    layers = model.transformer.h
+    while len(layers) < depth:
+        layers.append(copy.deepcopy(layers[-1]))
+    if convert:
+        make_reversible(model, blocks=case.blocks_path, trainable="all", scale=0.5)
+    idx, _ = case.make_example()
+
+    class Step(nn.Module):  # measure_step's model: one tensor in, one out
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(x.long())[0]
+
+    return measure_step(Step(), idx.float()).retained_bytes
+
+
+def test_activation_memory_is_a_few_hidden_states_whatever_the_depth():
+    hidden = zoo.BATCH * zoo.SEQ * 64 * 4
+    full = [_retained("nanogpt", d, convert=False) for d in (4, 8)]
+    rev = [_retained("nanogpt", d, convert=True) for d in (4, 8)]
+    assert full[1] > 1.8 * full[0]  # grows with depth
+    assert rev[1] - rev[0] <= hidden // 8  # flat in depth
+    assert rev[1] < 0.1 * full[1], (rev, full)
+
+
+def test_a_model_that_changes_the_hidden_state_between_layers_is_refused():
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(
+                nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(3)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x) * 2
+            return x
+
+    model = make_reversible(Scaled(), blocks="layers", trainable="all")
+    with pytest.raises(RevckptError, match="did not get the hidden state"):
+        model(torch.randn(2, 8))
+
+
+def test_bad_options_are_refused():
+    case = zoo.CASES["nanogpt"]
+    with pytest.raises(InvalidArgumentError, match="variant"):
+        make_reversible(case.make_model(), variant="attention", blocks=case.blocks_path)
+    with pytest.raises(InvalidArgumentError, match="trainable"):
+        make_reversible(case.make_model(), trainable="lora", blocks=case.blocks_path)
+    with pytest.raises(InvalidArgumentError, match="scale"):
+        make_reversible(case.make_model(), scale=0.0, blocks=case.blocks_path)
+    model = make_reversible(case.make_model(), blocks=case.blocks_path)
+    with pytest.raises(InvalidArgumentError, match="already"):
+        make_reversible(model, blocks=case.blocks_path)
