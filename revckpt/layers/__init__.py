@@ -11,7 +11,7 @@ from .blocks import (
     revnet_conv_block,
 )
 from .convert import ReversibleStack, convert_to_reversible
-from .coupling import AdditiveCoupling, AffineCoupling, Coupling, make_coupling
+from .coupling import AdditiveCoupling, AffineCoupling, Coupling, ScaledCoupling, make_coupling
 from .sequential import (
     ReconstructionWarning,
     ReversibleBlock,
@@ -33,6 +33,7 @@ __all__ = [
     "ReversibleSequential",
     "ReversibleStack",
     "ReversibleUnit",
+    "ScaledCoupling",
     "convert_to_reversible",
     "make_coupling",
     "reversible_mlp_block",
