@@ -144,6 +144,20 @@ def test_bench_vs_torch_quick(tmp_path, capsys):
     assert result["budget_takes_effect"]  # budget 0.5 peaks below compiled store-all
 
 
+def test_compiled_prediction_quick(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    out = tmp_path / "c.json"
+    result = load("compiled_prediction").main(["--quick", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["benchmark"] == "compiled_prediction" and saved["command"].endswith(" --quick")
+    (row,) = saved["rows"]
+    assert row == result["rows"][0] and row["budget"] == 0.7 and row["strategies"]
+    assert row["measured_peak_bytes"] > 0 and row["predicted_peak_bytes"] > 0
+    ratio = row["measured_peak_bytes"] / row["predicted_peak_bytes"]
+    assert row["measured_over_predicted"] == pytest.approx(ratio)
+    assert "| budget | plan | measured / predicted peak |" in capsys.readouterr().out
+
+
 def test_bench_allocator_quick(tmp_path):
     out = tmp_path / "r.json"
     result = load("bench_allocator").main(["--quick", "--rounds", "2", "--out", str(out)])
@@ -183,3 +197,29 @@ def test_bench_against_quick(tmp_path):
     assert workloads == list(load("bench_against").WORKLOADS)
     assert all(0 < r["ratio"] < float("inf") and len(r["rounds"]) == 1 for r in result["rows"])
     assert len(result["base"]) == 40
+
+
+def test_bench_finetune_quick(tmp_path, capsys):
+    out = tmp_path / "ft.json"
+    args = ["--quick", "--repeats", "1", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)]
+    result = load("bench_finetune").main(args)
+    assert json.loads(out.read_text())["benchmark"] == "bench_finetune"
+    pre = result["pretraining"]
+    assert not pre["cached"] and pre["heldout_loss"] < 0.85 * pre["uniform_loss"]
+    rows = {r["variant"]: r for r in result["finetune"]}
+    for kept in ("full FT", "LoRA r=8"):  # both start from the pretrained model's output
+        assert rows[kept]["start_max_abs_logit_diff"] == 0.0
+    loss = {name: r["final_heldout_loss"] for name, r in rows.items()}
+    assert loss["full FT"] < loss["full FT from scratch"]  # the pretrained start helps
+    assert result["checkpoint_check"]["max_abs_param_diff"] == 0.0
+    memory = {(r["depth"], r["variant"]): r for r in result["memory"]}
+    for depth in (2, 4):
+        full, lora = memory[(depth, "full FT")], memory[(depth, "LoRA r=8")]
+        ckpt = memory[(depth, "per-layer checkpoint")]
+        assert ckpt["step_peak_bytes"] < full["step_peak_bytes"]
+        assert ckpt["gradient_bytes"] == full["gradient_bytes"] > lora["gradient_bytes"]
+    assert {r["variant"] for r in result["time"]} == {v for _, v in memory}
+    printed = capsys.readouterr().out
+    assert "| variant | trainable params |" in printed and "| depth | variant |" in printed
+    # a second run reuses the saved pretrained model
+    assert load("bench_finetune").main(args)["pretraining"]["cached"]
