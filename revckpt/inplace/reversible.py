@@ -63,11 +63,17 @@ class ReversibleLayers:
     with plain autograd (everything stored), e.g. for a reference gradient."""
 
     def __init__(
-        self, layers: list[tuple[str, nn.Module]], stack: ReversibleSequential, hidden: int
+        self,
+        layers: list[tuple[str, nn.Module]],
+        stack: ReversibleSequential,
+        hidden: int,
+        stream_dtype: torch.dtype | None = None,
     ) -> None:
         self.layers = layers
         self.stack = stack
         self.hidden = hidden  # which stream of a block's input and output is the hidden state
+        self.stream_dtype = stream_dtype
+        self._dtype: torch.dtype | None = None  # the hidden state's, as the model passes it
         self.reversible = True
         self._pass: _Pass | None = None
 
@@ -77,8 +83,12 @@ class ReversibleLayers:
 
     def call(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Layer ``index`` called by the model with ``args`` and ``kwargs``."""
-        state = self._start(args, kwargs) if index == 0 else self._continue(index, args, kwargs)
-        key = carried_key(args, kwargs, state.streams[self.hidden])
+        if index == 0:
+            key = carried_key(args, kwargs)
+            state = self._start(args, kwargs, key)
+        else:
+            state = self._continue(index, args, kwargs)
+            key = carried_key(args, kwargs, state.streams[self.hidden])
         assert key is not None
         if torch.is_grad_enabled():
             args, kwargs = drop_caches(args, kwargs, f"{self.layers[index][0]} (reversible)")
@@ -96,10 +106,11 @@ class ReversibleLayers:
         if last:
             self._pass = None
         hidden = streams[self.hidden]
+        if last and self._dtype is not None and hidden.dtype != self._dtype:
+            hidden = hidden.to(self._dtype)  # back from wider streams
         return hidden if isinstance(out, torch.Tensor) else _with_hidden(out, hidden)
 
-    def _start(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Pass:
-        key = carried_key(args, kwargs)
+    def _start(self, args: tuple[Any, ...], kwargs: dict[str, Any], key: Key | None) -> _Pass:
         if key is None:
             raise InvalidArgumentError(
                 f"layer {self.layers[0][0]} got no floating-point tensor to carry as its hidden "
@@ -107,6 +118,9 @@ class ReversibleLayers:
                 "hidden_states / x) is the hidden state"
             )
         h = args[key] if isinstance(key, int) else kwargs[key]
+        self._dtype = h.dtype
+        if self.stream_dtype is not None:
+            h = h.to(self.stream_dtype)
         aux = torch.zeros_like(h)
         streams = (aux, h) if self.hidden == 1 else (h, aux)
         calls = _Calls()
@@ -190,6 +204,11 @@ def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return layers.call(index, args, kwargs)
 
 
+def _dtype_of(layer: nn.Module) -> torch.dtype | None:
+    p = next(layer.parameters(), None)
+    return None if p is None else p.dtype
+
+
 def _width(layer: nn.Module, fqn: str) -> int:
     """The hidden width: the size of the layer's first normalisation weight (of a module whose
     class or a 1-D parameter whose name says norm or ln)."""
@@ -219,6 +238,7 @@ def make_reversible(
     width: int | None = None,
     anchor_every: int | Literal["auto"] | None = "auto",
     check_inverse: float | Literal["auto"] | None = "auto",
+    stream_dtype: torch.dtype | Literal["auto"] | None = "auto",
 ) -> nn.Module:
     """Make a pretrained model's layers one reversible stack, keeping its output at
     conversion up to ``scale`` (MEFT; see :mod:`revckpt.layers.adapters`). In place; returns
@@ -241,11 +261,16 @@ def make_reversible(
         width: the hidden state's size (default: read off the first layer's norm).
         anchor_every: store the inputs of every k-th layer exactly, so reconstruction error
             grows over at most ``k`` layers (``2 * ceil(L / k)`` stored hidden states).
-            ``"auto"``: the largest ``k`` with ``(1 / scale) ** k * eps <= 1e-3`` for the
-            model's dtype (float32, scale 1/8: 4; bfloat16: 1), none if that covers every
-            layer; ``None``: no anchors.
+            ``"auto"``: the largest ``k`` with ``(1.5 / scale) ** k * eps <= 1e-3`` for the
+            streams' dtype (scale 1/8: 11 for float64 streams, 3 for float32, 1 for
+            bfloat16), none if that covers every layer; ``None``: no anchors.
         check_inverse: as for :class:`revckpt.layers.ReversibleSequential`; the measured
             drift per layer is in ``revckpt.inplace.reversible_layers(model).last_drift``.
+        stream_dtype: carry the two streams in a wider dtype than the model's: the layers
+            still run in their own dtype, the couplings and the rebuild in the wider one, so
+            reconstruction error starts from that dtype's rounding (far fewer anchors), for
+            streams twice the size. ``"auto"``: float64 for a float32 model, float32 for a
+            bfloat16 or float16 one; ``None``: the model's dtype.
     """
     if variant not in VARIANTS:
         raise InvalidArgumentError(f"variant={variant!r}: use one of {', '.join(VARIANTS)}")
@@ -269,14 +294,18 @@ def make_reversible(
         function = layer.__dict__.get("forward") or types.MethodType(type(layer).forward, layer)
         call = _layer_call(i, function)
         if variant == "layer_f":
-            branch, other = LayerBranch(layer, a_f, call), a_g
+            branch, other = LayerBranch(layer, a_f, call, dtype=_dtype_of(layer)), a_g
         else:
-            branch, other = LayerBranch(layer, a_g, call), a_f
+            branch, other = LayerBranch(layer, a_g, call, dtype=_dtype_of(layer)), a_f
         built.append(adapter_block(branch, other, variant=variant, scale=scale, first=i == 0))
+    model_dtype = _dtype_of(layers[0][1]) or torch.float32
+    if stream_dtype == "auto":
+        stream_dtype = _WIDER.get(model_dtype)
     if anchor_every == "auto":
-        anchor_every = auto_anchors(scale, next(model.parameters()).dtype, len(layers))
+        anchor_every = auto_anchors(scale, stream_dtype or model_dtype, len(layers))
     stack = ReversibleSequential(*built, anchor_every=anchor_every, check_inverse=check_inverse)
-    converted = ReversibleLayers(layers, stack, hidden=1 if variant == "layer_f" else 0)
+    hidden = 1 if variant == "layer_f" else 0
+    converted = ReversibleLayers(layers, stack, hidden, stream_dtype)
     for i, (_, layer) in enumerate(layers):
         object.__setattr__(layer, _ATTR, (i, converted))
         object.__setattr__(layer, "forward", types.MethodType(_forward, layer))
@@ -284,13 +313,18 @@ def make_reversible(
     return model
 
 
+_WIDER = {torch.float32: torch.float64, torch.bfloat16: torch.float32, torch.float16: torch.float32}
+
+
 def auto_anchors(scale: float, dtype: torch.dtype, depth: int) -> int | None:
-    """``anchor_every="auto"``: the largest ``k`` with ``(1 / scale) ** k * eps <= 1e-3``
-    (``eps`` of ``dtype``; at least 1), or ``None`` when ``k`` covers all ``depth`` layers."""
+    """``anchor_every="auto"``: the largest ``k`` with ``(1.5 / scale) ** k * eps <= 1e-3``
+    (``eps`` of the streams' ``dtype``; reconstruction error was measured to grow by about
+    ``1 / scale`` per layer; at least 1), or ``None`` when ``k`` covers all ``depth`` layers."""
     eps = torch.finfo(dtype if dtype.is_floating_point else torch.float32).eps
-    if scale >= 1:
+    rate = 1.5 / scale
+    if rate <= 1:
         return None
-    k = max(1, math.floor(math.log(1e-3 / eps) / math.log(1 / scale))) if eps < 1e-3 else 1
+    k = max(1, math.floor(math.log(1e-3 / eps) / math.log(rate))) if eps < 1e-3 else 1
     return None if k >= depth else k
 
 

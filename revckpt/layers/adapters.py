@@ -60,25 +60,38 @@ class Adapter(nn.Module):
         nn.init.zeros_(self.up.weight)
 
     def forward(self, x: torch.Tensor, **_: Any) -> torch.Tensor:
-        return self.up(self.act(self.down(x)))
+        dtype = self.down.weight.dtype
+        if x.dtype == dtype or torch.is_autocast_enabled(x.device.type):
+            return self.up(self.act(self.down(x)))
+        return self.up(self.act(self.down(x.to(dtype)))).to(x.dtype)  # wider streams
 
 
 class LayerBranch(nn.Module):
     """A pretrained layer as a reversible branch: ``call(layer, u, **kwargs)`` (the layer's own
     forward on the hidden state ``u``, its other arguments supplied by ``call``) plus an
     adapter on ``u``. The layer and the adapter are submodules: their parameters are the
-    branch's, trainable or frozen as they are in the model."""
+    branch's, trainable or frozen as they are in the model. ``dtype``: the layer's own
+    (the streams may be wider: ``u`` is cast to it, and the output back)."""
 
     def __init__(
-        self, layer: nn.Module, adapter: Adapter, call: Callable[..., torch.Tensor]
+        self,
+        layer: nn.Module,
+        adapter: Adapter,
+        call: Callable[..., torch.Tensor],
+        *,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.layer = layer
         self.adapter = adapter
         self._call = call
+        self._dtype = dtype
 
     def forward(self, u: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        return self._call(self.layer, u, **kwargs) + self.adapter(u)
+        if self._dtype is None or u.dtype == self._dtype:
+            return self._call(self.layer, u, **kwargs) + self.adapter(u)
+        v = u.to(self._dtype)
+        return (self._call(self.layer, v, **kwargs) + self.adapter(v)).to(u.dtype)
 
 
 class _StartCoupling(Coupling):
