@@ -22,7 +22,7 @@ from .checkpoint import POLICY_PRESETS as POLICY_PRESETS
 from .checkpoint import checkpoint, checkpoint_sequential
 from .checkpoint import segment_bounds as segment_bounds
 from .errors import *  # noqa: F403  (the error types: revckpt.errors.__all__, added below)
-from .inplace import convert, fit, restore
+from .inplace import convert, fit, make_reversible, restore
 from .measure import (
     GradientError,
     MemoryMeter,
@@ -38,11 +38,12 @@ from .strategy import Strategy
 __version__ = "0.1.0"
 
 # What a user needs for the three main jobs (checkpoint a model or a function: fit, convert,
-# restore, checkpoint, checkpoint_sequential; make a stack reversible: revckpt.layers; fit a
-# budget: fit), the strategies as values, the error types and the measurement tools. The
-# subpackages (layers, approx, offload, measure, replay, testing, inplace, schedule) and the
-# names not listed (POLICY_PRESETS, segment_bounds) stay importable from here. The error types
-# are listed once, in revckpt.errors.__all__.
+# restore, checkpoint, checkpoint_sequential; make a stack reversible: revckpt.layers, or a
+# pretrained model's layers keeping its output: make_reversible; fit a budget: fit), the
+# strategies as values, the error types and the measurement tools. The subpackages (layers,
+# approx, offload, measure, replay, testing, inplace, schedule) and the names not listed
+# (POLICY_PRESETS, segment_bounds) stay importable from here. The error types are listed
+# once, in revckpt.errors.__all__.
 __all__ = [
     "GradientError",
     "MemoryMeter",
@@ -54,6 +55,7 @@ __all__ = [
     "convert",
     "fit",
     "gradient_error",
+    "make_reversible",
     "peak_memory",
     "restore",
     "time_ratio",

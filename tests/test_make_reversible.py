@@ -216,3 +216,12 @@ def test_wider_streams_rebuild_closer():
         drift[streams] = reversible_layers(model).last_drift[0]
     assert reversible_layers(model).stream_dtype is None
     assert drift["auto"] < 1e-3 * drift[None], drift
+
+
+def test_fit_and_convert_refuse_a_reversible_model():
+    import revckpt
+
+    case = zoo.CASES["nanogpt"]
+    model = revckpt.make_reversible(case.make_model(), blocks=case.blocks_path)
+    with pytest.raises(InvalidArgumentError, match="reversible stack"):
+        revckpt.convert(model, "checkpoint")

@@ -28,6 +28,7 @@ __all__ = ["Planned", "Runner", "install", "is_fsdp", "planned", "uninstall"]
 Runner = Callable[[nn.Module, Callable[..., Any], tuple[Any, ...], dict[str, Any], Key], Any]
 
 _ATTR = "_revckpt_planned"
+REVERSIBLE_ATTR = "_revckpt_reversible"  # what revckpt.make_reversible puts on its layers
 
 
 @dataclass
@@ -98,6 +99,12 @@ def _check_shape(info: Planned, hidden: Any) -> None:
 
 def install(block: nn.Module, info: Planned) -> None:
     """Install ``info`` on ``block`` (replacing what revckpt installed before)."""
+    if REVERSIBLE_ATTR in block.__dict__:
+        raise InvalidArgumentError(
+            f"block {info.fqn} is a layer of a reversible stack (revckpt.make_reversible), "
+            "which already keeps only the stack's output for backward: fit and convert do not "
+            "plan its layers; plan a model that is not converted"
+        )
     old = planned(block)
     if old is not None:
         info.original = old.original

@@ -29,10 +29,11 @@ from ..layers.sequential import ReversibleSequential
 from ..layers.steps import StackRun
 from .blocks import Blocks, find_blocks
 from .calls import Key, carried_key, drop_caches, hidden_of, replaced
+from .install import REVERSIBLE_ATTR
 
 __all__ = ["ReversibleLayers", "make_reversible", "reversible_layers"]
 
-_ATTR = "_revckpt_reversible"
+_ATTR = REVERSIBLE_ATTR
 
 
 @dataclass
