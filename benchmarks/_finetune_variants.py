@@ -72,22 +72,29 @@ def per_layer_checkpoint(model: GPT) -> tuple[nn.Module, list[nn.Parameter]]:
     return model, list(model.parameters())
 
 
+def reversible(variant: str, trainable: str, scale: float = 0.125) -> Variant:
+    """``revckpt.make_reversible`` on the GPT's blocks (MEFT-style adapters; ``trainable``:
+    ``"adapters"``, the pretrained weights frozen, or ``"all"``)."""
+
+    def make(model: GPT) -> tuple[nn.Module, list[nn.Parameter]]:
+        revckpt.make_reversible(
+            model, blocks="blocks", variant=variant, scale=scale, trainable=trainable
+        )
+        return model, [p for p in model.parameters() if p.requires_grad]
+
+    make.__doc__ = f"reversible {variant}, scale {scale:g}, trainable {trainable}"
+    return make
+
+
 def reversible_variants() -> list[tuple[str, Variant]]:
-    """The reversible fine-tuning variants (issue 17, after MEFT): none yet.
-
-    Each entry is ``(name, make)`` with ``make`` as in the module docstring, e.g. with the
-    conversion of issue 17 once it exists::
-
-        def reversible(model):  # model: a private copy of the pretrained GPT
-            rev = revckpt.make_reversible(model, blocks="blocks", ...)  # in place
-            return rev, [p for p in rev.parameters() if p.requires_grad]
-
-        return [("MEFT reversible", reversible)]
-
-    They then run in the fine-tuning sweep, the memory and the time tables.
-    """
-    # the reversible variants plug in here
-    return []
+    """The reversible fine-tuning variants (issue 17, after MEFT): the layer as F with an
+    adapter as G, and the reverse, adapters only; and layer_f with every weight trainable
+    (full fine-tuning in a reversible stack)."""
+    return [
+        ("reversible layer_f", reversible("layer_f", "adapters")),
+        ("reversible layer_g", reversible("layer_g", "adapters")),
+        ("reversible layer_f, all trainable", reversible("layer_f", "all")),
+    ]
 
 
 def finetune_variants(lora_rank: int = 8) -> list[tuple[str, Variant]]:
