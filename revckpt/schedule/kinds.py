@@ -8,13 +8,13 @@ new strategy is one entry here (and its runner and its measurements).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import InvalidArgumentError
 from ..strategy import argument_of, kind_of
+from .kind_errors import _approx_error, _compress_error, _no_error
 
 if TYPE_CHECKING:
     from .cost_records import BlockCost, Segment
@@ -202,61 +202,6 @@ def _own_time(part: Sequence[BlockCost], strategy: str) -> float:
     return part[0].strategy_overhead_s.get(strategy, part[0].forward_s)
 
 
-def _approx_error(part: Sequence[BlockCost], codec: str | None) -> float:
-    """Estimated relative error of all the chain's gradients when the segment's input is
-    compressed by ``codec``, from per-block measurements (:func:`revckpt.schedule.profile`):
-    ``r_i``, ``q_i``, the relative errors of block ``i``'s parameter and input gradients when
-    its input goes through the codec; ``d_i``, how far the codec moves that input; ``A_i``,
-    how much a perturbation of its input grows through it; ``N_i^2``, the squared norm of its
-    parameter gradients in the chain, ``U_j = sum_{i<j} N_i^2`` and ``N^2`` their total. The
-    compressed ``x_j`` moves block ``i``'s input by ``m_i = d_j prod_{j<=l<i} A_l``, scaling
-    its errors by ``s_i = m_i / d_i`` (first order), so::
-
-        e^2 = (sum_{i in [j, k)} (r_i s_i N_i)^2 + U_j sum_{i in [j, k)} (q_i s_i)^2) / N^2
-
-    (the input-gradient error reaches every earlier block with its relative size). Without
-    the chain norms: ``r_j``. Segments combine by root-sum-square (independent rounding):
-    :func:`evaluate` adds ``e^2``."""
-    assert codec is not None
-    head = part[0]
-    r0 = head.approx_error.get(codec, 0.0)
-    if head.chain_grad_sq is None or head.upstream_grad_sq is None:
-        return r0
-    if head.chain_grad_sq <= 0:  # no gradient in the chain itself: what flows out of it
-        return max(r0, head.approx_input_error.get(codec, 0.0))
-    d_j = head.approx_perturbation.get(codec)
-    own = upstream = 0.0
-    moved = d_j
-    for b in part:
-        r, q = b.approx_error.get(codec), b.approx_input_error.get(codec)
-        d, amp = b.approx_perturbation.get(codec), b.approx_amplification.get(codec)
-        n2 = b.grad_sq
-        if None in (r, q, d, amp, n2, moved):
-            return r0
-        assert r is not None and q is not None and d is not None and amp is not None
-        assert n2 is not None and moved is not None and d_j is not None
-        scale = moved / d if d > 0 else 1.0
-        own += (r * scale) ** 2 * n2
-        upstream += (q * scale) ** 2
-        moved *= amp
-    return math.sqrt(own + head.upstream_grad_sq * upstream) / math.sqrt(head.chain_grad_sq)
-
-
-def _compress_error(part: Sequence[BlockCost], codec: str | None) -> float:
-    """One block whose saved tensors go through ``codec``: ``r``, ``q``, the measured relative
-    errors of its parameter and input gradients, weigh as in :func:`_approx_error` with
-    ``s = 1`` (its input is exact): ``e^2 = ((r N_i)^2 + U_i q^2) / N^2``; without the chain
-    norms, ``r``."""
-    assert codec is not None
-    b = part[0]
-    r, q = b.compress_error.get(codec, 0.0), b.compress_input_error.get(codec, 0.0)
-    if b.chain_grad_sq is None or b.upstream_grad_sq is None or b.grad_sq is None:
-        return r
-    if b.chain_grad_sq <= 0:
-        return max(r, q)
-    return math.sqrt(r**2 * b.grad_sq + q**2 * b.upstream_grad_sq) / math.sqrt(b.chain_grad_sq)
-
-
 def _compress_work(part: Sequence[BlockCost], codec: str | None, out: int) -> Work:
     """Stored, with the block's saved tensors compressed (its input, held by the caller or
     the block before, stays as it is: counted as a stored block counts it)."""
@@ -266,10 +211,6 @@ def _compress_work(part: Sequence[BlockCost], codec: str | None, out: int) -> Wo
     fwd = b.input_bytes + b.compress_forward_peak_bytes[codec]
     bwd = kept + out + b.output_bytes + b.compress_backward_peak_bytes[codec]
     return kept, fwd, bwd
-
-
-def _no_error(part: Sequence[BlockCost], arg: str | None) -> float:
-    return 0.0
 
 
 def _no_time(part: Sequence[BlockCost], strategy: str) -> float:
