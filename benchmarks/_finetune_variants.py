@@ -94,7 +94,20 @@ def reversible_variants() -> list[tuple[str, Variant]]:
         ("reversible layer_f", reversible("layer_f", "adapters")),
         ("reversible layer_g", reversible("layer_g", "adapters")),
         ("reversible layer_f, all trainable", reversible("layer_f", "all")),
+        ("reversible layer_f + LoRA r=8", reversible_lora(8)),
     ]
+
+
+def reversible_lora(rank: int) -> Variant:
+    """LoRA on the blocks' linear layers (the base frozen), then ``make_reversible`` keeping
+    what is trainable as it is: the LoRA factors and the reversible adapters train."""
+
+    def make(model: GPT) -> tuple[nn.Module, list[nn.Parameter]]:
+        add_lora(model, rank)
+        revckpt.make_reversible(model, blocks="blocks", scale=0.125, trainable="all")
+        return model, [p for p in model.parameters() if p.requires_grad]
+
+    return make
 
 
 def finetune_variants(lora_rank: int = 8) -> list[tuple[str, Variant]]:

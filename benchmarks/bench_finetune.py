@@ -44,6 +44,8 @@ from _finetune_variants import (
     per_layer_checkpoint,
 )
 
+import revckpt
+
 OUT = Path(__file__).parent / "results" / "bench_finetune.json"
 
 
@@ -103,7 +105,11 @@ def sweep(
         def train(lr: float, make: Variant = make, name: str = name) -> dict[str, Any]:
             model, params = instantiate(make, pretrained, seed)
             kw = dict(steps=steps, lr=lr, batch=batch, seed=seed, heldout=heldout)
-            run = finetune(model, params, task, **kw)
+            try:
+                run = finetune(model, params, task, **kw)
+            except revckpt.ReconstructionError as err:  # a diverging run's rebuilt inputs
+                print(f"  {name} lr {lr:g}: failed: {str(err)[:120]}", flush=True)
+                return {"lr": lr, "final_heldout_loss": float("inf"), "failed": str(err)}
             print(f"  {name} lr {lr:g}: held-out {run['final_heldout_loss']:.4f}", flush=True)
             return run
 
