@@ -98,6 +98,8 @@ class _StartCoupling(Coupling):
     """The first layer's coupling on the auxiliary stream, which enters as zeros: ``y = h``
     and the rebuilt input is zeros again, exactly (nothing divides by ``scale``)."""
 
+    linear_scale = 0.0
+
     def combine(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return h + 0 * x  # differentiable in x (gradient zero), as a coupling must be
 

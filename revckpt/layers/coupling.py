@@ -58,6 +58,11 @@ class Coupling:
         """``x = separate(y, h)``: undo :meth:`combine` (``separate(combine(x, h), h) == x``)."""
         raise NotImplementedError
 
+    #: ``s`` when ``combine(x, h) == s * x + h`` exactly (the reversible backward then
+    #: differentiates ``h`` alone and updates streams in place); ``None`` otherwise. Only the
+    #: class that declares it is trusted: a subclass must declare it again.
+    linear_scale: float | None = None
+
     def check(self, x: torch.Tensor, h: Any, *, branch: str) -> None:
         """Raise :class:`~revckpt.InvalidArgumentError` if ``h`` cannot be coupled with ``x``."""
 
@@ -83,6 +88,8 @@ class AdditiveCoupling(Coupling):
     ``|x_hat - x| <= 2u * (|x| + |h|)`` per block (to first order in ``u``, the unit roundoff
     of the dtype: half its machine epsilon).
     """
+
+    linear_scale = 1.0
 
     def combine(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """``y = x + h``."""
@@ -120,6 +127,10 @@ class ScaledCoupling(Coupling):
                 "scales exactly)"
             )
         self.scale = float(scale)
+
+    @property
+    def linear_scale(self) -> float:  # type: ignore[override]
+        return self.scale
 
     def combine(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """``y = scale * x + h``."""

@@ -26,7 +26,7 @@ from ..engine.autograd import differentiable_once, vjp
 from ..engine.rerun import Rerun, first_forward
 from ..errors import InvalidArgumentError, ReconstructionError
 from ..replay import ForwardState
-from .coupling import AdditiveCoupling, Coupling
+from .coupling import Coupling
 
 __all__ = [
     "HalfStep",
@@ -74,9 +74,10 @@ class HalfStep:
     per call: they may change between calls).
 
     ``anchor``: 0 keeps nothing, 1 keeps the target's input, 2 also the other stream (the first
-    half step of an anchored block). ``additive``: the coupling is exactly
-    :class:`AdditiveCoupling` (``y = a + h``), which allows in-place updates and
-    differentiating ``h`` alone.
+    half step of an anchored block). ``linear``: ``s`` when the coupling is ``y = s * a + h``
+    (exactly :class:`AdditiveCoupling`, ``s = 1``, or :class:`ScaledCoupling`; ``s = 0``: an
+    input known to be zeros), which allows in-place updates and differentiating ``h`` alone
+    (``da = s * dy``); ``None`` otherwise.
     """
 
     block: Any  # the ReversibleBlock
@@ -87,11 +88,13 @@ class HalfStep:
     anchor: int
     branch: nn.Module
     coupling: Coupling
-    additive: bool = field(init=False)
+    linear: float | None = field(init=False)
     label: str = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "additive", type(self.coupling) is AdditiveCoupling)
+        # the exact class must declare it: a subclass may change combine
+        declared = "linear_scale" in type(self.coupling).__dict__
+        object.__setattr__(self, "linear", self.coupling.linear_scale if declared else None)
         object.__setattr__(self, "label", f"branch {self.which} of reversible block {self.index}")
 
     def current(self) -> bool:
@@ -127,8 +130,12 @@ class HalfStepNode(torch.autograd.Function):
         # y = a + h is written over the branch's fresh output when nothing else holds it: no
         # view or alias of its memory, and no Python reference but this frame's (a buffer, a
         # tensor the branch caches on itself, a keyword tensor returned as is all hold one)
-        private = step.additive and _private_result(h, a) and sys.getrefcount(h) <= _LOCAL_REFS
-        y = h.add_(a) if private else step.coupling.combine(a, h)
+        s = step.linear
+        private = s is not None and _private_result(h, a) and sys.getrefcount(h) <= _LOCAL_REFS
+        if private:
+            y = h.add_(a) if s == 1 else h.add_(a, alpha=s)
+        else:
+            y = step.coupling.combine(a, h)
         del h
         if anchor:  # 1 = keep a, 2 = keep a and u (the first half step of an anchored block)
             ctx.save_for_backward(*((a, u)[:anchor]))
@@ -155,8 +162,8 @@ class HalfStepNode(torch.autograd.Function):
             h = rerun(u_leaf)
             _check_registered(rerun, h, (u_leaf,), step)
             a = _rebuilt_input(ctx, call, step, y, h, exact)
-            if step.additive:
-                # y = a + h: dy/da = dy/dh = identity, so differentiate h alone.
+            if step.linear is not None:
+                # y = s * a + h: dy/dh = identity, dy/da = s, so differentiate h alone.
                 a_leaf, y_again = None, h
             else:
                 a_leaf = a.detach().requires_grad_(True)
@@ -167,10 +174,19 @@ class HalfStepNode(torch.autograd.Function):
         grads = vjp(y_again, sources, dy)
         del y, h, y_again
         _hand_down(call, step, a)
-        da = dy if a_leaf is None else _zeros_if_none(grads[1], a)
+        da = _linear_grad(step.linear, dy, ctx) if a_leaf is None else _zeros_if_none(grads[1], a)
         du = _zeros_if_none(grads[0], u)
         rest = grads[1 if a_leaf is None else 2 :]
         return (None, None, None, da, du, None, *rest)
+
+
+def _linear_grad(s: float | None, dy: torch.Tensor, ctx: Any) -> torch.Tensor | None:
+    """``da = s * dy`` of ``y = s * a + h`` (``None`` when ``a`` needs no gradient)."""
+    if s == 1:
+        return dy
+    if not ctx.needs_input_grad[3]:  # a: the fourth input of HalfStepNode.forward
+        return None
+    return dy * s
 
 
 def _check_registered(
@@ -192,8 +208,10 @@ def _rebuilt_input(
     """The half step's input ``a = separate(y, h)`` (``y`` overwritten when this walk owns it),
     its drift recorded; at an anchor, the kept exact input instead."""
     with torch.no_grad():
-        if step.additive and step.target in call.owned and _sole_owner(y):
+        s = step.linear
+        if s and step.target in call.owned and _sole_owner(y):
             a = y.sub_(h)  # a value this walk rebuilt, held by nobody else: overwrite
+            a = a if s == 1 else a.div_(s)
         else:
             a = step.coupling.separate(y, _detached(h))
     if step.anchor:
