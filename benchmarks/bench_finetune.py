@@ -32,6 +32,7 @@ import torch
 from _common import environment, ratio_cell, write_json  # benchmarks/_common.py
 from _finetune_cost import cost_model, memory_rows, time_rows
 from _finetune_data import Batch, Language
+from _finetune_drift import drift_rows, drift_table
 from _finetune_model import GPT
 from _finetune_train import CACHE_DIR, HELDOUT_SEED, finetune, heldout_loss, pretrain, tasks
 from _finetune_variants import (
@@ -54,11 +55,13 @@ def start_point(make: Variant, pretrained: GPT, heldout: Sequence[Batch]) -> dic
     pretrained model's on the first held-out batch."""
     model, params = instantiate(make, pretrained)
     with torch.no_grad():
-        diff = (model.eval()(heldout[0][0]) - pretrained.eval()(heldout[0][0])).abs().max()
+        ref = pretrained.eval()(heldout[0][0])
+        diff = model.eval()(heldout[0][0]) - ref
     return {
         "trainable_params": sum(p.numel() for p in params),
         "start_heldout_loss": heldout_loss(model, heldout),
-        "start_max_abs_logit_diff": diff.item(),
+        "start_max_abs_logit_diff": diff.abs().max().item(),
+        "start_relative_logit_diff": (diff.norm() / ref.norm()).item(),
     }
 
 
@@ -168,8 +171,8 @@ def pretrain_table(record: dict[str, Any]) -> str:
 
 def finetune_table(rows: list[dict[str, Any]], check: dict[str, Any]) -> str:
     lines = [
-        "| variant | trainable params | start held-out loss | start max abs logit diff | "
-        "best lr | held-out loss (best lr) | held-out loss per lr |",
+        "| variant | trainable params | start held-out loss | start logits: relative diff "
+        "(max abs) | best lr | held-out loss (best lr) | held-out loss per lr |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -177,7 +180,8 @@ def finetune_table(rows: list[dict[str, Any]], check: dict[str, Any]) -> str:
         edge = " (edge)" if r["best_lr_at_edge"] else ""
         lines.append(
             f"| {r['variant']} | {r['trainable_params']:,} | {r['start_heldout_loss']:.4f} | "
-            f"{r['start_max_abs_logit_diff']:.3g} | {r['best_lr']:g}{edge} | "
+            f"{r['start_relative_logit_diff']:.2e} ({r['start_max_abs_logit_diff']:.3g}) | "
+            f"{r['best_lr']:g}{edge} | "
             f"{r['final_heldout_loss']:.4f} | {per_lr} |"
         )
     lines.append(
@@ -229,12 +233,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lrs", type=float, nargs="+", default=None, help="learning-rate sweep")
     p.add_argument("--cost-depths", type=int, nargs="+", default=None)
     p.add_argument("--repeats", type=int, default=None, help="interleaved timing rounds")
+    p.add_argument("--drift-depths", type=int, nargs="+", default=None)
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--cache-dir", type=Path, default=CACHE_DIR, help="pretrained models")
     p.add_argument("--out", type=Path, default=OUT, help="where to write the JSON results")
     args = p.parse_args(argv)
     quick = dict(depth=2, width=64, pretrain_steps=150, steps=30, cost_depths=[2, 4], repeats=3)
+    quick["drift_depths"] = [2, 4]
     full = dict(depth=6, width=128, pretrain_steps=200, steps=100, cost_depths=[12, 24])
+    full["drift_depths"] = [12, 24, 48]
     full["repeats"] = 15
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
@@ -261,6 +268,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         pretrained, task2, heldout, steps=3, lr=args.lrs[0], batch=args.batch
     )
     memory, times = cost_rows(args, cost_variants(args.lora_rank))
+    drift = drift_rows(args.drift_depths, args.width, args.cost_batch)
     config = {k: v for k, v in vars(args).items() if k not in ("out", "cache_dir")}
     result = {
         "benchmark": "bench_finetune",
@@ -272,12 +280,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "checkpoint_check": check,
         "memory": memory,
         "time": times,
+        "drift": drift,
         "seconds": time.perf_counter() - start,
     }
     print(pretrain_table(pretrained.pretrain_record), end="\n\n")
     print(finetune_table(rows, check), end="\n\n")
     print(memory_table(memory), end="\n\n")
-    print(time_table(times))
+    print(time_table(times), end="\n\n")
+    print(drift_table(drift))
     write_json(result, args.out)
     return result
 
