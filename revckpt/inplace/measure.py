@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..measure.state import preserved
-from ..schedule.block_errors import codec_errors, compress_errors, sensitivities
+from ..schedule.block_errors import error_fields, sensitivities
 from ..schedule.block_memory import saves_input
 from ..schedule.block_profile import profile_block
 from ..schedule.costs import BlockCost
@@ -99,19 +99,7 @@ def block_errors(
     # the exact run is this block's own, on its traced input: the chain of units the weights
     # come from may differ from the model where code runs between blocks
     cotangent = weights.cotangents[i]
-    out: dict[str, Any] = {}
-    if cost.approx_bytes:
-        measured = codec_errors(unit, x, list(cost.approx_bytes), cotangent, {})
-        out.update(
-            approx_error=measured.parameters,
-            approx_input_error=measured.input_gradient,
-            approx_perturbation=measured.perturbation,
-            approx_amplification=measured.amplification,
-        )
-    if cost.compress_bytes:
-        r, q = compress_errors(unit, x, list(cost.compress_bytes), cotangent, {})
-        out.update(compress_error=r, compress_input_error=q)
-    return out
+    return error_fields(unit, x, list(cost.approx_bytes), list(cost.compress_bytes), cotangent, {})
 
 
 def profile_in_situ(

@@ -2,7 +2,7 @@
 
 :func:`sensitivities` runs the chain once with a seeded random projection loss: every block's
 output cotangent and the squared norms of every block's parameter gradients (the weights of
-the chain's error model, :func:`revckpt.schedule.costs.segment_cost`). :func:`codec_errors`
+the chain's error model, :func:`revckpt.schedule.costs.segment_cost`). :func:`error_fields`
 runs one block with its input exact and through each codec, with that cotangent and the same
 random draws, and compares the gradients. It works in float32 (float64 for a float64 block):
 a codec's error (``2^-9`` for bf16, more for fp8) is orders of magnitude above float32's
@@ -29,8 +29,7 @@ __all__ = [
     "CodecErrors",
     "Exact",
     "Sensitivities",
-    "codec_errors",
-    "compress_errors",
+    "error_fields",
     "sensitivities",
 ]
 
@@ -129,7 +128,7 @@ class CodecErrors:
 @dataclass
 class _Runner:
     """A block in the working precision, run on an input with the chain's cotangent and its
-    random draws (see :func:`codec_errors`)."""
+    random draws (see :func:`error_fields`)."""
 
     model: nn.Module
     params: list[torch.Tensor]
@@ -195,51 +194,67 @@ class _Runner:
         return self.grads(x)
 
 
-def codec_errors(
+def error_fields(
     block: nn.Module,
     x: torch.Tensor,
     codecs: Sequence[str],
+    compressed: Sequence[str],
     cotangent: torch.Tensor | None,
     kwargs: dict[str, Any],
     exact: Exact | None = None,
-) -> CodecErrors:
-    """Measured, per codec (see :class:`CodecErrors`), with the chain's cotangent, in float32
-    (float64 for a float64 block; see the module docstring). A direct measurement, not a
-    linearisation: it sees ReLU kinks and saturation too. ``exact``: the block's exact
-    gradients from :func:`sensitivities`, which spare the exact run when the block works in
-    its own precision (the codec runs then replay the chain's random draws)."""
+) -> dict[str, Any]:
+    """A block's measured error fields of :class:`~revckpt.schedule.BlockCost`: per codec of
+    ``codecs`` with its input compressed (approx: ``approx_error``, ``approx_input_error``,
+    ``approx_perturbation``, ``approx_amplification``; see :class:`CodecErrors`), per codec of
+    ``compressed`` with its saved tensors compressed (``compress_error``,
+    ``compress_input_error``). Measured with the chain's cotangent, in float32 (float64 for a
+    float64 block; see the module docstring): a direct measurement, not a linearisation, it
+    sees ReLU kinks and saturation too. ``exact``: the block's exact gradients from
+    :func:`sensitivities`, which spare the exact run when the block works in its own
+    precision (the codec runs then replay the chain's random draws)."""
+    out: dict[str, Any] = {}
+    if not codecs and not compressed:
+        return out
     run = _Runner.of(block, x, cotangent, kwargs, exact)
+    if codecs:
+        measured = codec_errors(run, x, codecs)
+        out.update(
+            approx_error=measured.parameters,
+            approx_input_error=measured.input_gradient,
+            approx_perturbation=measured.perturbation,
+            approx_amplification=measured.amplification,
+        )
+    if compressed:
+        out["compress_error"], out["compress_input_error"] = compress_errors(run, x, compressed)
+    return out
+
+
+def codec_errors(run: _Runner, x: torch.Tensor, codecs: Sequence[str]) -> CodecErrors:
+    """Measured, per codec (see :class:`CodecErrors` and :func:`error_fields`)."""
     exact_in, exact_par, exact_y, exact_x = run.exact_figures(x)
     errors = CodecErrors({}, {}, {}, {})
-    for fmt in codecs:
-        codec = Approx(store=fmt).codec
+    for name in codecs:
+        codec = Approx(store=name).codec
         assert codec is not None
         got_in, got_par, got_y, got_x = run.grads(codec.roundtrip(x))
-        errors.parameters[fmt] = relative_error(got_par, exact_par)
-        errors.input_gradient[fmt] = relative_error(got_in, exact_in)
+        errors.parameters[name] = relative_error(got_par, exact_par)
+        errors.input_gradient[name] = relative_error(got_in, exact_in)
         moved = relative_error(got_x, exact_x)
-        errors.perturbation[fmt] = moved
-        errors.amplification[fmt] = relative_error(got_y, exact_y) / moved if moved > 0 else 1.0
+        errors.perturbation[name] = moved
+        errors.amplification[name] = relative_error(got_y, exact_y) / moved if moved > 0 else 1.0
     return errors
 
 
 def compress_errors(
-    block: nn.Module,
-    x: torch.Tensor,
-    codecs: Sequence[str],
-    cotangent: torch.Tensor | None,
-    kwargs: dict[str, Any],
-    exact: Exact | None = None,
+    run: _Runner, x: torch.Tensor, codecs: Sequence[str]
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Per codec, the relative errors of the block's parameter and input gradients when its
-    saved tensors are compressed (:func:`revckpt.approx.compress_saved`), measured as
-    :func:`codec_errors` measures (one run per codec)."""
-    run = _Runner.of(block, x, cotangent, kwargs, exact)
+    saved tensors are compressed (:func:`revckpt.approx.compress_saved`), one run per codec."""
     exact_in, exact_par, _, _ = run.exact_figures(x)
     params, inputs = {}, {}
-    for fmt in codecs:
-        wrap = functools.partial(compress_saved, store=fmt)
+    for name in codecs:
+        wrap = functools.partial(compress_saved, store=name)
         got_in, got_par, _, _ = run.grads(x, wrap)
-        params[fmt] = relative_error(got_par, exact_par)
-        inputs[fmt] = relative_error(got_in, exact_in)
+        params[name] = relative_error(got_par, exact_par)
+        inputs[name] = relative_error(got_in, exact_in)
     return params, inputs

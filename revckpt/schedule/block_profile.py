@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..strategy import Strategy
-from .block_errors import codec_errors, compress_errors
+from .block_errors import error_fields
 from .block_memory import memory_costs
 from .block_time import block_times, codec_seconds, derived_codecs
 from .costs import APPROX, CHECKPOINT, COMPRESS, OFFLOAD, REVERSIBLE, SELECTIVE, STORE, BlockCost
@@ -92,17 +92,5 @@ def _errors(
     kwargs: dict[str, Any],
 ) -> dict[str, Any]:
     """The error fields: per codec priced for approx, per format for compress."""
-    out: dict[str, Any] = {}
-    codecs_priced = list(fields["approx_bytes"])
-    if codecs_priced:
-        measured = codec_errors(block, x, codecs_priced, cotangent, kwargs)
-        out.update(
-            approx_error=measured.parameters,
-            approx_input_error=measured.input_gradient,
-            approx_perturbation=measured.perturbation,
-            approx_amplification=measured.amplification,
-        )
-    if fields["compress_bytes"]:
-        r, q = compress_errors(block, x, list(fields["compress_bytes"]), cotangent, kwargs)
-        out.update(compress_error=r, compress_input_error=q)
-    return out
+    codecs, compressed = list(fields["approx_bytes"]), list(fields["compress_bytes"])
+    return error_fields(block, x, codecs, compressed, cotangent, kwargs)

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..errors import InvalidInputTypeError
 from ..strategy import Strategy
-from .block_errors import codec_errors, compress_errors, sensitivities
+from .block_errors import error_fields, sensitivities
 from .block_memory import memory_costs
 from .block_profile import one_block_strategies
 from .block_time import block_times, codec_seconds, derived_codecs
@@ -154,20 +154,20 @@ class _ProfilingJob:
     ) -> dict[str, Any]:
         """The error fields of block ``i`` (input ``x``): per codec for approx and compress,
         and the weights of the chain's error model."""
+        codecs, compressed = list(fields["approx_bytes"]), list(fields["compress_bytes"])
         args = (weights.cotangents[i], self.kwargs, weights.exact[i])
-        measured = codec_errors(block, x, list(fields["approx_bytes"]), *args)
-        out: dict[str, Any] = {
-            "approx_error": measured.parameters,
-            "approx_input_error": measured.input_gradient,
-            "approx_perturbation": measured.perturbation,
-            "approx_amplification": measured.amplification,
-            "grad_sq": weights.grad_sq[i],
-            "upstream_grad_sq": weights.input_sq + sum(weights.grad_sq[:i]),
-            "chain_grad_sq": weights.input_sq + sum(weights.grad_sq),
+        out = {
+            "approx_error": {},
+            "approx_input_error": {},
+            "approx_perturbation": {},
+            "approx_amplification": {},
+            **error_fields(block, x, codecs, compressed, *args),
         }
-        if fields["compress_bytes"]:
-            r, q = compress_errors(block, x, list(fields["compress_bytes"]), *args)
-            out.update(compress_error=r, compress_input_error=q)
+        out.update(
+            grad_sq=weights.grad_sq[i],
+            upstream_grad_sq=weights.input_sq + sum(weights.grad_sq[:i]),
+            chain_grad_sq=weights.input_sq + sum(weights.grad_sq),
+        )
         return out
 
     def _times(
