@@ -50,7 +50,6 @@ class BlockCost:
     param_bytes: int = 0
     approx_bytes: Mapping[str, int] = field(default_factory=dict)
     approx_error: Mapping[str, float] = field(default_factory=dict)
-    approx_encode_peak_bytes: Mapping[str, int] = field(default_factory=dict)
     backward_capture_peak_bytes: int | None = None
     checkpoint_peak_bytes: int | None = None
     reversible_peak_bytes: int | None = None
@@ -75,6 +74,7 @@ class BlockCost:
     grads_new: bool = False
     input_kept: bool = True
     chained_s: float | None = None
+    approx_encode_peak_bytes: Mapping[str, int] = field(default_factory=dict)
     compress_bytes: Mapping[str, int] = field(default_factory=dict)
     compress_forward_peak_bytes: Mapping[str, int] = field(default_factory=dict)
     compress_backward_peak_bytes: Mapping[str, int] = field(default_factory=dict)
