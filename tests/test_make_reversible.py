@@ -225,3 +225,12 @@ def test_fit_and_convert_refuse_a_reversible_model():
     model = revckpt.make_reversible(case.make_model(), blocks=case.blocks_path)
     with pytest.raises(InvalidArgumentError, match="reversible stack"):
         revckpt.convert(model, "checkpoint")
+
+
+def test_anchors_start_after_the_exact_first_layer():
+    case, _, model = _converted("gpt2", anchor_every=1, trainable="all")
+    layers = reversible_layers(model)
+    anchored = {step.index for step in layers.stack._steps().steps if step.anchor}
+    assert anchored == set(range(1, len(layers.layers)))  # layer 0 is rebuilt exactly
+    zoo.step(model, case.make_example(), case.loss_fn)
+    assert all(d < 1e-10 for d in layers.last_drift[1:] if d is not None)  # one layer each

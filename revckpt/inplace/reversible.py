@@ -260,8 +260,9 @@ def make_reversible(
             default the model's repeated blocks (:func:`revckpt.inplace.find_blocks`), which
             must be consecutive children of one container.
         width: the hidden state's size (default: read off the first layer's norm).
-        anchor_every: store the inputs of every k-th layer exactly, so reconstruction error
-            grows over at most ``k`` layers (``2 * ceil(L / k)`` stored hidden states).
+        anchor_every: store the inputs of layers ``k, 2k, ...`` exactly, so reconstruction
+            error grows over at most ``k`` layers (two stored streams per anchor; layer 0 is
+            rebuilt exactly).
             ``"auto"``: the largest ``k`` with ``(1.5 / scale) ** k * eps <= 1e-3`` for the
             streams' dtype (scale 1/8: 11 for float64 streams, 3 for float32, 1 for
             bfloat16), none if that covers every layer; ``None``: no anchors.
@@ -305,6 +306,8 @@ def make_reversible(
     if anchor_every == "auto":
         anchor_every = auto_anchors(scale, stream_dtype or model_dtype, len(layers))
     stack = ReversibleSequential(*built, anchor_every=anchor_every, check_inverse=check_inverse)
+    # the first layer is rebuilt exactly (its auxiliary input is zeros): anchors k, 2k, ...
+    stack.first_anchor = anchor_every or 0
     hidden = 1 if variant == "layer_f" else 0
     converted = ReversibleLayers(layers, stack, hidden, stream_dtype)
     for i, (_, layer) in enumerate(layers):

@@ -234,6 +234,9 @@ class ReversibleSequential(nn.Module):
         self.check_inverse = check_inverse
         self.on_drift = on_drift
         self.anchor_every = anchor_every
+        #: the first anchored block (then every ``anchor_every``-th): 0 keeps the stack input;
+        #: a stack whose input is cheap to rebuild exactly may start later
+        self.first_anchor = 0
         self.approx = approx
         self.last_drift: list[float | None] = []
         self._half_steps: HalfSteps | None = None
@@ -263,8 +266,9 @@ class ReversibleSequential(nn.Module):
         ``anchor_every`` changed since."""
         blocks = tuple(self.blocks._modules.values())
         steps = getattr(self, "_half_steps", None)
-        if steps is None or not steps.current(blocks, self.anchor_every):
-            steps = self._half_steps = HalfSteps(blocks, self.anchor_every)
+        first = self.first_anchor
+        if steps is None or not steps.current(blocks, self.anchor_every, first):
+            steps = self._half_steps = HalfSteps(blocks, self.anchor_every, first)
         return steps
 
     def forward(self, x: torch.Tensor | Streams, **kwargs: Any) -> torch.Tensor | Streams:

@@ -26,17 +26,24 @@ class HalfSteps:
     steps, and which stream is the first and which the second output: built once, valid
     while the stack has the same blocks, branches, couplings and ``anchor_every``."""
 
-    __slots__ = ("anchor_every", "blocks", "by_block", "ids", "steps")
+    __slots__ = ("anchor_every", "blocks", "by_block", "first_anchor", "ids", "steps")
 
-    def __init__(self, blocks: tuple[nn.Module, ...], anchor_every: int | None) -> None:
+    def __init__(
+        self, blocks: tuple[nn.Module, ...], anchor_every: int | None, first_anchor: int = 0
+    ) -> None:
         self.blocks = blocks
         self.anchor_every = anchor_every
+        self.first_anchor = first_anchor
         self.steps: list[HalfStep] = []
         self.by_block: list[range] = []
         ids = (0, 1)  # which stream is the block's first and second input
         for i, block in enumerate(blocks):
             start = len(self.steps)
-            anchored = anchor_every is not None and i % anchor_every == 0
+            anchored = (
+                anchor_every is not None
+                and i >= first_anchor
+                and (i - first_anchor) % anchor_every == 0
+            )
             first, second = ids
             self.steps.append(
                 HalfStep(
@@ -63,10 +70,13 @@ class HalfSteps:
             self.by_block.append(range(start, len(self.steps)))
         self.ids = ids
 
-    def current(self, blocks: tuple[nn.Module, ...], anchor_every: int | None) -> bool:
+    def current(
+        self, blocks: tuple[nn.Module, ...], anchor_every: int | None, first_anchor: int = 0
+    ) -> bool:
         return (
             blocks == self.blocks
             and anchor_every == self.anchor_every
+            and first_anchor == self.first_anchor
             and all(step.current() for step in self.steps)
         )
 
