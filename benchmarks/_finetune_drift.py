@@ -1,6 +1,7 @@
 """Reconstruction drift of ``revckpt.make_reversible``, for ``bench_finetune.py``.
 
-Per depth, dtype (float32, bfloat16), variant and anchoring (``anchor_every="auto"`` and no
+Per depth, dtype (float32, bfloat16), variant and scale (layer_f and layer_g at 2^-3,
+layer_f at 2^-8) and anchoring (``anchor_every="auto"`` and no
 anchors), on a freshly initialised GPT of that depth (seeded; the pretrained model of the
 benchmark has one depth only):
 
@@ -16,6 +17,7 @@ benchmark has one depth only):
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,13 +48,13 @@ def _gradient_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> f
 
 
 def drift_row(
-    config: GPTConfig, dtype: str, variant: str, anchors: str | None, batch: int
+    config: GPTConfig, dtype: str, variant: str, anchors: str | None, batch: int, scale: float
 ) -> dict[str, Any]:
     torch.manual_seed(config.depth)
     model = GPT(config).to(DTYPES[dtype])
     original = copy.deepcopy(model)
     revckpt.make_reversible(
-        model, blocks="blocks", variant=variant, trainable="all",
+        model, blocks="blocks", variant=variant, trainable="all", scale=scale,
         anchor_every=anchors, check_inverse=1e9,
     )  # fmt: skip
     gen = torch.Generator().manual_seed(1)
@@ -70,6 +72,7 @@ def drift_row(
         "depth": config.depth,
         "dtype": dtype,
         "variant": variant,
+        "scale": scale,
         "anchor_every": layers.stack.anchor_every,
         "anchors": anchors or "none",
         "stream_dtype": str(layers.stream_dtype).replace("torch.", ""),
@@ -79,19 +82,20 @@ def drift_row(
     }
 
 
-def drift_rows(
-    depths: Sequence[int], width: int, batch: int, variants: Sequence[str] = ("layer_f", "layer_g")
-) -> list[dict[str, Any]]:
+SETTINGS = (("layer_f", 2**-3), ("layer_g", 2**-3), ("layer_f", 2**-8))
+
+
+def drift_rows(depths: Sequence[int], width: int, batch: int) -> list[dict[str, Any]]:
     rows = []
     for depth in depths:
         config = GPTConfig(depth=depth, width=width)
         for dtype in DTYPES:
-            for variant in variants:
+            for variant, scale in SETTINGS:
                 for anchors in ("auto", None):
-                    rows.append(drift_row(config, dtype, variant, anchors, batch))
+                    rows.append(drift_row(config, dtype, variant, anchors, batch, scale))
                     r = rows[-1]
                     print(
-                        f"  drift depth {depth} {dtype} {variant} anchors {r['anchors']}: "
+                        f"  drift depth {depth} {dtype} {variant} {scale:g} {r['anchors']}: "
                         f"start {r['start_relative_change']:.2e}, rebuild "
                         f"{r['rebuild_drift']:.2e}, gradients {r['gradient_error']:.2e}",
                         flush=True,
@@ -101,9 +105,9 @@ def drift_rows(
 
 def drift_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| depth | dtype (streams) | variant | anchor_every | start: relative change | "
+        "| depth | dtype (streams) | variant | scale | anchor_every | start: relative change | "
         "rebuilt-input drift | gradient error vs plain autograd |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         k = r["anchor_every"]
@@ -111,7 +115,8 @@ def drift_table(rows: list[dict[str, Any]]) -> str:
         anchors = (f"auto: {k or 'none'}") if auto else "none"
         lines.append(
             f"| {r['depth']} | {r['dtype']} ({r['stream_dtype']}) | {r['variant']} | "
-            f"{anchors} | {r['start_relative_change']:.2e} | {r['rebuild_drift']:.2e} | "
+            f"2^{round(math.log2(r['scale']))} | {anchors} | "
+            f"{r['start_relative_change']:.2e} | {r['rebuild_drift']:.2e} | "
             f"{r['gradient_error']:.2e} |"
         )
     return "\n".join(lines)

@@ -88,13 +88,15 @@ def reversible(variant: str, trainable: str, scale: float = 0.125) -> Variant:
 
 def reversible_variants() -> list[tuple[str, Variant]]:
     """The reversible fine-tuning variants (issue 17, after MEFT): the layer as F with an
-    adapter as G, and the reverse, adapters only; and layer_f with every weight trainable
-    (full fine-tuning in a reversible stack)."""
+    adapter as G, and the reverse, adapters only; layer_f with every weight trainable (full
+    fine-tuning in a reversible stack), with LoRA, and at scale 2^-8 (closer to the start,
+    more anchors)."""
     return [
         ("reversible layer_f", reversible("layer_f", "adapters")),
         ("reversible layer_g", reversible("layer_g", "adapters")),
         ("reversible layer_f, all trainable", reversible("layer_f", "all")),
         ("reversible layer_f + LoRA r=8", reversible_lora(8)),
+        ("reversible layer_f, scale 2^-8, all trainable", reversible("layer_f", "all", 2**-8)),
     ]
 
 
