@@ -307,7 +307,7 @@ def _plan_chain(
             "tensor (the chain's input)"
         )
     options = _profile_options(strategies, args.offload)
-    prof = profile(blocks, x, repeats=args.repeats or 5, **options, **kwargs)
+    prof = profile(blocks, x, repeats=args.repeats or 5, kwargs=kwargs, **options)
     print(prof.table() if args.verbose else f"profiled {len(prof.blocks)} blocks")
     store_peak = baseline(prof, "store").predicted_peak_bytes
     budget = parse_budget(args.budget, store_peak)
