@@ -25,7 +25,7 @@ from torch import nn
 from ..errors import InvalidArgumentError, RevckptError
 from ..layers.adapters import VARIANTS, Adapter, LayerBranch, adapter_block
 from ..layers.coupling import ScaledCoupling
-from ..layers.sequential import ReversibleSequential
+from ..layers.sequential import ReversibleBlock, ReversibleSequential
 from ..layers.steps import StackRun
 from .blocks import Blocks, find_blocks
 from .calls import Key, carried_key, drop_caches, hidden_of, replaced
@@ -283,23 +283,10 @@ def make_reversible(
     if trainable == "adapters":
         for p in model.parameters():
             p.requires_grad_(False)
-    built = []
-    for i, (fqn, layer) in enumerate(layers):
-        size = width if width is not None else _width(layer, fqn)
-        like = next(layer.parameters(), None)
-        a_f, a_g = Adapter(size, rank), Adapter(size, rank)
-        if like is not None:
-            a_f.to(like.device, like.dtype)
-            a_g.to(like.device, like.dtype)
-        layer.add_module("revckpt_adapter_f", a_f)
-        layer.add_module("revckpt_adapter_g", a_g)
-        function = layer.__dict__.get("forward") or types.MethodType(type(layer).forward, layer)
-        call = _layer_call(i, function)
-        if variant == "layer_f":
-            branch, other = LayerBranch(layer, a_f, call, dtype=_dtype_of(layer)), a_g
-        else:
-            branch, other = LayerBranch(layer, a_g, call, dtype=_dtype_of(layer)), a_f
-        built.append(adapter_block(branch, other, variant=variant, scale=scale, first=i == 0))
+    built = [
+        _layer_block(i, fqn, layer, variant, scale, rank, width)
+        for i, (fqn, layer) in enumerate(layers)
+    ]
     model_dtype = _dtype_of(layers[0][1]) or torch.float32
     if stream_dtype == "auto":
         stream_dtype = _WIDER.get(model_dtype)
@@ -315,6 +302,27 @@ def make_reversible(
         object.__setattr__(layer, "forward", types.MethodType(_forward, layer))
     object.__setattr__(model, _ATTR, converted)
     return model
+
+
+def _layer_block(
+    i: int, fqn: str, layer: nn.Module, variant: str, scale: float, rank: int, width: int | None
+) -> ReversibleBlock:
+    """Layer ``i``'s reversible block, its two adapters registered on it."""
+    size = width if width is not None else _width(layer, fqn)
+    like = next(layer.parameters(), None)
+    a_f, a_g = Adapter(size, rank), Adapter(size, rank)
+    if like is not None:
+        a_f.to(like.device, like.dtype)
+        a_g.to(like.device, like.dtype)
+    layer.add_module("revckpt_adapter_f", a_f)
+    layer.add_module("revckpt_adapter_g", a_g)
+    function = layer.__dict__.get("forward") or types.MethodType(type(layer).forward, layer)
+    call, dtype = _layer_call(i, function), _dtype_of(layer)
+    if variant == "layer_f":
+        branch, other = LayerBranch(layer, a_f, call, dtype=dtype), a_g
+    else:
+        branch, other = LayerBranch(layer, a_g, call, dtype=dtype), a_f
+    return adapter_block(branch, other, variant=variant, scale=scale, first=i == 0)  # type: ignore[arg-type]
 
 
 _WIDER = {torch.float32: torch.float64, torch.bfloat16: torch.float32, torch.float16: torch.float32}
