@@ -11,6 +11,7 @@ import torch
 import zoo
 from torch import nn
 
+import revckpt
 from revckpt import InvalidArgumentError, RevckptError
 from revckpt.inplace import make_reversible, reversible_layers
 from revckpt.report import measure_step
@@ -144,7 +145,9 @@ def _retained(name: str, depth: int, convert: bool) -> int:
     while len(layers) < depth:
         layers.append(copy.deepcopy(layers[-1]))
     if convert:
-        make_reversible(model, blocks=case.blocks_path, trainable="all", scale=0.5)
+        make_reversible(
+            model, blocks=case.blocks_path, trainable="all", scale=0.5, anchor_every=None
+        )
     idx, _ = case.make_example()
 
     class Step(nn.Module):  # measure_step's model: one tensor in, one out
@@ -202,7 +205,7 @@ def test_wider_streams_rebuild_closer():
     """float32 layers on float64 streams (the default for a float32 model): the rebuilt inputs
     drift far less than on float32 streams, and the model's output stays float32."""
     drift = {}
-    for streams in ("auto", None):
+    for streams in (torch.float64, None):
         case = zoo.CASES["nanogpt"]
         model = case.make_model()
         make_reversible(
@@ -215,7 +218,7 @@ def test_wider_streams_rebuild_closer():
         logits.pow(2).mean().backward()
         drift[streams] = reversible_layers(model).last_drift[0]
     assert reversible_layers(model).stream_dtype is None
-    assert drift["auto"] < 1e-3 * drift[None], drift
+    assert drift[torch.float64] < 1e-3 * drift[None], drift
 
 
 def test_fit_and_convert_refuse_a_reversible_model():
@@ -234,3 +237,64 @@ def test_anchors_start_after_the_exact_first_layer():
     assert anchored == set(range(1, len(layers.layers)))  # layer 0 is rebuilt exactly
     zoo.step(model, case.make_example(), case.loss_fn)
     assert all(d < 1e-10 for d in layers.last_drift[1:] if d is not None)  # one layer each
+
+
+def test_a_deep_copy_runs_its_own_layers():
+    case, _, model = _converted("nanogpt", trainable="all")
+    twin = copy.deepcopy(model)
+    for p in twin.transformer.h.parameters():
+        p.data.zero_()
+    example = case.make_example()
+    with torch.no_grad():
+        assert not torch.equal(_logits(twin, example), _logits(model, example))
+    zoo.step(twin, example, case.loss_fn)  # its backward reaches its own parameters
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_overflowed_rebuild_raises_rather_than_passing_nan():
+    """A nan drift compares false with any tolerance: it counts as infinite."""
+    case = zoo.CASES["nanogpt"]
+    model = case.make_model()
+    layers = model.transformer.h
+    while len(layers) < 32:
+        layers.append(copy.deepcopy(layers[len(layers) % 4]))
+    make_reversible(model, blocks=case.blocks_path, scale=2**-6, anchor_every=None)
+    with pytest.raises(revckpt.ReconstructionError):
+        zoo.step(model, case.make_example(), case.loss_fn)
+
+
+class _QKNormLayer(nn.Module):
+    """A layer with a per-head norm narrower than the hidden state (as Qwen3's q_norm)."""
+
+    def __init__(self, width: int = 16, head: int = 4) -> None:
+        super().__init__()
+        self.q_norm = nn.LayerNorm(head)
+        self.norm = nn.LayerNorm(width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q_norm(x.unflatten(-1, (-1, 4))).flatten(-2)
+        return x + self.proj(self.norm(x + q))
+
+
+def test_the_width_is_the_widest_norm_and_is_checked():
+    model = nn.Sequential(_QKNormLayer(), _QKNormLayer())
+    make_reversible(model, trainable="all")
+    model(torch.randn(2, 16)).sum().backward()
+    wrong = make_reversible(nn.Sequential(_QKNormLayer(), _QKNormLayer()), width=8)
+    with pytest.raises(InvalidArgumentError, match="width"):
+        wrong(torch.randn(2, 16))
+
+
+def test_wide_streams_under_autocast_and_bad_stream_dtypes():
+    case = zoo.CASES["nanogpt"]
+    model = make_reversible(
+        case.make_model(), blocks=case.blocks_path, stream_dtype=torch.float64, trainable="all"
+    )
+    idx, _ = case.make_example()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, _ = model(idx)
+    logits.float().pow(2).mean().backward()
+    for bad in ("float64", torch.int64, torch.float16):
+        with pytest.raises(InvalidArgumentError, match="stream_dtype"):
+            make_reversible(case.make_model(), blocks=case.blocks_path, stream_dtype=bad)

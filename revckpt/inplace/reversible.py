@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import types
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -75,6 +74,7 @@ class ReversibleLayers:
         self.hidden = hidden  # which stream of a block's input and output is the hidden state
         self.stream_dtype = stream_dtype
         self._dtype: torch.dtype | None = None  # the hidden state's, as the model passes it
+        self.width: int | None = None  # the adapters' (the hidden state's last dimension)
         self.reversible = True
         self._pass: _Pass | None = None
 
@@ -119,6 +119,13 @@ class ReversibleLayers:
                 "hidden_states / x) is the hidden state"
             )
         h = args[key] if isinstance(key, int) else kwargs[key]
+        width = self.width
+        if width is not None and h.shape[-1] != width:
+            raise InvalidArgumentError(
+                f"layer {self.layers[0][0]} got a hidden state of shape {tuple(h.shape)}, but "
+                f"make_reversible built its adapters for width {width}: pass width= (the size "
+                "of the hidden state's last dimension)"
+            )
         self._dtype = h.dtype
         if self.stream_dtype is not None:
             h = h.to(self.stream_dtype)
@@ -171,19 +178,25 @@ def _with_hidden(out: Any, hidden: torch.Tensor) -> Any:
     )
 
 
-def _layer_call(index: int, function: Callable[..., Any]) -> Callable[..., torch.Tensor]:
-    """Layer ``index``'s own forward on the hidden state ``u``, with the other arguments of
-    its call in the current pass (recorded by :meth:`ReversibleLayers.call`)."""
+class _LayerCall:
+    """Layer ``index``'s own forward (its class's, or the instance ``forward`` it had before)
+    on the hidden state ``u``, with the other arguments of its call in the current pass
+    (recorded by :meth:`ReversibleLayers.call`). Called with the layer it runs, so a deep
+    copy of the model runs its own copy."""
 
-    def call(layer: nn.Module, u: torch.Tensor, *, calls: _Calls) -> torch.Tensor:
+    def __init__(self, index: int, before: Any) -> None:
+        self.index = index
+        self.before = before  # an instance forward the layer had, as a plain function
+
+    def __call__(self, layer: nn.Module, u: torch.Tensor, *, calls: _Calls) -> torch.Tensor:
+        index = self.index
         args, kwargs, key = calls.args[index]
         a, k = replaced(args, kwargs, key, u)
-        out = function(*a, **k)
+        fn = type(layer).forward if self.before is None else self.before
+        out = fn(layer, *a, **k)
         if calls.forwarding:
             calls.output = _without_hidden(out)
         return hidden_of(out, f"layer {index}")
-
-    return call
 
 
 def _without_hidden(out: Any) -> Any:
@@ -211,17 +224,20 @@ def _dtype_of(layer: nn.Module) -> torch.dtype | None:
 
 
 def _width(layer: nn.Module, fqn: str) -> int:
-    """The hidden width: the size of the layer's first normalisation weight (of a module whose
+    """The hidden width: the size of the layer's widest normalisation weight (of a module whose
     class or a 1-D parameter whose name says norm or ln)."""
+    sizes = []
     for m in layer.modules():
         weight = getattr(m, "weight", None)
         named_norm = "norm" in type(m).__name__.lower()
         if named_norm and isinstance(weight, torch.Tensor) and weight.dim() == 1:
-            return weight.numel()
+            sizes.append(weight.numel())
     for name, p in layer.named_parameters():
         leaf = name.lower().rpartition(".")[0].rpartition(".")[2]
         if p.dim() == 1 and ("norm" in leaf or leaf.startswith("ln")):
-            return p.numel()
+            sizes.append(p.numel())
+    if sizes:  # the largest: a per-head norm (QK-norm) is narrower than the hidden state
+        return max(sizes)
     raise InvalidArgumentError(
         f"cannot tell the hidden width of layer {fqn}: pass width= (the size of its hidden "
         "state's last dimension)"
@@ -239,7 +255,7 @@ def make_reversible(
     width: int | None = None,
     anchor_every: int | Literal["auto"] | None = "auto",
     check_inverse: float | Literal["auto"] | None = "auto",
-    stream_dtype: torch.dtype | Literal["auto"] | None = "auto",
+    stream_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Make a pretrained model's layers one reversible stack, keeping its output at
     conversion up to ``scale`` (MEFT; see :mod:`revckpt.layers.adapters`). In place; returns
@@ -263,16 +279,18 @@ def make_reversible(
         anchor_every: store the inputs of layers ``k, 2k, ...`` exactly, so reconstruction
             error grows over at most ``k`` layers (two stored streams per anchor; layer 0 is
             rebuilt exactly).
-            ``"auto"``: the largest ``k`` with ``(1.5 / scale) ** k * eps <= 1e-3`` for the
-            streams' dtype (scale 1/8: 11 for float64 streams, 3 for float32, 1 for
-            bfloat16), none if that covers every layer; ``None``: no anchors.
+            ``"auto"``: the largest ``k`` with ``(2 / scale) ** k * eps <= 1e-3`` for the
+            layers' dtype (scale 1/8: 3 for float32, 1 for bfloat16, 10 for float64), none if
+            that covers every layer; ``None``: no anchors.
         check_inverse: as for :class:`revckpt.layers.ReversibleSequential`; the measured
             drift per layer is in ``revckpt.inplace.reversible_layers(model).last_drift``.
-        stream_dtype: carry the two streams in a wider dtype than the model's: the layers
-            still run in their own dtype, the couplings and the rebuild in the wider one, so
-            reconstruction error starts from that dtype's rounding (far fewer anchors), for
-            streams twice the size. ``"auto"``: float64 for a float32 model, float32 for a
-            bfloat16 or float16 one; ``None``: the model's dtype.
+        stream_dtype: carry the two streams in a wider dtype than the model's (e.g.
+            ``torch.float64`` for a float32 model): the layers still run in their own dtype,
+            the couplings and the rebuild in the wider one. Usually far less drift (a sum of
+            a few float32 values is exact in float64), but not in the worst case: a rebuilt
+            value that rounds to the layer's dtype differently from the forward injects that
+            dtype's rounding, which grows as before, so the automatic anchors are the same and
+            each costs twice the bytes. ``None`` (default): the model's dtype.
     """
     if variant not in VARIANTS:
         raise InvalidArgumentError(f"variant={variant!r}: use one of {', '.join(VARIANTS)}")
@@ -288,15 +306,23 @@ def make_reversible(
         for i, (fqn, layer) in enumerate(layers)
     ]
     model_dtype = _dtype_of(layers[0][1]) or torch.float32
-    if stream_dtype == "auto":
-        stream_dtype = _WIDER.get(model_dtype)
+    if stream_dtype is not None and not (
+        isinstance(stream_dtype, torch.dtype)
+        and stream_dtype.is_floating_point
+        and torch.finfo(stream_dtype).eps <= torch.finfo(model_dtype).eps
+    ):
+        raise InvalidArgumentError(
+            f"stream_dtype={stream_dtype!r}: pass a floating torch.dtype at least as wide as "
+            f"the model's {model_dtype} (e.g. torch.float64), or None"
+        )
     if anchor_every == "auto":
-        anchor_every = auto_anchors(scale, stream_dtype or model_dtype, len(layers))
+        anchor_every = auto_anchors(scale, model_dtype, len(layers))
     stack = ReversibleSequential(*built, anchor_every=anchor_every, check_inverse=check_inverse)
     # the first layer is rebuilt exactly (its auxiliary input is zeros): anchors k, 2k, ...
     stack.first_anchor = anchor_every or 0
     hidden = 1 if variant == "layer_f" else 0
     converted = ReversibleLayers(layers, stack, hidden, stream_dtype)
+    converted.width = width if width is not None else _width(layers[0][1], layers[0][0])
     for i, (_, layer) in enumerate(layers):
         object.__setattr__(layer, _ATTR, (i, converted))
         object.__setattr__(layer, "forward", types.MethodType(_forward, layer))
@@ -316,8 +342,10 @@ def _layer_block(
         a_g.to(like.device, like.dtype)
     layer.add_module("revckpt_adapter_f", a_f)
     layer.add_module("revckpt_adapter_g", a_g)
-    function = layer.__dict__.get("forward") or types.MethodType(type(layer).forward, layer)
-    call, dtype = _layer_call(i, function), _dtype_of(layer)
+    before = layer.__dict__.get("forward")
+    if before is not None:  # an instance forward (a bound method): its function
+        before = getattr(before, "__func__", None) or (lambda _layer, *a, **k: before(*a, **k))
+    call, dtype = _LayerCall(i, before), _dtype_of(layer)
     if variant == "layer_f":
         branch, other = LayerBranch(layer, a_f, call, dtype=dtype), a_g
     else:
@@ -325,15 +353,12 @@ def _layer_block(
     return adapter_block(branch, other, variant=variant, scale=scale, first=i == 0)  # type: ignore[arg-type]
 
 
-_WIDER = {torch.float32: torch.float64, torch.bfloat16: torch.float32, torch.float16: torch.float32}
-
-
 def auto_anchors(scale: float, dtype: torch.dtype, depth: int) -> int | None:
-    """``anchor_every="auto"``: the largest ``k`` with ``(1.5 / scale) ** k * eps <= 1e-3``
-    (``eps`` of the streams' ``dtype``; reconstruction error was measured to grow by about
-    ``1 / scale`` per layer; at least 1), or ``None`` when ``k`` covers all ``depth`` layers."""
+    """``anchor_every="auto"``: the largest ``k`` with ``(2 / scale) ** k * eps <= 1e-3``
+    (``eps`` of the layers' ``dtype``; reconstruction error was measured to grow by up to
+    ``2 / scale`` per layer; at least 1), or ``None`` when ``k`` covers all ``depth`` layers."""
     eps = torch.finfo(dtype if dtype.is_floating_point else torch.float32).eps
-    rate = 1.5 / scale
+    rate = 2 / scale
     if rate <= 1:
         return None
     k = max(1, math.floor(math.log(1e-3 / eps) / math.log(rate))) if eps < 1e-3 else 1

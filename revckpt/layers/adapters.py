@@ -61,8 +61,8 @@ class Adapter(nn.Module):
 
     def forward(self, x: torch.Tensor, **_: Any) -> torch.Tensor:
         dtype = self.down.weight.dtype
-        if x.dtype == dtype or torch.is_autocast_enabled(x.device.type):
-            return self.up(self.act(self.down(x)))
+        if x.dtype == dtype or (x.dtype != torch.float64 and torch.is_autocast_enabled()):
+            return self.up(self.act(self.down(x)))  # (autocast casts what it runs)
         return self.up(self.act(self.down(x.to(dtype)))).to(x.dtype)  # wider streams
 
 

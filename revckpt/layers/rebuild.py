@@ -306,6 +306,7 @@ def _finish_drift(call: StackCall) -> None:
     worst: tuple[float, int] | None = None
     for (index, _), (diff, ref) in zip(pending, values, strict=True):
         err = diff / ref if ref > 0 else (0.0 if diff == 0 else float("inf"))
+        err = err if err == err else float("inf")  # nan (an overflowed rebuild): past any tol
         previous = call.drift[index]
         call.drift[index] = err if previous is None else max(previous, err)
         tol = call.check_inverse
