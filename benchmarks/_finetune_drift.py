@@ -75,7 +75,7 @@ def drift_row(
         "scale": scale,
         "anchor_every": layers.stack.anchor_every,
         "anchors": anchors or "none",
-        "stream_dtype": str(layers.stream_dtype).replace("torch.", ""),
+        "stream_dtype": str(layers.stream_dtype or DTYPES[dtype]).replace("torch.", ""),
         "start_relative_change": start,
         "rebuild_drift": drift,
         "gradient_error": _gradient_error(rebuilt, plain),
