@@ -105,7 +105,8 @@ def test_frozen_base_weights_get_no_gradients():
     case, _, model = _converted("gpt2", scale=2**-3)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("revckpt_adapter" in n for n in trainable)
-    assert len(trainable) == 4 * len(reversible_layers(model).layers)  # down, up per adapter
+    # down, up per adapter; the last layer's A_g reaches nothing and is frozen
+    assert len(trainable) == 4 * len(reversible_layers(model).layers) - 2
     zoo.step(model, case.make_example(), case.loss_fn)
     for n, p in model.named_parameters():
         assert (p.grad is not None) == ("revckpt_adapter" in n and p.requires_grad), n
@@ -298,3 +299,23 @@ def test_wide_streams_under_autocast_and_bad_stream_dtypes():
     for bad in ("float64", torch.int64, torch.float16):
         with pytest.raises(InvalidArgumentError, match="stream_dtype"):
             make_reversible(case.make_model(), blocks=case.blocks_path, stream_dtype=bad)
+
+
+def test_non_consecutive_layers_and_intermediate_only_losses_are_refused():
+    case = zoo.CASES["nanogpt"]
+    pick = lambda m, fqn: fqn in ("transformer.h.0", "transformer.h.2")  # noqa: E731
+    with pytest.raises(InvalidArgumentError, match="consecutive"):
+        make_reversible(case.make_model(), blocks=pick)
+    model = make_reversible(case.make_model(), blocks=case.blocks_path, trainable="all")
+    seen = []
+    model.transformer.h[1].register_forward_hook(lambda m, i, o: seen.append(o))
+    model(case.make_example()[0])
+    with pytest.raises(RevckptError, match="intermediate stream"):
+        seen[0].sum().backward()
+
+
+def test_the_last_adapter_that_reaches_nothing_is_frozen():
+    _, _, model = _converted("nanogpt", trainable="all")
+    last = reversible_layers(model).layers[-1][1]
+    assert not any(p.requires_grad for p in last.revckpt_adapter_g.parameters())
+    assert all(p.requires_grad for p in last.revckpt_adapter_f.parameters())

@@ -305,6 +305,8 @@ def make_reversible(
         _layer_block(i, fqn, layer, variant, scale, rank, width)
         for i, (fqn, layer) in enumerate(layers)
     ]
+    if variant == "layer_f":  # the last layer's auxiliary output reaches nothing: the adapter
+        layers[-1][1].revckpt_adapter_g.requires_grad_(False)  # that makes it cannot learn
     model_dtype = _dtype_of(layers[0][1]) or torch.float32
     if stream_dtype is not None and not (
         isinstance(stream_dtype, torch.dtype)
@@ -385,5 +387,14 @@ def _layers_of(model: nn.Module, blocks: Blocks) -> list[tuple[str, nn.Module]]:
             f"make_reversible converts one stack of layers; the blocks found span "
             f"{len(parents)} containers ({', '.join(sorted(parents))}): pass blocks='path' "
             "naming one"
+        )
+    parent = model.get_submodule(parents.pop()) if parents else model
+    children = list(parent.children())
+    chosen = [next(i for i, c in enumerate(children) if c is layer) for _, layer in layers]
+    if chosen != list(range(chosen[0], chosen[0] + len(chosen))):
+        raise InvalidArgumentError(
+            "make_reversible converts consecutive layers (one reversible stack, each layer's "
+            f"output the next one's input); the blocks chosen are {[f for f, _ in layers]}: "
+            "pick a run of consecutive layers"
         )
     return layers

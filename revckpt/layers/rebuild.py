@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,9 +23,10 @@ from torch import nn
 
 from ..engine.autograd import differentiable_once, vjp
 from ..engine.rerun import Rerun, first_forward
-from ..errors import InvalidArgumentError, ReconstructionError
+from ..errors import InvalidArgumentError, RevckptError
 from ..replay import ForwardState
 from .coupling import Coupling
+from .drift import ReconstructionWarning, auto_tolerance, finish_drift, record_drift, sample
 
 __all__ = [
     "HalfStep",
@@ -38,10 +38,6 @@ __all__ = [
 ]
 
 Targets = tuple[tuple[torch.Tensor, ...], tuple[nn.Module, ...]]
-
-
-class ReconstructionWarning(UserWarning):
-    """A rebuilt block input drifted from the original by more than ``check_inverse``."""
 
 
 @dataclass
@@ -142,7 +138,7 @@ class HalfStepNode(torch.autograd.Function):
         # the default check samples block 0's inputs only: every reconstruction error above
         # reaches them, for 2 x 64 elements whatever the depth
         sampled = call.check_inverse is not None and not (call.strict and step.index)
-        ctx.sample = _sample(a) if sampled and not anchor else None
+        ctx.sample = sample(a) if sampled and not anchor else None
         return y
 
     @staticmethod
@@ -154,6 +150,13 @@ class HalfStepNode(torch.autograd.Function):
         if step.anchor == 2:
             call.values[step.other] = exact[1]
             call.owned.discard(step.other)
+        if step.target not in call.values or step.other not in call.values:
+            raise RevckptError(
+                f"{step.label}: its backward ran before the stack's output was reached: a "
+                "loss that depends on an intermediate stream (a hidden state between layers) "
+                "but not on the stack's output cannot be rebuilt from the output; add a term "
+                "on the output, or store those layers instead"
+            )
         y, u = call.values[step.target], call.values[step.other]
         u_leaf = u.detach().requires_grad_(True)
         rerun = Rerun(step.branch, ctx.params, call.kwargs, call.grad_kwargs, label=step.label)
@@ -215,10 +218,10 @@ def _rebuilt_input(
         else:
             a = step.coupling.separate(y, _detached(h))
     if step.anchor:
-        _record_drift(call, step.index, a, exact[0])
+        record_drift(call, step.index, a, exact[0])
         return exact[0]
     if ctx.sample is not None:
-        _record_drift(call, step.index, _sample(a), ctx.sample)
+        record_drift(call, step.index, sample(a), ctx.sample)
         ctx.sample = None  # used: nothing of the forward outlives the walk
     return a
 
@@ -229,7 +232,7 @@ def _hand_down(call: StackCall, step: HalfStep, a: torch.Tensor) -> None:
         # the walk is over: drop the rebuilt stack input, which would otherwise stay alive
         # (through the graph) while the layers before the stack run their backward
         call.values, call.owned = {}, set()
-        _finish_drift(call)
+        finish_drift(call)
         return
     call.values[step.target] = a.detach()
     if step.anchor:
@@ -292,59 +295,6 @@ def _zeros_if_none(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(like) if g is None else g
 
 
-def _record_drift(call: StackCall, index: int, rebuilt: torch.Tensor, exact: torch.Tensor) -> None:
-    call.pending.append((index, _norms(rebuilt, exact)))
-
-
-def _finish_drift(call: StackCall) -> None:
-    """Read the drift of every rebuilt block input of this walk (one host read) into
-    ``last_drift``, and warn or raise past ``check_inverse``."""
-    if not call.pending:
-        return
-    pending, call.pending = call.pending, []
-    values = torch.stack([n for _, n in pending]).tolist()
-    worst: tuple[float, int] | None = None
-    for (index, _), (diff, ref) in zip(pending, values, strict=True):
-        err = diff / ref if ref > 0 else (0.0 if diff == 0 else float("inf"))
-        err = err if err == err else float("inf")  # nan (an overflowed rebuild): past any tol
-        previous = call.drift[index]
-        call.drift[index] = err if previous is None else max(previous, err)
-        tol = call.check_inverse
-        if tol is not None and err > tol and (worst is None or err > worst[0]):
-            worst = (err, index)
-    if worst is None:
-        return
-    err, index = worst
-    if call.strict and call.scaled:
-        raise ReconstructionError(
-            f"reversible block {index}: its rebuilt input differs from the original by "
-            f"{err:.3e} (relative), past the default tolerance {call.check_inverse:g}: the "
-            "scaled couplings (ScaledCoupling, revckpt.make_reversible) amplify rounding by "
-            "about 1 / scale per block. Set anchor_every=k to store every k-th block input "
-            "exactly (smaller k, smaller drift), use a larger scale, or keep the streams in a "
-            "wider dtype"
-        )
-    if call.strict:
-        raise ReconstructionError(
-            f"reversible block {index}: its rebuilt input differs from the original by "
-            f"{err:.3e} (relative), far more than round-off (default check_inverse='auto', "
-            f"tolerance {call.check_inverse:g}), so its gradients would be wrong. A branch "
-            "must compute the same function of its input in forward and backward: no state "
-            "that changes between them, no input other than its stream and the keyword "
-            "tensors. Fix the branch, or store this block instead (or pass check_inverse=None "
-            "to skip the check)"
-        )
-    message = (
-        f"reversible block {index}: rebuilt input differs from the original by {err:.3e} "
-        f"(relative) > check_inverse={call.check_inverse:g}. Reconstruction drift grows with "
-        "depth and with low precision: set anchor_every=k to store every k-th block input "
-        "exactly, keep the streams in float32, or use an affine coupling with a smaller clamp"
-    )
-    if call.on_drift == "raise":
-        raise ReconstructionError(message)
-    warnings.warn(message, ReconstructionWarning, stacklevel=2)
-
-
 class OutputNode(torch.autograd.Function):
     """The stack's output: keeps it (the only tensor kept) and seeds the backward walk."""
 
@@ -379,22 +329,3 @@ class OutputNode(torch.autograd.Function):
         ctx.call.values = {ctx.ids[0]: y1, ctx.ids[1]: y2}
         ctx.call.owned = set()  # the output is the caller's: never overwritten
         return None, None, None, d1, d2
-
-
-def _sample(x: torch.Tensor) -> torch.Tensor:
-    """64 elements of ``x`` at evenly spaced positions (the same for the rebuilt tensor)."""
-    flat = x.detach().reshape(-1)
-    return flat[:: max(1, flat.numel() // 64)][:64].clone()
-
-
-def _norms(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``[|a - b|, |b|]`` in float64, left on the device (read once per backward walk)."""
-    a64, b64 = a.detach().double().reshape(-1), b.detach().double().reshape(-1)
-    return torch.stack([(a64 - b64).norm(), b64.norm()])
-
-
-def auto_tolerance(dtype: torch.dtype) -> float:
-    """The default check's tolerance: far above the round-off drift of a deep stack in the
-    dtype the branches compute in (1e-2 for float32, 1/16 for float16, 1/2 for bfloat16), far
-    below the O(1) error of a branch whose recompute differs from its forward."""
-    return max(1e-2, 64 * torch.finfo(dtype).eps)

@@ -1,0 +1,93 @@
+"""The drift of a reversible stack's rebuilt inputs: sampled in forward, compared in
+backward, read once per backward walk, and reported (:class:`ReconstructionWarning`) or
+refused (:class:`~revckpt.ReconstructionError`) past ``check_inverse``."""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import ReconstructionError
+
+if TYPE_CHECKING:
+    from .rebuild import StackCall
+
+__all__ = ["ReconstructionWarning", "auto_tolerance"]
+
+
+class ReconstructionWarning(UserWarning):
+    """A rebuilt block input drifted from the original by more than ``check_inverse``."""
+
+
+def record_drift(call: StackCall, index: int, rebuilt: torch.Tensor, exact: torch.Tensor) -> None:
+    call.pending.append((index, norms(rebuilt, exact)))
+
+
+def finish_drift(call: StackCall) -> None:
+    """Read the drift of every rebuilt block input of this walk (one host read) into
+    ``last_drift``, and warn or raise past ``check_inverse``."""
+    if not call.pending:
+        return
+    pending, call.pending = call.pending, []
+    values = torch.stack([n for _, n in pending]).tolist()
+    worst: tuple[float, int] | None = None
+    for (index, _), (diff, ref) in zip(pending, values, strict=True):
+        err = diff / ref if ref > 0 else (0.0 if diff == 0 else float("inf"))
+        err = err if err == err else float("inf")  # nan (an overflowed rebuild): past any tol
+        previous = call.drift[index]
+        call.drift[index] = err if previous is None else max(previous, err)
+        tol = call.check_inverse
+        if tol is not None and err > tol and (worst is None or err > worst[0]):
+            worst = (err, index)
+    if worst is None:
+        return
+    err, index = worst
+    if call.strict and call.scaled:
+        raise ReconstructionError(
+            f"reversible block {index}: its rebuilt input differs from the original by "
+            f"{err:.3e} (relative), past the default tolerance {call.check_inverse:g}: the "
+            "scaled couplings (ScaledCoupling, revckpt.make_reversible) amplify rounding by "
+            "about 1 / scale per block. Set anchor_every=k to store every k-th block input "
+            "exactly (smaller k, smaller drift), use a larger scale, or keep the streams in a "
+            "wider dtype"
+        )
+    if call.strict:
+        raise ReconstructionError(
+            f"reversible block {index}: its rebuilt input differs from the original by "
+            f"{err:.3e} (relative), far more than round-off (default check_inverse='auto', "
+            f"tolerance {call.check_inverse:g}), so its gradients would be wrong. A branch "
+            "must compute the same function of its input in forward and backward: no state "
+            "that changes between them, no input other than its stream and the keyword "
+            "tensors. Fix the branch, or store this block instead (or pass check_inverse=None "
+            "to skip the check)"
+        )
+    message = (
+        f"reversible block {index}: rebuilt input differs from the original by {err:.3e} "
+        f"(relative) > check_inverse={call.check_inverse:g}. Reconstruction drift grows with "
+        "depth and with low precision: set anchor_every=k to store every k-th block input "
+        "exactly, keep the streams in float32, or use an affine coupling with a smaller clamp"
+    )
+    if call.on_drift == "raise":
+        raise ReconstructionError(message)
+    warnings.warn(message, ReconstructionWarning, stacklevel=2)
+
+
+def sample(x: torch.Tensor) -> torch.Tensor:
+    """64 elements of ``x`` at evenly spaced positions (the same for the rebuilt tensor)."""
+    flat = x.detach().reshape(-1)
+    return flat[:: max(1, flat.numel() // 64)][:64].clone()
+
+
+def norms(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``[|a - b|, |b|]`` in float64, left on the device (read once per backward walk)."""
+    a64, b64 = a.detach().double().reshape(-1), b.detach().double().reshape(-1)
+    return torch.stack([(a64 - b64).norm(), b64.norm()])
+
+
+def auto_tolerance(dtype: torch.dtype) -> float:
+    """The default check's tolerance: far above the round-off drift of a deep stack in the
+    dtype the branches compute in (1e-2 for float32, 1/16 for float16, 1/2 for bfloat16), far
+    below the O(1) error of a branch whose recompute differs from its forward."""
+    return max(1e-2, 64 * torch.finfo(dtype).eps)
