@@ -223,3 +223,12 @@ def test_bench_finetune_quick(tmp_path, capsys):
     assert "| variant | trainable params |" in printed and "| depth | variant |" in printed
     # a second run reuses the saved pretrained model
     assert load("bench_finetune").main(args)["pretraining"]["cached"]
+
+
+def test_random_plan_peaks_few(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    result = load("random_plan_peaks").main(["--plans", "3", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert rows == result["rows"] and len(rows) == 3
+    assert all(r["plans"] == 3 and r["misses"] == 0 for r in rows), rows
+    assert "| chain | plans |" in capsys.readouterr().out
