@@ -146,7 +146,7 @@ class ReversibleLayers:
                 "one after the other in every forward pass"
             )
         hidden = state.streams[self.hidden]
-        if carried_key(args, kwargs, hidden) is None or not _passes(args, kwargs, hidden):
+        if not _passes(args, kwargs, hidden):
             raise RevckptError(
                 f"layer {name} did not get the hidden state layer {self.layers[index - 1][0]} "
                 "returned: the model changed it between the two layers, which a reversible "
