@@ -68,20 +68,30 @@ class _BlocksInOrder(nn.Module):
 
 @dataclass(frozen=True)
 class PlanMeasurement:
-    """One row of a :class:`Report`. Bytes are bytes; ``time_ratio`` is against store-all (1 =
-    as fast); ``gradient_error`` is the overall relative L2 error against float64 (``nan`` when
-    not measured); ``predicted_*`` come from the plan (``None`` for store-all run plainly)."""
+    """One row of a :class:`Report`: what a plan was predicted to cost and what it measured."""
 
+    #: The row's label in the table (``"store-all"``, ``"per-block"``, ``"scheduler"``, ...).
     name: str
+    #: One strategy per block of the chain, in order.
     strategies: tuple[str, ...]
+    #: Peak live bytes of the whole training step, from :class:`~revckpt.measure.MemoryMeter`.
     measured_peak_bytes: int
+    #: Bytes alive between forward and backward apart from the input and the output (what the
+    #: plan keeps for backward).
     measured_retained_bytes: int
+    #: The plan's predicted peak (store-all's measured peak for store-all run plainly).
     predicted_peak_bytes: int
+    #: The memory budget the plan was solved for, in bytes; ``None``: no budget.
     memory_budget_bytes: int | None
+    #: Median step time over store-all's, interleaved rounds (1 = as fast).
     time_ratio: float
+    #: The interquartile range of ``time_ratio``.
     time_ratio_iqr: tuple[float, float]
+    #: The plan's predicted extra time, as a fraction of store-all's step.
     predicted_overhead: float
+    #: Overall relative L2 gradient error against float64 (``nan``: not measured).
     gradient_error: float
+    #: The relative gradient error the plan predicts (0 for exact strategies).
     predicted_error: float
 
     @property

@@ -115,20 +115,22 @@ class NonSmoothWarning(UserWarning):
 
 @dataclass(frozen=True)
 class ErrorEstimate:
-    """Per-parameter gradient error of an approximate recompute, absolute (L2 norms).
+    """Per-parameter gradient error of an approximate recompute, absolute (L2 norms). Keys of
+    the maps are ``"<block index>.<parameter name>"``."""
 
-    ``bound``: the first-order hard bound; ``estimate``: the random-sign estimate;
-    ``linearised``: the first-order prediction with the actual codec errors; ``grad_norm``:
-    the norm of the exact gradient (to make any of them relative). Keys are
-    ``"<block index>.<parameter name>"``.
-    """
-
+    #: The first-order hard bound (infinite where :attr:`first_order` does not hold).
     bound: dict[str, float]
+    #: The random-sign estimate.
     estimate: dict[str, float]
+    #: The first-order prediction with the actual codec errors of this input.
     linearised: dict[str, float]
+    #: The norm of the exact gradient, to make any of the others relative.
     grad_norm: dict[str, float]
+    #: The L2 norm, over every kept block input, of the codec's elementwise error bound.
     boundary_bound_norm: float
+    #: The largest codec error bound of one row relative to that row (see :attr:`first_order`).
     worst_row_bound: float
+    #: The codec the block inputs were kept through.
     codec: str
 
     @property

@@ -3,7 +3,7 @@
 Imports nothing of revckpt but the errors module, so every other part may use it.
 """
 
-from .gradients import GradientError, TensorError, gradient_error, paired_gradients
+from .gradients import GradientError, TensorError, gradient_error
 from .host import keep_freed_memory
 from .memory import MeasurementError, MemoryMeter, MemoryStats, peak_memory
 from .timing import TimeRatio, time_ratio, time_ratios
@@ -17,7 +17,6 @@ __all__ = [
     "TimeRatio",
     "gradient_error",
     "keep_freed_memory",
-    "paired_gradients",
     "peak_memory",
     "time_ratio",
     "time_ratios",

@@ -34,7 +34,7 @@ from .._numbers import relative
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from .state import preserved
 
-__all__ = ["GradientError", "TensorError", "gradient_error", "paired_gradients"]
+__all__ = ["GradientError", "TensorError", "gradient_error"]
 
 Inputs = torch.Tensor | Sequence[Any]
 
@@ -204,14 +204,13 @@ def _grads(
     return dict(zip(names, grads, strict=True)), dtypes
 
 
-def paired_gradients(
+def _paired_gradients(
     candidate: nn.Module,
     reference: nn.Module | None,
     inputs: Inputs,
-    *,
-    kwargs: Mapping[str, Any] | None = None,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    seed: int = 0,
+    kwargs: Mapping[str, Any] | None,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    seed: int,
 ) -> tuple[list[tuple[str, torch.Tensor, torch.Tensor]], tuple[str, ...]]:
     """Gradients of candidate and reference, paired by name; and the names neither produced.
 
@@ -281,9 +280,7 @@ def gradient_error(
         loss_fn: maps the model's output to a scalar; default a seeded random projection.
         seed: seeds the RNG for both forwards and the projection.
     """
-    pairs, skipped = paired_gradients(
-        candidate, reference, inputs, kwargs=kwargs, loss_fn=loss_fn, seed=seed
-    )
+    pairs, skipped = _paired_gradients(candidate, reference, inputs, kwargs, loss_fn, seed)
     if not pairs:
         raise InvalidArgumentError(
             "nothing to compare: no parameter or input of the model received a gradient; give "
