@@ -101,15 +101,29 @@ def test_layer_f_moves_less_than_layer_g():
     assert moved["layer_f"] < moved["layer_g"]
 
 
-def test_frozen_base_weights_get_no_gradients():
-    case, _, model = _converted("gpt2", scale=2**-3)
-    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    assert trainable and all("revckpt_adapter" in n for n in trainable)
-    # down, up per adapter; the last layer's A_g reaches nothing and is frozen
-    assert len(trainable) == 4 * len(reversible_layers(model).layers) - 2
-    zoo.step(model, case.make_example(), case.loss_fn)
+def test_trainable_adapters_freezes_the_converted_layers_only():
+    """trainable="adapters" freezes the converted (pretrained) layers' own parameters; the
+    rest of the model keeps requires_grad as the user set it: a task head added on top trains,
+    a part the user froze stays frozen."""
+    case = zoo.CASES["gpt2"]
+    model = case.make_model().double()
+    model.head = nn.Linear(64, 3).double()  # a new task head
+    model.transformer.wpe.requires_grad_(False)  # frozen by the user
+    make_reversible(model, blocks=case.blocks_path, scale=2**-3)
+    layers = reversible_layers(model).layers
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    inside = {f"{fqn}.{n}" for fqn, layer in layers for n, _ in layer.named_parameters()}
+    last_g = f"{layers[-1][0]}.revckpt_adapter_g."  # reaches nothing: frozen
+    adapters = {n for n in inside if "revckpt_adapter" in n and not n.startswith(last_g)}
+    assert {n for n in trainable if n in inside} == adapters
+    assert {n for n in trainable if n not in inside} == {
+        "transformer.wte.weight", "transformer.ln_f.weight", "transformer.ln_f.bias",
+        "head.weight", "head.bias",
+    }  # fmt: skip
+    out = model(**case.make_example())
+    (out.loss + model.head(out.logits[..., :64]).pow(2).mean()).backward()
     for n, p in model.named_parameters():
-        assert (p.grad is not None) == ("revckpt_adapter" in n and p.requires_grad), n
+        assert (p.grad is not None) == (n in trainable), n
 
 
 def test_state_dict_is_the_original_plus_adapters():
@@ -319,3 +333,199 @@ def test_the_last_adapter_that_reaches_nothing_is_frozen():
     last = reversible_layers(model).layers[-1][1]
     assert not any(p.requires_grad for p in last.revckpt_adapter_g.parameters())
     assert all(p.requires_grad for p in last.revckpt_adapter_f.parameters())
+
+
+def _gpt2_step(model: nn.Module, example) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    zoo.step(model, example, None)
+    return _grads(model)
+
+
+def test_a_pickled_model_loads_computes_and_trains(tmp_path):
+    """torch.save(model) / torch.load(weights_only=False) round trip; and the state_dict
+    loads into a freshly converted model: both compute the same output and gradients."""
+    case, _, model = _converted("gpt2", trainable="all")
+    torch.manual_seed(2)
+    for n, p in model.named_parameters():
+        if "revckpt_adapter" in n:
+            p.data.normal_(0, 0.05)
+    example = case.make_example()
+    with torch.no_grad():
+        ref = _logits(model, example)
+    grads = _gpt2_step(model, example)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    torch.save(model.state_dict(), tmp_path / "state.pt")
+    fresh = _converted("gpt2", trainable="all")[2]
+    fresh.load_state_dict(torch.load(tmp_path / "state.pt"))
+    for other in (loaded, fresh):
+        assert reversible_layers(other).layers[0][1] is other.transformer.h[0]
+        with torch.no_grad():
+            torch.testing.assert_close(_logits(other, example), ref, rtol=0, atol=0)
+        got = _gpt2_step(other, example)
+        assert got.keys() == grads.keys()
+        for n, g in grads.items():
+            torch.testing.assert_close(got[n], g, rtol=1e-12, atol=1e-14, msg=n)
+        assert reversible_layers(other).last_drift[0] is not None  # the reversible backward
+        assert all(p.grad is None or p.grad.equal(grads[n]) for n, p in model.named_parameters())
+
+
+def test_restore_removes_the_conversion():
+    """revckpt.restore undoes make_reversible: the layers' forwards back, the adapters gone,
+    requires_grad as before, the output the original's bit for bit (after training the
+    adapters)."""
+    case = zoo.CASES["gpt2"]
+    model = case.make_model().double()
+    model.transformer.wpe.requires_grad_(False)
+    original = copy.deepcopy(model)
+    keys, flags = set(model.state_dict()), {n: p.requires_grad for n, p in model.named_parameters()}
+    make_reversible(model, blocks=case.blocks_path, scale=2**-3)
+    example = case.make_example()
+    adapters = [p for n, p in model.named_parameters() if "revckpt_adapter" in n]
+    optimizer = torch.optim.SGD(adapters, lr=0.5)
+    zoo.step(model, example, None)
+    optimizer.step()
+    assert revckpt.restore(model) == len(model.transformer.h)
+    assert set(model.state_dict()) == keys
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
+    for layer in model.transformer.h:
+        assert "forward" not in layer.__dict__ and not hasattr(layer, "revckpt_adapter_f")
+    with pytest.raises(InvalidArgumentError, match="not converted"):
+        reversible_layers(model)
+    with torch.no_grad():
+        assert torch.equal(_logits(model, example), _logits(original, example))
+    assert revckpt.restore(model) == 0
+    make_reversible(model, blocks=case.blocks_path)  # and it converts again
+    revckpt.convert(copy.deepcopy(original), "checkpoint")  # fit and convert still refuse:
+    with pytest.raises(InvalidArgumentError, match="restore"):
+        revckpt.convert(model, "checkpoint")
+
+
+class _CrossLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(self.norm(x)) * context.mean()
+
+
+class _CrossModel(nn.Module):
+    """Layers that get a context computed from parameters (a cross-attention's encoder)."""
+
+    def __init__(self, positional: bool = False) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(8, 8)
+        self.layers = nn.ModuleList(_CrossLayer() for _ in range(3))
+        self.positional = positional
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor, detach: bool = False) -> torch.Tensor:
+        context = self.encoder(c)
+        context = context.detach() if detach else context
+        for layer in self.layers:
+            x = layer(x, context) if self.positional else layer(x, context=context)
+        return x
+
+
+def test_layer_arguments_that_require_grad_are_refused():
+    x, c = torch.randn(2, 8), torch.randn(2, 8)
+    for positional, named in ((False, "'context'"), (True, "argument 1")):
+        model = make_reversible(_CrossModel(positional), blocks="layers", trainable="all")
+        with pytest.raises(InvalidArgumentError, match=f"layers.0 was called with {named}"):
+            model(x, c)
+        model(x, c, detach=True).pow(2).sum().backward()  # a constant context is fine
+        with torch.no_grad():
+            model(x, c)
+        reversible_layers(model).reversible = False  # plain autograd takes it
+        model(x, c).pow(2).sum().backward()
+        assert model.encoder.weight.grad is not None
+
+
+def test_a_model_cast_after_conversion_computes_in_its_new_dtype():
+    """Converted in float32, cast to float64 (and bfloat16) afterwards: the layers, adapters
+    and anchors follow; float64 gradients equal plain autograd's of the same model."""
+    case = zoo.CASES["gpt2"]
+    model = case.make_model()
+    make_reversible(model, blocks=case.blocks_path, scale=2**-3, trainable="all")
+    torch.manual_seed(3)
+    for n, p in model.named_parameters():
+        if "revckpt_adapter" in n:
+            p.data.normal_(0, 0.05)
+    model.double()
+    example = case.make_example()
+    with torch.no_grad():
+        assert _logits(model, example).dtype == torch.float64
+    loss = zoo.step(model, example, None)
+    assert reversible_layers(model).stack.anchor_every is None  # float64: no anchors at depth 4
+    reversible = _grads(model)
+    model.zero_grad(set_to_none=True)
+    reversible_layers(model).reversible = False
+    plain_loss = zoo.step(model, example, None)
+    plain = _grads(model)
+    assert abs(loss.item() - plain_loss.item()) < 1e-12
+    for n, g in plain.items():
+        torch.testing.assert_close(reversible[n], g, rtol=1e-10, atol=1e-12, msg=n)
+    reversible_layers(model).reversible = True
+    model.zero_grad(set_to_none=True)
+    model.to(torch.bfloat16)
+    logits = model(example["input_ids"]).logits
+    assert logits.dtype == torch.bfloat16
+    assert reversible_layers(model).stack.anchor_every == 1  # bfloat16: an anchor per layer
+    logits.float().pow(2).mean().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    narrow = make_reversible(
+        zoo.CASES["nanogpt"].make_model().bfloat16(), blocks="transformer.h",
+        stream_dtype=torch.float32,
+    ).double()  # fmt: skip
+    with pytest.raises(InvalidArgumentError, match="stream_dtype"):
+        narrow(zoo.CASES["nanogpt"].make_example()[0])
+
+
+def test_the_cache_warning_is_once_per_conversion():
+    case = zoo.CASES["gpt2"]
+    example = case.make_example()
+    for _ in range(2):  # a second conversion warns again, once
+        model = make_reversible(case.make_model(), blocks=case.blocks_path, trainable="all")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                model(**example, use_cache=True).loss.backward()
+        cache = [w for w in seen if "key/value cache" in str(w.message)]
+        assert len(cache) == 1, [str(w.message) for w in cache]
+        assert "make_reversible(transformer.h.0 .. transformer.h.3)" in str(cache[0].message)
+
+
+class _EarlyExit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(4)
+        )
+
+    def forward(self, x: torch.Tensor, order: list[int]) -> torch.Tensor:
+        for i in order:
+            x = x + self.layers[i](x) if i == -1 else self.layers[i](x)
+        return x
+
+
+def test_an_early_exit_gets_a_clear_error():
+    """A forward that returns before the last converted layer, or starts the stack again
+    midway, gets a RevckptError in backward (not a gradient rebuilt from nothing)."""
+    torch.manual_seed(4)
+    model = make_reversible(_EarlyExit(), blocks="layers", trainable="all")
+    x = torch.randn(2, 8)
+    for order in ([0, 1], [0, 1, 0, 1, 2, 3]):
+        with pytest.raises(RevckptError, match=r"stopped before its last layer layers\.3"):
+            model(x, order).pow(2).sum().backward()
+    model.zero_grad(set_to_none=True)
+    model(x, [0, 1])  # an early exit left behind does not disturb the next full pass
+    model(x, [0, 1, 2, 3]).pow(2).sum().backward()
+    reversible = _grads(model)
+    model.zero_grad(set_to_none=True)
+    reversible_layers(model).reversible = False
+    model(x, [0, 1, 2, 3]).pow(2).sum().backward()
+    for n, g in _grads(model).items():
+        torch.testing.assert_close(reversible[n], g, msg=n)
+    with pytest.raises(RevckptError, match="out of order"):
+        model(x, [0, 2])

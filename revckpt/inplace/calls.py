@@ -84,12 +84,12 @@ def _is_cache(obj: Any) -> bool:
 
 
 def drop_caches(
-    args: tuple[Any, ...], kwargs: dict[str, Any], what: str
+    args: tuple[Any, ...], kwargs: dict[str, Any], what: str, *, seen: set[str] | None = None
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """What Hugging Face does under gradient checkpointing in training: no cache. A recomputed
     layer would append its keys and values to the cache a second time, so caches passed to a
     planned block while training are dropped (``use_cache=False``, cache arguments ``None``),
-    with one warning per block class."""
+    with one warning per block class (per ``what``'s first word in ``seen``, when given)."""
     if not (
         kwargs.get("use_cache")
         or any(kwargs.get(name) is not None for name in _CACHE_KEYWORDS)
@@ -113,8 +113,9 @@ def drop_caches(
     if not changed:
         return args, kwargs
     kind = what.split(" ")[0]  # once per block class
-    if kind not in _warned:
-        _warned.add(kind)
+    warned = _warned if seen is None else seen
+    if kind not in warned:
+        warned.add(kind)
         warnings.warn(
             f"{what}: a key/value cache is not updated while training with revckpt (a "
             "recompute would update it twice); caching is off in training, as with Hugging "

@@ -11,6 +11,7 @@ from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..strategy import Strategy, StrategyLike
 from .blocks import find_blocks
 from .install import Planned, install, uninstall
+from .reversible import refuse_reversible, remove_reversible
 from .runners import runner_for
 
 __all__ = ["convert", "restore"]
@@ -34,6 +35,7 @@ def convert(
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise InvalidArgumentError(f"every={every!r}: pass a positive int (1: every block)")
     run = runner_for(strategy)
+    refuse_reversible(model, "convert")  # restore would undo make_reversible
     restore(model)  # a model is converted once: what was installed before goes
     found = find_blocks(model, module_filter_fn)
     chosen = found[::every]
@@ -43,8 +45,9 @@ def convert(
 
 
 def restore(model: nn.Module) -> int:
-    """Undo :func:`fit` or :func:`convert`: every block runs plainly again. Returns how many
-    blocks were restored."""
+    """Undo :func:`fit`, :func:`convert` or :func:`~revckpt.make_reversible` (its adapters
+    go: :func:`revckpt.inplace.reversible.remove_reversible`): every block runs plainly
+    again. Returns how many blocks were restored."""
     if not isinstance(model, nn.Module):
         raise InvalidInputTypeError(f"restore(model) needs an nn.Module, got {type(model)}")
-    return sum(uninstall(m) for m in model.modules())
+    return sum(uninstall(m) for m in model.modules()) + remove_reversible(model)

@@ -32,6 +32,7 @@ from .confirm import _within_budget
 from .convert import convert, restore
 from .install import Planned, install, is_fsdp, planned
 from .measure import profile_in_situ
+from .reversible import refuse_reversible
 from .runners import runner_for, segment_runners
 from .trace import LossFn, Recorder, measure_step, trace
 
@@ -238,6 +239,7 @@ def _checked(model: nn.Module, memory_budget: Any, o: _FitOptions) -> list[str]:
     """:func:`fit`'s arguments checked, before any profiling; the strategies a plan may use."""
     if not isinstance(model, nn.Module):
         raise InvalidInputTypeError(f"fit(model, ...) needs an nn.Module, got {type(model)}")
+    refuse_reversible(model, "fit")  # before fit's restore, which would undo it
     _check_budget_syntax(memory_budget)
     error_budget = o.error_budget
     if not (isinstance(error_budget, (int, float)) and 0 <= error_budget < float("inf")):

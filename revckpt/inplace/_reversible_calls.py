@@ -1,0 +1,177 @@
+"""How :func:`revckpt.make_reversible` calls a converted layer: its own forward on the hidden
+state (:class:`LayerCall`), what it may and may not be given besides (:func:`check_constant`),
+what it returns, and the hidden width read off its norms."""
+
+from __future__ import annotations
+
+import types
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..errors import InvalidArgumentError
+from .calls import Key, hidden_of, replaced
+
+if TYPE_CHECKING:
+    from ._reversible_stack import Calls
+
+__all__ = [
+    "LayerCall",
+    "Plain",
+    "check_constant",
+    "dtype_of",
+    "forward_function",
+    "passes",
+    "width_of",
+    "with_hidden",
+]
+
+
+class Plain:
+    """An instance ``forward`` that is not a method of its layer (a ``functools.partial``, a
+    hook's wrapper), called as ``fn(*args, **kwargs)`` (the layer argument dropped); picklable
+    when ``fn`` is."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __call__(self, _layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+def forward_function(layer: nn.Module) -> Any:
+    """The instance ``forward`` the layer has, as ``fn(layer, *args, **kwargs)``: ``None``
+    (none: its class's), the function of a method bound to the layer itself, or :class:`Plain`."""
+    before = layer.__dict__.get("forward")
+    if before is None:
+        return None
+    if isinstance(before, types.MethodType) and before.__self__ is layer:
+        return before.__func__
+    return Plain(before)
+
+
+def instance_forward(layer: nn.Module, fn: Any) -> Any:
+    """The inverse of :func:`forward_function`: what to put back as ``layer.forward``."""
+    if fn is None:
+        return None
+    if isinstance(fn, Plain):
+        return fn.fn
+    return types.MethodType(fn, layer)
+
+
+def passes(args: tuple[Any, ...], kwargs: dict[str, Any], hidden: torch.Tensor) -> bool:
+    return any(a is hidden for a in args) or any(v is hidden for v in kwargs.values())
+
+
+def with_hidden(out: Any, hidden: torch.Tensor) -> Any:
+    """The layer's output with its hidden state replaced (a tuple's or list's first item)."""
+    if isinstance(out, tuple):
+        return (hidden, *out[1:])
+    if isinstance(out, list):
+        return [hidden, *out[1:]]
+    raise InvalidArgumentError(
+        f"make_reversible converts layers that return their hidden state as a tensor or as "
+        f"the first item of a tuple, got {type(out).__name__}"
+    )
+
+
+def _grad_tensors(name: str, value: Any) -> list[str]:
+    """``name`` (or ``name[i]``, ``name['k']`` one level down) where ``value`` holds a tensor
+    that requires grad."""
+    if isinstance(value, torch.Tensor):
+        return [name] if value.requires_grad else []
+    if isinstance(value, (tuple, list)):
+        items: Any = enumerate(value)
+    elif isinstance(value, dict):
+        items = ((repr(k), v) for k, v in value.items())
+    else:
+        return []
+    found = []
+    for k, v in items:
+        if isinstance(v, torch.Tensor) and v.requires_grad:
+            found.append(f"{name}[{k}]")
+    return found
+
+
+def check_constant(fqn: str, args: tuple[Any, ...], kwargs: dict[str, Any], key: Key) -> None:
+    """Refuse a layer argument other than the hidden state that requires grad: the reversible
+    backward returns gradients for the two streams and the layers' parameters only."""
+    found = [n for i, a in enumerate(args) if i != key for n in _grad_tensors(f"argument {i}", a)]
+    found += [n for k, v in kwargs.items() if k != key for n in _grad_tensors(repr(k), v)]
+    if not found:
+        return
+    raise InvalidArgumentError(
+        f"layer {fqn} was called with {', '.join(found)} requiring grad besides its hidden "
+        "state (a cross-attention context, a position bias computed from parameters?): a "
+        "reversible stack returns gradients to its hidden state and its layers' parameters "
+        "only, so that tensor's gradient would be lost. Convert only layers whose other "
+        "arguments need no gradient (blocks= naming the self-attention stack), keep it "
+        "constant (freeze what computes it, or pass it detached), or set "
+        "revckpt.inplace.reversible_layers(model).reversible = False (plain autograd)"
+    )
+
+
+class LayerCall:
+    """Layer ``index``'s own forward (its class's, or the instance ``forward`` it had before,
+    as ``before(layer, ...)``) on the hidden state ``u``, with the other arguments of its call
+    in the current pass (recorded by ``ReversibleLayers.call``), in the layer's dtype as it is
+    now (``u`` is cast to it and the output back: wider streams, or a model cast after
+    conversion). Called with the layer it runs, so a deep copy of the model runs its own copy."""
+
+    def __init__(self, index: int, before: Any) -> None:
+        self.index = index
+        self.before = before
+
+    def __call__(self, layer: nn.Module, u: torch.Tensor, *, calls: Calls) -> torch.Tensor:
+        index = self.index
+        args, kwargs, key = calls.args[index]
+        dtype = dtype_of(layer)
+        v = u if dtype is None or dtype == u.dtype else u.to(dtype)
+        a, k = replaced(args, kwargs, key, v)
+        fn = type(layer).forward if self.before is None else self.before
+        out = fn(layer, *a, **k)
+        if calls.forwarding:
+            calls.output = _without_hidden(out)
+        h = hidden_of(out, f"layer {index}")
+        return h if h.dtype == u.dtype else h.to(u.dtype)
+
+
+def _without_hidden(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out
+    rest = tuple(out[1:]) if isinstance(out, (tuple, list)) else ()
+    for t in rest:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise InvalidArgumentError(
+                "a converted layer returned a tensor that requires grad besides its hidden "
+                "state (attention weights?); a reversible stack carries the hidden state only: "
+                "call the model with output_attentions=False"
+            )
+    return type(out)((None, *rest)) if isinstance(out, (tuple, list)) else out
+
+
+def dtype_of(layer: nn.Module) -> torch.dtype | None:
+    p = next(layer.parameters(), None)
+    return None if p is None else p.dtype
+
+
+def width_of(layer: nn.Module, fqn: str) -> int:
+    """The hidden width: the size of the layer's widest normalisation weight (of a module whose
+    class or a 1-D parameter whose name says norm or ln)."""
+    sizes = []
+    for m in layer.modules():
+        weight = getattr(m, "weight", None)
+        named_norm = "norm" in type(m).__name__.lower()
+        if named_norm and isinstance(weight, torch.Tensor) and weight.dim() == 1:
+            sizes.append(weight.numel())
+    for name, p in layer.named_parameters():
+        leaf = name.lower().rpartition(".")[0].rpartition(".")[2]
+        if p.dim() == 1 and ("norm" in leaf or leaf.startswith("ln")):
+            sizes.append(p.numel())
+    if sizes:  # the largest: a per-head norm (QK-norm) is narrower than the hidden state
+        return max(sizes)
+    raise InvalidArgumentError(
+        f"cannot tell the hidden width of layer {fqn}: pass width= (the size of its hidden "
+        "state's last dimension)"
+    )

@@ -1,0 +1,257 @@
+"""The converted layers of :func:`revckpt.make_reversible` at run time: each call of a layer by
+the model's own loop runs that layer's block of the reversible stack (:class:`ReversibleLayers`),
+through the picklable instance ``forward`` installed on it (:class:`InstalledForward`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import InvalidArgumentError, RevckptError
+from ..layers.sequential import ReversibleSequential
+from ..layers.steps import StackRun
+from ._reversible_calls import check_constant, dtype_of, passes, with_hidden
+from .calls import Key, carried_key, drop_caches, replaced
+from .install import REVERSIBLE_ATTR
+
+__all__ = ["Calls", "InstalledForward", "ReversibleLayers", "auto_anchors"]
+
+
+@dataclass
+class Calls:
+    """The arguments of each layer's call in one forward pass (the hidden state left out),
+    for its branch to re-run it in backward, and the output of the call being made."""
+
+    args: dict[int, tuple[tuple[Any, ...], dict[str, Any], Key]] = field(default_factory=dict)
+    output: Any = None
+    forwarding: bool = False
+
+
+@dataclass
+class _Progress:
+    """How far one forward pass got (what the early-exit check reads in backward)."""
+
+    last: str  # the name of the last layer called
+    finished: bool = False
+
+
+@dataclass
+class _Pass:
+    """One forward pass through the stack: where it is, its streams and its run."""
+
+    calls: Calls
+    run: StackRun | None
+    streams: tuple[torch.Tensor, torch.Tensor]
+    progress: _Progress
+    returned: torch.Tensor | None = None  # the hidden state the last layer called returned
+    next_index: int = 1
+
+
+class InstalledForward:
+    """The ``forward`` :func:`revckpt.make_reversible` puts on a converted layer: a callable
+    object (not a bound method), so ``torch.save(model)`` pickles it."""
+
+    __slots__ = ("layer",)
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        index, layers = self.layer.__dict__[REVERSIBLE_ATTR]
+        return layers.call(index, args, kwargs)
+
+    def __getstate__(self) -> nn.Module:
+        return self.layer
+
+    def __setstate__(self, layer: nn.Module) -> None:
+        self.layer = layer
+
+
+def auto_anchors(scale: float, dtype: torch.dtype, depth: int) -> int | None:
+    """``anchor_every="auto"``: the largest ``k`` with ``(2 / scale) ** k * eps <= 1e-3``
+    (``eps`` of the layers' ``dtype``; reconstruction error was measured to grow by up to
+    ``2 / scale`` per layer; at least 1), or ``None`` when ``k`` covers all ``depth`` layers."""
+    eps = torch.finfo(dtype if dtype.is_floating_point else torch.float32).eps
+    rate = 2 / scale
+    if rate <= 1:
+        return None
+    k = max(1, math.floor(math.log(1e-3 / eps) / math.log(rate))) if eps < 1e-3 else 1
+    return None if k >= depth else k
+
+
+class ReversibleLayers:
+    """What :func:`make_reversible` installed on a model: the stack and the converted layers.
+
+    ``last_drift``: per layer, the reconstruction error of its input measured in the last
+    backward (see ``check_inverse``); ``reversible``: set ``False`` to run the same function
+    with plain autograd (everything stored), e.g. for a reference gradient. The layers' dtype
+    is read at each forward: a model cast after conversion computes in its new dtype (with
+    ``anchor_every="auto"``, the anchors for it)."""
+
+    def __init__(
+        self,
+        layers: list[tuple[str, nn.Module]],
+        stack: ReversibleSequential,
+        hidden: int,
+        *,
+        scale: float,
+        anchor_every: int | str | None,
+        stream_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.layers = layers
+        self.stack = stack
+        self.hidden = hidden  # which stream of a block's input and output is the hidden state
+        self.scale = scale
+        self.anchor_every = anchor_every  # as passed: "auto" is resolved per layers' dtype
+        self.stream_dtype = stream_dtype
+        self._dtype: torch.dtype | None = None  # the hidden state's, as the model passes it
+        self.width: int | None = None  # the adapters' (the hidden state's last dimension)
+        self.reversible = True
+        #: for revckpt.restore: each layer's instance forward before (as LayerCall.before), and
+        #: the parameters make_reversible froze, with their requires_grad before
+        self.forwards: list[Any] = []
+        self.frozen: list[tuple[nn.Parameter, bool]] = []
+        self._warned: set[str] = set()  # the cache warning: once per conversion
+        self._what = f"make_reversible({layers[0][0]} .. {layers[-1][0]})"
+        self._pass: _Pass | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_pass": None}  # a pickle or deep copy takes no pass with it
+
+    @property
+    def last_drift(self) -> list[float | None]:
+        return self.stack.last_drift
+
+    def call(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Layer ``index`` called by the model with ``args`` and ``kwargs``."""
+        if index == 0:
+            key = carried_key(args, kwargs)
+            state = self._start(args, kwargs, key)
+        else:
+            state = self._continue(index, args, kwargs)
+            key = carried_key(args, kwargs, state.returned)
+        assert key is not None
+        name = self.layers[index][0]
+        if torch.is_grad_enabled():
+            args, kwargs = drop_caches(args, kwargs, self._what, seen=self._warned)
+            if state.run is not None:
+                check_constant(name, args, kwargs, key)
+        state.calls.args[index] = (*replaced(args, kwargs, key, None), key)
+        state.calls.forwarding = True
+        try:
+            streams = self._block(state, index)
+        finally:
+            state.calls.forwarding = False
+        out, state.calls.output = state.calls.output, None
+        return self._returned(state, index, streams, out)
+
+    def _returned(self, state: _Pass, index: int, streams: Any, out: Any) -> Any:
+        """What layer ``index``'s call returns to the model, its streams ``streams``."""
+        last = index == len(self.layers) - 1
+        state.progress.last = self.layers[index][0]
+        if last and state.run is not None:
+            streams = tuple(state.run.finish(None))
+        state.streams = streams
+        hidden = streams[self.hidden]
+        if last:
+            self._pass = None
+            state.progress.finished = True
+            if self._dtype is not None and hidden.dtype != self._dtype:
+                hidden = hidden.to(self._dtype)  # back from wider streams
+        elif state.run is not None and hidden.requires_grad:
+            hidden = hidden.view_as(hidden)  # its own node: a gradient reaching it is an error
+            hidden.register_hook(_early_exit_check(state.progress, self.layers[-1][0]))
+        state.returned = hidden
+        return hidden if isinstance(out, torch.Tensor) else with_hidden(out, hidden)
+
+    def _start(self, args: tuple[Any, ...], kwargs: dict[str, Any], key: Key | None) -> _Pass:
+        if key is None:
+            raise InvalidArgumentError(
+                f"layer {self.layers[0][0]} got no floating-point tensor to carry as its hidden "
+                "state; make_reversible converts layers whose first argument (or keyword "
+                "hidden_states / x) is the hidden state"
+            )
+        h = args[key] if isinstance(key, int) else kwargs[key]
+        width = self.width
+        if width is not None and h.shape[-1] != width:
+            raise InvalidArgumentError(
+                f"layer {self.layers[0][0]} got a hidden state of shape {tuple(h.shape)}, but "
+                f"make_reversible built its adapters for width {width}: pass width= (the size "
+                "of the hidden state's last dimension)"
+            )
+        self._dtype = h.dtype
+        self._follow_dtype(dtype_of(self.layers[0][1]) or h.dtype)
+        if self.stream_dtype is not None:
+            h = h.to(self.stream_dtype)
+        aux = torch.zeros_like(h)
+        streams = (aux, h) if self.hidden == 1 else (h, aux)
+        calls = Calls()
+        run = self.stack.stepwise(*streams, calls=calls) if self.reversible else None
+        self._pass = _Pass(calls, run, streams, _Progress(self.layers[0][0]))
+        return self._pass
+
+    def _follow_dtype(self, dtype: torch.dtype) -> None:
+        """The checks and the automatic anchors for the layers' dtype as it is now."""
+        wide = self.stream_dtype
+        if wide is not None and torch.finfo(wide).eps > torch.finfo(dtype).eps:
+            raise InvalidArgumentError(
+                f"the converted layers compute in {dtype} now, wider than stream_dtype={wide} "
+                "given to make_reversible (was the model cast after conversion?): set "
+                "revckpt.inplace.reversible_layers(model).stream_dtype to a dtype at least as "
+                "wide, or None"
+            )
+        if self.anchor_every == "auto":
+            k = auto_anchors(self.scale, dtype, len(self.layers))
+            self.stack.anchor_every = k
+            # the first layer is rebuilt exactly (its auxiliary input is zeros): k, 2k, ...
+            self.stack.first_anchor = k or 0
+
+    def _continue(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Pass:
+        state = self._pass
+        name = self.layers[index][0]
+        if state is None or state.next_index != index:
+            raise RevckptError(
+                f"layer {name} was called out of order: make_reversible runs layers "
+                f"{self.layers[0][0]} .. {self.layers[-1][0]} as one reversible stack, called "
+                "one after the other in every forward pass"
+            )
+        assert state.returned is not None
+        if not passes(args, kwargs, state.returned):
+            raise RevckptError(
+                f"layer {name} did not get the hidden state layer {self.layers[index - 1][0]} "
+                "returned: the model changed it between the two layers, which a reversible "
+                "stack cannot rebuild; convert a stack of layers that pass it on unchanged"
+            )
+        state.next_index = index + 1
+        return state
+
+    def _block(self, state: _Pass, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if state.run is not None:
+            return state.run.block(index)
+        block = self.stack.blocks[index]
+        return block(*state.streams, calls=state.calls)
+
+
+def _early_exit_check(progress: _Progress, last: str) -> Any:
+    """The hook on a hidden state a layer before the last returns: a gradient reaching it
+    from a pass that never got to the last layer (an early exit, or a forward that started
+    the stack again) cannot be rebuilt from the stack's output, which was never made."""
+
+    def check(grad: torch.Tensor) -> None:
+        if not progress.finished:
+            raise RevckptError(
+                f"the forward pass ran the reversible stack (revckpt.make_reversible) up to "
+                f"layer {progress.last} and stopped before its last layer {last} (an early "
+                "exit, or the stack started again from its first layer), and the loss depends "
+                "on that hidden state: the backward rebuilds layer inputs from the last "
+                "layer's output, which this pass never made. Run every converted layer, in "
+                "order, in each forward; convert only the layers every forward runs "
+                "(blocks=...); or set revckpt.inplace.reversible_layers(model).reversible = "
+                "False (plain autograd)"
+            )
+
+    return check
