@@ -74,9 +74,12 @@ def per_layer_checkpoint(model: GPT) -> tuple[nn.Module, list[nn.Parameter]]:
 
 def reversible(variant: str, trainable: str, scale: float = 0.125) -> Variant:
     """``revckpt.make_reversible`` on the GPT's blocks (MEFT-style adapters; ``trainable``:
-    ``"adapters"``, the pretrained weights frozen, or ``"all"``)."""
+    ``"adapters"``, everything but the adapters frozen, embeddings and head included, as for
+    the LoRA baseline; or ``"all"``)."""
 
     def make(model: GPT) -> tuple[nn.Module, list[nn.Parameter]]:
+        if trainable == "adapters":  # make_reversible freezes the blocks; the rest too here
+            model.requires_grad_(False)
         revckpt.make_reversible(
             model, blocks="blocks", variant=variant, scale=scale, trainable=trainable
         )
