@@ -529,3 +529,34 @@ def test_an_early_exit_gets_a_clear_error():
         torch.testing.assert_close(reversible[n], g, msg=n)
     with pytest.raises(RevckptError, match="out of order"):
         model(x, [0, 2])
+
+
+def test_t5s_position_bias_needs_its_weights_frozen():
+    """T5's first layer returns the relative position bias its weights make, and the model
+    hands it to every later layer: with those weights trainable a reversible stack cannot
+    carry it (a clear error says so); frozen (trainable="adapters"), float64 gradients equal
+    plain autograd's of the same converted model."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(
+        vocab_size=64, d_model=32, d_ff=64, num_layers=3, num_heads=4, d_kv=8,
+        dropout_rate=0.0, use_cache=False,
+    )  # fmt: skip
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    trainable_bias = make_reversible(transformers.T5EncoderModel(config), trainable="all")
+    with pytest.raises(InvalidArgumentError, match="position bias"):
+        trainable_bias(input_ids=ids)
+    torch.manual_seed(0)
+    model = make_reversible(transformers.T5EncoderModel(config).double())
+    for n, p in model.named_parameters():
+        if "revckpt_adapter" in n and p.requires_grad:
+            p.data.normal_(0, 0.05)
+    grads = []
+    for reversible in (True, False):
+        reversible_layers(model).reversible = reversible
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids).last_hidden_state.pow(2).mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for n, g in grads[1].items():
+        torch.testing.assert_close(grads[0][n], g, rtol=1e-10, atol=1e-12, msg=n)

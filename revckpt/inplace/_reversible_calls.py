@@ -141,12 +141,15 @@ def _without_hidden(out: Any) -> Any:
     if isinstance(out, torch.Tensor):
         return out
     rest = tuple(out[1:]) if isinstance(out, (tuple, list)) else ()
-    for t in rest:
+    for i, t in enumerate(rest, start=1):
         if isinstance(t, torch.Tensor) and t.requires_grad:
             raise InvalidArgumentError(
-                "a converted layer returned a tensor that requires grad besides its hidden "
-                "state (attention weights?); a reversible stack carries the hidden state only: "
-                "call the model with output_attentions=False"
+                f"a converted layer returned a tensor that requires grad besides its hidden "
+                f"state (output item {i}, shape {tuple(t.shape)}): attention weights, or a "
+                "position bias made from trainable weights, as T5's first layer returns; a "
+                "reversible stack carries the hidden state only: call the model with "
+                "output_attentions=False, or freeze the weights it is made from (trainable="
+                "'adapters' freezes the converted layers)"
             )
     return type(out)((None, *rest)) if isinstance(out, (tuple, list)) else out
 
