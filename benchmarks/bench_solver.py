@@ -24,7 +24,7 @@ from typing import Any
 from _common import environment, write_json  # benchmarks/_common.py
 
 from revckpt import RevckptError
-from revckpt.schedule import BlockCost, baseline, solve
+from revckpt.schedule import ApproxCost, BlockCost, baseline, solve
 
 
 def synthetic_chain(n: int, seed: int) -> list[BlockCost]:
@@ -46,11 +46,10 @@ def synthetic_chain(n: int, seed: int) -> list[BlockCost]:
                 backward_peak_bytes=3 * x,
                 invertible=rng.random() < 1 / 3,
                 param_bytes=x,
-                approx_bytes={"bf16": x // 2, "e4m3": x // 4 + 4096, "e5m2": x // 4 + 4096},
-                approx_error={
-                    "bf16": rng.uniform(1e-4, 1e-3),
-                    "e4m3": rng.uniform(5e-3, 2e-2),
-                    "e5m2": rng.uniform(1e-2, 4e-2),
+                approx={
+                    "bf16": ApproxCost(x // 2, param_grad_error=rng.uniform(1e-4, 1e-3)),
+                    "e4m3": ApproxCost(x // 4 + 4096, param_grad_error=rng.uniform(5e-3, 2e-2)),
+                    "e5m2": ApproxCost(x // 4 + 4096, param_grad_error=rng.uniform(1e-2, 4e-2)),
                 },
             )
         )

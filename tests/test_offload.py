@@ -338,7 +338,7 @@ def test_offload_plans_with_inputs_moved_off_the_meter(make, host_off_the_meter)
     chain, x, lower = make()
     n = len(chain)
     prof = profile(chain, x, repeats=1, codecs=("e4m3",), policies=(), offload=True)
-    assert all(b.offload_kept_bytes == 0 for b in prof.blocks)  # everything moved
+    assert all(b.offload.kept_bytes == 0 for b in prof.blocks)  # everything moved
     plans = [
         make_plan(prof, [Segment(0, n, "offload")]),
         make_plan(prof, [Segment(0, 2, "store"), Segment(2, n, "offload")]),

@@ -206,7 +206,7 @@ def test_offload_plans_within_five_percent(make):
     chain, x = make()
     n = len(chain)
     prof = profile(chain, x, repeats=1, codecs=("e4m3",), policies=(), offload=True)
-    assert [b.offload_kept_bytes for b in prof.blocks] == [b.input_bytes for b in prof.blocks]
+    assert [b.offload.kept_bytes for b in prof.blocks] == [b.input_bytes for b in prof.blocks]
     plans = [
         make_plan(prof, [Segment(0, n, "offload")]),
         make_plan(prof, [Segment(0, 2, "store"), Segment(2, n, "offload")]),

@@ -99,7 +99,7 @@ def block_errors(
     # the exact run is this block's own, on its traced input: the chain of units the weights
     # come from may differ from the model where code runs between blocks
     cotangent = weights.cotangents[i]
-    return error_fields(unit, x, list(cost.approx_bytes), list(cost.compress_bytes), cotangent, {})
+    return error_fields(unit, x, cost.approx, cost.compress, cotangent, {})
 
 
 def profile_in_situ(
@@ -178,9 +178,4 @@ def _step_outside(step: Any, costs: list[BlockCost]) -> Any:
 
 def _weighted(cost: BlockCost, weights: Any, i: int) -> BlockCost:
     """Block ``i``'s cost with the weights of the chain's error model."""
-    return dataclasses.replace(
-        cost,
-        grad_sq=weights.grad_sq[i],
-        upstream_grad_sq=weights.input_sq + sum(weights.grad_sq[:i]),
-        chain_grad_sq=weights.input_sq + sum(weights.grad_sq),
-    )
+    return dataclasses.replace(cost, grad_norms=weights.norms(i))

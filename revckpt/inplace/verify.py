@@ -123,9 +123,9 @@ def _candidates(fitted: Fitted) -> dict[str, Plan]:
         wanted.append(("checkpoint every block", "checkpoint"))
     for strategy in strategy_names(prof.blocks):
         kind, arg = kind_of(strategy), argument_of(strategy)
-        if kind == "selective" and all(arg in b.selective_bytes for b in prof.blocks):
+        if kind == "selective" and all(arg in b.selective for b in prof.blocks):
             wanted.append((f"selective {arg}", strategy))
-        elif kind == "approx" and all(arg in b.approx_bytes for b in prof.blocks):
+        elif kind == "approx" and all(arg in b.approx for b in prof.blocks):
             wanted.append((f"approx {arg}", strategy))
     recipes = {STORE_ALL: baseline(prof, "store")}
     for name, strategy in wanted:

@@ -12,8 +12,9 @@ round-off, so a wider reference would show nothing more, at twice the cost.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from .._numbers import relative_error
 from ..approx import Approx, compress_saved
 from ..errors import InvalidInputTypeError
+from .cost_records import ApproxCost, CompressCost, GradNorms
 
 __all__ = [
     "CodecErrors",
@@ -57,6 +59,14 @@ class Sensitivities:
     input_sq: float
     exact: list[Exact | None]
     inputs: list[torch.Tensor]  # every block's input (detached)
+
+    def norms(self, i: int) -> GradNorms:
+        """Block ``i``'s weights in the chain's error model (:class:`GradNorms`)."""
+        return GradNorms(
+            own_sq=self.grad_sq[i],
+            upstream_sq=self.input_sq + sum(self.grad_sq[:i]),
+            chain_sq=self.input_sq + sum(self.grad_sq),
+        )
 
 
 def _rng_state(device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -197,35 +207,45 @@ class _Runner:
 def error_fields(
     block: nn.Module,
     x: torch.Tensor,
-    codecs: Sequence[str],
-    compressed: Sequence[str],
+    approx: Mapping[str, ApproxCost],
+    compress: Mapping[str, CompressCost],
     cotangent: torch.Tensor | None,
     kwargs: dict[str, Any],
     exact: Exact | None = None,
 ) -> dict[str, Any]:
-    """A block's measured error fields of :class:`~revckpt.schedule.BlockCost`: per codec of
-    ``codecs`` with its input compressed (approx: ``approx_error``, ``approx_input_error``,
-    ``approx_perturbation``, ``approx_amplification``; see :class:`CodecErrors`), per codec of
-    ``compressed`` with its saved tensors compressed (``compress_error``,
-    ``compress_input_error``). Measured with the chain's cotangent, in float32 (float64 for a
-    float64 block; see the module docstring): a direct measurement, not a linearisation, it
-    sees ReLU kinks and saturation too. ``exact``: the block's exact gradients from
-    :func:`sensitivities`, which spare the exact run when the block works in its own
-    precision (the codec runs then replay the chain's random draws)."""
+    """A block's :class:`~revckpt.schedule.BlockCost` fields ``approx`` and ``compress``, the
+    records it was priced with, with their errors measured: per codec of ``approx`` with its
+    input compressed (:class:`~revckpt.schedule.ApproxCost`'s ``param_grad_error``,
+    ``input_grad_error``, ``perturbation`` and ``amplification``; see :class:`CodecErrors`),
+    per codec of ``compress`` with its saved tensors compressed
+    (:class:`~revckpt.schedule.CompressCost`'s ``param_grad_error``, ``input_grad_error``);
+    neither field where it has no codec. Measured with the chain's cotangent, in float32
+    (float64 for a float64 block; see the module docstring): a direct measurement, not a
+    linearisation, it sees ReLU kinks and saturation too. ``exact``: the block's exact
+    gradients from :func:`sensitivities`, which spare the exact run when the block works in
+    its own precision (the codec runs then replay the chain's random draws)."""
     out: dict[str, Any] = {}
-    if not codecs and not compressed:
+    if not approx and not compress:
         return out
     run = _Runner.of(block, x, cotangent, kwargs, exact)
-    if codecs:
-        measured = codec_errors(run, x, codecs)
-        out.update(
-            approx_error=measured.parameters,
-            approx_input_error=measured.input_gradient,
-            approx_perturbation=measured.perturbation,
-            approx_amplification=measured.amplification,
-        )
-    if compressed:
-        out["compress_error"], out["compress_input_error"] = compress_errors(run, x, compressed)
+    if approx:
+        m = codec_errors(run, x, list(approx))
+        out["approx"] = {
+            c: dataclasses.replace(
+                a,
+                param_grad_error=m.parameters[c],
+                input_grad_error=m.input_gradient[c],
+                perturbation=m.perturbation[c],
+                amplification=m.amplification[c],
+            )
+            for c, a in approx.items()
+        }
+    if compress:
+        params, inputs = compress_errors(run, x, list(compress))
+        out["compress"] = {
+            c: dataclasses.replace(k, param_grad_error=params[c], input_grad_error=inputs[c])
+            for c, k in compress.items()
+        }
     return out
 
 

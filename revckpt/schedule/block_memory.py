@@ -30,6 +30,7 @@ from ..measure.timing import wall_time
 from ..offload import record as offload_record
 from ..strategy import Strategy
 from .block_runs import PLAIN_MODES, _forward_alone, _Metered, _metered_modes, _Runs, activation
+from .cost_records import ApproxCost, CompressCost, OffloadCost, ReplayCost, SelectiveCost
 from .costs import APPROX, CHECKPOINT, COMPRESS, OFFLOAD, REVERSIBLE, SELECTIVE
 
 __all__ = ["activation", "memory_costs", "saves_input"]
@@ -104,7 +105,7 @@ def _loss_bytes(like: torch.Tensor, device: Any) -> int:
 
 def _offload_costs(
     block: nn.Module, leaf: torch.Tensor, kwargs: dict[str, Any], repeats: int
-) -> tuple[int, float]:
+) -> OffloadCost:
     """Bytes of the block input that stay on the device when it is offloaded (measured: its
     bytes minus what :mod:`revckpt.offload` moved), and the median time of copying what moved
     back to the device (saved when the copy is prefetched)."""
@@ -113,13 +114,13 @@ def _offload_costs(
     del y
     kept = max(0, tensor_bytes(leaf) - stats.to_host_bytes)
     if stats.to_host_bytes == 0:
-        return kept, 0.0
+        return OffloadCost(kept, 0.0)
     pinned = leaf.device.type == "cuda"
     host = leaf.detach().to("cpu").pin_memory() if pinned else leaf.detach().clone()
     fetch = statistics.median(
         wall_time(lambda: host.to(leaf.device, non_blocking=pinned)) for _ in range(repeats)
     )
-    return kept, fetch
+    return OffloadCost(kept, fetch)
 
 
 def compressed_sizes(
@@ -181,12 +182,10 @@ def memory_costs(
     modes = _Modes.of(leaf, policies, approx_bytes, compress, reversible is not None, offload)
     runs = _Runs(block, leaf, wrt, kwargs, reversible)
     accounted = {modes.approx[codec]: n for codec, n in approx_bytes.items()}
-    compress_bytes, compress_fwd = {}, {}
+    compress_alone = {}
     for c, mode in modes.compress.items():  # the forward alone: what it keeps, its peak
-        compress_bytes[c], compress_fwd[c] = _forward_alone(
-            lambda mode=mode: runs.forward(mode), device, out_bytes
-        )
-        accounted[mode] = compress_bytes[c]
+        compress_alone[c] = _forward_alone(lambda mode=mode: runs.forward(mode), device, out_bytes)
+        accounted[mode] = compress_alone[c][0]
     metered = _metered_modes(
         runs, modes.all, grad_out, accounted, device, backward=bool(wrt), grads_new=grads_new
     )
@@ -196,13 +195,14 @@ def memory_costs(
         "output_bytes": out_bytes,
         "saved_bytes": max(0, fwd.end_bytes - out_bytes),
         "forward_peak_bytes": fwd.peak_bytes,
-        **_alone_fields(runs, policies, device, out_bytes, offload),
+        **_alone_fields(runs, modes, metered, device, out_bytes, offload),
         **modes.transient_fields(metered),
         "param_bytes": sum(tensor_bytes(p) for p in params),
-        "approx_bytes": approx_bytes,
-        "approx_encode_peak_bytes": encode_peaks,
-        "compress_bytes": compress_bytes,
-        "compress_forward_peak_bytes": compress_fwd,
+        "approx": {c: ApproxCost(n, encode_peaks[c]) for c, n in approx_bytes.items()},
+        "compress": {
+            c: CompressCost(kept, peak, metered.transient[modes.compress[c]])
+            for c, (kept, peak) in compress_alone.items()
+        },
         "loss_bytes": _loss_bytes(grad_out, device),
         "reversible_check_bytes": _check_bytes(leaf, block) if reversible is not None else 0,
         "grads_new": grads_new,
@@ -250,40 +250,40 @@ class _Modes:
         return cls(modes, selective, approx, formats)
 
     def transient_fields(self, metered: _Metered) -> dict[str, Any]:
-        """The fields of the metered steps: backward transients per mode, replay state."""
+        """The fields of the metered steps: backward transients per mode, replay state (per
+        recomputing mode, what it keeps and what outlives its backward, in metering order)."""
         transients = metered.transient
         return {
             "backward_peak_bytes": transients["accumulate"],
             "backward_capture_peak_bytes": transients["capture"],
             "checkpoint_peak_bytes": transients["checkpoint"],
             "reversible_peak_bytes": transients.get("reversible"),
-            "selective_backward_peak_bytes": {p: transients[m] for p, m in self.selective.items()},
-            "compress_backward_peak_bytes": {c: transients[m] for c, m in self.compress.items()},
-            "rng_bytes": metered.rng,
-            "rng_late_bytes": metered.late,
+            "replay": {
+                m: ReplayCost(metered.rng.get(m), metered.late.get(m))
+                for m in dict.fromkeys([*metered.late, *metered.rng])
+            },
         }
 
 
 def _alone_fields(
-    runs: _Runs, policies: Sequence[str], device: Any, out_bytes: int, offload: bool
+    runs: _Runs, modes: _Modes, metered: _Metered, device: Any, out_bytes: int, offload: bool
 ) -> dict[str, Any]:
     """The fields measured by running the block on its own, outside the metered steps: the
-    selective forwards, the no-grad forward's peak, what it saves, offload's figures."""
+    selective forwards (their backward transients: ``metered``), the no-grad forward's peak,
+    what it saves, offload's figures."""
     block, leaf, kwargs = runs.block, runs.leaf, runs.kwargs
-    selective = _selective(block, leaf, policies, device, kwargs, out_bytes)
+    backward = {p: metered.transient[m] for p, m in modes.selective.items()}
+    selective = _selective(block, leaf, backward, device, kwargs, out_bytes)
     with torch.no_grad(), MemoryMeter(device) as nograd:
         z = block(leaf.detach(), **kwargs)
     del z
-    offload_kept, fetch_s = (None, 0.0)
-    if offload:
-        offload_kept, fetch_s = _offload_costs(block, leaf, kwargs, 3)
+    moved = _offload_costs(block, leaf, kwargs, 3) if offload else None
     return {
         "forward_peak_nograd_bytes": nograd.peak_bytes,
-        **selective,
+        "selective": selective,
         "output_saved": _saves_own_output(block, leaf, kwargs),
         "invertible": isinstance(block, ReversibleUnit),
-        "offload_kept_bytes": offload_kept,
-        "offload_fetch_s": fetch_s,
+        "offload": moved,
     }
 
 
@@ -298,25 +298,23 @@ def _reversible(block: nn.Module) -> ReversibleSequential | None:
 def _selective(
     block: nn.Module,
     leaf: torch.Tensor,
-    policies: Sequence[str],
+    backward: dict[str, int],
     device: Any,
     kwargs: dict[str, Any],
     out_bytes: int,
-) -> dict[str, Any]:
-    """Per policy, the forward alone: what it keeps, its peak, whether it keeps the output."""
-    kept, peaks = {}, {}
-    output_op = _output_op(block, leaf.detach(), kwargs) if policies else None
-    for policy in policies:
-        kept[policy], peaks[policy] = _forward_alone(
+) -> dict[str, SelectiveCost]:
+    """Per policy (the keys of ``backward``, its metered backward transient), the forward
+    alone: what it keeps, its peak, whether it keeps the output."""
+    costs = {}
+    output_op = _output_op(block, leaf.detach(), kwargs) if backward else None
+    for policy, transient in backward.items():
+        kept, peak = _forward_alone(
             lambda policy=policy: checkpoint(
                 block, leaf, strategy=f"{SELECTIVE}:{policy}", **kwargs
             ),
             device,
             out_bytes,
         )
-    return {
-        "selective_bytes": kept,
-        "selective_forward_peak_bytes": peaks,
         # a policy that keeps the operation producing the output keeps the output itself
-        "selective_output_kept": {p: output_op in parse_policy(p) for p in policies},
-    }
+        costs[policy] = SelectiveCost(kept, peak, transient, output_op in parse_policy(policy))
+    return costs

@@ -45,7 +45,7 @@ def profile_block(
         grads_new=grads_new,
     )
     fields = dict(memory.fields)
-    codecs_priced = list(fields["approx_bytes"])
+    codecs_priced = list(fields["approx"])
     f, b, overhead = block_times(
         block,
         leaf,
@@ -73,10 +73,10 @@ def one_block_strategies(fields: dict[str, Any], offload: bool) -> list[str]:
     compress formats, reversible when the block is invertible, offload when asked. Their
     order is the order they are timed in and that of ``strategy_overhead_s``."""
     strategies = [STORE, CHECKPOINT]
-    if fields["approx_bytes"]:
-        strategies.append(str(Strategy(APPROX, next(iter(fields["approx_bytes"])))))
-    strategies += [str(Strategy(SELECTIVE, p)) for p in fields["selective_bytes"]]
-    strategies += [str(Strategy(COMPRESS, c)) for c in fields["compress_bytes"]]
+    if fields["approx"]:
+        strategies.append(str(Strategy(APPROX, next(iter(fields["approx"])))))
+    strategies += [str(Strategy(SELECTIVE, p)) for p in fields["selective"]]
+    strategies += [str(Strategy(COMPRESS, c)) for c in fields["compress"]]
     if fields["invertible"]:
         strategies.append(REVERSIBLE)
     if offload:
@@ -92,5 +92,4 @@ def _errors(
     kwargs: dict[str, Any],
 ) -> dict[str, Any]:
     """The error fields: per codec priced for approx, per format for compress."""
-    codecs, compressed = list(fields["approx_bytes"]), list(fields["compress_bytes"])
-    return error_fields(block, x, codecs, compressed, cotangent, kwargs)
+    return error_fields(block, x, fields["approx"], fields["compress"], cotangent, kwargs)

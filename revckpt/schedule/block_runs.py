@@ -102,8 +102,8 @@ def _metered_modes(
     them; ``accounted``: per mode, the bytes its forward keeps that the cost model counts
     (the compressed input of approx). ``grads_new``: the parameter gradients are ``None``
     before each step (created by it, counted in its transients) rather than existing.
-    Selective modes count their replay state in what they keep (``selective_bytes``): only
-    what outlives their backward is recorded here."""
+    Selective modes count their replay state in what they keep
+    (``SelectiveCost.kept_bytes``): only what outlives their backward is recorded here."""
     metered = _Metered({}, {}, {})
     for mode in modes:
         step = _metered_step(

@@ -41,6 +41,7 @@ from ..checkpoint import checkpoint
 from ..measure import MemoryMeter, time_ratios
 from ..measure.timing import wall_time
 from ..strategy import argument_of, kind_of
+from .cost_records import SelectiveCost
 from .costs import CHECKPOINT, SELECTIVE, STORE
 
 __all__ = ["compiled_costs"]
@@ -101,9 +102,7 @@ def compiled_costs(
     wanted = [STORE, *(s for s in strategies if kind_of(s) in (CHECKPOINT, SELECTIVE))]
     runs = {s: torch.compile(_Run(block, s), dynamic=False) for s in dict.fromkeys(wanted)}
     limit = max(torch._dynamo.config.recompile_limit, 8 + len(runs))
-    fields: dict[str, Any] = {"selective_bytes": {}, "selective_forward_peak_bytes": {}}
-    fields["selective_backward_peak_bytes"] = {}
-    fields["selective_output_kept"] = {}
+    fields: dict[str, Any] = {"selective": {}}
     with torch._dynamo.config.patch(recompile_limit=limit):
         for s, run in runs.items():
             for _ in range(2):  # compile forward and backward, then warm
@@ -125,11 +124,7 @@ def _record(fields: dict[str, Any], strategy: str, peak: int, kept: int, backwar
     elif kind == CHECKPOINT:
         fields.update(forward_peak_nograd_bytes=peak, checkpoint_peak_bytes=backward)
     else:
-        policy = argument_of(strategy)
-        fields["selective_bytes"][policy] = kept
-        fields["selective_forward_peak_bytes"][policy] = peak
-        fields["selective_backward_peak_bytes"][policy] = backward
-        fields["selective_output_kept"][policy] = False
+        fields["selective"][argument_of(strategy)] = SelectiveCost(kept, peak, backward, False)
 
 
 def _times(

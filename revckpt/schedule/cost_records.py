@@ -1,6 +1,8 @@
 """The records of the cost model (:mod:`.costs`): what was measured of one block
-(:class:`BlockCost`), a piece of a plan (:class:`Segment`) and what the model predicts for it
-(:class:`SegmentCost`)."""
+(:class:`BlockCost`, with one small record per strategy's measurements: :class:`ApproxCost`,
+:class:`SelectiveCost`, :class:`CompressCost`, :class:`OffloadCost`, :class:`ReplayCost`, and
+the gradient norms of the error model, :class:`GradNorms`), a piece of a plan
+(:class:`Segment`) and what the model predicts for it (:class:`SegmentCost`)."""
 
 from __future__ import annotations
 
@@ -8,35 +10,129 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 __all__ = ["BlockCost", "Segment", "SegmentCost"]
+# and the records of a block's measurements per strategy (fields of its BlockCost)
+__all__ += ["ApproxCost", "CompressCost", "GradNorms", "OffloadCost", "ReplayCost", "SelectiveCost"]
+
+
+@dataclass(frozen=True)
+class ApproxCost:
+    """What one codec ``c`` costs a block that starts an ``approx:<c>`` segment (its input kept
+    compressed by ``c``, the segment recomputed from it): ``BlockCost.approx[c]``.
+    The errors are measured with the input through the codec (see
+    :func:`revckpt.schedule.profile`); ``None`` where they were not measured: the segment's
+    error is then its first block's ``param_grad_error`` (none: ``0``)."""
+
+    #: the block's input compressed by the codec, bytes (kept from its forward to its backward)
+    kept_bytes: int
+    #: the peak live bytes of compressing the input (the codec's temporaries and the result);
+    #: ``None``: not measured, the result alone is counted
+    encode_peak_bytes: int | None = None
+    #: relative error of the block's parameter gradients when its input goes through the codec
+    param_grad_error: float | None = None
+    #: relative error of the block's input gradient, the same way
+    input_grad_error: float | None = None
+    #: how far the codec moves the block's input (relative)
+    perturbation: float | None = None
+    #: how much a perturbation of the input grows through the block (relative output change
+    #: over relative input change)
+    amplification: float | None = None
+
+
+@dataclass(frozen=True)
+class SelectiveCost:
+    """What one selective-recompute policy ``p`` costs the block (``selective:<p>``, one
+    block): ``BlockCost.selective[p]``, each figure measured with the policy."""
+
+    #: the bytes it keeps from its forward to its backward besides its input: the outputs of
+    #: the operations the policy keeps, and the replay state (generator states) of its recompute
+    kept_bytes: int
+    #: its forward's transient peak (above its input)
+    forward_peak_bytes: int
+    #: its recompute and backward's transient, measured together (``ts`` of the cost model)
+    backward_peak_bytes: int
+    #: the policy keeps the block's output (it keeps the operation that produces it)
+    output_kept: bool = False
+
+
+@dataclass(frozen=True)
+class CompressCost:
+    """What one codec ``c`` costs the block run with its saved tensors compressed
+    (``compress:<c>``, one block, :func:`revckpt.approx.compress_saved`):
+    ``BlockCost.compress[c]``. The errors are ``None`` where not measured (counted
+    as none)."""
+
+    #: the bytes its compressed saved tensors keep from its forward to its backward
+    kept_bytes: int
+    #: its forward's transient peak (above its input)
+    forward_peak_bytes: int
+    #: its backward's transient
+    backward_peak_bytes: int
+    #: relative error of the block's parameter gradients with its saved tensors compressed
+    param_grad_error: float | None = None
+    #: relative error of its input gradient, the same way
+    input_grad_error: float | None = None
+
+
+@dataclass(frozen=True)
+class OffloadCost:
+    """What offloading costs the block (its input moved to host memory until its backward):
+    ``BlockCost.offload``, ``None`` when offload was not profiled."""
+
+    #: the bytes of the block's input that stay on the device (what :mod:`revckpt.offload`
+    #: did not move)
+    kept_bytes: int
+    #: seconds of copying what moved back to the device, saved when the copy is prefetched
+    fetch_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class ReplayCost:
+    """The replay state strategy ``s`` keeps for the block's recompute (the generator states of
+    a forward that draws random numbers; 0 for a block that draws none):
+    ``BlockCost.replay[s]``. A missing figure counts as 0."""
+
+    #: bytes kept from the block's forward to its backward; ``None`` for a selective strategy,
+    #: which counts them in ``SelectiveCost.kept_bytes``
+    kept_bytes: int | None = None
+    #: what of them stays alive after the block's backward, until the step ends; ``None``:
+    #: not measured (the block had no backward to meter)
+    late_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class GradNorms:
+    """The weights of the chain's error model (:mod:`.kind_errors`), from one backward of
+    the whole chain with a seeded random projection loss: ``BlockCost.grad_norms``."""
+
+    #: the squared norm of the block's parameter gradients (``N_i^2``)
+    own_sq: float
+    #: the squared norms of the parameter gradients of the blocks before it and of the
+    #: chain input's gradient, summed (``U_i``)
+    upstream_sq: float
+    #: those of every block's parameter gradients and of the chain input's gradient, summed
+    #: (``N^2``)
+    chain_sq: float
 
 
 @dataclass(frozen=True)
 class BlockCost:
     """Measured costs of one block (bytes and seconds). ``param_bytes``: its trainable
-    parameters' gradients. ``approx_bytes[c]`` and ``approx_error[c]``: the block input's size
-    compressed by codec ``c``, and the estimated relative parameter-gradient error of
-    compressing it; ``approx_encode_peak_bytes[c]``: the peak live bytes of compressing it
-    (its temporaries and the result; missing: the result only). ``offload_kept_bytes``: the
-    bytes of the block's input still on the device
-    when it is offloaded (``None``: offload not profiled); ``offload_fetch_s``: the time of
-    copying it back, saved when it is prefetched. ``rng_bytes[s]``: the bytes of forward-time
-    state that strategy ``s`` keeps for its recompute from the block's forward to its backward
-    (the generator states of a forward that draws random numbers; 0 for a block that draws
-    none; a selective segment counts them in ``selective_bytes``), and ``rng_late_bytes[s]``
-    what of them stays alive after the block's backward, until the step ends; ``loss_bytes``:
-    a scalar loss and its gradient, alive during backward when the block ends the chain;
-    ``reversible_check_bytes``: the samples a reversible stack starting with this block keeps
-    for its default invertibility check (once per stack); ``grads_new``: the step creates the
-    block's parameter gradients (they are ``None`` before it, as after ``zero_grad()``): they
-    stay alive from the block's backward to the end of the step, and its backward transients
-    were measured so (their own gradients included); ``input_kept``: a stored block keeps its
-    input alive until its backward (it saves it, or the block before saves its own output);
-    if not, its input goes once it has run; ``chained_s``: the extra seconds the block adds
-    when it is recomputed inside a longer checkpoint or approx segment, not first in it (its
-    recompute without a node of its own; ``None``: its forward time is assumed);
-    ``compress_*[c]``: run with its saved tensors compressed by codec ``c``
-    (:func:`revckpt.approx.compress_saved`): the bytes they keep, the forward and backward
-    transients, and the relative errors of its parameter and input gradients."""
+    parameters' gradients. ``loss_bytes``: a scalar loss and its gradient, alive during
+    backward when the block ends the chain; ``reversible_check_bytes``: the samples a
+    reversible stack starting with this block keeps for its default invertibility check (once
+    per stack); ``grads_new``: the step creates the block's parameter gradients (they are
+    ``None`` before it, as after ``zero_grad()``): they stay alive from the block's backward to
+    the end of the step, and its backward transients were measured so (their own gradients
+    included); ``input_kept``: a stored block keeps its input alive until its backward (it
+    saves it, or the block before saves its own output); if not, its input goes once it has
+    run; ``chained_s``: the extra seconds the block adds when it is recomputed inside a longer
+    checkpoint or approx segment, not first in it (its recompute without a node of its own;
+    ``None``: its forward time is assumed). Per strategy, the measurements of its own:
+    ``approx[c]`` (:class:`ApproxCost`, per codec), ``selective[p]`` (:class:`SelectiveCost`,
+    per policy), ``compress[c]`` (:class:`CompressCost`, per codec), ``offload``
+    (:class:`OffloadCost`; ``None``: offload not profiled), ``replay[s]``
+    (:class:`ReplayCost`, per strategy) and ``grad_norms`` (:class:`GradNorms`; ``None``: not
+    measured, a segment's error is then its first block's)."""
 
     forward_s: float
     backward_s: float
@@ -48,38 +144,22 @@ class BlockCost:
     backward_peak_bytes: int
     invertible: bool = False
     param_bytes: int = 0
-    approx_bytes: Mapping[str, int] = field(default_factory=dict)
-    approx_error: Mapping[str, float] = field(default_factory=dict)
     backward_capture_peak_bytes: int | None = None
     checkpoint_peak_bytes: int | None = None
     reversible_peak_bytes: int | None = None
     output_saved: bool = False
     strategy_overhead_s: Mapping[str, float] = field(default_factory=dict)
-    selective_bytes: Mapping[str, int] = field(default_factory=dict)
-    selective_forward_peak_bytes: Mapping[str, int] = field(default_factory=dict)
-    selective_backward_peak_bytes: Mapping[str, int] = field(default_factory=dict)
-    selective_output_kept: Mapping[str, bool] = field(default_factory=dict)
-    approx_input_error: Mapping[str, float] = field(default_factory=dict)
-    approx_perturbation: Mapping[str, float] = field(default_factory=dict)
-    approx_amplification: Mapping[str, float] = field(default_factory=dict)
-    grad_sq: float | None = None
-    upstream_grad_sq: float | None = None
-    chain_grad_sq: float | None = None
-    offload_kept_bytes: int | None = None
-    offload_fetch_s: float = 0.0
-    rng_bytes: Mapping[str, int] = field(default_factory=dict)
-    rng_late_bytes: Mapping[str, int] = field(default_factory=dict)
     loss_bytes: int = 0
     reversible_check_bytes: int = 0
     grads_new: bool = False
     input_kept: bool = True
     chained_s: float | None = None
-    approx_encode_peak_bytes: Mapping[str, int] = field(default_factory=dict)
-    compress_bytes: Mapping[str, int] = field(default_factory=dict)
-    compress_forward_peak_bytes: Mapping[str, int] = field(default_factory=dict)
-    compress_backward_peak_bytes: Mapping[str, int] = field(default_factory=dict)
-    compress_error: Mapping[str, float] = field(default_factory=dict)
-    compress_input_error: Mapping[str, float] = field(default_factory=dict)
+    approx: Mapping[str, ApproxCost] = field(default_factory=dict)
+    selective: Mapping[str, SelectiveCost] = field(default_factory=dict)
+    compress: Mapping[str, CompressCost] = field(default_factory=dict)
+    offload: OffloadCost | None = None
+    replay: Mapping[str, ReplayCost] = field(default_factory=dict)
+    grad_norms: GradNorms | None = None
 
     @property
     def capture_peak(self) -> int:

@@ -73,13 +73,14 @@ gradient of block ``i``'s output (``x_{i+1}`` bytes), block ``i`` peaks at
 
 ``O`` counts, in backward, the scalar loss and its gradient too (``loss_bytes`` of the last
 block). A recomputed segment whose forward draws random numbers (dropout) also keeps their
-generator state for its replay, ``r`` bytes, measured per block and strategy (``rng_bytes``):
-one state per node, so once per checkpoint or approx segment (the largest block's) and per
-block of a reversible or offload segment (each block, or each branch, its own node; these
-count in their forward from the start, an upper bound). ``r`` is kept from the forward and
-alive through the segment's backward; ``l`` bytes of it (``rng_late_bytes``, measured: today
-approx, offload and reversible nodes hold theirs as long as the step's graph lives) stay alive
-to the end of the step, so they are alive in the backward of every earlier segment too.
+generator state for its replay, ``r`` bytes, measured per block and strategy
+(``BlockCost.replay``, :class:`ReplayCost`'s ``kept_bytes``): one state per node, so once per
+checkpoint or approx segment (the largest block's) and per block of a reversible or offload
+segment (each block, or each branch, its own node; these count in their forward from the
+start, an upper bound). ``r`` is kept from the forward and alive through the segment's
+backward; ``l`` bytes of it (``late_bytes``, measured: today approx, offload and reversible
+nodes hold theirs as long as the step's graph lives) stay alive to the end of the step, so
+they are alive in the backward of every earlier segment too.
 
 Every segment's peak is ``P + W`` with ``W`` independent of what comes before it, so without
 ``l`` the peak of a plan is ``max_p (P_p + W_p)``: this decomposition is what makes an exact
@@ -141,13 +142,13 @@ def strategy_names(blocks: Sequence[BlockCost]) -> list[str]:
     names = [STORE, CHECKPOINT]
     if any(b.invertible for b in blocks):
         names.append(REVERSIBLE)
-    if any(b.offload_kept_bytes is not None for b in blocks):
+    if any(b.offload is not None for b in blocks):
         names.append(OFFLOAD)
-    codecs = sorted({c for b in blocks for c in b.approx_bytes})
+    codecs = sorted({c for b in blocks for c in b.approx})
     names += [str(Strategy(APPROX, c)) for c in codecs]
-    policies = sorted({p for b in blocks for p in b.selective_bytes})
+    policies = sorted({p for b in blocks for p in b.selective})
     names += [str(Strategy(SELECTIVE, p)) for p in policies]
-    compressed = sorted({c for b in blocks for c in b.compress_bytes})
+    compressed = sorted({c for b in blocks for c in b.compress})
     names += [str(Strategy(COMPRESS, c)) for c in compressed]
     return names
 
@@ -168,10 +169,10 @@ def follow_limit(blocks: Sequence[BlockCost], seg: Segment) -> int:
         return NO_APPROX_OR_REVERSIBLE
     if kind_of(seg.strategy) in (STORE, COMPRESS) and last.output_saved:
         return NO_APPROX_OR_REVERSIBLE
-    if kind_of(seg.strategy) == SELECTIVE and last.selective_output_kept.get(
-        argument_of(seg.strategy), False
-    ):
-        return NO_APPROX_OR_REVERSIBLE
+    if kind_of(seg.strategy) == SELECTIVE:
+        kept = last.selective.get(argument_of(seg.strategy))
+        if kept is not None and kept.output_kept:
+            return NO_APPROX_OR_REVERSIBLE
     return NO_LIMIT
 
 
@@ -240,10 +241,17 @@ def _replay_bytes(part: Sequence[BlockCost], strategy: str, *, late: bool) -> in
     """``r`` (or ``l`` with ``late``) of a segment: one replay state per recomputed node, so
     the sum over the blocks of reversible and offload segments (a node per block, or per
     branch), the largest block's otherwise (one node for the whole segment)."""
-    per_block = [(b.rng_late_bytes if late else b.rng_bytes).get(strategy, 0) for b in part]
+    per_block = [_replay_of(b, strategy, late) for b in part]
     if strategy == REVERSIBLE and not late:  # and the stack's invertibility-check samples
         return sum(per_block) + part[0].reversible_check_bytes
     return sum(per_block) if strategy in (REVERSIBLE, OFFLOAD) else max(per_block)
+
+
+def _replay_of(b: BlockCost, strategy: str, late: bool) -> int:
+    """Block ``b``'s ``r`` (or ``l``) for ``strategy``: 0 where not measured."""
+    replay = b.replay.get(strategy)
+    figure = None if replay is None else (replay.late_bytes if late else replay.kept_bytes)
+    return 0 if figure is None else figure
 
 
 @dataclass(frozen=True)

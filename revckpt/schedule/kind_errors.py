@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .cost_records import BlockCost
 
+    _Figures = tuple[float | None, float | None, float | None, float | None]
+
 __all__: list[str] = []
 
 
@@ -30,19 +32,18 @@ def _approx_error(part: Sequence[BlockCost], codec: str | None) -> float:
     the chain norms: ``r_j``. Segments combine by root-sum-square (independent rounding):
     :func:`evaluate` adds ``e^2``."""
     assert codec is not None
-    head = part[0]
-    r0 = head.approx_error.get(codec, 0.0)
-    if head.chain_grad_sq is None or head.upstream_grad_sq is None:
+    head, norms = part[0], part[0].grad_norms
+    r0, q0, d_j, _ = _approx_figures(head, codec)
+    r0 = 0.0 if r0 is None else r0
+    if norms is None:
         return r0
-    if head.chain_grad_sq <= 0:  # no gradient in the chain itself: what flows out of it
-        return max(r0, head.approx_input_error.get(codec, 0.0))
-    d_j = head.approx_perturbation.get(codec)
+    if norms.chain_sq <= 0:  # no gradient in the chain itself: what flows out of it
+        return max(r0, 0.0 if q0 is None else q0)
     own = upstream = 0.0
     moved = d_j
     for b in part:
-        r, q = b.approx_error.get(codec), b.approx_input_error.get(codec)
-        d, amp = b.approx_perturbation.get(codec), b.approx_amplification.get(codec)
-        n2 = b.grad_sq
+        r, q, d, amp = _approx_figures(b, codec)
+        n2 = None if b.grad_norms is None else b.grad_norms.own_sq
         if None in (r, q, d, amp, n2, moved):
             return r0
         assert r is not None and q is not None and d is not None and amp is not None
@@ -51,7 +52,15 @@ def _approx_error(part: Sequence[BlockCost], codec: str | None) -> float:
         own += (r * scale) ** 2 * n2
         upstream += (q * scale) ** 2
         moved *= amp
-    return math.sqrt(own + head.upstream_grad_sq * upstream) / math.sqrt(head.chain_grad_sq)
+    return math.sqrt(own + norms.upstream_sq * upstream) / math.sqrt(norms.chain_sq)
+
+
+def _approx_figures(b: BlockCost, codec: str) -> _Figures:
+    """``r``, ``q``, ``d``, ``A`` of block ``b`` for ``codec`` (``None``: not measured)."""
+    a = b.approx.get(codec)
+    if a is None:
+        return None, None, None, None
+    return a.param_grad_error, a.input_grad_error, a.perturbation, a.amplification
 
 
 def _compress_error(part: Sequence[BlockCost], codec: str | None) -> float:
@@ -60,13 +69,15 @@ def _compress_error(part: Sequence[BlockCost], codec: str | None) -> float:
     ``s = 1`` (its input is exact): ``e^2 = ((r N_i)^2 + U_i q^2) / N^2``; without the chain
     norms, ``r``."""
     assert codec is not None
-    b = part[0]
-    r, q = b.compress_error.get(codec, 0.0), b.compress_input_error.get(codec, 0.0)
-    if b.chain_grad_sq is None or b.upstream_grad_sq is None or b.grad_sq is None:
+    b, norms = part[0], part[0].grad_norms
+    c = b.compress.get(codec)
+    r = 0.0 if c is None or c.param_grad_error is None else c.param_grad_error
+    q = 0.0 if c is None or c.input_grad_error is None else c.input_grad_error
+    if norms is None:
         return r
-    if b.chain_grad_sq <= 0:
+    if norms.chain_sq <= 0:
         return max(r, q)
-    return math.sqrt(r**2 * b.grad_sq + q**2 * b.upstream_grad_sq) / math.sqrt(b.chain_grad_sq)
+    return math.sqrt(r**2 * norms.own_sq + q**2 * norms.upstream_sq) / math.sqrt(norms.chain_sq)
 
 
 def _no_error(part: Sequence[BlockCost], arg: str | None) -> float:

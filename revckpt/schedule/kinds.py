@@ -60,9 +60,10 @@ def _stored(b: BlockCost) -> int:
 
 
 def _selective_work(b: BlockCost, policy: str, out: int) -> Work:
-    kept = b.input_bytes + b.selective_bytes[policy]
-    fwd = b.input_bytes + b.selective_forward_peak_bytes[policy]
-    return kept, fwd, kept + out + b.output_bytes + b.selective_backward_peak_bytes[policy]
+    s = b.selective[policy]
+    kept = b.input_bytes + s.kept_bytes
+    fwd = b.input_bytes + s.forward_peak_bytes
+    return kept, fwd, kept + out + b.output_bytes + s.backward_peak_bytes
 
 
 def _reversible_work(part: Sequence[BlockCost], first: bool, last: bool, out: int) -> Work:
@@ -98,14 +99,14 @@ def _recompute_work(part: Sequence[BlockCost], strategy: str, first: bool, out: 
     if strategy == CHECKPOINT:
         kept, held = part[0].input_bytes, 0
     else:
-        kept = held = part[0].approx_bytes[argument_of(strategy)]
+        kept = held = part[0].approx[argument_of(strategy)].kept_bytes
         if first:  # the caller's chain input stays alive next to its compressed copy
             kept += part[0].input_bytes
             held += part[0].input_bytes
     fwd = 0
     if strategy != CHECKPOINT:  # compressing the input, next to it
-        codec = argument_of(strategy)
-        fwd = part[0].input_bytes + part[0].approx_encode_peak_bytes.get(codec, held)
+        encode = part[0].approx[argument_of(strategy)].encode_peak_bytes
+        fwd = part[0].input_bytes + (held if encode is None else encode)
     for i, b in enumerate(part):
         alive = kept if strategy == CHECKPOINT else held
         current = b.input_bytes if (i > 0 or strategy != CHECKPOINT) else 0
@@ -158,8 +159,8 @@ def _offload_work(part: Sequence[BlockCost], first: bool, out: int) -> Work:
     fwd = bwd = 0
     moved_before = 0  # m_{i-1}, being prefetched during block i's backward
     for i, (b, grads) in enumerate(zip(part, _grads_after(part), strict=True)):
-        assert b.offload_kept_bytes is not None
-        d = b.offload_kept_bytes
+        assert b.offload is not None
+        d = b.offload.kept_bytes
         g = b.output_bytes
         prefetch = moved_before if i > 0 else 0
         # the caller's chain input stays on the device whatever is moved: its copy comes back
@@ -186,7 +187,11 @@ def _offload_time(part: Sequence[BlockCost], strategy: str) -> float:
     overlapped with the next forward, is not credited)."""
     own = [b.strategy_overhead_s.get(OFFLOAD, b.forward_s) for b in part]
     prefetched = zip(own[:-1], part[:-1], strict=True)
-    return sum(max(0.0, o - b.offload_fetch_s) for o, b in prefetched) + own[-1]
+    return sum(max(0.0, o - _fetch_s(b)) for o, b in prefetched) + own[-1]
+
+
+def _fetch_s(b: BlockCost) -> float:
+    return 0.0 if b.offload is None else b.offload.fetch_s
 
 
 def _recompute_time(part: Sequence[BlockCost], strategy: str) -> float:
@@ -207,9 +212,10 @@ def _compress_work(part: Sequence[BlockCost], codec: str | None, out: int) -> Wo
     the block before, stays as it is: counted as a stored block counts it)."""
     assert codec is not None
     b = part[0]
-    kept = (b.input_bytes if b.input_kept else 0) + b.compress_bytes[codec]
-    fwd = b.input_bytes + b.compress_forward_peak_bytes[codec]
-    bwd = kept + out + b.output_bytes + b.compress_backward_peak_bytes[codec]
+    c = b.compress[codec]
+    kept = (b.input_bytes if b.input_kept else 0) + c.kept_bytes
+    fwd = b.input_bytes + c.forward_peak_bytes
+    bwd = kept + out + b.output_bytes + c.backward_peak_bytes
     return kept, fwd, bwd
 
 
@@ -233,7 +239,7 @@ def _check_reversible(blocks: Sequence[BlockCost], seg: Segment, arg: str | None
 
 
 def _check_offload(blocks: Sequence[BlockCost], seg: Segment, arg: str | None) -> None:
-    bad = _bad_blocks(blocks, seg, lambda b: b.offload_kept_bytes is not None)
+    bad = _bad_blocks(blocks, seg, lambda b: b.offload is not None)
     if bad:
         raise InvalidArgumentError(
             f"offload was not profiled for blocks {bad}; profile with "
@@ -257,9 +263,9 @@ def _priced(field: str, what: str, option: str) -> Callable[..., None]:
     return check
 
 
-_check_approx = _priced("approx_bytes", "codec {arg!r}", "codecs")
-_check_selective = _priced("selective_bytes", "policy {arg!r}", "policies")
-_check_compress = _priced("compress_bytes", "compress:{arg}", "compress")
+_check_approx = _priced("approx", "codec {arg!r}", "codecs")
+_check_selective = _priced("selective", "policy {arg!r}", "policies")
+_check_compress = _priced("compress", "compress:{arg}", "compress")
 
 
 def _no_check(blocks: Sequence[BlockCost], seg: Segment, arg: str | None) -> None:
@@ -308,14 +314,14 @@ KINDS: dict[str, Kind] = {
         _approx_error,
         _check_approx,
         approximate=True,
-        runs_on=lambda b, arg: arg in b.approx_bytes,
+        runs_on=lambda b, arg: arg in b.approx,
     ),
     SELECTIVE: Kind(
         lambda part, arg, first, last, out: _selective_work(part[0], arg, out),
         _own_time,
         check=_check_selective,
         one_block=True,
-        runs_on=lambda b, arg: arg in b.selective_bytes,
+        runs_on=lambda b, arg: arg in b.selective,
     ),
     REVERSIBLE: Kind(
         lambda part, arg, first, last, out: _reversible_work(part, first, last, out),
@@ -328,7 +334,7 @@ KINDS: dict[str, Kind] = {
         lambda part, arg, first, last, out: _offload_work(part, first, out),
         _offload_time,
         check=_check_offload,
-        runs_on=lambda b, arg: b.offload_kept_bytes is not None,
+        runs_on=lambda b, arg: b.offload is not None,
         last_ok=True,
     ),
     COMPRESS: Kind(
@@ -339,7 +345,7 @@ KINDS: dict[str, Kind] = {
         one_block=True,
         recomputes=False,
         approximate=True,
-        runs_on=lambda b, arg: arg in b.compress_bytes,
+        runs_on=lambda b, arg: arg in b.compress,
     ),
 }
 

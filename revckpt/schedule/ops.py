@@ -79,7 +79,7 @@ class OpChoice:
     and ``checkpoint(..., strategy=f"selective:{spec}")``), the estimated ``kept_bytes``
     (beyond the block's input and output, replay state included) and ``recompute_s`` (the
     forward time of the operations it does not keep), and ``keeps_output``: whether it keeps
-    the block output (the scheduler's ``selective_output_kept``)."""
+    the block output (the scheduler's ``SelectiveCost.output_kept``)."""
 
     spec: str
     kept_bytes: int

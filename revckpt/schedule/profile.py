@@ -83,7 +83,11 @@ class Profile:
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for name, b in zip(self.names, self.blocks, strict=True):
-            errs = ", ".join(f"{c} {e:.1e}" for c, e in b.approx_error.items())
+            errs = ", ".join(
+                f"{c} {a.param_grad_error:.1e}"
+                for c, a in b.approx.items()
+                if a.param_grad_error is not None
+            )
             lines.append(
                 f"| {name} | {b.forward_s * 1e3:.2f} | {b.backward_s * 1e3:.2f} | "
                 f"{b.input_bytes / 2**20:.2f} | {b.saved_bytes / 2**20:.2f} | "

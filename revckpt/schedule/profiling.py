@@ -126,7 +126,7 @@ class _ProfilingJob:
         fields = {}
         for g in sorted(set(groups)):
             f = dict(memory[g].fields, invertible=False, reversible_peak_bytes=None)
-            options = [CHECKPOINT, *(str(Strategy(SELECTIVE, p)) for p in f["selective_bytes"])]
+            options = [CHECKPOINT, *(str(Strategy(SELECTIVE, p)) for p in f["selective"])]
             runs = memory[g].runs
             f.update(
                 compiled_costs(
@@ -154,20 +154,9 @@ class _ProfilingJob:
     ) -> dict[str, Any]:
         """The error fields of block ``i`` (input ``x``): per codec for approx and compress,
         and the weights of the chain's error model."""
-        codecs, compressed = list(fields["approx_bytes"]), list(fields["compress_bytes"])
         args = (weights.cotangents[i], self.kwargs, weights.exact[i])
-        out = {
-            "approx_error": {},
-            "approx_input_error": {},
-            "approx_perturbation": {},
-            "approx_amplification": {},
-            **error_fields(block, x, codecs, compressed, *args),
-        }
-        out.update(
-            grad_sq=weights.grad_sq[i],
-            upstream_grad_sq=weights.input_sq + sum(weights.grad_sq[:i]),
-            chain_grad_sq=weights.input_sq + sum(weights.grad_sq),
-        )
+        out = error_fields(block, x, fields["approx"], fields["compress"], *args)
+        out["grad_norms"] = weights.norms(i)
         return out
 
     def _times(
@@ -194,9 +183,9 @@ class _ProfilingJob:
             for s in missing:
                 if s in alone[2]:
                     overhead[s] = alone[2][s]
-        if memory.fields["approx_bytes"]:
-            codec_s = codec_seconds(x, list(memory.fields["approx_bytes"]))
-            overhead = derived_codecs(overhead, codec_s, next(iter(memory.fields["approx_bytes"])))
+        if memory.fields["approx"]:
+            codec_s = codec_seconds(x, list(memory.fields["approx"]))
+            overhead = derived_codecs(overhead, codec_s, next(iter(memory.fields["approx"])))
         chained = probed.chained_s[g]
         if chained is None:  # no saving assumed: as its own node
             chained = overhead.get(CHECKPOINT, f)

@@ -34,6 +34,7 @@ from .costs import (
     BlockCost,
     Segment,
     SegmentCost,
+    _replay_of,
     allowed_after,
     follow_limit,
     segment_cost,
@@ -121,7 +122,7 @@ def late_bounds(blocks: Sequence[BlockCost], strategies: Sequence[str]) -> list[
     bounds = [0] * (len(blocks) + 1)
     for i in reversed(range(len(blocks))):
         b = blocks[i]
-        late = max((b.rng_late_bytes.get(s, 0) for s in strategies), default=0)
+        late = max((_replay_of(b, s, True) for s in strategies), default=0)
         bounds[i] = bounds[i + 1] + late + (b.param_bytes if b.grads_new else 0)
     return bounds
 

@@ -152,7 +152,9 @@ class _Problem:
         rounds there; a plan's peak is a multiple of it) when that is affordable."""
         costs = [c.cost for c in self.found]
         figures = [v for c in costs for v in (c.kept, c.work, c.backward_work, c.late)]
-        figures += [v for b in self.blocks for v in b.rng_late_bytes.values()]
+        figures += [
+            r.late_bytes for b in self.blocks for r in b.replay.values() if r.late_bytes is not None
+        ]
         if self.step is not None:
             figures += [self.step.held, self.step.head]
         step = math.gcd(*figures) or 1

@@ -262,13 +262,13 @@ def _recipes(prof: Any) -> list[Plan]:
         kind, arg = kind_of(strategy), argument_of(strategy)
         if kind == APPROX:
             wanted.append((f"approx {arg}", [Segment(i, i + 1, strategy) for i in range(n)]))
-        elif kind == SELECTIVE and all(arg in b.selective_bytes for b in costs):
+        elif kind == SELECTIVE and all(arg in b.selective for b in costs):
             wanted.append((f"selective {arg}", [Segment(i, i + 1, strategy) for i in range(n)]))
-        elif kind == COMPRESS and all(arg in b.compress_bytes for b in costs):
+        elif kind == COMPRESS and all(arg in b.compress for b in costs):
             wanted.append((f"compress {arg}", [Segment(i, i + 1, strategy) for i in range(n)]))
         elif kind == REVERSIBLE and all(b.invertible for b in costs):
             wanted.append(("reversible", [Segment(0, n, strategy)]))
-        elif kind == OFFLOAD and all(b.offload_kept_bytes is not None for b in costs):
+        elif kind == OFFLOAD and all(b.offload is not None for b in costs):
             wanted.append(("offload", [Segment(0, n, strategy)]))
     for name, segments in wanted:
         try:

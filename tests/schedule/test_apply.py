@@ -30,9 +30,10 @@ def test_profile_measures_every_block():
     assert b.forward_peak_bytes >= b.saved_bytes + b.output_bytes
     assert b.output_bytes <= b.forward_peak_nograd_bytes <= b.forward_peak_bytes
     assert b.forward_s > 0 and b.backward_s > 0
-    assert set(b.approx_bytes) == {"bf16", "e4m3", "e5m2"}
-    assert b.approx_bytes["e4m3"] < b.approx_bytes["bf16"] < b.input_bytes
-    assert 0 < b.approx_error["bf16"] < b.approx_error["e4m3"] < b.approx_error["e5m2"]
+    assert set(b.approx) == {"bf16", "e4m3", "e5m2"}
+    assert b.approx["e4m3"].kept_bytes < b.approx["bf16"].kept_bytes < b.input_bytes
+    errors = {c: a.param_grad_error for c, a in b.approx.items()}
+    assert 0 < errors["bf16"] < errors["e4m3"] < errors["e5m2"]
     assert not b.invertible
     assert "| 0 |" in prof.table()
     assert all(p.grad is None for p in chain.parameters())

@@ -47,11 +47,11 @@ def test_compiled_profile_prices_store_checkpoint_selective(chain):
         "selective:matmul",
     }
     for b in prof.blocks:
-        assert not b.invertible and not b.approx_bytes and not b.compress_bytes
+        assert not b.invertible and not b.approx and not b.compress
         # a compiled selective block keeps less than a stored one (what, the partitioner
         # decides: recomputing attention may keep its inputs, so "matmul" is not always less)
         for policy in ("matmul", "matmul+attention"):
-            assert 0 < b.selective_bytes[policy] < b.saved_bytes
+            assert 0 < b.selective[policy].kept_bytes < b.saved_bytes
         assert b.forward_s > 0 and b.backward_s >= 0  # (a measured difference: may read 0)
         assert set(b.strategy_overhead_s) == {
             "checkpoint",

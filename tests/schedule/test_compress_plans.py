@@ -33,10 +33,11 @@ def test_profile_prices_compress(mlp):
     assert {"compress:bf16", "compress:e4m3"} <= set(strategy_names(prof.blocks))
     for b in prof.blocks:
         # the saved activations (not the input: the caller holds it) at 2 and ~1 bytes
-        assert b.compress_bytes["e4m3"] < b.compress_bytes["bf16"] <= 0.55 * b.saved_bytes
-        assert 0 < b.compress_error["bf16"] < b.compress_error["e4m3"]
+        kept = {c: k.kept_bytes for c, k in b.compress.items()}
+        assert kept["e4m3"] < kept["bf16"] <= 0.55 * b.saved_bytes
+        assert 0 < b.compress["bf16"].param_grad_error < b.compress["e4m3"].param_grad_error
         # a ReLU MLP: the input gradient needs only the ReLU's sign, which bf16 keeps
-        assert b.compress_input_error["bf16"] >= 0
+        assert b.compress["bf16"].input_grad_error >= 0
         assert "compress:bf16" in b.strategy_overhead_s
 
 
@@ -79,10 +80,10 @@ def test_auto_policies_give_each_block_its_own_keep_sets_and_plans_hold():
     torch.manual_seed(0)
     chain, x = gpt_like(4, 32, 2), torch.randn(2, 32, 32)
     prof = profile(chain, x, repeats=1, codecs=(), policies="auto")
-    found = set(prof.blocks[0].selective_bytes)
+    found = set(prof.blocks[0].selective)
     assert "matmul+attention" in found and len(found) >= 2
     for b in prof.blocks:
-        assert set(b.strategy_overhead_s) >= {f"selective:{p}" for p in b.selective_bytes}
+        assert set(b.strategy_overhead_s) >= {f"selective:{p}" for p in b.selective}
     store = make_plan(prof, [Segment(0, 4, "store")]).predicted_peak_bytes
     for frac in (0.8, 0.6):
         plan = solve(prof, memory_budget=int(frac * store))

@@ -78,7 +78,7 @@ def test_offload_is_priced_when_asked_and_measures_what_moves(monkeypatch):
     asked = profile(chain, x, repeats=1, codecs=(), policies=(), offload=True)
     assert "offload" in strategy_names(asked.blocks)
     # the host is the device here: nothing moves, the boundary stays (and costs as much)
-    assert all(b.offload_kept_bytes == b.input_bytes for b in asked.blocks)
+    assert all(b.offload.kept_bytes == b.input_bytes for b in asked.blocks)
     assert all("offload" in b.strategy_overhead_s for b in asked.blocks)
     # nothing moves, so an offloaded chain keeps every boundary, as per-block checkpoint does
     offloaded = make_plan(asked, [Segment(0, 3, "offload")])
@@ -86,7 +86,7 @@ def test_offload_is_priced_when_asked_and_measures_what_moves(monkeypatch):
     # where the copies happen (forced here: the path CUDA takes), every input byte moves
     monkeypatch.setattr(_host_copies, "FORCED", [[False]])
     moved = profile(chain, x, repeats=1, codecs=(), policies=(), offload=True)
-    assert all(b.offload_kept_bytes == 0 for b in moved.blocks)
+    assert all(b.offload.kept_bytes == 0 for b in moved.blocks)
     with pytest.raises(InvalidArgumentError, match="offload"):
         profile(chain, x, repeats=1, offload="yes")
 

@@ -53,7 +53,7 @@ def test_measured_peak_never_above_prediction_with_dropout(name):
     torch.manual_seed(0)
     chain, x = MODELS[name]()
     prof = profile(chain, x, repeats=1, codecs=("e4m3",), offload=True)
-    assert all(b.rng_bytes["checkpoint"] > 0 for b in prof.blocks)  # every block draws
+    assert all(b.replay["checkpoint"].kept_bytes > 0 for b in prof.blocks)  # every block draws
     for plan in _plans(prof):
         measured = measure_peak(apply(chain, plan), x)
         ratio = measured / plan.predicted_peak_bytes
@@ -69,19 +69,26 @@ def test_replay_state_is_measured_per_strategy_and_kept_once_per_segment():
     plain = profile(mlp_chain(3, 16, 32), x, repeats=1, offload=True, codecs=codecs)
     state = torch.get_rng_state().nbytes  # the CPU generator's state
     for b in drawing.blocks:
-        assert set(b.rng_bytes) == {
+        kept = {s: r.kept_bytes for s, r in b.replay.items() if r.kept_bytes is not None}
+        assert set(kept) == {
             "checkpoint",
             "approx:bf16",
             "approx:e4m3",
             "approx:e5m2",
             "offload",
         }
-        assert set(b.rng_bytes.values()) == {state}
-    assert all(set(b.rng_bytes.values()) == {0} for b in plain.blocks)
-    assert all(set(b.rng_late_bytes.values()) == {0} for b in plain.blocks)
+        assert set(kept.values()) == {state}
+    assert all(
+        {r.kept_bytes for r in b.replay.values() if r.kept_bytes is not None} == {0}
+        for b in plain.blocks
+    )
+    assert all(
+        {r.late_bytes for r in b.replay.values() if r.late_bytes is not None} == {0}
+        for b in plain.blocks
+    )
     # the same blocks without their replay state: one state per checkpoint segment, one per
     # block of an offload segment (each block its own node)
-    blind = [dataclasses.replace(b, rng_bytes={}, rng_late_bytes={}) for b in drawing.blocks]
+    blind = [dataclasses.replace(b, replay={}) for b in drawing.blocks]
     for segments, states in [
         ([Segment(0, 3, "checkpoint")], 1),
         ([Segment(i, i + 1, "checkpoint") for i in range(3)], 3),

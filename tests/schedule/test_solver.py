@@ -9,7 +9,18 @@ from hypothesis import strategies as st
 from reference import brute_force, milp_optimum
 
 from revckpt import InvalidArgumentError
-from revckpt.schedule import BlockCost, Plan, Segment, baseline, evaluate, parse_budget, solve
+from revckpt.schedule import (
+    ApproxCost,
+    BlockCost,
+    OffloadCost,
+    Plan,
+    Segment,
+    SelectiveCost,
+    baseline,
+    evaluate,
+    parse_budget,
+    solve,
+)
 from revckpt.schedule.costs import chain_totals, strategy_names
 from revckpt.schedule.programme import quantise, solve_segments
 
@@ -40,8 +51,7 @@ def make_chain(n, seed):
                 forward_peak_nograd_bytes=x + rng.randint(0, width),
                 backward_peak_bytes=x + rng.randint(0, 2 * width),
                 invertible=rng.random() < 0.5,
-                approx_bytes={"e4m3": x // 4 + 1},
-                approx_error={"e4m3": rng.uniform(1e-4, 5e-2)},
+                approx={"e4m3": ApproxCost(x // 4 + 1, param_grad_error=rng.uniform(1e-4, 5e-2))},
                 param_bytes=rng.randint(0, width),
                 output_saved=rng.random() < 0.3,
                 # measured transients on some blocks, the bounds on the others
@@ -52,14 +62,19 @@ def make_chain(n, seed):
                     if rng.random() < 0.5
                     else {}
                 ),
-                offload_kept_bytes=rng.choice([0, 0, x]) if offload else None,
-                offload_fetch_s=rng.uniform(0.0, fwd) if offload else 0.0,
+                offload=(
+                    OffloadCost(rng.choice([0, 0, x]), rng.uniform(0.0, fwd)) if offload else None
+                ),
                 **(
                     {
-                        "selective_bytes": {"matmul": rng.randint(0, saved)},
-                        "selective_forward_peak_bytes": {"matmul": saved + rng.randint(0, width)},
-                        "selective_backward_peak_bytes": {"matmul": x + rng.randint(0, width)},
-                        "selective_output_kept": {"matmul": rng.random() < 0.3},
+                        "selective": {
+                            "matmul": SelectiveCost(
+                                kept_bytes=rng.randint(0, saved),
+                                forward_peak_bytes=saved + rng.randint(0, width),
+                                backward_peak_bytes=x + rng.randint(0, width),
+                                output_kept=rng.random() < 0.3,
+                            )
+                        }
                     }
                     if selective and rng.random() < 0.7
                     else {}
@@ -77,8 +92,8 @@ def selective_kept(blocks):
     return frozenset(
         (i, "selective:" + p)
         for i, b in enumerate(blocks)
-        for p, kept in b.selective_output_kept.items()
-        if kept
+        for p, s in b.selective.items()
+        if s.output_kept
     )
 
 
