@@ -236,13 +236,53 @@ def test_wider_streams_rebuild_closer():
     assert drift[torch.float64] < 1e-3 * drift[None], drift
 
 
-def test_fit_and_convert_refuse_a_reversible_model():
+def test_convert_refuses_a_reversible_model():
     import revckpt
 
     case = zoo.CASES["nanogpt"]
     model = revckpt.make_reversible(case.make_model(), blocks=case.blocks_path)
     with pytest.raises(InvalidArgumentError, match="reversible stack"):
         revckpt.convert(model, "checkpoint")
+
+
+def test_fit_picks_the_stack_mode_for_the_budget():
+    """fit on a converted model: the fastest of store / checkpoint / reversible whose measured
+    step fits; the three give the same gradients."""
+    import revckpt
+    from revckpt.inplace.trace import measure_step
+
+    case = zoo.CASES["gpt2"]
+    model = case.make_model()
+    make_reversible(model, blocks=case.blocks_path, trainable="all")
+    example, layers = case.make_example(), reversible_layers(model)
+    peaks, grads = {}, {}
+    for mode in ("store", "checkpoint", "reversible"):
+        layers.mode = mode
+        peaks[mode] = measure_step(model, example, None)
+        model.zero_grad(set_to_none=True)
+        zoo.step(model, example, None)
+        grads[mode] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    for mode in ("checkpoint", "reversible"):
+        assert peaks[mode] < peaks["store"]
+        for g, r in zip(grads[mode], grads["store"], strict=True):
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+    model.zero_grad(set_to_none=True)
+    plan = revckpt.fit(model, example, memory_budget=1.0)
+    assert plan.strategies == ["store"] * len(layers.layers) and layers.mode == "store"
+    assert plan.predicted_peak_bytes == peaks["store"] and plan.model_digest is not None
+    both = max(peaks["checkpoint"], peaks["reversible"])
+    plan = revckpt.fit(model, example, memory_budget=both)
+    assert layers.mode == plan.strategies[0] in ("checkpoint", "reversible")
+    assert measure_step(model, example, None) <= both
+    plan = revckpt.fit(model, example, memory_budget=both, strategies=["reversible"])
+    assert layers.mode == "reversible" and plan.predicted_peak_bytes == peaks["reversible"]
+    with pytest.raises(revckpt.InfeasibleBudgetError, match="reversible stack's step measured"):
+        revckpt.fit(model, example, memory_budget=min(peaks.values()) - 1)
+    assert layers.mode == "reversible"  # a failed fit leaves the mode as it was
+    with pytest.raises(InvalidArgumentError, match="runs as a whole"):
+        revckpt.fit(model, example, memory_budget=1.0, strategies=["approx:bf16"])
+    with pytest.raises(InvalidArgumentError, match="blocks= and plan="):
+        revckpt.fit(model, example, memory_budget=1.0, blocks=case.blocks_path)
 
 
 def test_anchors_start_after_the_exact_first_layer():
@@ -396,7 +436,7 @@ def test_restore_removes_the_conversion():
         assert torch.equal(_logits(model, example), _logits(original, example))
     assert revckpt.restore(model) == 0
     make_reversible(model, blocks=case.blocks_path)  # and it converts again
-    revckpt.convert(copy.deepcopy(original), "checkpoint")  # fit and convert still refuse:
+    revckpt.convert(copy.deepcopy(original), "checkpoint")  # convert still refuses:
     with pytest.raises(InvalidArgumentError, match="restore"):
         revckpt.convert(model, "checkpoint")
 

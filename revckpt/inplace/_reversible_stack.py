@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..checkpoint import checkpoint
 from ..errors import InvalidArgumentError, RevckptError
 from ..layers.sequential import ReversibleSequential
 from ..layers.steps import StackRun
@@ -18,7 +19,12 @@ from ._reversible_calls import check_constant, dtype_of, passes, with_hidden
 from .calls import Key, carried_key, drop_caches, replaced
 from .install import REVERSIBLE_ATTR
 
-__all__ = ["Calls", "InstalledForward", "ReversibleLayers", "auto_anchors"]
+__all__ = ["MODES", "Calls", "InstalledForward", "ReversibleLayers", "auto_anchors"]
+
+#: How the stack's layers keep what their backward needs (:attr:`ReversibleLayers.mode`): every
+#: layer's input rebuilt from its output; everything stored (plain autograd); each layer's two
+#: input streams kept and its forward re-run in backward (checkpointed).
+MODES = ("reversible", "store", "checkpoint")
 
 
 @dataclass
@@ -87,8 +93,10 @@ class ReversibleLayers:
     """What :func:`make_reversible` installed on a model: the stack and the converted layers.
 
     ``last_drift``: per layer, the reconstruction error of its input measured in the last
-    backward (see ``check_inverse``); ``reversible``: set ``False`` to run the same function
-    with plain autograd (everything stored), e.g. for a reference gradient. The layers' dtype
+    backward (see ``check_inverse``); ``mode``: how the same function is differentiated, one
+    of :data:`MODES` (``"reversible"``; :func:`revckpt.fit` picks one for a budget);
+    ``reversible``: ``mode == "reversible"``, set ``False`` for plain autograd (everything
+    stored), e.g. for a reference gradient. The layers' dtype
     is read at each forward: a model cast after conversion computes in its new dtype (with
     ``anchor_every="auto"``, the anchors for it)."""
 
@@ -110,7 +118,7 @@ class ReversibleLayers:
         self.stream_dtype = stream_dtype
         self._dtype: torch.dtype | None = None  # the hidden state's, as the model passes it
         self.width: int | None = None  # the adapters' (the hidden state's last dimension)
-        self.reversible = True
+        self._mode = "reversible"
         #: for revckpt.restore: each layer's instance forward before (as LayerCall.before), and
         #: the parameters make_reversible froze, with their requires_grad before
         self.forwards: list[Any] = []
@@ -125,6 +133,26 @@ class ReversibleLayers:
     @property
     def last_drift(self) -> list[float | None]:
         return self.stack.last_drift
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise InvalidArgumentError(f"mode={mode!r}: use one of {', '.join(MODES)}")
+        if self._pass is not None:
+            raise RevckptError("the stack's mode cannot change in the middle of a forward pass")
+        self._mode = mode
+
+    @property
+    def reversible(self) -> bool:
+        return self._mode == "reversible"
+
+    @reversible.setter
+    def reversible(self, on: bool) -> None:
+        self.mode = "reversible" if on else "store"
 
     def call(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Layer ``index`` called by the model with ``args`` and ``kwargs``."""
@@ -233,6 +261,8 @@ class ReversibleLayers:
         if state.run is not None:
             return state.run.block(index)
         block = self.stack.blocks[index]
+        if self._mode == "checkpoint" and torch.is_grad_enabled():
+            return checkpoint(block, *state.streams, calls=state.calls)
         return block(*state.streams, calls=state.calls)
 
 

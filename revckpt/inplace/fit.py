@@ -30,9 +30,10 @@ from ..strategy import Strategy, StrategyLike, argument_of, kind_of
 from .blocks import Blocks, find_blocks
 from .confirm import _within_budget
 from .convert import convert, restore
+from .fit_stack import fit_stack
 from .install import Planned, install, is_fsdp, planned
 from .measure import profile_in_situ
-from .reversible import refuse_reversible
+from .reversible import refuse_reversible, stack_of
 from .runners import runner_for, segment_runners
 from .trace import LossFn, Recorder, measure_step, trace
 
@@ -136,6 +137,11 @@ def fit(
             returns the measurements). With ``plan=``, the saved plan is measured instead of
             being refused when predicted over the budget.
 
+    A model holding a reversible stack (:func:`revckpt.make_reversible`) is planned as a
+    whole: ``fit`` measures its step with the stack stored, checkpointed and reversible (those
+    of the three ``strategies`` names; same gradients), and installs the fastest that fits
+    (:mod:`revckpt.inplace.fit_stack`); ``blocks`` and ``plan`` do not apply.
+
     Returns the :class:`~revckpt.schedule.Plan`, whose predicted peak is the whole step's.
     Batches no larger in any dimension than ``example`` keep within the budget; a larger one
     raises an error in training. Eval mode and ``torch.no_grad()`` run the model plainly.
@@ -143,6 +149,10 @@ def fit(
     rank applies rank 0's plan; the budget is per rank.
     """
     # over 60 lines for its docstring alone: the front door's contract, kept whole
+    converted = stack_of(model)
+    if converted is not None:
+        return _fit_converted(model, converted, example, memory_budget, strategies, blocks, plan,
+                              loss_fn=loss_fn, repeats=repeats)  # fmt: skip
     options = _FitOptions(
         error_budget, loss_fn, strategies, blocks, plan, repeats, progress, segment_blocks
     )
@@ -151,6 +161,29 @@ def fit(
 
         return fit_verified(model, example, memory_budget=memory_budget, **vars(options)).plan
     return _fit(model, example, memory_budget=memory_budget, **vars(options)).plan
+
+
+def _fit_converted(
+    model: nn.Module,
+    converted: Any,
+    example: Any,
+    memory_budget: Any,
+    strategies: Sequence[StrategyLike] | None,
+    blocks: Blocks,
+    plan: Any,
+    **options: Any,
+) -> Plan:
+    """:func:`fit` on a model holding a reversible stack: the stack's mode
+    (:mod:`~revckpt.inplace.fit_stack`)."""
+    if blocks is not None or plan is not None:
+        raise InvalidArgumentError(
+            "fit on a model holding a reversible stack (revckpt.make_reversible) plans the "
+            "stack as a whole: blocks= and plan= do not apply; leave them out"
+        )
+    _check_budget_syntax(memory_budget)
+    found = fit_stack(model, converted, example, memory_budget=memory_budget,
+                      strategies=strategies, **options)  # fmt: skip
+    return dataclasses.replace(found, model_digest=model_digest(model))
 
 
 @dataclass(frozen=True)

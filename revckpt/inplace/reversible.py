@@ -251,7 +251,19 @@ def refuse_reversible(model: nn.Module, what: str) -> None:
     if found:
         raise InvalidArgumentError(
             f"{what}: this model holds a reversible stack (revckpt.make_reversible), which "
-            "already keeps only the stack's output for backward: fit and convert do not plan "
-            "its layers. Undo it first with revckpt.restore(model) (its adapters go), or plan "
-            "a model that is not converted"
+            f"{what} does not plan layer by layer: revckpt.fit(model, example, memory_budget="
+            "...) picks the stack's mode (store, checkpoint or reversible) for a budget; to "
+            "plan the layers one by one, undo the conversion first with revckpt.restore(model) "
+            "(its adapters go)"
         )
+
+
+def stack_of(model: nn.Module) -> ReversibleLayers | None:
+    """The reversible stack ``model`` holds (``None``: none); one at the most."""
+    found = _conversions(model)
+    if len(found) > 1:
+        raise InvalidArgumentError(
+            f"this model holds {len(found)} reversible stacks (revckpt.make_reversible): fit "
+            "plans one; convert one stack per model"
+        )
+    return found[0].__dict__[_ATTR] if found else None
