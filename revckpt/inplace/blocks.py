@@ -10,6 +10,7 @@ of every stage of a ResNet (``layer1.0`` .. ``layer4.1``).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,7 @@ from torch import nn
 
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 
-__all__ = ["Blocks", "find_blocks"]
+__all__ = ["Blocks", "find_blocks", "model_digest"]
 
 #: What ``blocks=`` takes: an attribute path (``"model.layers"``) or a filter
 #: ``(module, fqn) -> bool`` selecting the blocks themselves.
@@ -133,3 +134,11 @@ def _check_disjoint(found: list[tuple[str, nn.Module]]) -> None:
                 "cannot be planned as two"
             )
         seen[id(m)] = fqn
+
+
+def model_digest(model: nn.Module) -> str:
+    """A digest of the model's parameter names, shapes and dtypes."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+    return h.hexdigest()[:16]

@@ -13,7 +13,6 @@ model's forward stay as they were. ``convert`` installs one strategy without pro
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,10 +26,10 @@ from ..schedule.plan import Plan
 from ..schedule.profile import Profile
 from ..schedule.solver import solve
 from ..strategy import Strategy, StrategyLike, argument_of, kind_of
-from .blocks import Blocks, find_blocks
+from .blocks import Blocks, find_blocks, model_digest
 from .confirm import _within_budget
 from .convert import convert, restore
-from .fit_stack import fit_stack
+from .fit_stack import fit_converted
 from .install import Planned, install, is_fsdp, planned
 from .measure import profile_in_situ
 from .reversible import refuse_reversible, stack_of
@@ -48,14 +47,6 @@ def _check_budget_syntax(memory_budget: Any) -> None:
     """The budget's syntax, before any profiling (a fraction is read once the step's store-all
     peak is known)."""
     parse_budget(memory_budget, UNKNOWN_PEAK)
-
-
-def model_digest(model: nn.Module) -> str:
-    """A digest of the model's parameter names, shapes and dtypes."""
-    h = hashlib.sha256()
-    for name, p in model.named_parameters():
-        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
-    return h.hexdigest()[:16]
 
 
 def _strategies(strategies: Sequence[StrategyLike] | None, error_budget: float) -> list[str]:
@@ -151,8 +142,9 @@ def fit(
     # over 60 lines for its docstring alone: the front door's contract, kept whole
     converted = stack_of(model)
     if converted is not None:
-        return _fit_converted(model, converted, example, memory_budget, strategies, blocks, plan,
-                              loss_fn=loss_fn, repeats=repeats)  # fmt: skip
+        return fit_converted(model, converted, example, memory_budget=memory_budget,
+                             strategies=strategies, blocks=blocks, plan=plan, loss_fn=loss_fn,
+                             repeats=repeats)  # fmt: skip
     options = _FitOptions(
         error_budget, loss_fn, strategies, blocks, plan, repeats, progress, segment_blocks
     )
@@ -161,29 +153,6 @@ def fit(
 
         return fit_verified(model, example, memory_budget=memory_budget, **vars(options)).plan
     return _fit(model, example, memory_budget=memory_budget, **vars(options)).plan
-
-
-def _fit_converted(
-    model: nn.Module,
-    converted: Any,
-    example: Any,
-    memory_budget: Any,
-    strategies: Sequence[StrategyLike] | None,
-    blocks: Blocks,
-    plan: Any,
-    **options: Any,
-) -> Plan:
-    """:func:`fit` on a model holding a reversible stack: the stack's mode
-    (:mod:`~revckpt.inplace.fit_stack`)."""
-    if blocks is not None or plan is not None:
-        raise InvalidArgumentError(
-            "fit on a model holding a reversible stack (revckpt.make_reversible) plans the "
-            "stack as a whole: blocks= and plan= do not apply; leave them out"
-        )
-    _check_budget_syntax(memory_budget)
-    found = fit_stack(model, converted, example, memory_budget=memory_budget,
-                      strategies=strategies, **options)  # fmt: skip
-    return dataclasses.replace(found, model_digest=model_digest(model))
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ returns covers the converted layers as one segment, with the measured peak and o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -24,14 +25,15 @@ from torch import nn
 
 from ..errors import InfeasibleBudgetError, InvalidArgumentError
 from ..measure.timing import wall_time
-from ..schedule.budget import human_bytes, parse_budget
+from ..schedule.budget import UNKNOWN_PEAK, human_bytes, parse_budget
 from ..schedule.costs import Segment
 from ..schedule.plan import Plan
 from ..strategy import StrategyLike
 from ._reversible_stack import MODES, ReversibleLayers
+from .blocks import Blocks, model_digest
 from .trace import LossFn, _left_as_found, measure_step, run_step
 
-__all__ = ["fit_stack"]
+__all__ = ["fit_converted", "fit_stack"]
 
 
 def _modes(strategies: Sequence[StrategyLike] | None) -> list[str]:
@@ -47,6 +49,31 @@ def _modes(strategies: Sequence[StrategyLike] | None) -> list[str]:
             "the conversion with revckpt.restore(model) to plan its layers one by one)"
         )
     return [m for m in ("store", "checkpoint", "reversible") if m in names]
+
+
+def fit_converted(
+    model: nn.Module,
+    converted: ReversibleLayers,
+    example: Any,
+    *,
+    memory_budget: int | float | str,
+    strategies: Sequence[StrategyLike] | None,
+    blocks: Blocks,
+    plan: Any,
+    loss_fn: LossFn,
+    repeats: int,
+) -> Plan:
+    """:func:`revckpt.fit` on a model holding a reversible stack: :func:`fit_stack`, after
+    the checks, the plan with the model's digest."""
+    if blocks is not None or plan is not None:
+        raise InvalidArgumentError(
+            "fit on a model holding a reversible stack (revckpt.make_reversible) plans the "
+            "stack as a whole: blocks= and plan= do not apply; leave them out"
+        )
+    parse_budget(memory_budget, UNKNOWN_PEAK)  # its syntax, before any step runs
+    found = fit_stack(model, converted, example, memory_budget=memory_budget,
+                      loss_fn=loss_fn, strategies=strategies, repeats=repeats)  # fmt: skip
+    return dataclasses.replace(found, model_digest=model_digest(model))
 
 
 def fit_stack(
