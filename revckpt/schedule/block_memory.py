@@ -4,8 +4,8 @@ every mode a plan can run it in, metered by :class:`~revckpt.MemoryMeter` (see
 steps are in :mod:`.block_runs`).
 
 :func:`memory_costs` gives every memory field of a block's ``BlockCost``; the helpers below it
-answer one question each (does the forward save its input, its own output; which operation
-produced the output; what a selective policy keeps; what offload moves).
+answer one question each (does the forward save its input, its own output; which operations'
+outputs hold the output; what a selective policy keeps; what offload moves).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from .._numbers import tensor_bytes
 from ..approx import Approx
@@ -36,27 +37,58 @@ from .costs import APPROX, CHECKPOINT, COMPRESS, OFFLOAD, REVERSIBLE, SELECTIVE
 __all__ = ["activation", "memory_costs", "saves_input"]
 
 
-class _LastWriter(TorchDispatchMode):
-    """Records, per output storage, the aten operation that produced it."""
+def _storage_key(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage (shared by its views), or None for a tensor without one
+    (sparse, nested)."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def _tensor_keys(tree: Any) -> list[int]:
+    keys = (_storage_key(t) for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
+    return [k for k in keys if k is not None]
+
+
+class _StorageWriters(TorchDispatchMode):
+    """Per storage of the forward, the aten operations (packets) whose outputs hold it: the one
+    that allocated it, then every view, in-place or ``out=`` operation returning it.
+
+    A storage is known by its address, which a storage freed during the forward hands on to
+    a later one: keeping the first operation seen at an address named a freed temporary's
+    producer (the output's answer followed the allocator's reuse). Every tensor a call takes
+    is alive during the call, so an output holding none of its inputs' storages holds one the
+    call allocated: whatever was recorded at that address belonged to a dead storage and is
+    replaced. An output holding an input's storage adds its operation to that storage's. This
+    keeps no tensor alive (keeping every output would raise the forward's memory to the sum of
+    its intermediates). Operations a selective policy never sees (``SAC_IGNORED_OPS``:
+    ``detach``, shape queries) are not recorded."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.producer: dict[int, Any] = {}
+        self.writers: dict[int, set[Any]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                key = t.untyped_storage()._cdata
-                self.producer.setdefault(key, func.overloadpacket)
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = set(_tensor_keys((args, kwargs)))
+        for key in _tensor_keys(out):
+            if key not in inputs:  # allocated by this call
+                self.writers[key] = set()
+            if func not in SAC_IGNORED_OPS:
+                self.writers.setdefault(key, set()).add(func.overloadpacket)
         return out
 
 
-def _output_op(block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> Any:
-    """The aten operation whose result holds the block's output (its storage)."""
-    with torch.no_grad(), _LastWriter() as mode:
+def _output_ops(block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> frozenset[Any]:
+    """The aten operations (packets) whose outputs hold the block's output storage: a selective
+    policy keeping any of them keeps the output (torch's selective checkpoint keeps a kept
+    operation's outputs, so their storage, until backward)."""
+    with torch.no_grad(), _StorageWriters() as mode:
         y = block(x, **kwargs)
-    return mode.producer.get(y.untyped_storage()._cdata)
+    key = _storage_key(y)
+    return frozenset(mode.writers.get(key, ())) if key is not None else frozenset()
 
 
 def _saved_storages(
@@ -306,7 +338,7 @@ def _selective(
     """Per policy (the keys of ``backward``, its metered backward transient), the forward
     alone: what it keeps, its peak, whether it keeps the output."""
     costs = {}
-    output_op = _output_op(block, leaf.detach(), kwargs) if backward else None
+    output_ops = _output_ops(block, leaf.detach(), kwargs) if backward else frozenset()
     for policy, transient in backward.items():
         kept, peak = _forward_alone(
             lambda policy=policy: checkpoint(
@@ -315,6 +347,7 @@ def _selective(
             device,
             out_bytes,
         )
-        # a policy that keeps the operation producing the output keeps the output itself
-        costs[policy] = SelectiveCost(kept, peak, transient, output_op in parse_policy(policy))
+        # a policy that keeps an operation whose output holds the block output keeps it
+        kept_output = not output_ops.isdisjoint(parse_policy(policy))
+        costs[policy] = SelectiveCost(kept, peak, transient, kept_output)
     return costs
