@@ -32,6 +32,7 @@ STRATEGIES = (
     "approx-e4m3",
     "offload",
     "scheduled",
+    "make_reversible",
 )
 WRAPPERS = ("ddp", "ddp-find-unused", "fsdp2")
 SCHEDULE = [
@@ -63,6 +64,15 @@ class Net(nn.Module):
             torch.manual_seed(0)
             self.body = ReversibleSequential(*[reversible_mlp_block(6, 12) for _ in range(4)])
             self.body.double()
+        elif strategy == "make_reversible":  # a "pretrained" stack, converted (MEFT)
+            torch.manual_seed(0)
+            self.body = nn.Sequential(
+                *[ResidualMLPBlock(12, 24, norm="layer", activation=nn.GELU) for _ in range(4)]
+            ).double()
+            revckpt.make_reversible(self.body, trainable="all")
+            for name, p in self.body.named_parameters():
+                if "revckpt_adapter" in name:
+                    p.data.normal_(0, 0.1)
         elif strategy == "scheduled":
             assert plan is not None
             self.body = apply(_chain(), plan)
