@@ -1,7 +1,17 @@
 """The CPU storage tracker behind ``MemoryMeter("cpu")`` (see :mod:`revckpt.measure.memory`
 for what it counts and its blind spots): a ``TorchDispatchMode`` that records each new
 storage an operation makes once, with its ``nbytes``, subtracts it when a weak reference sees
-it freed, and notes when the block runs compiled code it cannot see."""
+it freed, and notes when the block runs compiled code it cannot see.
+
+It runs on every operation of the metered block, so its per-operation Python is what metering
+costs (the scheduler's profile meters each block in several modes). The fast path
+(:meth:`_StorageTracker.__torch_dispatch__`) finds the tensors of plain argument tuples and
+flat lists itself, ``tree_flatten`` only for anything else; reads the arguments' sizes before the
+operation only when its schema says it may write one (``resize_``, ``out=``, in-place: the only
+ways a storage from before the block can grow); and takes the lock once per operation that
+made or grew a storage. The general path (:meth:`_StorageTracker._general`, ``fast=False``)
+is the plain version, flattening everything and reading every argument's size; both count
+the same bytes, and the tests compare them."""
 
 from __future__ import annotations
 
@@ -43,8 +53,10 @@ def _dynamo_callback(caller: FrameType) -> Any:
     """The Dynamo frame callback in force where the operation was called. torch wraps a
     mode's ``__torch_dispatch__`` in ``torch._dynamo.disable``, whose wrapper (``caller``)
     switches the callback off and keeps the one in force in its local ``prior``."""
-    if caller.f_code.co_filename.endswith("eval_frame.py") and "prior" in caller.f_locals:
-        return caller.f_locals["prior"]
+    if caller.f_code.co_filename.endswith("eval_frame.py"):
+        local = caller.f_locals
+        if "prior" in local:
+            return local["prior"]
     return get_eval_frame_callback()
 
 
@@ -66,17 +78,73 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None  # sparse, nested, or a subclass without storage
 
 
-class _StorageTracker(TorchDispatchMode):
-    """Counts live bytes of storages created by operations, on one device type."""
+# What the fast path takes apart itself: plain tensors, the leaves of an operation's arguments
+# that cannot hold a tensor, and flat lists and tuples of these. Anything else (a tensor
+# subclass, a dict, a namedtuple, a registered pytree node) goes through ``tree_flatten``.
+_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+_LEAVES = frozenset(
+    {int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout}
+    | {torch.memory_format, torch.SymInt, torch.SymFloat, torch.SymBool}
+)
 
-    def __init__(self, device_type: str) -> None:
+
+def _tree_leaves(value: Any, found: list[Any]) -> None:
+    """Every tensor and storage among ``tree_flatten(value)``'s leaves, appended to ``found``."""
+    found.extend(
+        v for v in tree_flatten(value)[0] if isinstance(v, (torch.Tensor, torch.UntypedStorage))
+    )
+
+
+def _leaves(values: Any, found: list[Any]) -> None:
+    """What :func:`_tree_leaves` finds in the sequence ``values``, in its order: tensors and
+    flat lists or tuples of tensors and scalars are taken apart here, anything else by it."""
+    for v in values:
+        cls = type(v)
+        if cls in _TENSORS:
+            found.append(v)
+        elif cls in _LEAVES:
+            continue
+        elif cls is list or cls is tuple:
+            for w in v:
+                c = type(w)
+                if c in _TENSORS:
+                    found.append(w)
+                elif c not in _LEAVES:
+                    _tree_leaves(w, found)
+        else:
+            _tree_leaves(v, found)
+
+
+# id(operation) -> (the operation, kept alive so that its id stays its own; whether its schema
+# lets it write an argument; whether it is a lift op, whose result is a new tensor even when it
+# shares its argument's storage)
+_KINDS: dict[int, tuple[Any, bool, bool]] = {}
+
+
+def _kind(func: Any) -> tuple[Any, bool, bool]:
+    kind = _KINDS.get(id(func))
+    if kind is None:
+        schema = getattr(func, "_schema", None)
+        writes = schema is None or bool(schema.is_mutable)
+        kind = _KINDS[id(func)] = (func, writes, func.overloadpacket in _LIFT_OPS)
+    return kind
+
+
+class _StorageTracker(TorchDispatchMode):
+    """Counts live bytes of storages created by operations, on one device type. ``fast``:
+    the fast path (the default) or the general one (see the module docstring)."""
+
+    def __init__(self, device_type: str, *, fast: bool = True) -> None:
         super().__init__()
         self.device_type = device_type
+        self.cpu = device_type == "cpu"
+        self.device = torch.device(device_type)
         self.sizes: dict[int, int] = {}
         self.refs: dict[int, weakref.ref[Any]] = {}
         self.live = 0
         self.peak = 0
         self.compiled: str | None = None  # why the block ran compiled code, if it did
+        self.fast = fast
         # Re-entrant: a weak-reference callback can run inside _add on this very thread, when
         # an allocation there triggers a garbage collection that frees a tracked storage.
         self.lock = threading.RLock()
@@ -112,10 +180,9 @@ class _StorageTracker(TorchDispatchMode):
                 self.live += nbytes
             self.peak = max(self.peak, self.live)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if self.compiled is None:
-            self.compiled = _compiled_code(sys._getframe(1))
+    def _general(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """Run ``func`` and count what it made: every tensor of its arguments and results found
+        by ``tree_flatten``, the size of every argument read before and after."""
         before: dict[int, tuple[torch.UntypedStorage, int]] = {}
         for a in tree_flatten((args, kwargs))[0]:
             st = _storage(a) if isinstance(a, torch.Tensor) else a
@@ -139,3 +206,94 @@ class _StorageTracker(TorchDispatchMode):
                 continue  # an alias of a storage that existed before the block
             self._add(st)
         return out
+
+    def _arguments(self, args: Any, kwargs: Any) -> list[Any]:
+        found: list[Any] = []
+        _leaves(args, found)
+        if kwargs:
+            _leaves(kwargs.values(), found)
+        return found
+
+    def _sizes_before(self, args: Any, kwargs: Any) -> dict[int, tuple[Any, int]]:
+        """The storages on this device among the arguments of an operation that may write
+        them, with their sizes."""
+        before: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        device, device_type = self.device, self.device_type
+        for a in self._arguments(args, kwargs):
+            st = _storage(a) if isinstance(a, torch.Tensor) else a
+            if st is None:
+                continue
+            where = st.device  # (comparing devices is quicker than reading .type)
+            if where == device or where.type == device_type:
+                before[st._cdata] = (st, st.nbytes())
+        return before
+
+    def _argument_keys(self, args: Any, kwargs: Any) -> set[int]:
+        """The storages of an operation's arguments (any device: a storage here cannot be the
+        same as one elsewhere)."""
+        keys = set()
+        for a in self._arguments(args, kwargs):
+            if isinstance(a, torch.Tensor):
+                try:
+                    keys.add(a.untyped_storage()._cdata)
+                except (RuntimeError, NotImplementedError, TypeError):
+                    continue  # sparse, nested, or a subclass without storage
+            else:
+                keys.add(a._cdata)
+        return keys
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        """Run ``func`` and count what it made (the fast path, see the module docstring)."""
+        if kwargs is None:
+            kwargs = {}
+        if self.compiled is None:
+            self.compiled = _compiled_code(sys._getframe(1))
+        if not self.fast:
+            return self._general(func, args, kwargs)
+        _, writes, lift = _KINDS.get(id(func)) or _kind(func)
+        before = self._sizes_before(args, kwargs) if writes else None
+        out = func(*args, **kwargs)
+        found: list[Any] = [out] if type(out) in _TENSORS else []
+        if not found:
+            _leaves((out,), found)
+        sizes, cpu, device_type = self.sizes, self.cpu, self.device_type
+        changes: list[int] = []  # what live gains, in order: applied under the lock at once
+        if before:
+            for key, (st, nbytes) in before.items():
+                if key not in sizes and st.nbytes() > nbytes:
+                    changes.append(st.nbytes() - nbytes)  # a storage from before the block grew
+        inputs = None if before is None else (set() if lift else set(before))
+        for t in found:
+            if not isinstance(t, torch.Tensor):
+                continue
+            if not t.is_cpu if cpu else t.device.type != device_type:
+                continue
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError, TypeError):
+                continue  # sparse, nested, or a subclass without storage
+            key = st._cdata
+            if key in sizes:
+                grown = st.nbytes() - sizes[key]  # resize_ or an out= argument that grew
+                if grown != 0:
+                    sizes[key] += grown
+                    changes.append(grown)
+                continue
+            if not lift:
+                if inputs is None:
+                    inputs = self._argument_keys(args, kwargs)
+                if key in inputs:
+                    continue  # an alias of a storage that existed before the block
+            sizes[key] = nbytes = st.nbytes()
+            self.refs[key] = weakref.ref(st, lambda _, k=key, freed=self._freed: freed(k))
+            changes.append(nbytes)
+        if changes:
+            self._apply(changes)
+        return out
+
+    def _apply(self, changes: list[int]) -> None:
+        with self.lock:
+            for change in changes:
+                self.live += change
+                if self.live > self.peak:
+                    self.peak = self.live
