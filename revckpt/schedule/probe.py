@@ -25,6 +25,10 @@ checkpoint overhead read higher from quarters than from halves, and higher still
 that switches strategy at every block (exploratory runs); the plans the solver makes run a
 strategy over stretches of blocks.
 
+Before the first timed step, each strategy not yet run in this process runs once untimed
+on a prefix of the chain (:func:`warm_up`, two blocks per strategy): a strategy's first run
+in a process is slow, and the step that times it would charge that to the strategy.
+
 Per group (identical blocks) a strategy's extra time is the median over its samples; a group
 no part reached gets the median ratio of extra time to stored forward time over the blocks
 that were reached (recomputing costs in proportion to the forward).
@@ -47,7 +51,7 @@ from ..measure.timing import Clock
 from .costs import CHECKPOINT, STORE, Segment
 from .plan import run_segment, segment_runs
 
-__all__ = ["CHAINED", "InChain", "probe_chain", "timed_step"]
+__all__ = ["CHAINED", "InChain", "probe_chain", "timed_step", "warm_up"]
 
 
 @dataclass(frozen=True)
@@ -55,13 +59,13 @@ class InChain:
     """Per block (the figures of its group): stored forward and backward seconds, the extra
     seconds of each strategy run on the block as a segment of its own, and the extra seconds
     it adds inside a longer checkpoint segment (``None``: not measured); ``rounds``: whole
-    steps run."""
+    steps run (a warm-up on part of the chain counts as its share of a step)."""
 
     forward_s: tuple[float, ...]
     backward_s: tuple[float, ...]
     overhead_s: tuple[dict[str, float], ...]
     chained_s: tuple[float | None, ...]
-    rounds: int
+    rounds: float
 
 
 def _now(clock: Clock, device: torch.device) -> float:
@@ -172,6 +176,7 @@ def probe_chain(
     if parts is None:  # two strategy steps: halves for up to four kinds, thirds for six
         parts = max(2, -(-len(kinds) // 2))
     steps = [kinds[a : a + parts] for a in range(0, len(kinds), parts)]
+    warmed = warm_up(chain, x, kwargs, kinds, options)
     run = functools.partial(timed_step, chain, x=x, grad=grad, kwargs=kwargs, clock=clock)
     samples, spans = _rounds(run, steps, rounds, groups, options, own)
     extra = {key: max(0.0, statistics.median(v)) for key, v in samples.items()}
@@ -182,8 +187,41 @@ def probe_chain(
         backward_s=tuple(bwd[g] for g in groups),
         overhead_s=tuple(overhead),
         chained_s=tuple(chained[i] for i in range(n)),
-        rounds=1 + rounds * len(steps) + (0 if warm else 1),
+        rounds=1 + rounds * len(steps) + (0 if warm else 1) + warmed,
     )
+
+
+# (device type, kind) run untimed in this process: the first run of a strategy in a process
+# is slow (its code paths, torch's and revckpt's, run cold): in a fresh process the first
+# step checkpointing half of a 24-block GPT-like chain spent 9 ms more on that half than the
+# steps after it (its extra time over storing read ~40% high). Without a warm-up, the first
+# of two profiles in one process read every greedy plan 19% higher than the second did
+# (``benchmarks/results/bench_schedule.json`` of 2026-12-01, GPT-like)
+_WARM: set[tuple[str, str]] = set()
+
+
+def warm_up(
+    chain: Sequence[nn.Module],
+    x: torch.Tensor,
+    kwargs: dict[str, Any],
+    kinds: Sequence[str],
+    options: Sequence[Sequence[str]],
+) -> float:
+    """Run each of ``kinds`` not yet run in this process once, untimed, on a prefix of the
+    chain (two blocks per kind; forward, then backward from the prefix's output); returns the
+    fraction of a step it ran (the prefix's share of the blocks)."""
+    todo = [k for k in kinds if (x.device.type, k) not in _WARM]
+    if not todo:
+        return 0.0
+    m = min(len(chain), 2 * len(todo))
+    segments = _segments(_parts(m, todo), options[:m])
+    h = x.detach().requires_grad_(x.is_floating_point())
+    for strategy, run in segment_runs(chain[:m], segments):
+        h = run_segment(strategy, run, h, kwargs)
+    if h.requires_grad:
+        torch.autograd.backward(h, torch.ones_like(h))
+    _WARM.update((x.device.type, k) for k in todo)
+    return m / len(chain)
 
 
 def _rounds(

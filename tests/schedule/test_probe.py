@@ -2,11 +2,19 @@
 attribution of time to segments, the groups, the ratio fill and the chained cost are checked
 exactly, with no real time."""
 
+import pytest
 import torch
 from torch import nn
 
+from revckpt.schedule import probe
 from revckpt.schedule.costs import Segment
-from revckpt.schedule.probe import CHAINED, _parts, _segments, probe_chain, timed_step
+from revckpt.schedule.probe import CHAINED, _parts, _segments, probe_chain, timed_step, warm_up
+
+
+@pytest.fixture(autouse=True)
+def _cold_process(monkeypatch):
+    """Every test starts as a fresh process would: no strategy warmed up yet."""
+    monkeypatch.setattr(probe, "_WARM", set())
 
 
 class FakeClock:
@@ -81,7 +89,28 @@ def test_probe_recovers_each_groups_costs_exactly():
         # recomputing strategies re-run the forward once; the fake clock sees nothing else
         assert overhead == {"checkpoint": f, "approx:bf16": f}
         assert chained == f
-    assert got.rounds == 3  # the stored step, then checkpoint | approx, then chained
+    # the stored step, then checkpoint | approx, then chained; and the warm-up of the three
+    # on the first six of the twelve blocks
+    assert got.rounds == 3.5
+
+
+def test_each_strategy_warms_up_once_per_process_untimed():
+    clock = FakeClock()
+    chain = _chain(clock, [(1.0, 2.0)] * 10)
+    x, kinds = torch.randn(4, 8), ["checkpoint", "approx:bf16", CHAINED]
+    ran = []
+    for b in chain:
+        b.register_forward_pre_hook(lambda m, i: ran.append(m))
+    assert warm_up(chain, x, {}, kinds, [OPTIONS] * 10) == 0.6  # two blocks per kind
+    # a prefix of the chain: each block's forward, and the recomputes of the recomputing ones
+    assert {id(m) for m in ran} == {id(b) for b in chain[:6]}
+    assert len(ran) == 6 + 6
+    ran.clear()
+    assert warm_up(chain, x, {}, kinds, [OPTIONS] * 10) == 0.0  # warm: nothing runs
+    assert ran == []
+    assert warm_up(chain, x, {}, ["checkpoint", "selective:matmul"], [OPTIONS] * 10) == 0.2
+    # the new kind alone, on blocks 0 and 1 (checkpointed: they cannot run the policy)
+    assert sorted(id(m) for m in ran) == sorted([id(chain[0]), id(chain[1])] * 2)
 
 
 def test_a_group_no_part_reached_gets_the_ratio_of_the_others():
