@@ -192,11 +192,12 @@ def probe_chain(
 
 
 # (device type, kind) run untimed in this process: the first run of a strategy in a process
-# is slow (its code paths, torch's and revckpt's, run cold): in a fresh process the first
-# step checkpointing half of a 24-block GPT-like chain spent 9 ms more on that half than the
-# steps after it (its extra time over storing read ~40% high). Without a warm-up, the first
-# of two profiles in one process read every greedy plan 19% higher than the second did
-# (``benchmarks/results/bench_schedule.json`` of 2026-12-01, GPT-like)
+# is slow (its code paths, torch's and revckpt's, run cold): over 10 fresh processes, the
+# first step checkpointing half of a 24-block GPT-like chain (after two stored steps) read
+# that half's extra time over storing a median 1.12x what the six steps after it read
+# (0.69-1.76x). Without a warm-up, the first of two profiles in one process read every
+# greedy plan 19% higher than the second did (benchmarks/results/bench_schedule.json of
+# 2026-12-01, GPT-like)
 _WARM: set[tuple[str, str]] = set()
 
 
