@@ -1,9 +1,9 @@
 """Reconstruction drift of ``revckpt.make_reversible``, for ``bench_finetune.py``.
 
 Per depth, dtype (float32, bfloat16), variant and scale (layer_f and layer_g at 2^-3,
-layer_f at 2^-8) and anchoring (``anchor_every="auto"`` and no
-anchors), on a freshly initialised GPT of that depth (seeded; the pretrained model of the
-benchmark has one depth only):
+layer_f at 2^-8) and anchoring (``anchor_every="auto"``, no anchors, and ``exact=True``:
+the fixed-point streams), on a freshly initialised GPT of that depth (seeded; the pretrained
+model of the benchmark has one depth only):
 
 * start: the relative change of the logits at conversion, ``|y_rev - y| / |y|``;
 * rebuild drift: the largest relative error of a rebuilt layer input in one backward
@@ -53,9 +53,10 @@ def drift_row(
     torch.manual_seed(config.depth)
     model = GPT(config).to(DTYPES[dtype])
     original = copy.deepcopy(model)
+    how = {"exact": True} if anchors == "exact" else {"anchor_every": anchors}
     revckpt.make_reversible(
         model, blocks="blocks", variant=variant, trainable="all", scale=scale,
-        anchor_every=anchors, check_inverse=1e9,
+        check_inverse=1e9, **how,
     )  # fmt: skip
     gen = torch.Generator().manual_seed(1)
     data = torch.randint(0, config.vocab, (batch, config.context + 1), generator=gen)
@@ -91,7 +92,7 @@ def drift_rows(depths: Sequence[int], width: int, batch: int) -> list[dict[str, 
         config = GPTConfig(depth=depth, width=width)
         for dtype in DTYPES:
             for variant, scale in SETTINGS:
-                for anchors in ("auto", None):
+                for anchors in ("auto", None, "exact"):
                     rows.append(drift_row(config, dtype, variant, anchors, batch, scale))
                     r = rows[-1]
                     print(
@@ -112,7 +113,7 @@ def drift_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         k = r["anchor_every"]
         auto = r["anchors"] == "auto"
-        anchors = (f"auto: {k or 'none'}") if auto else "none"
+        anchors = (f"auto: {k or 'none'}") if auto else r["anchors"]
         lines.append(
             f"| {r['depth']} | {r['dtype']} ({r['stream_dtype']}) | {r['variant']} | "
             f"2^{round(math.log2(r['scale']))} | {anchors} | "

@@ -72,7 +72,7 @@ def per_layer_checkpoint(model: GPT) -> tuple[nn.Module, list[nn.Parameter]]:
     return model, list(model.parameters())
 
 
-def reversible(variant: str, trainable: str, scale: float = 0.125) -> Variant:
+def reversible(variant: str, trainable: str, scale: float = 0.125, exact: bool = False) -> Variant:
     """``revckpt.make_reversible`` on the GPT's blocks (MEFT-style adapters; ``trainable``:
     ``"adapters"``, everything but the adapters frozen, embeddings and head included, as for
     the LoRA baseline; or ``"all"``)."""
@@ -81,11 +81,12 @@ def reversible(variant: str, trainable: str, scale: float = 0.125) -> Variant:
         if trainable == "adapters":  # make_reversible freezes the blocks; the rest too here
             model.requires_grad_(False)
         revckpt.make_reversible(
-            model, blocks="blocks", variant=variant, scale=scale, trainable=trainable
+            model, blocks="blocks", variant=variant, scale=scale, trainable=trainable, exact=exact
         )
         return model, [p for p in model.parameters() if p.requires_grad]
 
-    make.__doc__ = f"reversible {variant}, scale {scale:g}, trainable {trainable}"
+    exactly = ", exact" if exact else ""
+    make.__doc__ = f"reversible {variant}, scale {scale:g}, trainable {trainable}{exactly}"
     return make
 
 
@@ -100,6 +101,12 @@ def reversible_variants() -> list[tuple[str, Variant]]:
         ("reversible layer_f, all trainable", reversible("layer_f", "all")),
         ("reversible layer_f + LoRA r=8", reversible_lora(8)),
         ("reversible layer_f, scale 2^-8, all trainable", reversible("layer_f", "all", 2**-8)),
+        ("reversible layer_f, exact", reversible("layer_f", "adapters", exact=True)),
+        ("reversible layer_f, exact, all trainable", reversible("layer_f", "all", exact=True)),
+        (
+            "reversible layer_f, exact, scale 2^-8, all trainable",
+            reversible("layer_f", "all", 2**-8, exact=True),
+        ),
     ]
 
 

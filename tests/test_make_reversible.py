@@ -621,3 +621,47 @@ def test_torch_compile_runs_the_converted_model():
     assert got.keys() == eager.keys()
     for n, g in eager.items():
         torch.testing.assert_close(got[n], g, rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_streams_rebuild_bitwise_and_keep_no_anchor(dtype):
+    """exact=True: float32 or bfloat16 layers, streams on the float64 grid; every rebuilt
+    input exact (drift 0, no anchors, even at scale 2^-8 in bfloat16), gradients bitwise
+    plain autograd's of the same converted model, the start as without it."""
+    case = zoo.CASES["gpt2"]
+    example = case.make_example()
+    start = {}
+    for exact in (False, True):
+        model = case.make_model().to(dtype)
+        with torch.no_grad():
+            before = _logits(model, example).float()
+        make_reversible(model, blocks=case.blocks_path, scale=2**-8, trainable="all", exact=exact)
+        with torch.no_grad():
+            after = _logits(model, example).float()
+        start[exact] = float((after - before).norm() / before.norm())
+    layers = reversible_layers(model)
+    assert layers.stack.anchor_every is None and layers.exact
+    torch.manual_seed(1)
+    for n, p in model.named_parameters():
+        if "revckpt_adapter" in n:
+            p.data.normal_(0, 0.05)
+    loss = zoo.step(model, example, None)
+    assert all(d == 0.0 for d in layers.last_drift if d is not None)
+    reversible = _grads(model)
+    model.zero_grad(set_to_none=True)
+    layers.reversible = False
+    assert torch.equal(zoo.step(model, example, None), loss)
+    for n, g in _grads(model).items():
+        assert torch.equal(reversible[n], g), n
+    assert abs(start[True] - start[False]) <= 1e-2 * start[False] + 1e-6, start
+
+
+def test_exact_streams_refuse_what_does_not_apply():
+    case = zoo.CASES["nanogpt"]
+    for options, match in (
+        ({"scale": 0.3}, "power of two"),
+        ({"stream_dtype": torch.float64}, "stream_dtype"),
+        ({"anchor_every": 2}, "anchor_every"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=match):
+            make_reversible(case.make_model(), blocks=case.blocks_path, exact=True, **options)

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..checkpoint import checkpoint
 from ..errors import InvalidArgumentError, RevckptError
+from ..layers.grid import on_grid
 from ..layers.sequential import ReversibleSequential
 from ..layers.steps import StackRun
 from ._reversible_calls import check_constant, dtype_of, passes, with_hidden
@@ -116,6 +117,7 @@ class ReversibleLayers:
         self.scale = scale
         self.anchor_every = anchor_every  # as passed: "auto" is resolved per layers' dtype
         self.stream_dtype = stream_dtype
+        self.exact = False  # streams on the fixed-point grid (make_reversible(exact=True))
         self._dtype: torch.dtype | None = None  # the hidden state's, as the model passes it
         self.width: int | None = None  # the adapters' (the hidden state's last dimension)
         self._mode = "reversible"
@@ -213,7 +215,10 @@ class ReversibleLayers:
             )
         self._dtype = h.dtype
         self._follow_dtype(dtype_of(self.layers[0][1]) or h.dtype)
-        if self.stream_dtype is not None:
+        if self.exact:  # on the grid, differentiable as the identity
+            h64 = h.to(torch.float64)
+            h = h64 + (on_grid(h64) - h64).detach()
+        elif self.stream_dtype is not None:
             h = h.to(self.stream_dtype)
         aux = torch.zeros_like(h)
         streams = (aux, h) if self.hidden == 1 else (h, aux)

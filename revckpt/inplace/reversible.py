@@ -24,6 +24,7 @@ from torch import nn
 from ..errors import InvalidArgumentError
 from ..layers.adapters import VARIANTS, Adapter, LayerBranch, adapter_block
 from ..layers.coupling import ScaledCoupling
+from ..layers.grid import GridCoupling
 from ..layers.sequential import ReversibleBlock, ReversibleSequential
 from ._reversible_calls import LayerCall, dtype_of, forward_function, instance_forward, width_of
 from ._reversible_stack import InstalledForward, ReversibleLayers, auto_anchors
@@ -55,6 +56,7 @@ def make_reversible(
     anchor_every: int | Literal["auto"] | None = "auto",
     check_inverse: float | Literal["auto"] | None = "auto",
     stream_dtype: torch.dtype | None = None,
+    exact: bool = False,
 ) -> nn.Module:
     """Make a pretrained model's layers one reversible stack, keeping its output at
     conversion up to ``scale`` (MEFT; see :mod:`revckpt.layers.adapters`). In place; returns
@@ -97,6 +99,12 @@ def make_reversible(
             each costs twice the bytes. ``None`` (default): the model's dtype. A model cast
             after conversion to a dtype wider than ``stream_dtype`` is refused at its next
             forward.
+        exact: carry the streams on a fixed-point grid (float64, resolution ``2^-30``) and
+            keep, per layer, the ``log2(1 / scale)`` bits the scaling drops (one byte per
+            element; :mod:`revckpt.layers.grid`): every layer input is rebuilt bit for bit,
+            so there is no drift and no anchor, whatever ``scale`` and the depth. ``scale``
+            must be ``2^-k`` with ``k <= 8``; ``anchor_every`` and ``stream_dtype`` do not
+            apply. The layers still run in their own dtype.
 
     The layers must run in order, all of them, in every forward (an early exit, or a
     forward that starts the stack again midway, raises :class:`~revckpt.RevckptError` in
@@ -107,6 +115,14 @@ def make_reversible(
     _check_options(variant, trainable, scale)
     layers = _layers_of(model, blocks)
     model_dtype = dtype_of(layers[0][1]) or torch.float32
+    if exact:
+        GridCoupling(scale)  # checks the scale
+        if stream_dtype is not None or anchor_every not in ("auto", None):
+            raise InvalidArgumentError(
+                "exact=True carries the streams in float64 on a grid and rebuilds exactly: "
+                "leave stream_dtype and anchor_every out"
+            )
+        stream_dtype, anchor_every = torch.float64, None
     _check_stream_dtype(stream_dtype, model_dtype)
     frozen = []
     if trainable == "adapters":  # the converted layers' own parameters (before the adapters)
@@ -114,7 +130,7 @@ def make_reversible(
             frozen.append((p, p.requires_grad))
             p.requires_grad_(False)
     built = [
-        _layer_block(i, fqn, layer, variant, scale, rank, width)
+        _layer_block(i, fqn, layer, variant, scale, rank, width, exact)
         for i, (fqn, layer) in enumerate(layers)
     ]
     if variant == "layer_f":  # the last layer's auxiliary output reaches nothing: the adapter
@@ -129,6 +145,7 @@ def make_reversible(
     converted = ReversibleLayers(
         layers, stack, hidden, scale=scale, anchor_every=anchor_every, stream_dtype=stream_dtype
     )
+    converted.exact = exact
     converted.width = width if width is not None else width_of(layers[0][1], layers[0][0])
     converted.forwards = [before for _, before in built]
     converted.frozen = frozen
@@ -160,7 +177,14 @@ def _check_stream_dtype(stream_dtype: torch.dtype | None, model_dtype: torch.dty
 
 
 def _layer_block(
-    i: int, fqn: str, layer: nn.Module, variant: str, scale: float, rank: int, width: int | None
+    i: int,
+    fqn: str,
+    layer: nn.Module,
+    variant: str,
+    scale: float,
+    rank: int,
+    width: int | None,
+    exact: bool,
 ) -> tuple[ReversibleBlock, object]:
     """Layer ``i``'s reversible block, its two adapters registered on it, and the instance
     forward it had (as :attr:`LayerCall.before`)."""
@@ -178,7 +202,7 @@ def _layer_block(
         branch, other = LayerBranch(layer, a_f, call), a_g
     else:
         branch, other = LayerBranch(layer, a_g, call), a_f
-    block = adapter_block(branch, other, variant=variant, scale=scale, first=i == 0)  # type: ignore[arg-type]
+    block = adapter_block(branch, other, variant=variant, scale=scale, first=i == 0, exact=exact)  # type: ignore[arg-type]
     return block, before
 
 

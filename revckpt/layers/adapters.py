@@ -34,6 +34,7 @@ from torch import nn
 
 from ..errors import InvalidArgumentError
 from .coupling import AdditiveCoupling, Coupling, ScaledCoupling
+from .grid import GridCoupling
 from .sequential import ReversibleBlock
 
 __all__ = ["VARIANTS", "Adapter", "LayerBranch", "adapter_block"]
@@ -123,17 +124,29 @@ class _Difference(nn.Module):
 
 
 def adapter_block(
-    layer: LayerBranch, adapter: Adapter, *, variant: Variant, scale: float, first: bool
+    layer: LayerBranch,
+    adapter: Adapter,
+    *,
+    variant: Variant,
+    scale: float,
+    first: bool,
+    exact: bool = False,
 ) -> ReversibleBlock:
     """The reversible block of one pretrained layer (see the module docstring). Its input is
     ``(a, h)`` for ``"layer_f"`` and ``(h, a)`` for ``"layer_g"``, and so is its output (the
     block swaps its streams), so a stack of them chains; ``first``: the block of the first
-    layer, whose auxiliary input is zeros."""
+    layer, whose auxiliary input is zeros; ``exact``: both couplings on the fixed-point grid
+    of :mod:`revckpt.layers.grid` (streams float64 on the grid; rebuilt bit for bit)."""
     if variant not in VARIANTS:
         raise InvalidArgumentError(f"variant={variant!r}: use one of {', '.join(VARIANTS)}")
-    scaled: Coupling = _StartCoupling() if first else ScaledCoupling(scale)
+    scaled: Coupling
+    additive: Coupling | str
+    if exact:
+        scaled, additive = GridCoupling(0.0 if first else scale), GridCoupling(1.0)
+    else:
+        scaled, additive = (_StartCoupling() if first else ScaledCoupling(scale)), "additive"
     if variant == "layer_f":  # y1 = scale * a + F(h); y2 = h + A_g(y1); out (y2, y1)
         g = _Difference(adapter)
-        return ReversibleBlock(layer, g, coupling=scaled, g_coupling="additive", swap=True)
+        return ReversibleBlock(layer, g, coupling=scaled, g_coupling=additive, swap=True)
     # y1 = h + A_f(a); y2 = scale * a + G(y1); out (y2, y1)
-    return ReversibleBlock(adapter, layer, coupling="additive", g_coupling=scaled, swap=True)
+    return ReversibleBlock(adapter, layer, coupling=additive, g_coupling=scaled, swap=True)

@@ -27,6 +27,7 @@ from ..errors import InvalidArgumentError, RevckptError
 from ..replay import ForwardState
 from .coupling import Coupling
 from .drift import ReconstructionWarning, auto_tolerance, finish_drift, record_drift, sample
+from .grid import GridCoupling
 
 __all__ = [
     "HalfStep",
@@ -126,15 +127,20 @@ class HalfStepNode(torch.autograd.Function):
         # y = a + h is written over the branch's fresh output when nothing else holds it: no
         # view or alias of its memory, and no Python reference but this frame's (a buffer, a
         # tensor the branch caches on itself, a keyword tensor returned as is all hold one)
-        s = step.linear
+        s, lost = step.linear, None
         private = s is not None and _private_result(h, a) and sys.getrefcount(h) <= _LOCAL_REFS
-        if private:
+        if isinstance(step.coupling, GridCoupling):  # exact: keeps the bits it drops
+            y, lost = step.coupling.split(a, h)
+        elif private:
             y = h.add_(a) if s == 1 else h.add_(a, alpha=s)
         else:
             y = step.coupling.combine(a, h)
         del h
-        if anchor:  # 1 = keep a, 2 = keep a and u (the first half step of an anchored block)
-            ctx.save_for_backward(*((a, u)[:anchor]))
+        # anchor 1 = keep a, 2 = keep a and u (the first half step of an anchored block)
+        kept = (a, u)[:anchor] + (() if lost is None else (lost,))
+        ctx.lost = lost is not None
+        if kept:
+            ctx.save_for_backward(*kept)
         # the default check samples block 0's inputs only: every reconstruction error above
         # reaches them, for 2 x 64 elements whatever the depth
         sampled = call.check_inverse is not None and not (call.strict and step.index)
@@ -146,7 +152,8 @@ class HalfStepNode(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         call: StackCall = ctx.call
         step: HalfStep = ctx.step
-        exact = ctx.saved_tensors if step.anchor else ()
+        saved = ctx.saved_tensors if step.anchor or ctx.lost else ()
+        exact, lost = saved[: step.anchor], saved[step.anchor] if ctx.lost else None
         if step.anchor == 2:
             call.values[step.other] = exact[1]
             call.owned.discard(step.other)
@@ -164,7 +171,7 @@ class HalfStepNode(torch.autograd.Function):
         with torch.enable_grad(), replay, _recompute_autocast(call, u):
             h = rerun(u_leaf)
             _check_registered(rerun, h, (u_leaf,), step)
-            a = _rebuilt_input(ctx, call, step, y, h, exact)
+            a = _rebuilt_input(ctx, call, step, y, h, exact, lost)
             if step.linear is not None:
                 # y = s * a + h: dy/dh = identity, dy/da = s, so differentiate h alone.
                 a_leaf, y_again = None, h
@@ -206,13 +213,22 @@ def _check_registered(
 
 
 def _rebuilt_input(
-    ctx: Any, call: StackCall, step: HalfStep, y: torch.Tensor, h: Any, exact: tuple[Any, ...]
+    ctx: Any,
+    call: StackCall,
+    step: HalfStep,
+    y: torch.Tensor,
+    h: Any,
+    exact: tuple[Any, ...],
+    lost: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The half step's input ``a = separate(y, h)`` (``y`` overwritten when this walk owns it),
-    its drift recorded; at an anchor, the kept exact input instead."""
+    """The half step's input ``a = separate(y, h)`` (``y`` overwritten when this walk owns it;
+    an exact coupling's from the bits it kept), its drift recorded; at an anchor, the kept
+    exact input instead."""
     with torch.no_grad():
         s = step.linear
-        if s and step.target in call.owned and _sole_owner(y):
+        if isinstance(step.coupling, GridCoupling):
+            a = step.coupling.rebuild(y, h, lost)
+        elif s and step.target in call.owned and _sole_owner(y):
             a = y.sub_(h)  # a value this walk rebuilt, held by nobody else: overwrite
             a = a if s == 1 else a.div_(s)
         else:

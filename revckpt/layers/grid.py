@@ -1,0 +1,130 @@
+"""An exact coupling: streams on a fixed-point grid, the bits a scale drops kept.
+
+A reversible stack that scales a stream (``y = scale * x + h``, :class:`ScaledCoupling`, the
+coupling that makes a pretrained layer reversible) loses information in floating point: the
+rebuild divides by ``scale``, and the rounding of every layer above grows by ``1 / scale``
+per layer, which anchors (stored exact inputs) have to stop. With the streams held on a grid
+of ``2^-bits`` in float64 (every value an integer multiple of it, below ``2^(52 - bits)`` in
+magnitude), the arithmetic of the coupling is exact (after MacKay et al., "Reversible
+Recurrent Neural Networks", 2018, who keep fixed-point hidden states and the bits a
+multiplication drops):
+
+- the branch output is rounded to the grid, ``h_q = round(h * 2^bits) / 2^bits``;
+- ``scale = 2^-k`` splits ``x * scale`` into its grid part ``q = floor(x * 2^(bits - k)) /
+  2^bits`` and the ``k`` bits below it, ``lost = (x * 2^bits) mod 2^k``, kept (one byte per
+  element for ``k <= 8``: the whole cost of exactness);
+- ``y = q + h_q`` is a sum of grid values, exact, and so is ``y - h_q = q``; the rebuild is
+  ``x = q * 2^k + lost / 2^bits``, bit for bit.
+
+The rebuild needs ``h`` recomputed bitwise as the forward had it (the branch deterministic,
+which it is on a CPU and with deterministic kernels elsewhere; the replay of random state
+covers dropout). Gradients are those of ``y = scale * x + h`` (the roundings pass gradients
+through as the identity; they move values by at most ``2^-bits``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import InvalidArgumentError, RevckptError
+from .coupling import AdditiveCoupling, Coupling
+
+__all__ = ["GRID_BITS", "GridCoupling", "on_grid"]
+
+#: Fractional bits of the grid: a resolution of 2^-30 (about 1e-9), values up to 2^22 (4e6).
+GRID_BITS = 30
+
+
+def on_grid(x: torch.Tensor, bits: int = GRID_BITS) -> torch.Tensor:
+    """``x`` in float64 rounded to the grid ``2^-bits`` (a stack's input, before its first
+    exact coupling); raises if a value is too large for the grid."""
+    q = torch.round(x.detach().to(torch.float64) * 2.0**bits) * 2.0**-bits
+    _check_range(q, bits)
+    return q
+
+
+def _check_range(y: torch.Tensor, bits: int) -> None:
+    limit = 2.0 ** (52 - bits)
+    if y.numel() and not bool(y.abs().amax() < limit):  # a nan fails this too
+        raise RevckptError(
+            f"a stream of an exact reversible stack (make_reversible(..., exact=True)) "
+            f"reached {float(y.abs().amax()):.3g}, beyond the grid's range {limit:.3g} (or "
+            "is not finite); use exact=False (anchors instead)"
+        )
+
+
+class GridCoupling(Coupling):
+    """``y = scale * x + h`` on the grid (see the module docstring), ``scale`` one of ``0``
+    (an input known to be zeros: ``y = h``), ``1`` (additive) or ``2^-k`` with ``1 <= k <= 8``.
+    :meth:`combine` gives the grid value with the gradients of the linear map;
+    :meth:`split` also returns the dropped bits, which :meth:`rebuild` needs."""
+
+    def __init__(self, scale: float, bits: int = GRID_BITS) -> None:
+        k = -math.log2(scale) if isinstance(scale, (int, float)) and scale > 0 else -1.0
+        if not (scale == 0 or (k == int(k) and 0 <= k <= 8)):
+            raise InvalidArgumentError(
+                f"scale={scale!r}: an exact coupling scales by 0, 1 or a power of two "
+                "2^-k with k <= 8 (e.g. 0.125); use exact=False for other scales"
+            )
+        self.scale, self.k, self.bits = float(scale), int(k), bits
+
+    @property
+    def linear_scale(self) -> float:  # type: ignore[override]
+        return self.scale
+
+    def split(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(y, lost)`` without a graph: ``y`` on the grid, ``lost`` the bits of ``x *
+        scale`` below it (``uint8``; ``None`` when nothing is dropped)."""
+        with torch.no_grad():  # in place where it can: float64 temporaries are the cost
+            hq = self._grid(h)
+            if self.scale == 0:
+                y, lost = hq, None
+            elif self.k == 0:
+                y, lost = hq.add_(x.detach()), None
+            else:
+                units = x.detach() * 2.0 ** (self.bits - self.k)  # x * scale, in grid units
+                q = torch.floor(units)
+                lost = units.sub_(q).mul_(2.0**self.k).to(torch.uint8)
+                del units
+                y = q.mul_(2.0**-self.bits).add_(hq)
+        _check_range(y, self.bits)
+        return y, lost
+
+    def _grid(self, h: torch.Tensor) -> torch.Tensor:
+        """``h`` rounded to the grid, in float64 (a new tensor)."""
+        return (h.detach().to(torch.float64) * 2.0**self.bits).round_().mul_(2.0**-self.bits)
+
+    def combine(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The grid value of ``scale * x + h``, differentiable as that linear map."""
+        y, _ = self.split(x, h)
+        linear = torch.add(h, x, alpha=self.scale)  # scale 0: differentiable in x all the same
+        return linear + (y - linear).detach()
+
+    def rebuild(self, y: torch.Tensor, h: torch.Tensor, lost: torch.Tensor | None) -> torch.Tensor:
+        """``x``, exactly, from ``y``, the recomputed ``h`` and the bits :meth:`split` kept."""
+        with torch.no_grad():
+            if self.scale == 0:
+                return torch.zeros_like(y)
+            q = self._grid(h).neg_().add_(y)  # y - h_q, exact
+            if lost is None:
+                return q
+            return q.mul_(2.0**self.k).add_(lost, alpha=2.0**-self.bits)
+
+    def separate(self, y: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        raise RevckptError(
+            "GridCoupling.separate needs the dropped bits: a reversible stack rebuilds with "
+            "GridCoupling.rebuild(y, h, lost)"
+        )
+
+    def check(self, x: torch.Tensor, h: object, *, branch: str) -> None:
+        AdditiveCoupling().check(x, h, branch=branch)  # type: ignore[arg-type]
+        if x.dtype != torch.float64:
+            raise InvalidArgumentError(
+                f"branch {branch}: an exact coupling's streams are float64 on a grid, got "
+                f"{x.dtype}; start the stack from revckpt.layers.grid.on_grid(x)"
+            )
+
+    def __repr__(self) -> str:
+        return f"GridCoupling(scale={self.scale:g}, bits={self.bits})"
