@@ -12,6 +12,7 @@ from .blocks import (
 )
 from .convert import ReversibleStack, convert_to_reversible
 from .coupling import AdditiveCoupling, AffineCoupling, Coupling, ScaledCoupling, make_coupling
+from .grid import GridCoupling, on_grid
 from .sequential import (
     ReconstructionWarning,
     ReversibleBlock,
@@ -26,6 +27,7 @@ __all__ = [
     "ConvBranch",
     "Coupling",
     "EnterStreams",
+    "GridCoupling",
     "LeaveStreams",
     "MLPBranch",
     "ReconstructionWarning",
@@ -36,6 +38,7 @@ __all__ = [
     "ScaledCoupling",
     "convert_to_reversible",
     "make_coupling",
+    "on_grid",
     "reversible_mlp_block",
     "reversible_transformer_block",
     "revnet_conv_block",
