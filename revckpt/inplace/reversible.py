@@ -16,7 +16,7 @@ registered on their layers (``<layer>.revckpt_adapter_f`` / ``_g``), so an optim
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -116,19 +116,9 @@ def make_reversible(
     layers = _layers_of(model, blocks)
     model_dtype = dtype_of(layers[0][1]) or torch.float32
     if exact:
-        GridCoupling(scale)  # checks the scale
-        if stream_dtype is not None or anchor_every not in ("auto", None):
-            raise InvalidArgumentError(
-                "exact=True carries the streams in float64 on a grid and rebuilds exactly: "
-                "leave stream_dtype and anchor_every out"
-            )
-        stream_dtype, anchor_every = torch.float64, None
+        stream_dtype, anchor_every = _exact_streams(scale, stream_dtype, anchor_every)
     _check_stream_dtype(stream_dtype, model_dtype)
-    frozen = []
-    if trainable == "adapters":  # the converted layers' own parameters (before the adapters)
-        for p in nn.ModuleList(layer for _, layer in layers).parameters():
-            frozen.append((p, p.requires_grad))
-            p.requires_grad_(False)
+    frozen = _frozen(layers) if trainable == "adapters" else []
     built = [
         _layer_block(i, fqn, layer, variant, scale, rank, width, exact)
         for i, (fqn, layer) in enumerate(layers)
@@ -154,6 +144,29 @@ def make_reversible(
         object.__setattr__(layer, "forward", InstalledForward(layer))
     object.__setattr__(model, _ATTR, converted)
     return model
+
+
+def _exact_streams(
+    scale: float, stream_dtype: torch.dtype | None, anchor_every: Any
+) -> tuple[torch.dtype, None]:
+    """``exact=True``'s streams (float64) and anchors (none), the options checked."""
+    GridCoupling(scale)  # checks the scale
+    if stream_dtype is not None or anchor_every not in ("auto", None):
+        raise InvalidArgumentError(
+            "exact=True carries the streams in float64 on a grid and rebuilds exactly: "
+            "leave stream_dtype and anchor_every out"
+        )
+    return torch.float64, None
+
+
+def _frozen(layers: list[tuple[str, nn.Module]]) -> list[tuple[nn.Parameter, bool]]:
+    """Freeze the converted layers' own parameters (before the adapters exist); each with the
+    ``requires_grad`` it had, for :func:`remove_reversible`."""
+    frozen = []
+    for p in nn.ModuleList(layer for _, layer in layers).parameters():
+        frozen.append((p, p.requires_grad))
+        p.requires_grad_(False)
+    return frozen
 
 
 def _check_options(variant: str, trainable: str, scale: float) -> None:
