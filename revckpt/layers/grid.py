@@ -97,10 +97,10 @@ class GridCoupling(Coupling):
         return (h.detach().to(torch.float64) * 2.0**self.bits).round_().mul_(2.0**-self.bits)
 
     def combine(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """The grid value of ``scale * x + h``, differentiable as that linear map."""
+        """The grid value of ``scale * x + h``, differentiable as that linear map (exactly the
+        value :meth:`split` gives: plain autograd and the rebuild see the same numbers)."""
         y, _ = self.split(x, h)
-        linear = torch.add(h, x, alpha=self.scale)  # scale 0: differentiable in x all the same
-        return linear + (y - linear).detach()
+        return _AsLinear.apply(x, h, y, self.scale)
 
     def rebuild(self, y: torch.Tensor, h: torch.Tensor, lost: torch.Tensor | None) -> torch.Tensor:
         """``x``, exactly, from ``y``, the recomputed ``h`` and the bits :meth:`split` kept."""
@@ -128,3 +128,18 @@ class GridCoupling(Coupling):
 
     def __repr__(self) -> str:
         return f"GridCoupling(scale={self.scale:g}, bits={self.bits})"
+
+
+class _AsLinear(torch.autograd.Function):
+    """``y`` (computed without a graph) with the gradients of ``scale * x + h``."""
+
+    @staticmethod
+    def forward(
+        ctx: object, x: torch.Tensor, h: torch.Tensor, y: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        ctx.scale = scale  # type: ignore[attr-defined]
+        return y
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        return grad * ctx.scale, grad, None, None  # type: ignore[attr-defined]
