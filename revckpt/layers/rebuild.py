@@ -123,7 +123,8 @@ class HalfStepNode(torch.autograd.Function):
         ctx.state = state = ForwardState.capture(
             norms=targets[1], devices=call.devices, modules=(step.branch,)
         )
-        h = _detached(first_forward(state, step.block._branch, step.which, u, a, call.kwargs))
+        forward = _eager_forward() if isinstance(step.coupling, GridCoupling) else first_forward
+        h = _detached(forward(state, step.block._branch, step.which, u, a, call.kwargs))
         # y = a + h is written over the branch's fresh output when nothing else holds it: no
         # view or alias of its memory, and no Python reference but this frame's (a buffer, a
         # tensor the branch caches on itself, a keyword tensor returned as is all hold one)
@@ -255,6 +256,15 @@ def _hand_down(call: StackCall, step: HalfStep, a: torch.Tensor) -> None:
         call.owned.discard(step.target)  # an anchor is a kept forward tensor: never overwrite
     else:
         call.owned.add(step.target)
+
+
+@functools.cache
+def _eager_forward() -> Any:
+    """:func:`first_forward` never compiled: an exact coupling rebuilds its input bit for bit
+    only from a branch output its eager re-run in backward gives again, and a forward that
+    ``torch.compile`` compiles (fused kernels) rounds differently, which the rebuild would
+    multiply by ``1 / scale`` per layer."""
+    return torch.compiler.disable(first_forward)
 
 
 def _refs_of_a_local() -> int:
