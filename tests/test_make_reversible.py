@@ -665,3 +665,75 @@ def test_exact_streams_refuse_what_does_not_apply():
     ):
         with pytest.raises(InvalidArgumentError, match=match):
             make_reversible(case.make_model(), blocks=case.blocks_path, exact=True, **options)
+
+
+def test_exact_streams_under_torch_compile_rebuild_bitwise():
+    """torch.compile over an exact stack: the branches' first forwards run eagerly (a compiled
+    forward rounds differently from the eager re-run in backward, and the rebuild multiplies
+    that by 1 / scale per layer: drift 2e7 at eight layers and 2^-8 before), so drift stays 0
+    and the gradients are the eager ones, bitwise."""
+    case = zoo.CASES["nanogpt"]
+    model = make_reversible(
+        case.make_model(), blocks=case.blocks_path, scale=2**-8, trainable="all", exact=True
+    )
+    torch.manual_seed(1)
+    for n, p in model.named_parameters():
+        if "revckpt_adapter" in n:
+            p.data.normal_(0, 0.05)
+    example = case.make_example()
+    zoo.step(model, example, case.loss_fn)
+    eager = _grads(model)
+    compiled = torch.compile(model)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        zoo.step(compiled, example, case.loss_fn)
+    assert all(d == 0.0 for d in reversible_layers(model).last_drift if d is not None)
+    got = _grads(model)
+    for n, g in eager.items():
+        assert torch.equal(got[n], g), n
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_intermediate_hidden_states_keep_the_models_dtype(exact):
+    """output_hidden_states=True on a float32 model with float64 streams (exact=True, or
+    stream_dtype): the hidden states between layers come back float32, so a loss through the
+    model's own head on one of them runs, with gradients bitwise the stored mode's."""
+    case = zoo.CASES["gpt2"]
+    model = case.make_model()
+    options = {"exact": True} if exact else {"stream_dtype": torch.float64}
+    make_reversible(model, blocks=case.blocks_path, scale=2**-3, trainable="all", **options)
+    layers, example = reversible_layers(model), case.make_example()
+    grads = {}
+    for mode in ("reversible", "store"):
+        layers.mode = mode
+        model.zero_grad(set_to_none=True)
+        out = model(**example, output_hidden_states=True)
+        assert {h.dtype for h in out.hidden_states} == {torch.float32}
+        (out.loss + model.lm_head(out.hidden_states[2]).pow(2).mean()).backward()
+        grads[mode] = _grads(model)
+    for n, g in grads["store"].items():
+        if exact:
+            assert torch.equal(grads["reversible"][n], g), n
+        else:
+            torch.testing.assert_close(grads["reversible"][n], g, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_fit_on_a_stack_refuses_a_larger_batch_in_training():
+    """fit's budget holds for batches no larger than its example: on a converted model, as on
+    a planned one, a larger hidden state is refused in training (not in eval or no_grad); a
+    later fit on the larger batch, or limit = None, lifts it."""
+    case = zoo.CASES["nanogpt"]
+    model = make_reversible(case.make_model(), blocks=case.blocks_path, exact=True)
+    layers = reversible_layers(model)
+    small, large = case.make_example(batch=2), case.make_example(batch=4)
+    revckpt.fit(model, small, memory_budget=1.0, loss_fn=case.loss_fn)
+    zoo.step(model, case.make_example(batch=1), case.loss_fn)  # smaller: as planned
+    with pytest.raises(InvalidArgumentError, match="largest batch you train on"):
+        zoo.step(model, large, case.loss_fn)
+    with torch.no_grad():
+        model(*large)
+    revckpt.fit(model, large, memory_budget=1.0, loss_fn=case.loss_fn)
+    zoo.step(model, large, case.loss_fn)
+    revckpt.fit(model, small, memory_budget=1.0, loss_fn=case.loss_fn)
+    layers.limit = None
+    zoo.step(model, large, case.loss_fn)

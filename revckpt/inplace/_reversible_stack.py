@@ -97,7 +97,9 @@ class ReversibleLayers:
     backward (see ``check_inverse``); ``mode``: how the same function is differentiated, one
     of :data:`MODES` (``"reversible"``; :func:`revckpt.fit` picks one for a budget);
     ``reversible``: ``mode == "reversible"``, set ``False`` for plain autograd (everything
-    stored), e.g. for a reference gradient. The layers' dtype
+    stored), e.g. for a reference gradient; ``limit``: the largest hidden-state shape
+    :func:`revckpt.fit` chose the mode for (a larger one is refused in training; ``None``:
+    no limit, what setting it to ``None`` gives). The layers' dtype
     is read at each forward: a model cast after conversion computes in its new dtype (with
     ``anchor_every="auto"``, the anchors for it)."""
 
@@ -121,6 +123,10 @@ class ReversibleLayers:
         self._dtype: torch.dtype | None = None  # the hidden state's, as the model passes it
         self.width: int | None = None  # the adapters' (the hidden state's last dimension)
         self._mode = "reversible"
+        #: the largest hidden-state shape revckpt.fit measured the mode with (None: any): a
+        #: larger one is refused in training; ``shape``: the hidden state's at the last forward
+        self.limit: tuple[int, ...] | None = None
+        self.shape: tuple[int, ...] | None = None
         #: for revckpt.restore: each layer's instance forward before (as LayerCall.before), and
         #: the parameters make_reversible froze, with their requires_grad before
         self.forwards: list[Any] = []
@@ -187,13 +193,17 @@ class ReversibleLayers:
             streams = tuple(state.run.finish(None))
         state.streams = streams
         hidden = streams[self.hidden]
+        # the model sees its own dtype (output_hidden_states, a loss on them), not the wider
+        # streams'; the next layer is run on the stream itself
+        narrowed = self._dtype is not None and hidden.dtype != self._dtype
+        if narrowed:
+            hidden = hidden.to(self._dtype)
         if last:
             self._pass = None
             state.progress.finished = True
-            if self._dtype is not None and hidden.dtype != self._dtype:
-                hidden = hidden.to(self._dtype)  # back from wider streams
         elif state.run is not None and hidden.requires_grad:
-            hidden = hidden.view_as(hidden)  # its own node: a gradient reaching it is an error
+            if not narrowed:  # its own node: a gradient reaching it is an error
+                hidden = hidden.view_as(hidden)
             hidden.register_hook(_early_exit_check(state.progress, self.layers[-1][0]))
         state.returned = hidden
         return hidden if isinstance(out, torch.Tensor) else with_hidden(out, hidden)
@@ -213,6 +223,7 @@ class ReversibleLayers:
                 f"make_reversible built its adapters for width {width}: pass width= (the size "
                 "of the hidden state's last dimension)"
             )
+        self._check_limit(h)
         self._dtype = h.dtype
         self._follow_dtype(dtype_of(self.layers[0][1]) or h.dtype)
         if self.exact:  # on the grid, differentiable as the identity
@@ -226,6 +237,23 @@ class ReversibleLayers:
         run = self.stack.stepwise(*streams, calls=calls) if self.reversible else None
         self._pass = _Pass(calls, run, streams, _Progress(self.layers[0][0]))
         return self._pass
+
+    def _check_limit(self, h: torch.Tensor) -> None:
+        """Refuse, in training, a hidden state larger than the one :func:`revckpt.fit` chose
+        the mode for (its memory budget holds for batches no larger in any dimension)."""
+        shape, limit = tuple(h.shape), self.limit
+        self.shape = shape
+        if limit is None or not (torch.is_grad_enabled() and self.layers[0][1].training):
+            return
+        if len(shape) == len(limit) and all(a <= b for a, b in zip(shape, limit, strict=True)):
+            return
+        raise InvalidArgumentError(
+            f"revckpt.fit chose the reversible stack's mode ({self._mode}) for hidden states "
+            f"of shape {list(limit)} (the example it was given) and got {list(shape)}: the "
+            "memory budget holds for batches no larger in any dimension. Fit for the largest "
+            "batch you train on (revckpt.fit(model, largest_batch, ...)), or set "
+            "revckpt.inplace.reversible_layers(model).limit = None to run it anyway"
+        )
 
     def _follow_dtype(self, dtype: torch.dtype) -> None:
         """The checks and the automatic anchors for the layers' dtype as it is now."""

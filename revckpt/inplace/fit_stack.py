@@ -98,10 +98,13 @@ def fit_stack(
     fits = [m for m in modes if peaks[m] <= budget]
     if not fits:
         measured = ", ".join(f"{m} {human_bytes(peaks[m])}" for m in modes)
+        fewer = ", or fewer anchors (make_reversible with a larger anchor_every or scale)"
+        if converted.exact:  # no anchors to drop (a byte per element per layer instead)
+            fewer = ""
         raise InfeasibleBudgetError(
             f"memory_budget={memory_budget!r} ({human_bytes(budget)}): the reversible stack's "
-            f"step measured {measured}, none within it; raise the budget, use a smaller batch, "
-            "or fewer anchors (make_reversible with a larger anchor_every, or a larger scale)",
+            f"step measured {measured}, none within it; raise the budget or use a smaller "
+            f"batch{fewer}",
             smallest_budget_bytes=min(peaks[m] for m in modes),
         )
     if "store" in fits:  # nothing recomputed: the fastest
@@ -110,6 +113,7 @@ def fit_stack(
         ratios = _ratios(model, converted, example, loss_fn, fits, repeats)
         chosen = min(fits, key=ratios.__getitem__)
     converted.mode = chosen
+    converted.limit = converted.shape  # the example's: a larger batch is refused in training
     names = tuple(fqn for fqn, _ in converted.layers)
     return Plan(
         segments=(Segment(0, len(names), chosen),),
@@ -128,11 +132,14 @@ def fit_stack(
 
 @contextlib.contextmanager
 def _mode_kept(converted: ReversibleLayers) -> Iterator[None]:
-    mode = converted.mode
+    """The stack's mode and batch limit as found, the limit lifted meanwhile (a new example
+    may be larger than the last fit's)."""
+    mode, limit = converted.mode, converted.limit
+    converted.limit = None
     try:
         yield
     finally:
-        converted.mode = mode
+        converted.mode, converted.limit = mode, limit
 
 
 def _ratios(

@@ -47,12 +47,19 @@ def on_grid(x: torch.Tensor, bits: int = GRID_BITS) -> torch.Tensor:
 
 def _check_range(y: torch.Tensor, bits: int) -> None:
     limit = 2.0 ** (52 - bits)
-    if y.numel() and not bool(y.abs().amax() < limit):  # a nan fails this too
+    if not y.numel() or bool(y.abs().amax() < limit):  # a nan fails this too
+        return
+    what = "an exact reversible stack (make_reversible(..., exact=True))"
+    if not bool(y.isfinite().all()):
         raise RevckptError(
-            f"a stream of an exact reversible stack (make_reversible(..., exact=True)) "
-            f"reached {float(y.abs().amax()):.3g}, beyond the grid's range {limit:.3g} (or "
-            "is not finite); use exact=False (anchors instead)"
+            f"a stream of {what} is not finite (nan or inf): the model computed it (an "
+            "overflow, a nan in the input or the weights), not the grid; find where it starts "
+            "(exact=False carries it on silently, as the model without revckpt would)"
         )
+    raise RevckptError(
+        f"a stream of {what} reached {float(y.abs().amax()):.3g}, beyond the grid's range "
+        f"{limit:.3g}; use exact=False (anchors instead)"
+    )
 
 
 class GridCoupling(Coupling):
