@@ -103,6 +103,10 @@ class ReversibleLayers:
     is read at each forward: a model cast after conversion computes in its new dtype (with
     ``anchor_every="auto"``, the anchors for it)."""
 
+    # defaults for a conversion pickled before they existed (torch.save of the model)
+    limit: tuple[int, ...] | None = None
+    shape: tuple[int, ...] | None = None
+
     def __init__(
         self,
         layers: list[tuple[str, nn.Module]],
