@@ -18,7 +18,7 @@ from ..layers.sequential import ReversibleSequential
 from ..layers.steps import StackRun
 from ._reversible_calls import check_constant, dtype_of, passes, with_hidden
 from .calls import Key, carried_key, drop_caches, replaced
-from .install import REVERSIBLE_ATTR
+from .install import REVERSIBLE_ATTR, within
 
 __all__ = ["MODES", "Calls", "InstalledForward", "ReversibleLayers", "auto_anchors"]
 
@@ -249,7 +249,7 @@ class ReversibleLayers:
         self.shape = shape
         if limit is None or not (torch.is_grad_enabled() and self.layers[0][1].training):
             return
-        if len(shape) == len(limit) and all(a <= b for a, b in zip(shape, limit, strict=True)):
+        if within(shape, limit):
             return
         raise InvalidArgumentError(
             f"revckpt.fit chose the reversible stack's mode ({self._mode}) for hidden states "

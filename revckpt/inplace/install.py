@@ -81,14 +81,20 @@ def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return out
 
 
+def within(shape: tuple[int, ...], limit: tuple[int, ...]) -> bool:
+    """Whether a hidden state of ``shape`` is no larger in any dimension than ``limit`` (the
+    example's, which a plan's memory budget holds for)."""
+    return len(shape) == len(limit) and all(a <= b for a, b in zip(shape, limit, strict=True))
+
+
 def _check_shape(info: Planned, hidden: Any) -> None:
     if not isinstance(hidden, torch.Tensor):
         return
     limit = info.limit
     assert limit is not None
-    shape = tuple(hidden.shape)
-    if len(shape) == len(limit) and all(a <= b for a, b in zip(shape, limit, strict=True)):
+    if within(tuple(hidden.shape), limit):
         return
+    shape = tuple(hidden.shape)
     raise InvalidArgumentError(
         f"block {info.fqn} was planned for hidden states of shape {list(limit)} (the example "
         f"given to revckpt.fit) and got {list(shape)}: the memory plan holds for batches no "
