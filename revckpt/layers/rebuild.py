@@ -123,16 +123,16 @@ class HalfStepNode(torch.autograd.Function):
         ctx.state = state = ForwardState.capture(
             norms=targets[1], devices=call.devices, modules=(step.branch,)
         )
-        forward = _eager_forward() if isinstance(step.coupling, GridCoupling) else first_forward
+        grid = isinstance(step.coupling, GridCoupling)  # exact: keeps the bits it drops
+        forward = _eager_forward() if grid else first_forward
         h = _detached(forward(state, step.block._branch, step.which, u, a, call.kwargs))
         # y = a + h is written over the branch's fresh output when nothing else holds it: no
         # view or alias of its memory, and no Python reference but this frame's (a buffer, a
         # tensor the branch caches on itself, a keyword tensor returned as is all hold one)
         s, lost = step.linear, None
-        private = s is not None and _private_result(h, a) and sys.getrefcount(h) <= _LOCAL_REFS
-        if isinstance(step.coupling, GridCoupling):  # exact: keeps the bits it drops
-            y, lost = step.coupling.split(a, h)
-        elif private:
+        if grid:
+            y, lost = step.coupling.split(a, h)  # type: ignore[attr-defined]
+        elif s is not None and _private_result(h, a) and sys.getrefcount(h) <= _LOCAL_REFS:
             y = h.add_(a) if s == 1 else h.add_(a, alpha=s)
         else:
             y = step.coupling.combine(a, h)
