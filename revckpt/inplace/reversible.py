@@ -65,10 +65,10 @@ def make_reversible(
     Args:
         variant: ``"layer_f"``, each layer as ``F`` with an adapter as ``G``, or
             ``"layer_g"``, an adapter as ``F`` and the layer as ``G``.
-        scale: how much of the auxiliary stream (the hidden state one layer back) enters each
-            layer's input; the smaller, the closer the output to the original model's, and
-            the faster reconstruction error grows (by about ``1 / scale`` per layer: use
-            ``anchor_every`` on deep stacks). A power of two is exact.
+        scale: how much of the residual update of the layer before (carried by the auxiliary
+            stream) enters each layer's input; the smaller, the closer the output to the
+            original model's, and the faster reconstruction error grows (by about
+            ``1 / scale`` per layer: use ``anchor_every`` on deep stacks). A power of two is exact.
         rank: the adapters' bottleneck width.
         trainable: ``"adapters"`` freezes the parameters of the converted layers (the
             pretrained ones: ``requires_grad=False``, no gradients, no memory for them), so
