@@ -34,6 +34,7 @@ from _finetune_cost import cost_model, memory_rows, time_rows
 from _finetune_data import Batch, Language
 from _finetune_drift import drift_rows, drift_table
 from _finetune_model import GPT
+from _finetune_split import split_rows, split_table
 from _finetune_train import CACHE_DIR, HELDOUT_SEED, finetune, heldout_loss, pretrain, tasks
 from _finetune_variants import (
     SAME_LOSS_AS_BASELINE,
@@ -269,6 +270,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     memory, times = cost_rows(args, cost_variants(args.lora_rank))
     drift = drift_rows(args.drift_depths, args.width, args.cost_batch)
+    split = split_rows(pretrained, heldout[0][0], (2**-3, 2**-4, 2**-8))
     config = {k: v for k, v in vars(args).items() if k not in ("out", "cache_dir")}
     result = {
         "benchmark": "bench_finetune",
@@ -281,13 +283,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "memory": memory,
         "time": times,
         "drift": drift,
+        "attention_f_mlp_g": split,
         "seconds": time.perf_counter() - start,
     }
     print(pretrain_table(pretrained.pretrain_record), end="\n\n")
     print(finetune_table(rows, check), end="\n\n")
     print(memory_table(memory), end="\n\n")
     print(time_table(times), end="\n\n")
-    print(drift_table(drift))
+    print(drift_table(drift), end="\n\n")
+    print(split_table(split))
     write_json(result, args.out)
     return result
 

@@ -212,6 +212,12 @@ def test_bench_finetune_quick(tmp_path, capsys):
     loss = {name: r["final_heldout_loss"] for name, r in rows.items()}
     assert loss["full FT"] < loss["full FT from scratch"]  # the pretrained start helps
     assert result["checkpoint_check"]["max_abs_param_diff"] == 0.0
+    # the written-out formulas of _finetune_split give make_reversible's own start (layer_f)
+    split = {(r["variant"], r["scale"]): r for r in result["attention_f_mlp_g"]}
+    simulated = split[("layer_f", 0.125)]["start_relative_logit_diff"]
+    measured = rows["reversible layer_f"]["start_relative_logit_diff"]
+    assert simulated == pytest.approx(measured, rel=1e-3)
+    assert split[("attention F, MLP G", 0.125)]["bits_per_element_per_layer"] == 6
     memory = {(r["depth"], r["variant"]): r for r in result["memory"]}
     for depth in (2, 4):
         full, lora = memory[(depth, "full FT")], memory[(depth, "LoRA r=8")]
