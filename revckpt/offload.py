@@ -99,18 +99,23 @@ def force_copies(*, simulate_device: bool = False) -> Iterator[None]:
 
 @dataclass(eq=False)  # recorders are told apart by identity
 class OffloadStats:
-    """What :func:`record` saw: tensors and bytes moved to host memory and back, prefetches
-    that were ready before the backward needed them, and the tensors kept in place, per
-    reason (``"parameter"``, ``"leaf tensor"``, ``"keyword argument"``,
-    ``"already on the host"``): counts and bytes, once per block that kept them (a mask passed
-    to 8 blocks counts 8 times)."""
+    """What :func:`record` saw, counted once per block that moved or kept a tensor (a mask
+    passed to 8 blocks counts 8 times)."""
 
+    #: Tensors copied to host memory in forward.
     to_host_tensors: int = 0
+    #: Their bytes.
     to_host_bytes: int = 0
+    #: Tensors copied back to the device in backward.
     to_device_tensors: int = 0
+    #: Their bytes.
     to_device_bytes: int = 0
+    #: Copies back that were ready before the backward needed them.
     prefetched: int = 0
+    #: Tensors kept in place, per reason: ``"parameter"``, ``"leaf tensor"``,
+    #: ``"keyword argument"``, ``"already on the host"``.
     kept_in_place: dict[str, int] = field(default_factory=dict)
+    #: Their bytes, per reason.
     kept_in_place_bytes: dict[str, int] = field(default_factory=dict)
 
     def _kept(self, reason: str, nbytes: int) -> None:

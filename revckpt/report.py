@@ -116,16 +116,19 @@ class PlanMeasurement:
 
 @dataclass(frozen=True)
 class Report:
-    """Measured figures of several plans of one chain, with store-all first.
+    """Measured figures of several plans of one chain, with store-all first."""
 
-    ``error_budget`` (optional): the largest relative gradient error a plan may have; plans
-    measured over it (:meth:`over_error_budget`) are marked in the table and the plot and are
-    left out of the Pareto front."""
-
+    #: One measurement per plan, store-all first.
     rows: tuple[PlanMeasurement, ...]
+    #: Store-all's measured whole-step peak, what the memory column is a fraction of.
     store_all_peak_bytes: int
+    #: The shape of the chain's input the plans were measured on.
     input_shape: tuple[int, ...]
+    #: The name of the plan chosen (by :func:`revckpt.schedule.verify` or ``fit``), if any.
     chosen: str | None = None
+    #: The largest relative gradient error a plan may have; plans measured over it
+    #: (:meth:`over_error_budget`) are marked in the table and the plot and are left out of
+    #: the Pareto front. ``None``: no budget.
     error_budget: float | None = None
 
     def row(self, name: str) -> PlanMeasurement:

@@ -206,22 +206,26 @@ def block_stacks(**ranges: Any) -> SearchStrategy[tuple[nn.Sequential, torch.Ten
 
 @dataclass(frozen=True)
 class ErrorCheck:
-    """What :func:`assert_error_within_bound` measured, per parameter (absolute L2 norms).
+    """What :func:`assert_error_within_bound` measured, per parameter (absolute L2 norms,
+    computed in float64)."""
 
-    ``measured``: approximate-path gradient against float64; ``exact``: exact float32 path
-    against float64 (the rounding the approximation comes on top of); ``bound``, ``estimate``:
-    from :func:`revckpt.approx.bounds.estimate_error`; ``roundoff``: a few units of the
-    gradients' dtype, ``ulps * eps * ||G_64||``, for the round-off of the comparison itself;
-    ``allowed = bound + exact + roundoff``. All computed in float64.
-    """
-
+    #: The approximate path's gradient error against float64.
     measured: dict[str, float]
+    #: The exact float32 path's error against float64 (the rounding the approximation comes
+    #: on top of).
     exact: dict[str, float]
+    #: The first-order bound of :func:`revckpt.approx.bounds.estimate_error`.
     bound: dict[str, float]
+    #: Its random-sign estimate.
     estimate: dict[str, float]
+    #: The norm of the float64 gradient.
     grad_norm: dict[str, float]
+    #: The approximation checked, as text (``str`` of the :class:`~revckpt.approx.Approx`).
     config: str
+    #: The largest codec error bound of one row relative to that row.
     worst_row_bound: float = 0.0
+    #: A few units of the gradients' dtype, ``ulps * eps * ||G_64||``: the round-off of the
+    #: comparison itself.
     roundoff: dict[str, float] = field(default_factory=dict)
 
     @property
