@@ -118,6 +118,8 @@ class ErrorEstimate:
     """Per-parameter gradient error of an approximate recompute, absolute (L2 norms). Keys of
     the maps are ``"<block index>.<parameter name>"``."""
 
+    #: The codec the block inputs were kept through.
+    codec: str
     #: The first-order hard bound (infinite where :attr:`first_order` does not hold).
     bound: dict[str, float]
     #: The random-sign estimate.
@@ -130,8 +132,6 @@ class ErrorEstimate:
     boundary_bound_norm: float
     #: The largest codec error bound of one row relative to that row (see :attr:`first_order`).
     worst_row_bound: float
-    #: The codec the block inputs were kept through.
-    codec: str
 
     @property
     def first_order(self) -> bool:
