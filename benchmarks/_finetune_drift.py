@@ -53,7 +53,7 @@ def drift_row(
     torch.manual_seed(config.depth)
     model = GPT(config).to(DTYPES[dtype])
     original = copy.deepcopy(model)
-    how = {"exact": True} if anchors == "exact" else {"anchor_every": anchors}
+    how = {"exact": True} if anchors == "exact" else {"anchor_every": anchors, "exact": False}
     revckpt.make_reversible(
         model, blocks="blocks", variant=variant, trainable="all", scale=scale,
         check_inverse=1e9, **how,

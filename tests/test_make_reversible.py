@@ -14,6 +14,7 @@ from torch import nn
 import revckpt
 from revckpt import InvalidArgumentError, RevckptError
 from revckpt.inplace import make_reversible, reversible_layers
+from revckpt.layers import ReconstructionWarning
 from revckpt.report import measure_step
 
 CASES = ["nanogpt", "gpt2", "llama", "bert", "encoder"]
@@ -514,7 +515,8 @@ def test_a_model_cast_after_conversion_computes_in_its_new_dtype():
     reversible_layers(model).reversible = True
     model.zero_grad(set_to_none=True)
     model.to(torch.bfloat16)
-    logits = model(example["input_ids"]).logits
+    with pytest.warns(ReconstructionWarning, match="cast after conversion"):
+        logits = model(example["input_ids"]).logits
     assert logits.dtype == torch.bfloat16
     assert reversible_layers(model).stack.anchor_every == 1  # bfloat16: an anchor per layer
     logits.float().pow(2).mean().backward()
@@ -742,3 +744,34 @@ def test_fit_on_a_stack_refuses_a_larger_batch_in_training():
     revckpt.fit(model, small, memory_budget=1.0, loss_fn=case.loss_fn)
     layers.limit = None
     zoo.step(model, large, case.loss_fn)
+
+
+def test_exact_auto_rebuilds_sixteen_bit_layers_exactly():
+    """exact="auto" (the default): a bfloat16 or float16 model is converted exact (a floating
+    rebuild there drifts past 1e-2 even with an anchor per layer), its gradients bitwise plain
+    autograd's; a float32 model keeps the floating-point rebuild; the float options (an
+    anchor_every number, stream_dtype) or exact=False keep it too; a 16-bit model with a scale
+    the grid cannot take warns and rebuilds in floating point."""
+    case = zoo.CASES["gpt2"]
+    for dtype in (torch.bfloat16, torch.float16):
+        model = make_reversible(case.make_model().to(dtype), blocks=case.blocks_path)
+        layers = reversible_layers(model)
+        assert layers.exact and layers.stack.anchor_every is None, dtype
+        example = case.make_example()
+        zoo.step(model, example, None)
+        assert max(d for d in layers.last_drift if d is not None) == 0.0
+        rebuilt = _grads(model)
+        model.zero_grad(set_to_none=True)
+        layers.reversible = False
+        zoo.step(model, example, None)
+        for n, g in _grads(model).items():
+            assert torch.equal(rebuilt[n], g), (dtype, n)
+    assert not reversible_layers(make_reversible(case.make_model(), blocks=case.blocks_path)).exact
+    for options in ({"anchor_every": 2}, {"stream_dtype": torch.float64}, {"exact": False}):
+        model = make_reversible(case.make_model().bfloat16(), blocks=case.blocks_path, **options)
+        assert not reversible_layers(model).exact, options
+    with pytest.warns(ReconstructionWarning, match="scale=0.1"):
+        model = make_reversible(case.make_model().bfloat16(), blocks=case.blocks_path, scale=0.1)
+    assert not reversible_layers(model).exact
+    with pytest.raises(InvalidArgumentError, match="exact="):
+        make_reversible(case.make_model(), blocks=case.blocks_path, exact="yes")

@@ -5,6 +5,7 @@ through the picklable instance ``forward`` installed on it (:class:`InstalledFor
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,7 @@ from torch import nn
 
 from ..checkpoint import checkpoint
 from ..errors import InvalidArgumentError, RevckptError
+from ..layers.drift import ReconstructionWarning
 from ..layers.grid import on_grid
 from ..layers.sequential import ReversibleSequential
 from ..layers.steps import StackRun
@@ -20,7 +22,11 @@ from ._reversible_calls import check_constant, dtype_of, passes, with_hidden
 from .calls import Key, carried_key, drop_caches, replaced
 from .install import REVERSIBLE_ATTR, within
 
-__all__ = ["MODES", "Calls", "InstalledForward", "ReversibleLayers", "auto_anchors"]
+__all__ = ["MODES", "SIXTEEN_BITS", "Calls", "InstalledForward", "ReversibleLayers", "auto_anchors"]
+
+#: The dtypes in which a floating-point rebuild drifts past 1e-2 even with an anchor per layer
+#: (``benchmarks/bench_finetune.py``'s drift table): ``exact="auto"`` rebuilds exactly there.
+SIXTEEN_BITS = (torch.bfloat16, torch.float16)
 
 #: How the stack's layers keep what their backward needs (:attr:`ReversibleLayers.mode`): every
 #: layer's input rebuilt from its output; everything stored (plain autograd); each layer's two
@@ -106,6 +112,7 @@ class ReversibleLayers:
     # defaults for a conversion pickled before they existed (torch.save of the model)
     limit: tuple[int, ...] | None = None
     shape: tuple[int, ...] | None = None
+    auto_exact = False  # exact="auto" chose (make_reversible); read by the 16-bit warning
 
     def __init__(
         self,
@@ -141,6 +148,11 @@ class ReversibleLayers:
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_pass": None}  # a pickle or deep copy takes no pass with it
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, ReconstructionWarning, stacklevel=5)
 
     @property
     def last_drift(self) -> list[float | None]:
@@ -268,6 +280,14 @@ class ReversibleLayers:
                 "given to make_reversible (was the model cast after conversion?): set "
                 "revckpt.inplace.reversible_layers(model).stream_dtype to a dtype at least as "
                 "wide, or None"
+            )
+        if dtype in SIXTEEN_BITS and not self.exact and self.auto_exact:
+            self._warn_once(
+                "16-bit",
+                f"{self._what}: the converted layers compute in {dtype} now (was the model "
+                "cast after conversion?), with floating-point rebuilds, which drift by 1e-2 "
+                f"or more in {dtype} even with an anchor per layer: convert the model in "
+                f"{dtype} (exact='auto' then rebuilds exactly) or pass exact=True",
             )
         if self.anchor_every == "auto":
             k = auto_anchors(self.scale, dtype, len(self.layers))

@@ -16,6 +16,7 @@ registered on their layers (``<layer>.revckpt_adapter_f`` / ``_g``), so an optim
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal
 
 import torch
@@ -24,10 +25,11 @@ from torch import nn
 from ..errors import InvalidArgumentError
 from ..layers.adapters import VARIANTS, Adapter, LayerBranch, adapter_block
 from ..layers.coupling import ScaledCoupling
+from ..layers.drift import ReconstructionWarning
 from ..layers.grid import GridCoupling
 from ..layers.sequential import ReversibleBlock, ReversibleSequential
 from ._reversible_calls import LayerCall, dtype_of, forward_function, instance_forward, width_of
-from ._reversible_stack import InstalledForward, ReversibleLayers, auto_anchors
+from ._reversible_stack import SIXTEEN_BITS, InstalledForward, ReversibleLayers, auto_anchors
 from .blocks import Blocks, find_blocks
 from .install import REVERSIBLE_ATTR
 
@@ -56,7 +58,7 @@ def make_reversible(
     anchor_every: int | Literal["auto"] | None = "auto",
     check_inverse: float | Literal["auto"] | None = "auto",
     stream_dtype: torch.dtype | None = None,
-    exact: bool = False,
+    exact: bool | Literal["auto"] = "auto",
 ) -> nn.Module:
     """Make a pretrained model's layers one reversible stack, keeping its output at
     conversion up to ``scale`` (MEFT; see :mod:`revckpt.layers.adapters`). In place; returns
@@ -104,7 +106,14 @@ def make_reversible(
             element; :mod:`revckpt.layers.grid`): every layer input is rebuilt bit for bit,
             so there is no drift and no anchor, whatever ``scale`` and the depth. ``scale``
             must be ``2^-k`` with ``k <= 8``; ``anchor_every`` and ``stream_dtype`` do not
-            apply. The layers still run in their own dtype.
+            apply. The layers still run in their own dtype. ``"auto"`` (default): exact when
+            the layers are in a 16-bit dtype (bfloat16, float16) and neither ``stream_dtype``
+            nor an ``anchor_every`` number is given: there a floating-point rebuild is off by
+            1e-2 or more even with an anchor per layer (which keeps more than checkpointing
+            would), while the exact one keeps a byte per element per layer and rebuilds bit
+            for bit. A 16-bit model with a scale the grid cannot take (not ``2^-k``), or a
+            model converted in float32 and cast to 16 bits afterwards, warns
+            :class:`~revckpt.layers.ReconstructionWarning` instead.
 
     The layers must run in order, all of them, in every forward (an early exit, or a
     forward that starts the stack again midway, raises :class:`~revckpt.RevckptError` in
@@ -112,9 +121,11 @@ def make_reversible(
     cross-attention context computed by trainable parameters is refused at the call).
     Undo with :func:`revckpt.restore`.
     """
-    _check_options(variant, trainable, scale)
+    _check_options(variant, trainable, scale, exact)
     layers = _layers_of(model, blocks)
     model_dtype = dtype_of(layers[0][1]) or torch.float32
+    auto = exact == "auto"
+    exact = _auto_exact(scale, model_dtype, stream_dtype, anchor_every) if auto else exact
     if exact:
         stream_dtype, anchor_every = _exact_streams(scale, stream_dtype, anchor_every)
     _check_stream_dtype(stream_dtype, model_dtype)
@@ -136,6 +147,7 @@ def make_reversible(
         layers, stack, hidden, scale=scale, anchor_every=anchor_every, stream_dtype=stream_dtype
     )
     converted.exact = exact
+    converted.auto_exact = auto and model_dtype not in SIXTEEN_BITS  # warns if cast to 16 bits
     converted.width = width if width is not None else width_of(layers[0][1], layers[0][0])
     converted.forwards = [before for _, before in built]
     converted.frozen = frozen
@@ -159,6 +171,28 @@ def _exact_streams(
     return torch.float64, None
 
 
+def _auto_exact(
+    scale: float, dtype: torch.dtype, stream_dtype: torch.dtype | None, anchor_every: Any
+) -> bool:
+    """``exact="auto"``: exact for 16-bit layers, unless the float options are chosen; a
+    16-bit model whose scale the grid cannot take warns that its rebuild will drift."""
+    if dtype not in SIXTEEN_BITS or stream_dtype is not None or anchor_every not in ("auto", None):
+        return False
+    try:
+        GridCoupling(scale)
+    except InvalidArgumentError:
+        warnings.warn(
+            f"make_reversible: layers in {dtype} with scale={scale:g}, which the exact "
+            f"rebuild (exact=True) cannot take: the rebuild is in floating point and in "
+            f"{dtype} drifts by 1e-2 or more; pass a scale 2^-k (k <= 8, e.g. 0.125) to "
+            "rebuild exactly",
+            ReconstructionWarning,
+            stacklevel=3,
+        )
+        return False
+    return True
+
+
 def _frozen(layers: list[tuple[str, nn.Module]]) -> list[tuple[nn.Parameter, bool]]:
     """Freeze the converted layers' own parameters (before the adapters exist); each with the
     ``requires_grad`` it had, for :func:`remove_reversible`."""
@@ -169,7 +203,9 @@ def _frozen(layers: list[tuple[str, nn.Module]]) -> list[tuple[nn.Parameter, boo
     return frozen
 
 
-def _check_options(variant: str, trainable: str, scale: float) -> None:
+def _check_options(variant: str, trainable: str, scale: float, exact: Any) -> None:
+    if exact not in (True, False, "auto"):
+        raise InvalidArgumentError(f"exact={exact!r}: use True, False or 'auto'")
     if variant not in VARIANTS:
         raise InvalidArgumentError(f"variant={variant!r}: use one of {', '.join(VARIANTS)}")
     if trainable not in ("adapters", "all"):
