@@ -775,3 +775,28 @@ def test_exact_auto_rebuilds_sixteen_bit_layers_exactly():
     assert not reversible_layers(model).exact
     with pytest.raises(InvalidArgumentError, match="exact="):
         make_reversible(case.make_model(), blocks=case.blocks_path, exact="yes")
+
+
+def test_layer_outputs_besides_the_hidden_state_are_values():
+    """BLOOM's layers return their attention weights whether asked or not (the model drops
+    them): they come back detached, so the model trains, its float64 gradients plain
+    autograd's; a loss on them (output_attentions=True) raises in backward, naming them."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=3, n_head=4)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = make_reversible(transformers.BloomForCausalLM(config).double(), trainable="all")
+    grads = []
+    for reversible in (True, False):
+        reversible_layers(model).reversible = reversible
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for n, g in grads[1].items():
+        torch.testing.assert_close(grads[0][n], g, rtol=1e-10, atol=1e-12, msg=n)
+    reversible_layers(model).reversible = True
+    out = model(input_ids=ids, output_attentions=True, use_cache=False)
+    loss = out.logits.sum() + sum(a.sum() for a in out.attentions)
+    with pytest.raises(RevckptError, match="output item 1"):
+        loss.backward()

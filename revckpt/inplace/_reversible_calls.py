@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, RevckptError
 from .calls import Key, hidden_of, replaced
 
 if TYPE_CHECKING:
@@ -138,20 +138,38 @@ class LayerCall:
 
 
 def _without_hidden(out: Any) -> Any:
+    """The layer's output with its hidden state left out; a further output that requires grad
+    (attention weights, which BLOOM's layers return whether asked or not; a position bias) is
+    given back detached, its gradient refused in backward (:class:`_NoGradient`)."""
     if isinstance(out, torch.Tensor):
         return out
-    rest = tuple(out[1:]) if isinstance(out, (tuple, list)) else ()
-    for i, t in enumerate(rest, start=1):
+    rest = list(out[1:]) if isinstance(out, (tuple, list)) else []
+    for i, t in enumerate(rest):
         if isinstance(t, torch.Tensor) and t.requires_grad:
-            raise InvalidArgumentError(
-                f"a converted layer returned a tensor that requires grad besides its hidden "
-                f"state (output item {i}, shape {tuple(t.shape)}): attention weights, or a "
-                "position bias made from trainable weights, as T5's first layer returns; a "
-                "reversible stack carries the hidden state only: call the model with "
-                "output_attentions=False, or freeze the weights it is made from (trainable="
-                "'adapters' freezes the converted layers)"
-            )
+            rest[i] = _NoGradient.apply(torch.zeros((), requires_grad=True), t.detach(), i + 1)
     return type(out)((None, *rest)) if isinstance(out, (tuple, list)) else out
+
+
+class _NoGradient(torch.autograd.Function):
+    """A layer output besides the hidden state, as a value: the reversible stack differentiates
+    the hidden state only, so a gradient reaching it raises (unused, as a model that drops
+    its layers' attention weights does, it costs nothing)."""
+
+    @staticmethod
+    def forward(ctx: Any, _anchor: torch.Tensor, value: torch.Tensor, item: int) -> torch.Tensor:
+        ctx.item, ctx.shape = item, tuple(value.shape)
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, _grad: torch.Tensor) -> tuple[None, None, None]:
+        raise RevckptError(
+            f"a gradient reached output item {ctx.item} (shape {ctx.shape}) of a layer "
+            "converted by make_reversible, besides its hidden state: attention weights, or a "
+            "position bias made from trainable weights (T5's first layer returns one)? A "
+            "reversible stack carries the hidden state only, so that gradient would be lost: "
+            "call the model with output_attentions=False, freeze what computes it, or set "
+            "revckpt.inplace.reversible_layers(model).reversible = False (plain autograd)"
+        )
 
 
 def dtype_of(layer: nn.Module) -> torch.dtype | None:
