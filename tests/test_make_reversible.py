@@ -800,3 +800,45 @@ def test_layer_outputs_besides_the_hidden_state_are_values():
     loss = out.logits.sum() + sum(a.sum() for a in out.attentions)
     with pytest.raises(RevckptError, match="output item 1"):
         loss.backward()
+
+
+class _ConvBlock(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.c1, self.n1 = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+        self.c2 = nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.c2(torch.relu(self.n1(self.c1(x))))
+
+
+def test_channels_first_layers_get_adapters_over_their_channels():
+    """A CNN's (N, C, H, W) hidden state: the width comes from its BatchNorm2d, so the
+    adapters act on dimension 1 (1x1 convolutions over the channels), whatever the image
+    size; float64 gradients are plain autograd's. A stated feature_dim that does not fit the
+    hidden state is refused naming both options."""
+    torch.manual_seed(0)
+    body = nn.Sequential(*[_ConvBlock(6) for _ in range(3)])
+    model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), body, nn.AdaptiveAvgPool2d(1))
+    model = make_reversible(model.double(), blocks="1", trainable="all")
+    adapter = body[1].revckpt_adapter_f
+    assert reversible_layers(model).feature_dim == 1 and adapter.dim == 1
+    for n, p in model.named_parameters():
+        if "revckpt_adapter" in n:
+            p.data.normal_(0, 0.1)
+    u = torch.randn(2, 6, 5, 7, dtype=torch.float64)
+    per_pixel = adapter.up(adapter.act(adapter.down(u.movedim(1, -1)))).movedim(-1, 1)
+    torch.testing.assert_close(adapter(u), per_pixel)
+    x = torch.randn(2, 3, 9, 11, dtype=torch.float64)
+    grads = []
+    for reversible in (True, False):
+        reversible_layers(model).reversible = reversible
+        model.zero_grad(set_to_none=True)
+        model(x).pow(2).sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    for n, g in grads[1].items():
+        torch.testing.assert_close(grads[0][n], g, rtol=1e-10, atol=1e-12, msg=n)
+    wrong = nn.Sequential(*[_ConvBlock(6) for _ in range(2)])
+    make_reversible(wrong, feature_dim=-1)
+    with pytest.raises(InvalidArgumentError, match="feature_dim="):
+        wrong(torch.randn(1, 6, 4, 4))

@@ -21,9 +21,9 @@ __all__ = [
     "Plain",
     "check_constant",
     "dtype_of",
+    "features_of",
     "forward_function",
     "passes",
-    "width_of",
     "with_hidden",
 ]
 
@@ -177,22 +177,45 @@ def dtype_of(layer: nn.Module) -> torch.dtype | None:
     return None if p is None else p.dtype
 
 
-def width_of(layer: nn.Module, fqn: str) -> int:
-    """The hidden width: the size of the layer's widest normalisation weight (of a module whose
-    class or a 1-D parameter whose name says norm or ln)."""
-    sizes = []
+#: Norms over dimension 1 of their input (channels first): the hidden state's features are there.
+CHANNELS_FIRST = (
+    nn.modules.batchnorm._BatchNorm,
+    nn.GroupNorm,
+    nn.modules.instancenorm._InstanceNorm,
+)
+
+
+def features_of(
+    layer: nn.Module, fqn: str, width: int | None = None, dim: int | None = None
+) -> tuple[int, int]:
+    """The hidden width and the dimension it is on (``width``, ``dim``: given, else read off
+    the layer): the size of the layer's widest normalisation weight (of a module whose class
+    or a 1-D parameter whose name says norm or ln), on dimension 1 when that norm is a
+    BatchNorm, GroupNorm or InstanceNorm (channels first, as in a CNN), else the last
+    (LayerNorm, RMSNorm: tokens)."""
+    if width is not None and dim is not None:
+        return width, dim
+    sizes = [s for s in _norm_sizes(layer) if width is None or s[0] == width]
+    if sizes:  # the largest: a per-head norm (QK-norm) is narrower than the hidden state
+        found = max(sizes, key=lambda s: s[0])  # the first of the widest: its module's axis
+        return found[0], found[1] if dim is None else dim
+    if width is not None:
+        return width, -1 if dim is None else dim
+    raise InvalidArgumentError(
+        f"cannot tell the hidden width of layer {fqn}: pass width= (the size of its hidden "
+        "state's feature dimension) and, for channels-first inputs, feature_dim=1"
+    )
+
+
+def _norm_sizes(layer: nn.Module) -> list[tuple[int, int]]:
+    sizes: list[tuple[int, int]] = []
     for m in layer.modules():
         weight = getattr(m, "weight", None)
         named_norm = "norm" in type(m).__name__.lower()
         if named_norm and isinstance(weight, torch.Tensor) and weight.dim() == 1:
-            sizes.append(weight.numel())
+            sizes.append((weight.numel(), 1 if isinstance(m, CHANNELS_FIRST) else -1))
     for name, p in layer.named_parameters():
         leaf = name.lower().rpartition(".")[0].rpartition(".")[2]
         if p.dim() == 1 and ("norm" in leaf or leaf.startswith("ln")):
-            sizes.append(p.numel())
-    if sizes:  # the largest: a per-head norm (QK-norm) is narrower than the hidden state
-        return max(sizes)
-    raise InvalidArgumentError(
-        f"cannot tell the hidden width of layer {fqn}: pass width= (the size of its hidden "
-        "state's last dimension)"
-    )
+            sizes.append((p.numel(), -1))
+    return sizes

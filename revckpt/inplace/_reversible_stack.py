@@ -113,6 +113,7 @@ class ReversibleLayers:
     limit: tuple[int, ...] | None = None
     shape: tuple[int, ...] | None = None
     auto_exact = False  # exact="auto" chose (make_reversible); read by the 16-bit warning
+    feature_dim = -1  # the adapters' dimension of the hidden state
 
     def __init__(
         self,
@@ -132,7 +133,8 @@ class ReversibleLayers:
         self.stream_dtype = stream_dtype
         self.exact = False  # streams on the fixed-point grid (make_reversible(exact=True))
         self._dtype: torch.dtype | None = None  # the hidden state's, as the model passes it
-        self.width: int | None = None  # the adapters' (the hidden state's last dimension)
+        self.width: int | None = None  # the adapters' (the size of feature_dim)
+        self.feature_dim = -1  # the hidden state's dimension the adapters act on
         self._mode = "reversible"
         #: the largest hidden-state shape revckpt.fit measured the mode with (None: any): a
         #: larger one is refused in training; ``shape``: the hidden state's at the last forward
@@ -232,13 +234,7 @@ class ReversibleLayers:
                 "hidden_states / x) is the hidden state"
             )
         h = args[key] if isinstance(key, int) else kwargs[key]
-        width = self.width
-        if width is not None and h.shape[-1] != width:
-            raise InvalidArgumentError(
-                f"layer {self.layers[0][0]} got a hidden state of shape {tuple(h.shape)}, but "
-                f"make_reversible built its adapters for width {width}: pass width= (the size "
-                "of the hidden state's last dimension)"
-            )
+        self._check_width(h)
         self._check_limit(h)
         self._dtype = h.dtype
         self._follow_dtype(dtype_of(self.layers[0][1]) or h.dtype)
@@ -253,6 +249,17 @@ class ReversibleLayers:
         run = self.stack.stepwise(*streams, calls=calls) if self.reversible else None
         self._pass = _Pass(calls, run, streams, _Progress(self.layers[0][0]))
         return self._pass
+
+    def _check_width(self, h: torch.Tensor) -> None:
+        width, dim = self.width, self.feature_dim
+        if width is None or (-h.dim() <= dim < h.dim() and h.shape[dim] == width):
+            return
+        raise InvalidArgumentError(
+            f"layer {self.layers[0][0]} got a hidden state of shape {tuple(h.shape)}, but "
+            f"make_reversible built its adapters for {width} features on dimension {dim}: "
+            "pass width= (the number of features) and feature_dim= (their dimension: -1 "
+            "for tokens, 1 for channels-first images)"
+        )
 
     def _check_limit(self, h: torch.Tensor) -> None:
         """Refuse, in training, a hidden state larger than the one :func:`revckpt.fit` chose

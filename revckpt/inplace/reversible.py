@@ -28,7 +28,13 @@ from ..layers.coupling import ScaledCoupling
 from ..layers.drift import ReconstructionWarning
 from ..layers.grid import GridCoupling
 from ..layers.sequential import ReversibleBlock, ReversibleSequential
-from ._reversible_calls import LayerCall, dtype_of, forward_function, instance_forward, width_of
+from ._reversible_calls import (
+    LayerCall,
+    dtype_of,
+    features_of,
+    forward_function,
+    instance_forward,
+)
 from ._reversible_stack import SIXTEEN_BITS, InstalledForward, ReversibleLayers, auto_anchors
 from .blocks import Blocks, find_blocks
 from .install import REVERSIBLE_ATTR
@@ -55,6 +61,7 @@ def make_reversible(
     trainable: Literal["adapters", "all"] = "adapters",
     blocks: Blocks = None,
     width: int | None = None,
+    feature_dim: int | None = None,
     anchor_every: int | Literal["auto"] | None = "auto",
     check_inverse: float | Literal["auto"] | None = "auto",
     stream_dtype: torch.dtype | None = None,
@@ -81,7 +88,11 @@ def make_reversible(
         blocks: the layers (an attribute path such as ``"transformer.h"``, or a filter); by
             default the model's repeated blocks (:func:`revckpt.inplace.find_blocks`), which
             must be consecutive children of one container.
-        width: the hidden state's size (default: read off the first layer's norm).
+        width: the hidden state's size (default: read off each layer's norm).
+        feature_dim: the hidden state's dimension the adapters act on: ``-1`` (tokens, as
+            ``(batch, sequence, width)``) or ``1`` (channels first, as a CNN's ``(N, C, H,
+            W)``: the adapters are then 1x1 convolutions). Default: ``1`` when the width
+            comes from a BatchNorm, GroupNorm or InstanceNorm, else ``-1``.
         anchor_every: store the inputs of layers ``k, 2k, ...`` exactly, so reconstruction
             error grows over at most ``k`` layers (two stored streams per anchor; layer 0 is
             rebuilt exactly).
@@ -130,8 +141,11 @@ def make_reversible(
         stream_dtype, anchor_every = _exact_streams(scale, stream_dtype, anchor_every)
     _check_stream_dtype(stream_dtype, model_dtype)
     frozen = _frozen(layers) if trainable == "adapters" else []
+    if feature_dim is not None and not isinstance(feature_dim, int):
+        raise InvalidArgumentError(f"feature_dim={feature_dim!r}: pass -1, 1 or None")
+    features = [features_of(layer, fqn, width, feature_dim) for fqn, layer in layers]
     built = [
-        _layer_block(i, fqn, layer, variant, scale, rank, width, exact)
+        _layer_block(i, fqn, layer, variant, scale, rank, features[i], exact)
         for i, (fqn, layer) in enumerate(layers)
     ]
     if variant == "layer_f":  # the last layer's auxiliary output reaches nothing: the adapter
@@ -148,7 +162,7 @@ def make_reversible(
     )
     converted.exact = exact
     converted.auto_exact = auto and model_dtype not in SIXTEEN_BITS  # warns if cast to 16 bits
-    converted.width = width if width is not None else width_of(layers[0][1], layers[0][0])
+    converted.width, converted.feature_dim = features[0]
     converted.forwards = [before for _, before in built]
     converted.frozen = frozen
     for i, (_, layer) in enumerate(layers):
@@ -232,14 +246,15 @@ def _layer_block(
     variant: str,
     scale: float,
     rank: int,
-    width: int | None,
+    features: tuple[int, int],
     exact: bool,
 ) -> tuple[ReversibleBlock, object]:
-    """Layer ``i``'s reversible block, its two adapters registered on it, and the instance
-    forward it had (as :attr:`LayerCall.before`)."""
-    size = width if width is not None else width_of(layer, fqn)
+    """Layer ``i``'s reversible block, its two adapters (``features``: their width and the
+    hidden state's dimension they act on) registered on it, and the instance forward it had
+    (as :attr:`LayerCall.before`)."""
+    size, dim = features
     like = next(layer.parameters(), None)
-    a_f, a_g = Adapter(size, rank), Adapter(size, rank)
+    a_f, a_g = Adapter(size, rank, dim=dim), Adapter(size, rank, dim=dim)
     if like is not None:
         a_f.to(like.device, like.dtype)
         a_g.to(like.device, like.dtype)

@@ -48,10 +48,15 @@ VARIANTS: tuple[str, ...] = ("layer_f", "layer_g")
 class Adapter(nn.Module):
     """``up(act(down(x)))``, a bottleneck of ``rank`` features, without biases: ``down`` drawn
     from ``N(0, init_std^2)`` (MEFT's 0.02), ``up`` zero, so a new adapter returns zeros and
-    its first gradients reach ``up``. Extra keyword arguments (a block's) are ignored."""
+    its first gradients reach ``up``. Extra keyword arguments (a block's) are ignored. ``dim``:
+    the input's feature dimension (``-1``, tokens; ``1``, channels first, as a CNN's
+    ``(N, C, H, W)``: a 1x1 convolution)."""
 
-    def __init__(self, width: int, rank: int = 8, *, init_std: float = 0.02) -> None:
+    dim = -1  # an adapter pickled before the option existed acts on the last dimension
+
+    def __init__(self, width: int, rank: int = 8, *, init_std: float = 0.02, dim: int = -1) -> None:
         super().__init__()
+        self.dim = dim
         if not (isinstance(rank, int) and rank >= 1 and isinstance(width, int) and width >= 1):
             raise InvalidArgumentError(
                 f"Adapter(width={width!r}, rank={rank!r}): pass positive ints"
@@ -63,6 +68,11 @@ class Adapter(nn.Module):
         nn.init.zeros_(self.up.weight)
 
     def forward(self, x: torch.Tensor, **_: Any) -> torch.Tensor:
+        if self.dim in (-1, x.dim() - 1):
+            return self._features_last(x)
+        return self._features_last(x.movedim(self.dim, -1)).movedim(-1, self.dim)
+
+    def _features_last(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.down.weight.dtype
         if x.dtype == dtype or (x.dtype != torch.float64 and torch.is_autocast_enabled()):
             return self.up(self.act(self.down(x)))  # (autocast casts what it runs)
