@@ -97,14 +97,14 @@ def fit_stack(
     budget = parse_budget(memory_budget, peaks["store"])
     fits = [m for m in modes if peaks[m] <= budget]
     if not fits:
-        measured = ", ".join(f"{m} {human_bytes(peaks[m])}" for m in modes)
+        measured = ", ".join(f"{m} {human_bytes(peaks[m])} ({peaks[m]:,} bytes)" for m in modes)
         fewer = ", or fewer anchors (make_reversible with a larger anchor_every or scale)"
         if converted.exact:  # no anchors to drop (a byte per element per layer instead)
             fewer = ""
         raise InfeasibleBudgetError(
-            f"memory_budget={memory_budget!r} ({human_bytes(budget)}): the reversible stack's "
-            f"step measured {measured}, none within it; raise the budget or use a smaller "
-            f"batch{fewer}",
+            f"memory_budget={memory_budget!r} ({human_bytes(budget)}, {budget:,} bytes): the "
+            f"reversible stack's step measured {measured}, none within it; raise the budget to "
+            f"{min(peaks[m] for m in modes):,} bytes or use a smaller batch{fewer}",
             smallest_budget_bytes=min(peaks[m] for m in modes),
         )
     if "store" in fits:  # nothing recomputed: the fastest
@@ -118,7 +118,8 @@ def fit_stack(
     return Plan(
         segments=(Segment(0, len(names), chosen),),
         predicted_peak_bytes=peaks[chosen],
-        predicted_overhead=ratios[chosen] - 1,
+        # a mode that recomputes timed faster than store-all is the machine's noise: none
+        predicted_overhead=max(0.0, ratios[chosen] - 1),
         predicted_error=0.0,
         memory_budget_bytes=budget,
         error_budget=0.0,
