@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from .._numbers import relative_error
+from .._numbers import relative
 from ..approx import Approx, compress_saved
 from ..errors import InvalidInputTypeError
 from .cost_records import ApproxCost, CompressCost, GradNorms
@@ -249,19 +250,32 @@ def error_fields(
     return out
 
 
+class _Against:
+    """Relative errors against one reference tensor, as :func:`revckpt._numbers.relative_error`
+    gives them (``||got - ref|| / ||ref||`` in float64), the reference's float64 copy and norm
+    made once for every codec compared with it."""
+
+    def __init__(self, ref: torch.Tensor) -> None:
+        self.ref = ref.double()
+        self.norm = math.sqrt(float(self.ref.pow(2).sum()))
+
+    def __call__(self, got: torch.Tensor) -> float:
+        return relative(math.sqrt(float((got.double() - self.ref).pow(2).sum())), self.norm)
+
+
 def codec_errors(run: _Runner, x: torch.Tensor, codecs: Sequence[str]) -> CodecErrors:
     """Measured, per codec (see :class:`CodecErrors` and :func:`error_fields`)."""
-    exact_in, exact_par, exact_y, exact_x = run.exact_figures(x)
+    exact_in, exact_par, exact_y, exact_x = map(_Against, run.exact_figures(x))
     errors = CodecErrors({}, {}, {}, {})
     for name in codecs:
         codec = Approx(store=name).codec
         assert codec is not None
         got_in, got_par, got_y, got_x = run.grads(codec.roundtrip(x))
-        errors.parameters[name] = relative_error(got_par, exact_par)
-        errors.input_gradient[name] = relative_error(got_in, exact_in)
-        moved = relative_error(got_x, exact_x)
+        errors.parameters[name] = exact_par(got_par)
+        errors.input_gradient[name] = exact_in(got_in)
+        moved = exact_x(got_x)
         errors.perturbation[name] = moved
-        errors.amplification[name] = relative_error(got_y, exact_y) / moved if moved > 0 else 1.0
+        errors.amplification[name] = exact_y(got_y) / moved if moved > 0 else 1.0
     return errors
 
 
@@ -270,11 +284,11 @@ def compress_errors(
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Per codec, the relative errors of the block's parameter and input gradients when its
     saved tensors are compressed (:func:`revckpt.approx.compress_saved`), one run per codec."""
-    exact_in, exact_par, _, _ = run.exact_figures(x)
+    exact_in, exact_par = map(_Against, run.exact_figures(x)[:2])
     params, inputs = {}, {}
     for name in codecs:
         wrap = functools.partial(compress_saved, store=name)
         got_in, got_par, _, _ = run.grads(x, wrap)
-        params[name] = relative_error(got_par, exact_par)
-        inputs[name] = relative_error(got_in, exact_in)
+        params[name] = exact_par(got_par)
+        inputs[name] = exact_in(got_in)
     return params, inputs

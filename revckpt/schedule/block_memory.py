@@ -10,6 +10,7 @@ outputs hold the output; what a selective policy keeps; what offload moves).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -87,8 +88,16 @@ def _output_ops(block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> fr
     operation's outputs, so their storage, until backward)."""
     with torch.no_grad(), _StorageWriters() as mode:
         y = block(x, **kwargs)
+    return _ops_holding(mode, y)
+
+
+def _ops_holding(mode: Any, y: torch.Tensor) -> frozenset[Any]:
+    """The operations ``mode`` (a :class:`_StorageWriters`, else none) saw writing ``y``'s
+    storage."""
     key = _storage_key(y)
-    return frozenset(mode.writers.get(key, ())) if key is not None else frozenset()
+    if not isinstance(mode, _StorageWriters) or key is None:
+        return frozenset()
+    return frozenset(mode.writers.get(key, ()))
 
 
 def _saved_storages(
@@ -194,19 +203,19 @@ def memory_costs(
     compress: Sequence[str] = (),
     offload: bool = False,
     grads_new: bool = False,
+    output: torch.Tensor | None = None,
 ) -> BlockMemory:
     """Every memory figure of ``block`` on the input ``leaf`` (a leaf requiring grad if
-    floating): bytes kept, transient peaks per mode, replay state, what policies keep."""
-    with MemoryMeter(device) as fwd:
-        y = block(leaf, **kwargs)
-    if not isinstance(y, torch.Tensor):
-        raise InvalidInputTypeError(
-            f"the scheduler handles chains of blocks returning one tensor; {type(block).__name__} "
-            f"returned {type(y).__name__}"
-        )
-    out_bytes = tensor_bytes(y)
-    grad_out = torch.randn_like(y)
-    del y
+    floating): bytes kept, transient peaks per mode, replay state, what policies keep.
+    ``output``: the block's output on ``leaf`` where the caller has it (any copy of it: only
+    its size and layout are used); the stored forward's figures then come from the metered
+    ``accumulate`` step instead of a forward of their own."""
+    stored: tuple[int, int] | None = None  # what the stored forward keeps, its peak
+    if output is None:
+        output, stored = _stored_forward(block, leaf, kwargs, device)
+    out_bytes = tensor_bytes(output)
+    grad_out = torch.randn_like(output)
+    del output
     params = [p for p in block.parameters() if p.requires_grad]
     wrt = ([leaf] if leaf.requires_grad else []) + params
     approx_bytes, encode_peaks = compressed_sizes(leaf.detach(), codecs, device)
@@ -222,12 +231,13 @@ def memory_costs(
         runs, modes.all, grad_out, accounted, device, backward=bool(wrt), grads_new=grads_new
     )
     leaf.grad = None
+    saved, forward_peak = metered.forward["accumulate"] if stored is None else stored
     fields = {
         "input_bytes": tensor_bytes(leaf),
         "output_bytes": out_bytes,
-        "saved_bytes": max(0, fwd.end_bytes - out_bytes),
-        "forward_peak_bytes": fwd.peak_bytes,
-        **_alone_fields(runs, modes, metered, device, out_bytes, offload),
+        "saved_bytes": saved,
+        "forward_peak_bytes": forward_peak,
+        **_alone_fields(runs, modes, metered, device, offload),
         **modes.transient_fields(metered),
         "param_bytes": sum(tensor_bytes(p) for p in params),
         "approx": {c: ApproxCost(n, encode_peaks[c]) for c, n in approx_bytes.items()},
@@ -240,6 +250,21 @@ def memory_costs(
         "grads_new": grads_new,
     }
     return BlockMemory(fields, grad_out, runs)
+
+
+def _stored_forward(
+    block: nn.Module, leaf: torch.Tensor, kwargs: dict[str, Any], device: Any
+) -> tuple[torch.Tensor, tuple[int, int]]:
+    """The block's stored forward on ``leaf``, metered: its output (detached), and the bytes
+    it keeps besides the output and its peak."""
+    with MemoryMeter(device) as fwd:
+        y = block(leaf, **kwargs)
+    if not isinstance(y, torch.Tensor):
+        raise InvalidInputTypeError(
+            f"the scheduler handles chains of blocks returning one tensor; {type(block).__name__} "
+            f"returned {type(y).__name__}"
+        )
+    return y.detach(), (max(0, fwd.end_bytes - tensor_bytes(y)), fwd.peak_bytes)
 
 
 @dataclass(frozen=True)
@@ -298,21 +323,22 @@ class _Modes:
 
 
 def _alone_fields(
-    runs: _Runs, modes: _Modes, metered: _Metered, device: Any, out_bytes: int, offload: bool
+    runs: _Runs, modes: _Modes, metered: _Metered, device: Any, offload: bool
 ) -> dict[str, Any]:
     """The fields measured by running the block on its own, outside the metered steps: the
-    selective forwards (their backward transients: ``metered``), the no-grad forward's peak,
-    what it saves, offload's figures."""
+    no-grad forward's peak, what it saves, offload's figures; and each selective policy's
+    from its metered step (:func:`_selective`)."""
     block, leaf, kwargs = runs.block, runs.leaf, runs.kwargs
-    backward = {p: metered.transient[m] for p, m in modes.selective.items()}
-    selective = _selective(block, leaf, backward, device, kwargs, out_bytes)
-    with torch.no_grad(), MemoryMeter(device) as nograd:
+    # which operations hold the output (for the selective policies), seen in the same run
+    writers = _StorageWriters() if modes.selective else contextlib.nullcontext()
+    with torch.no_grad(), writers, MemoryMeter(device) as nograd:
         z = block(leaf.detach(), **kwargs)
+    output_ops = _ops_holding(writers, z)
     del z
     moved = _offload_costs(block, leaf, kwargs, 3) if offload else None
     return {
         "forward_peak_nograd_bytes": nograd.peak_bytes,
-        "selective": selective,
+        "selective": _selective(modes.selective, metered, output_ops),
         "output_saved": _saves_own_output(block, leaf, kwargs),
         "invertible": isinstance(block, ReversibleUnit),
         "offload": moved,
@@ -328,26 +354,15 @@ def _reversible(block: nn.Module) -> ReversibleSequential | None:
 
 
 def _selective(
-    block: nn.Module,
-    leaf: torch.Tensor,
-    backward: dict[str, int],
-    device: Any,
-    kwargs: dict[str, Any],
-    out_bytes: int,
+    policies: dict[str, str], metered: _Metered, output_ops: frozenset[Any]
 ) -> dict[str, SelectiveCost]:
-    """Per policy (the keys of ``backward``, its metered backward transient), the forward
-    alone: what it keeps, its peak, whether it keeps the output."""
+    """Per policy (``policies``: its mode by policy), from its metered step: what its forward
+    keeps (its replay state included) and its peak, its backward transient; whether it keeps
+    the output (``output_ops``: the operations whose outputs hold it)."""
     costs = {}
-    output_ops = _output_ops(block, leaf.detach(), kwargs) if backward else frozenset()
-    for policy, transient in backward.items():
-        kept, peak = _forward_alone(
-            lambda policy=policy: checkpoint(
-                block, leaf, strategy=f"{SELECTIVE}:{policy}", **kwargs
-            ),
-            device,
-            out_bytes,
-        )
+    for policy, mode in policies.items():
+        kept, peak = metered.forward[mode]
         # a policy that keeps an operation whose output holds the block output keeps it
         kept_output = not output_ops.isdisjoint(parse_policy(policy))
-        costs[policy] = SelectiveCost(kept, peak, transient, kept_output)
+        costs[policy] = SelectiveCost(kept, peak, metered.transient[mode], kept_output)
     return costs

@@ -79,13 +79,25 @@ class _Seed(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class _Metered:
-    """Per mode: the backward transient; per recomputing mode, the bytes its forward keeps
-    beyond what the cost model counts for it (the replay state: generator states of a forward
-    that draws random numbers) and what of them is still alive after its backward."""
+    """Per mode: the backward transient (not for a mode metered for its replay state alone
+    whose forward kept nothing more: see :func:`_metered_modes`), and its forward's figures:
+    the bytes it keeps beyond those accounted for (none below 0) and its peak; per recomputing
+    mode, the bytes its forward keeps beyond what the cost model counts for it (the replay
+    state: generator states of a forward that draws random numbers) and what of them is still
+    alive after its backward."""
 
     transient: dict[str, int]
     rng: dict[str, int]
     late: dict[str, int]
+    forward: dict[str, tuple[int, int]]
+
+
+# modes metered for their replay state alone (``BlockCost.replay``: their transients are not
+# figures of the cost model): a forward that keeps nothing beyond the bytes accounted for has
+# no replay state, nor any that outlives its backward, so their backward is not run then.
+# (Offload's transient is not a figure either; its backward, which copies the input back from
+# the host on a side stream, still runs.)
+_REPLAY_ONLY = (APPROX,)
 
 
 def _metered_modes(
@@ -103,13 +115,18 @@ def _metered_modes(
     (the compressed input of approx). ``grads_new``: the parameter gradients are ``None``
     before each step (created by it, counted in its transients) rather than existing.
     Selective modes count their replay state in what they keep
-    (``SelectiveCost.kept_bytes``): only what outlives their backward is recorded here."""
-    metered = _Metered({}, {}, {})
+    (``SelectiveCost.kept_bytes``): only what outlives their backward is recorded here. The
+    step of an approx mode whose forward keeps nothing beyond the accounted bytes ends with
+    its forward (its replay figures are 0 without a backward; see ``_REPLAY_ONLY``)."""
+    metered = _Metered({}, {}, {}, {})
     for mode in modes:
+        lean = mode not in PLAIN_MODES and kind_of(mode) in _REPLAY_ONLY
         step = _metered_step(
-            runs, mode, grad_out, accounted.get(mode, 0), device, backward, grads_new
+            runs, mode, grad_out, accounted.get(mode, 0), device, backward, grads_new, lean
         )
-        metered.transient[mode] = step.transient
+        metered.forward[mode] = (max(0, step.kept), step.forward_peak)
+        if step.transient is not None:
+            metered.transient[mode] = step.transient
         if mode in PLAIN_MODES:
             continue
         if kind_of(mode) != SELECTIVE:
@@ -121,12 +138,14 @@ def _metered_modes(
 
 @dataclass(frozen=True)
 class _Step:
-    """One metered step: its backward transient, the bytes its forward keeps beyond those
-    accounted for, and what is still alive after its backward (besides the gradients)."""
+    """One metered step: its backward transient (``None``: not run), the bytes its forward
+    keeps beyond those accounted for, what is still alive after its backward (besides the
+    gradients), and its forward's peak."""
 
-    transient: int
+    transient: int | None
     kept: int
     left: int
+    forward_peak: int
 
 
 def _metered_step(
@@ -137,8 +156,10 @@ def _metered_step(
     device: Any,
     backward: bool,
     grads_new: bool,
+    lean: bool = False,
 ) -> _Step:
-    """The forward and backward of ``mode``, metered (see :func:`_metered_modes`)."""
+    """The forward and backward of ``mode``, metered (see :func:`_metered_modes`); ``lean``:
+    the forward alone when it keeps nothing beyond ``accounted``."""
     leaf = runs.leaf
     params = [t for t in runs.wrt if t is not leaf]
     leaf.grad = None
@@ -148,6 +169,10 @@ def _metered_step(
     with MemoryMeter(device) as meter:
         y = runs.forward(mode)
         kept = meter.live_bytes - tensor_bytes(y) - accounted
+        forward_peak = meter.phase_peak_bytes
+        if lean and kept <= 0:
+            del y
+            return _Step(None, kept, 0, forward_peak)
         # the output's gradient reaches the block as it does in a model: made by the
         # backward, freed once the block's last operation has used it (not held here)
         holder = [grad_out.clone()]
@@ -169,17 +194,24 @@ def _metered_step(
             del grads, node_held
         elif backward:
             seed.backward()
-        grads_made = 0 if leaf.grad is None else tensor_bytes(leaf.grad)
-        if grads_new:
-            grads_made += sum(tensor_bytes(p.grad) for p in params if p.grad is not None)
         held = tensor_bytes(seed) + sum(tensor_bytes(t) for t in holder)
-        left = meter.live_bytes - held - out_bytes * len(kept_output) - grads_made
+        left = meter.live_bytes - held - out_bytes * len(kept_output) - _grads_made(runs, grads_new)
         del seed, holder, kept_output
     # less the seed's own gradient (a scalar the engine makes first; a model's loss
     # gradient is counted with the loss)
     seed_grad = _scalar_bytes(grad_out) if backward else 0
     transient = max(0, meter.since_reset_peak_bytes - start - seed_grad)
-    return _Step(transient, kept, left)
+    return _Step(transient, kept, left, forward_peak)
+
+
+def _grads_made(runs: _Runs, grads_new: bool) -> int:
+    """The bytes of the gradients a metered step made: the input's, and with ``grads_new``
+    the parameters'."""
+    leaf = runs.leaf
+    made = 0 if leaf.grad is None else tensor_bytes(leaf.grad)
+    if grads_new:
+        made += sum(tensor_bytes(t.grad) for t in runs.wrt if t is not leaf and t.grad is not None)
+    return made
 
 
 def activation(leaf: torch.Tensor) -> torch.Tensor:

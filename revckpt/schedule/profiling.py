@@ -98,6 +98,7 @@ class _ProfilingJob:
                 kw,
                 compress=compress,
                 offload=offload,
+                output=inputs[g + 1] if g + 1 < len(inputs) else None,  # the next block's input
             )
             tick()
         if self.compiled:

@@ -1,12 +1,17 @@
 """Which operations hold a block's output (``SelectiveCost.output_kept``): known by the storage,
-not by an address a freed temporary handed on."""
+not by an address a freed temporary handed on; and figures read from a run that measured
+something else are those of a run of their own."""
 
+import pytest
 import torch
 from torch import nn
 
-from revckpt.models import gpt_like
+from revckpt.approx import Approx
+from revckpt.checkpoint import checkpoint
+from revckpt.models import gpt_like, revnet_like
 from revckpt.schedule import profile
-from revckpt.schedule.block_memory import _output_ops
+from revckpt.schedule.block_memory import _output_ops, memory_costs
+from revckpt.schedule.block_runs import _forward_alone, _metered_step, _Runs
 from revckpt.schedule.ops import op_costs
 
 aten = torch.ops.aten
@@ -68,3 +73,66 @@ def test_selective_output_kept_of_a_gpt_chain_is_the_policy_keeping_add():
         prof = profile(chain, x, repeats=1, codecs=(), policies=policies)
         for b in prof.blocks:
             assert {p: c.output_kept for p, c in b.selective.items()} == want
+
+
+def _fields(block, x, **options):
+    """memory_costs' fields of ``block`` on a fresh leaf of ``x``, with the gradients existing."""
+    for p in block.parameters():
+        p.grad = torch.zeros_like(p)
+    leaf = x.detach().clone().requires_grad_()
+    torch.manual_seed(0)
+    return memory_costs(block, leaf, ("bf16", "e4m3"), ("matmul+attention",), "cpu", {}, **options)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: (gpt_like(1, 32, 2, dropout=0.1)[0], torch.randn(2, 16, 32)),  # draws at random
+        lambda: (revnet_like((1,), (8,))[1], torch.randn(4, 8, 8, 8)),  # a reversible unit
+    ],
+    ids=["gpt-dropout", "revnet-unit"],
+)
+def test_the_stored_forward_read_from_the_metered_step_is_its_own_run(make):
+    # memory_costs(output=...) reads the stored forward's figures from its metered
+    # `accumulate` step instead of a forward of their own: every figure is the same
+    torch.manual_seed(0)
+    block, x = make()
+    with torch.no_grad():
+        y = block(x)
+    alone, given = _fields(block, x), _fields(block, x, output=y)
+    assert given.fields == alone.fields
+    assert given.fields["saved_bytes"] > 0 and given.fields["forward_peak_bytes"] > 0
+
+
+def test_selective_figures_from_the_metered_step_are_those_of_a_forward_alone():
+    torch.manual_seed(0)
+    block, x = gpt_like(1, 32, 2)[0], torch.randn(2, 16, 32)
+    got = _fields(block, x).fields["selective"]["matmul+attention"]
+    leaf = x.detach().clone().requires_grad_()
+    out_bytes = x.numel() * x.element_size()
+    run = lambda: checkpoint(block, leaf, strategy="selective:matmul+attention")  # noqa: E731
+    assert (got.kept_bytes, got.forward_peak_bytes) == _forward_alone(run, "cpu", out_bytes)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_approx_replay_figures_without_its_backward_when_nothing_more_is_kept(dropout):
+    torch.manual_seed(0)
+    block, x = gpt_like(1, 32, 2, dropout=dropout)[0], torch.randn(2, 16, 32)
+    leaf = x.detach().clone().requires_grad_()
+    wrt = [leaf, *block.parameters()]
+    runs = _Runs(block, leaf, wrt, {}, None)
+    grad_out, mode = torch.randn_like(x), "approx:bf16"
+    accounted = Approx(store="bf16").codec.encode(x).nbytes
+    steps = [
+        _metered_step(runs, mode, grad_out, accounted, "cpu", True, False, lean)
+        for lean in (False, True)
+    ]
+    full, lean = steps
+    assert (lean.kept, lean.forward_peak) == (full.kept, full.forward_peak)
+    # the replay figures (kept, and what of it outlives the backward) are the same either way
+    late = [max(0, min(s.left, s.kept)) for s in steps]
+    assert late[0] == late[1] and max(0, lean.kept) == max(0, full.kept)
+    if dropout:  # the generator state is kept: the backward runs, and the state outlives it
+        assert full.kept > 0 and lean.transient is not None and late[1] > 0
+    else:
+        assert full.kept <= 0 and lean.transient is None
