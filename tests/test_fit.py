@@ -249,6 +249,37 @@ class _Flat(nn.Module):
         return self.b(self.a(x)).sum()
 
 
+class _Residual(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+def test_blocks_inline_with_other_modules_are_found() -> None:
+    """Repeated blocks written inline in one nn.Sequential between a stem and a head (as a
+    hand-written CNN or MLP often is) are found as the run of consecutive same-class
+    children; a run of one is not a repeat; fit's plan over them keeps the gradients."""
+    from revckpt.inplace import find_blocks
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), *[_Residual(8) for _ in range(4)], nn.Linear(8, 1))
+    assert [fqn for fqn, _ in find_blocks(model)] == ["1", "2", "3", "4"]
+    lone = nn.Sequential(nn.Linear(3, 8), _Residual(8), nn.ReLU(), _Residual(8))
+    with pytest.raises(revckpt.InvalidArgumentError, match="no repeated blocks"):
+        find_blocks(lone)
+    x = torch.randn(16, 3)
+    model(x).sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    revckpt.fit(model, x, memory_budget=0.8, loss_fn=lambda out: out.sum())
+    model(x).sum().backward()
+    for g, w in zip((p.grad for p in model.parameters()), want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+
+
 def test_bad_input_is_one_clear_error() -> None:
     case = _case("nanogpt")
     model, example = case.make_model(), case.make_example(2, 16)

@@ -52,21 +52,31 @@ def _containers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
+def _runs(name: str, container: nn.Module) -> list[list[tuple[str, nn.Module]]]:
+    """The container's children in runs of consecutive ones of one class (a whole ModuleList
+    of blocks is one run; ``Sequential(stem, block, block, block, head)`` has a run of three)."""
+    runs: list[list[tuple[str, nn.Module]]] = []
+    for child_name, child in container.named_children():
+        fqn = f"{name}.{child_name}" if name else child_name
+        if runs and type(runs[-1][-1][1]) is type(child):
+            runs[-1].append((fqn, child))
+        else:
+            runs.append([(fqn, child)])
+    return runs
+
+
 def _repeated(model: nn.Module) -> list[tuple[str, nn.Module]]:
     by_class: dict[type, list[tuple[str, nn.Module]]] = {}
     for name, container in _containers(model):
-        kinds = {type(child) for child in container}
-        if len(kinds) != 1:
-            continue
-        for child_name, child in container.named_children():
-            fqn = f"{name}.{child_name}" if name else child_name
-            by_class.setdefault(type(child), []).append((fqn, child))
+        for run in _runs(name, container):
+            if len(run) >= 2:
+                by_class.setdefault(type(run[0][1]), []).extend(run)
     by_class = {k: v for k, v in by_class.items() if _has_parameters(v)}
     if not by_class:
         raise InvalidArgumentError(
-            f"{type(model).__name__} has no repeated blocks (no nn.ModuleList or nn.Sequential "
-            "of two or more modules of one class with parameters); name them with "
-            "blocks='attribute.path' or blocks=lambda module, fqn: ..."
+            f"{type(model).__name__} has no repeated blocks (no two or more consecutive "
+            "modules of one class with parameters in an nn.ModuleList or nn.Sequential); name "
+            "them with blocks='attribute.path' or blocks=lambda module, fqn: ..."
         )
 
     def rank(kind: type) -> tuple[int, int]:
