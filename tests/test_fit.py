@@ -280,6 +280,21 @@ def test_blocks_inline_with_other_modules_are_found() -> None:
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
 
 
+def test_a_budget_of_the_store_all_step_is_met_by_storing_everything() -> None:
+    """memory_budget="100%" is the store-all step as measured: on small chains the cost
+    model reads it a few hundred bytes high, and fit installs the store-all plan anyway
+    (it was refused as infeasible, new-user trial)."""
+    from revckpt.inplace.trace import measure_step
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)], nn.ReLU())
+    x = torch.randn(4, 16)
+    plan = revckpt.fit(model, x, memory_budget="100%", loss_fn=lambda out: out.sum())
+    assert set(plan.strategies) == {"store"}
+    assert plan.predicted_peak_bytes == plan.store_all_peak_bytes == plan.memory_budget_bytes
+    assert measure_step(model, x, lambda out: out.sum()) <= plan.memory_budget_bytes
+
+
 def test_bad_input_is_one_clear_error() -> None:
     case = _case("nanogpt")
     model, example = case.make_model(), case.make_example(2, 16)

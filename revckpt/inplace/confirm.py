@@ -21,13 +21,22 @@ def _within_budget(
     short). A plan that measured over the budget is solved again with the largest shortfall
     seen taken off the budget. An infeasible budget is answered with the smallest budget a
     plan met in a measured step. ``store_peak``: the store-all step's measured peak, of which
-    a fractional budget is a fraction (and the plan's ``store_all_peak_bytes``)."""
+    a fractional budget is a fraction (and the plan's ``store_all_peak_bytes``); a budget it
+    meets gets the store-all plan even where the cost model predicts that above it."""
     budget = parse_budget(memory_budget, store_peak)
     target, worst, tried = budget, 0, []
     for _ in range(8):
         try:
             plan, short = checked(target)
         except InfeasibleBudgetError as err:
+            if budget >= store_peak:  # storing every block measured within it: the model
+                plan, _ = checked(1.0)  # read high (it may, by a few hundred bytes): store all
+                return dataclasses.replace(
+                    plan,
+                    predicted_peak_bytes=store_peak,
+                    memory_budget_bytes=budget,
+                    store_all_peak_bytes=store_peak,
+                )
             smallest, _ = checked(err.smallest_budget_bytes)
             least = min([smallest.predicted_peak_bytes, *tried])
             raise _infeasible(err, budget, least, store_peak) from None
