@@ -776,6 +776,8 @@ def test_exact_auto_rebuilds_sixteen_bit_layers_exactly():
     assert not reversible_layers(model).exact
     with pytest.raises(InvalidArgumentError, match="exact="):
         make_reversible(case.make_model(), blocks=case.blocks_path, exact="yes")
+    with pytest.raises(InvalidArgumentError, match=r"in \(0, 1\]"):
+        make_reversible(case.make_model(), blocks=case.blocks_path, scale=1.5)
 
 
 def test_layer_outputs_besides_the_hidden_state_are_values():

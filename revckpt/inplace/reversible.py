@@ -102,7 +102,9 @@ def make_reversible(
             ``model.to(torch.bfloat16)``, gets the anchors of its new dtype); ``None``: no
             anchors.
         check_inverse: as for :class:`revckpt.layers.ReversibleSequential`; the measured
-            drift per layer is in ``revckpt.inplace.reversible_layers(model).last_drift``.
+            drift is in ``revckpt.inplace.reversible_layers(model).last_drift``, per layer
+            for a number, for the first layer and the anchors only (``None`` for the others)
+            with ``"auto"``, which samples the stack input (every error above reaches it).
         stream_dtype: carry the two streams in a wider dtype than the model's (e.g.
             ``torch.float64`` for a float32 model): the layers still run in their own dtype,
             the couplings and the rebuild in the wider one. Usually far less drift (a sum of
@@ -225,6 +227,12 @@ def _check_options(variant: str, trainable: str, scale: float, exact: Any) -> No
     if trainable not in ("adapters", "all"):
         raise InvalidArgumentError(f"trainable={trainable!r}: use 'adapters' or 'all'")
     ScaledCoupling(scale)  # checks the scale
+    if scale > 1:
+        raise InvalidArgumentError(
+            f"scale={scale!r}: make_reversible's scale is the share of the layer before's "
+            "update that moves each layer's input, in (0, 1]; the smaller, the closer to the "
+            "pretrained model (e.g. 0.125)"
+        )
 
 
 def _check_stream_dtype(stream_dtype: torch.dtype | None, model_dtype: torch.dtype) -> None:

@@ -165,10 +165,13 @@ class ReversibleSequential(nn.Module):
             full tensor at anchors) and warns (``on_drift="warn"``) or raises
             :class:`~revckpt.ReconstructionError` (``on_drift="raise"``) past it. The last
             measured drift per block is in :attr:`last_drift` (read once per backward, at the
-            end of the walk). ``"auto"`` (default): a tolerance far above round-off (1e-2 for
-            float32 streams, ``64 * eps`` of a lower-precision dtype or of the bf16 recompute)
-            that catches a branch which is not invertible or whose recompute differs from its
-            forward, and always raises. ``None``: no check (nothing sampled).
+            end of the walk; ``None`` for a block not measured). ``"auto"`` (default): block
+            0's input is sampled (every reconstruction error above reaches it) and anchors
+            compared whole, the other blocks not measured, against a tolerance far above
+            round-off (1e-2 for float32 streams, ``64 * eps`` of a lower-precision dtype or of
+            the bf16 recompute) that catches a branch which is not invertible or whose
+            recompute differs from its forward, and always raises. ``None``: no check
+            (nothing sampled).
         anchor_every: keep the inputs of blocks ``0, k, 2k, ...`` exactly, so reconstruction
             restarts from a stored anchor: drift is bounded by ``k`` blocks instead of the
             whole depth, for ``ceil(L / k)`` stored block inputs.
