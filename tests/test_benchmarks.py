@@ -238,3 +238,12 @@ def test_random_plan_peaks_few(tmp_path, capsys):
     assert rows == result["rows"] and len(rows) == 3
     assert all(r["plans"] == 3 and r["misses"] == 0 for r in rows), rows
     assert "| chain | plans |" in capsys.readouterr().out
+
+
+def test_bench_profile_cost_quick(tmp_path):
+    out = tmp_path / "cost.json"
+    result = load("bench_profile_cost").main(["--quick", "--out", str(out)])
+    assert json.loads(out.read_text())["benchmark"] == "bench_profile_cost"
+    for row in result["models"].values():
+        assert len(row["steps"]) == 2 and all(s > 0 for s in row["steps"])
+        assert row["iqr_steps"][0] <= row["median_steps"] <= row["iqr_steps"][1]

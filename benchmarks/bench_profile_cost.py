@@ -1,0 +1,100 @@
+"""What ``revckpt.schedule.profile`` costs, in training steps, on each model of
+``bench_schedule.py`` (issue 15: "profiling costs at most 10 training steps").
+
+A profile's cost is its wall time over the stored chain's training step, which it times itself
+(``Profile.cost_in_steps``). That step moves by about 20% from one profile to the next on a
+shared machine, so one profile says little: each model is profiled ``--rounds`` times in one
+process (one thread, after ``revckpt.measure.keep_freed_memory()``, as ``bench_schedule.py``
+profiles), and the table gives the first profile of the process (it also warms each strategy
+up, ``revckpt/schedule/probe.py``) and the median and interquartile range of the rest, with
+their wall seconds.
+
+Run ``python benchmarks/bench_profile_cost.py`` (``--quick``: small models, two rounds); prints
+a table and writes ``benchmarks/results/bench_profile_cost.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from _common import environment, write_json  # benchmarks/_common.py
+from bench_schedule import models
+
+import revckpt
+from revckpt.schedule import profile
+
+OUT = Path(__file__).parent / "results" / "bench_profile_cost.json"
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def profile_costs(chain: torch.nn.Sequential, x: torch.Tensor, rounds: int) -> dict[str, Any]:
+    """``rounds`` profiles of ``chain`` on ``x``: each one's cost in steps and wall seconds."""
+    steps, seconds = [], []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        prof = profile(chain, x)
+        seconds.append(time.perf_counter() - start)
+        steps.append(prof.cost_in_steps)
+    later = steps[1:] or steps
+    q1, median, q3 = _quartiles(later)
+    return {
+        "steps": steps,
+        "seconds": seconds,
+        "first_steps": steps[0],
+        "median_steps": median,
+        "iqr_steps": (q1, q3),
+        "median_seconds": statistics.median(seconds[1:] or seconds),
+    }
+
+
+def table(rows: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        "| model | first profile (steps) | later profiles: median (IQR) steps | median seconds |",
+        "|---|---|---|---|",
+    ]
+    for name, r in rows.items():
+        q1, q3 = r["iqr_steps"]
+        lines.append(
+            f"| {name} | {r['first_steps']:.1f} | {r['median_steps']:.1f} ({q1:.1f}-{q3:.1f}) "
+            f"| {r['median_seconds']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small models, two rounds")
+    parser.add_argument("--rounds", type=int, default=None, help="profiles per model (9)")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    rounds = args.rounds or (2 if args.quick else 9)
+    torch.set_num_threads(1)
+    revckpt.measure.keep_freed_memory()
+    built = models(args.quick)
+    rows = {name: profile_costs(chain, x, rounds) for name, (chain, x) in built.items()}
+    result = {
+        "benchmark": "bench_profile_cost",
+        "command": "python benchmarks/bench_profile_cost.py" + (" --quick" if args.quick else ""),
+        "environment": environment(),
+        "rounds": rounds,
+        "threads": 1,
+        "models": rows,
+    }
+    print(table(rows))
+    write_json(result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()
