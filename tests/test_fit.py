@@ -295,6 +295,22 @@ def test_a_budget_of_the_store_all_step_is_met_by_storing_everything() -> None:
     assert measure_step(model, x, lambda out: out.sum()) <= plan.memory_budget_bytes
 
 
+def test_an_example_that_requires_grad_is_left_as_it_was() -> None:
+    """An example input that requires grad (a leaf the caller differentiates): fit meters
+    the step with hooks on it and removes them, so the caller's own backward afterwards works
+    (the hook called a closed meter: 'works inside the with block only') and the input's
+    gradient is plain autograd's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Residual(8) for _ in range(3)])
+    x = torch.randn(4, 8, requires_grad=True)
+    want = torch.autograd.grad(model(x).sum(), x)[0]
+    revckpt.fit(model, x, memory_budget=1.0, loss_fn=lambda out: out.sum())
+    assert not x._backward_hooks
+    x.grad = None
+    model(x).sum().backward()
+    torch.testing.assert_close(x.grad, want)
+
+
 def test_bad_input_is_one_clear_error() -> None:
     case = _case("nanogpt")
     model, example = case.make_model(), case.make_example(2, 16)

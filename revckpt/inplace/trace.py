@@ -238,6 +238,7 @@ def _metered(
     """The store-all step metered, with a mark at every phase boundary."""
     last = len(calls) - 1
     marks: dict[str, int] = {}
+    handles: list[Any] = []  # the hooks, removed after the step (x0 may be the caller's leaf)
     device = calls[0].input.device
     x0_bytes = tensor_bytes(calls[0].input)
     out_bytes = tensor_bytes(calls[-1].output)
@@ -254,16 +255,20 @@ def _metered(
                 mark("chain_start")
                 x0 = get(*payload, calls[0].key)
                 if isinstance(x0, torch.Tensor) and x0.requires_grad:
-                    x0.register_hook(lambda g: mark("chain_done"))
+                    handles.append(x0.register_hook(lambda g: mark("chain_done")))
             elif what == "exit" and i == last:
                 mark("chain_end")
                 out = hidden_of(payload[2], calls[-1].fqn)
                 if out.requires_grad:
-                    out.register_hook(lambda g: mark("head_done"))
+                    handles.append(out.register_hook(lambda g: mark("head_done")))
 
         recorder.hooks.append(on_event)
-        run_step(model, example, loss_fn)
-        recorder.hooks.clear()
+        try:
+            run_step(model, example, loss_fn)
+        finally:
+            recorder.hooks.clear()
+            for handle in handles:
+                handle.remove()
         if "chain_done" not in marks:  # nothing before the chain to backpropagate into
             mark("chain_done")
     if "head_done" not in marks:
