@@ -860,3 +860,23 @@ def test_fit_on_a_stack_records_no_negative_overhead(monkeypatch):
     )
     plan = revckpt.fit(model, case.make_example(), memory_budget=0.9)
     assert plan.predicted_overhead == 0.0 and plan.strategies[0] == "reversible"
+
+
+def test_a_refused_conversion_leaves_the_model_as_it_was():
+    """A width make_reversible cannot read (no norm) or a bad feature_dim is refused before
+    anything is frozen or added (trainable="adapters" froze the layers first)."""
+    model = nn.Sequential(*[_Residual(4) for _ in range(2)])
+    for options in ({}, {"feature_dim": "x"}):
+        with pytest.raises(InvalidArgumentError):
+            make_reversible(model, **options)
+        assert all(p.requires_grad for p in model.parameters()), options
+        assert not any("revckpt_adapter" in n for n, _ in model.named_modules())
+
+
+class _Residual(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(x)

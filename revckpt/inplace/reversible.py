@@ -142,10 +142,10 @@ def make_reversible(
     if exact:
         stream_dtype, anchor_every = _exact_streams(scale, stream_dtype, anchor_every)
     _check_stream_dtype(stream_dtype, model_dtype)
-    frozen = _frozen(layers) if trainable == "adapters" else []
     if feature_dim is not None and not isinstance(feature_dim, int):
         raise InvalidArgumentError(f"feature_dim={feature_dim!r}: pass -1, 1 or None")
     features = [features_of(layer, fqn, width, feature_dim) for fqn, layer in layers]
+    frozen = _frozen(layers) if trainable == "adapters" else []  # the first change to the model
     built = [
         _layer_block(i, fqn, layer, variant, scale, rank, features[i], exact)
         for i, (fqn, layer) in enumerate(layers)
