@@ -20,8 +20,9 @@ the layer before (at the first layer, nothing: its auxiliary input is zeros). Wi
 state one layer back and ``G`` subtracts ``scale * u`` (:class:`Centred`), which leaves the
 same ``scale * (a - u)``: both variants move each layer's input by ``scale`` times an update,
 not by ``scale`` times a hidden state (MEFT's ``scale * a`` moved the logits of
-``benchmarks/bench_finetune.py``'s GPT 4.7x further at scale 1/8). Both are still couplings (what ``G`` adds is a function of ``u`` alone). The
-inverse divides by ``scale``: reconstruction error grows by about ``1 / scale`` per layer
+``benchmarks/bench_finetune.py``'s GPT 4.7x further at scale 1/8). Both are still couplings
+(what ``G`` adds is a function of ``u`` alone). The inverse divides by ``scale``:
+reconstruction error grows by about ``1 / scale`` per layer
 (:class:`~revckpt.layers.ScaledCoupling`), which ``anchor_every`` bounds.
 :func:`revckpt.make_reversible` builds these blocks on a model's own layers, in place.
 """
