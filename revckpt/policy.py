@@ -173,7 +173,10 @@ def canonical_policy(spec: str) -> str:
 
 def policy_context_fn(policy: Policy) -> Callable[[], tuple[Any, Any]]:
     if isinstance(policy, str):
-        keep = parse_policy(policy)
+        # a set, not the frozenset: traced by torch.compile, a frozenset made in the graph and
+        # alive at a graph break cannot be rebuilt by Dynamo ("frozenset not in co_names", seen
+        # with torch 2.13 on Hugging Face layers wrapped by the `kernels` package)
+        keep = set(parse_policy(policy))
 
         def decide(op: Any) -> bool | CheckpointPolicy:
             return op.overloadpacket in keep

@@ -152,3 +152,36 @@ def test_compiled_codec_still_refuses_non_finite_boundaries():
     bad[0, 0] = float("inf")
     with pytest.raises(InvalidArgumentError, match="non-finite"):
         step(bad.requires_grad_()).sum().backward()
+
+
+class _Box:
+    value: object = None
+
+
+_BOX = _Box()
+_LINEAR = torch.nn.Linear(8, 8)
+
+
+def _block_with_a_side_effect(h):
+    _BOX.value = {"calls": 1}  # module globals: Dynamo traces a closure's cells another way
+    return torch.relu(_LINEAR(h))
+
+
+def test_compiled_selective_checkpoint_survives_a_graph_break_inside_the_block():
+    # A block with a side effect (here an attribute set; in the wild the `kernels` package's
+    # wrapped forwards of Hugging Face layers) breaks the graph inside the checkpoint. The
+    # policy's keep-set, made in the traced code, is alive there and Dynamo must rebuild it:
+    # as a frozenset it raised "frozenset not in co_names" (torch 2.13).
+    import revckpt
+
+    block = _block_with_a_side_effect
+    x = torch.randn(4, 8, requires_grad=True)
+    _LINEAR.zero_grad(set_to_none=True)
+    compiled = torch.compile(lambda h: revckpt.checkpoint(block, h, strategy="selective:matmul"))
+    compiled(x).sum().backward()
+    got = [x.grad, *(p.grad for p in _LINEAR.parameters())]
+    x2 = x.detach().requires_grad_()
+    _LINEAR.zero_grad(set_to_none=True)
+    block(x2).sum().backward()
+    for a, b in zip(got, [x2.grad, *(p.grad for p in _LINEAR.parameters())], strict=True):
+        torch.testing.assert_close(a, b)
