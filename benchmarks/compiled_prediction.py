@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     prof = profile(chain, x, compiled=True, repeats=1 if args.quick else 3)
     grad = torch.randn_like(x)
     rows = []
-    for fraction in (0.7,) if args.quick else (0.9, 0.7, 0.5):
+    for fraction in (0.8,) if args.quick else (0.9, 0.7, 0.5):
         plan = solve(prof, memory_budget=fraction)
         torch._dynamo.reset()
         peak = measured_peak(torch.compile(apply(chain, plan)), x, grad)

@@ -151,7 +151,7 @@ def test_compiled_prediction_quick(tmp_path, capsys):
     saved = json.loads(out.read_text())
     assert saved["benchmark"] == "compiled_prediction" and saved["command"].endswith(" --quick")
     (row,) = saved["rows"]
-    assert row == result["rows"][0] and row["budget"] == 0.7 and row["strategies"]
+    assert row == result["rows"][0] and row["budget"] == 0.8 and row["strategies"]
     assert row["measured_peak_bytes"] > 0 and row["predicted_peak_bytes"] > 0
     ratio = row["measured_peak_bytes"] / row["predicted_peak_bytes"]
     assert row["measured_over_predicted"] == pytest.approx(ratio)
