@@ -725,3 +725,65 @@ def test_fit_and_convert_price_and_run_compress() -> None:
     revckpt.convert(model, "compress:bf16")
     assert _measured_step(model, example, case.loss_fn) < plain  # saved tensors halved
     revckpt.restore(model)
+
+
+class _Recomputing(nn.Module):
+    """Runs its blocks through torch's checkpoint: each block runs again in the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+        return x.pow(2).mean()
+
+
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("this backward is broken")
+
+
+class _BrokenBackward(_Recomputing):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return _FailsInBackward.apply(x).pow(2).mean()
+
+
+def test_the_trace_runs_the_forward_once_and_keeps_no_graph() -> None:
+    # the trace sees the calls in a forward alone, then meters the whole step: blocks a
+    # backward runs again, and a backward that fails, are still told apart from the forward
+    x = torch.randn(4, 8)
+    with pytest.raises(revckpt.InvalidArgumentError, match="exactly once per step"):
+        revckpt.fit(_Recomputing(), x, memory_budget=0.5, blocks="layers")
+    with pytest.raises(revckpt.InvalidArgumentError, match=r"cannot run the example.*broken"):
+        revckpt.fit(_BrokenBackward(), x, memory_budget=0.5, blocks="layers")
+    from revckpt.inplace.blocks import find_blocks
+    from revckpt.inplace.fit import _recorder_slot
+    from revckpt.inplace.install import Planned, install
+    from revckpt.inplace.runners import runner_for
+    from revckpt.inplace.trace import trace
+
+    case = _case("gpt2")
+    model, example = case.make_model(), case.make_example(2, 16)
+    found = find_blocks(model, None)
+    for fqn, block in found:
+        install(block, Planned(fqn, "store", runner_for("store")))
+    traced = trace(model, example, None, found, _recorder_slot(found))
+    revckpt.restore(model)
+    tensors = [
+        t
+        for c in traced.calls
+        for t in torch.utils._pytree.tree_leaves((c.args, c.kwargs, c.output))
+        if isinstance(t, torch.Tensor)
+    ]
+    assert tensors and all(t.grad_fn is None for t in tensors)  # no activation held by them
+    assert traced.chained and all(c.input.requires_grad for c in traced.calls)
+    assert all(p.grad is None for p in model.parameters())

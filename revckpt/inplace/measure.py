@@ -141,6 +141,8 @@ def profile_in_situ(
                     kwargs={},
                     cotangent=weights.cotangents[i] if priced else None,
                     grads_new=True,
+                    output=trace.calls[i].output,  # no stored forward of its own
+                    capture=False,  # fit plans no offload or reversible segment
                 )
             elif priced:  # bytes and times shared; the errors are this block's own
                 cost = dataclasses.replace(cost, **block_errors(unit, x, cost, weights, i))
@@ -150,11 +152,15 @@ def profile_in_situ(
         if progress is not None:
             progress(len(units), len(units))
         # a block's input stays alive when it saves it or the block before saves its output
-        # (the first block's input counts as held, as by the caller of a chain)
-        kept = [True] + [
-            saves_input(u, x, {}) or prev.output_saved
-            for u, x, prev in zip(units[1:], inputs[1:], costs, strict=False)
-        ]
+        # (the first block's input counts as held, as by the caller of a chain); blocks of
+        # the same costs save the same
+        saves: dict[Any, bool] = {}
+        kept = [True]
+        for i in range(1, len(units)):
+            key = _same_costs_key(trace.calls[i])
+            if key not in saves:
+                saves[key] = saves_input(units[i], inputs[i], {})
+            kept.append(saves[key] or costs[i - 1].output_saved)
     costs = [dataclasses.replace(c, input_kept=k) for c, k in zip(costs, kept, strict=True)]
     names = tuple(c.fqn for c in trace.calls)
     step = _step_outside(trace.step, costs)

@@ -1,14 +1,18 @@
-"""The user's own training step, run once to see how the model calls its blocks and once,
-metered, to measure what the step does outside them (:class:`~revckpt.schedule.StepCosts`).
+"""The user's own training step: its forward and loss run once to see how the model calls its
+blocks, then the whole step once, metered, to measure what it does outside them
+(:class:`~revckpt.schedule.StepCosts`).
 
 The step is ``loss_fn(model(*args, **kwargs))`` then ``loss.backward()``, the model output held
 until the backward ends (as ``out = model(**batch); out.loss.backward()`` holds it). Both runs
-leave the model as they found it: gradients, buffers and the RNG state are put back.
+leave the model as they found it: gradients, buffers and the RNG state are put back. The calls
+are kept detached from the first run's graph (which is dropped unused), so that holding them
+holds no activations.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -183,24 +187,52 @@ def trace(
     recorder.hooks.append(capture)
     recorder_slot(recorder)
     try:
-        with _left_as_found(model):
-            try:
-                run_step(model, example, loss_fn)
-            except Exception as err:
-                if isinstance(err, (InvalidArgumentError, InvalidInputTypeError)):
-                    raise
-                raise InvalidArgumentError(
-                    f"the model cannot run the example: {type(err).__name__}: {err}"[:600]
-                    + "; pass one batch the model takes (model(*example), model(**example) or "
-                    "model(example))"
-                ) from err
+        with _left_as_found(model), _runnable():
+            args, kwargs = split_example(example)
+            loss_of(model(*args, **kwargs), loss_fn)  # the forward alone: no backward yet
         _check_calls(recorder.counts, names, [c.fqn for c in calls])
         recorder.hooks.clear()
         chained = all(c.input is p.output for p, c in itertools.pairwise(calls))
-        step, peak = _metered(model, example, loss_fn, recorder, calls, chained)
+        calls = [_detached(c) for c in calls]  # the first run's graph goes
+        recorder.counts = [0] * len(names)
+        with _runnable():
+            step, peak = _metered(model, example, loss_fn, recorder, calls, chained)
+        _check_calls(recorder.counts, names, names)  # a backward may run blocks again
     finally:
         recorder_slot(None)
     return Trace(tuple(calls), chained, step, peak)
+
+
+@contextlib.contextmanager
+def _runnable() -> Iterator[None]:
+    """An error of the user's step, other than revckpt's own, told as one that says so."""
+    try:
+        yield
+    except Exception as err:
+        if isinstance(err, (InvalidArgumentError, InvalidInputTypeError)):
+            raise
+        raise InvalidArgumentError(
+            f"the model cannot run the example: {type(err).__name__}: {err}"[:600]
+            + "; pass one batch the model takes (model(*example), model(**example) or "
+            "model(example))"
+        ) from err
+
+
+def _detached(call: Call) -> Call:
+    """``call`` holding no graph: tensors made with one become leaves, requiring grad as the
+    originals did (what the in-situ profile reads of them)."""
+
+    def cut(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.grad_fn is not None:
+            return obj.detach().requires_grad_(obj.requires_grad)
+        if type(obj) in (tuple, list):
+            return type(obj)(cut(o) for o in obj)
+        if type(obj) is dict:
+            return {k: cut(v) for k, v in obj.items()}
+        return obj
+
+    output = call.output.detach().requires_grad_(call.output.requires_grad)
+    return dataclasses.replace(call, args=cut(call.args), kwargs=cut(call.kwargs), output=output)
 
 
 def _check_calls(counts: list[int], names: list[str], order: list[str]) -> None:

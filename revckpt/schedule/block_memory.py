@@ -204,12 +204,15 @@ def memory_costs(
     offload: bool = False,
     grads_new: bool = False,
     output: torch.Tensor | None = None,
+    capture: bool = True,
 ) -> BlockMemory:
     """Every memory figure of ``block`` on the input ``leaf`` (a leaf requiring grad if
     floating): bytes kept, transient peaks per mode, replay state, what policies keep.
     ``output``: the block's output on ``leaf`` where the caller has it (any copy of it: only
     its size and layout are used); the stored forward's figures then come from the metered
-    ``accumulate`` step instead of a forward of their own."""
+    ``accumulate`` step instead of a forward of their own. ``capture=False`` leaves out the
+    step with the gradients returned (``backward_capture_peak_bytes``, which only approx,
+    offload and reversible segments read) where the caller plans none of them."""
     stored: tuple[int, int] | None = None  # what the stored forward keeps, its peak
     if output is None:
         output, stored = _stored_forward(block, leaf, kwargs, device)
@@ -220,7 +223,10 @@ def memory_costs(
     wrt = ([leaf] if leaf.requires_grad else []) + params
     approx_bytes, encode_peaks = compressed_sizes(leaf.detach(), codecs, device)
     reversible = _reversible(block)
-    modes = _Modes.of(leaf, policies, approx_bytes, compress, reversible is not None, offload)
+    capture = capture or bool(codecs) or offload or reversible is not None
+    modes = _Modes.of(
+        leaf, policies, approx_bytes, compress, reversible is not None, offload, capture
+    )
     runs = _Runs(block, leaf, wrt, kwargs, reversible)
     accounted = {modes.approx[codec]: n for codec, n in approx_bytes.items()}
     compress_alone = {}
@@ -286,15 +292,16 @@ class _Modes:
         compress: Sequence[str],
         reversible: bool,
         offload: bool,
+        capture: bool = True,
     ) -> _Modes:
-        """Per plain mode, checkpoint, every selective policy and codec, compress (for a
-        floating input), reversible and offload where they apply."""
+        """Per plain mode (``capture`` where asked), checkpoint, every selective policy and
+        codec, compress (for a floating input), reversible and offload where they apply."""
         selective = {p: str(Strategy(SELECTIVE, p)) for p in policies}
         approx = {codec: str(Strategy(APPROX, codec)) for codec in codecs}
         floating = leaf.is_floating_point()
         formats = {c: str(Strategy(COMPRESS, c)) for c in compress} if floating else {}
         modes = [
-            *PLAIN_MODES,
+            *(m for m in PLAIN_MODES if capture or m != "capture"),
             CHECKPOINT,
             *selective.values(),
             *approx.values(),
@@ -312,7 +319,7 @@ class _Modes:
         transients = metered.transient
         return {
             "backward_peak_bytes": transients["accumulate"],
-            "backward_capture_peak_bytes": transients["capture"],
+            "backward_capture_peak_bytes": transients.get("capture"),
             "checkpoint_peak_bytes": transients["checkpoint"],
             "reversible_peak_bytes": transients.get("reversible"),
             "replay": {

@@ -29,9 +29,12 @@ def profile_block(
     compress: Sequence[str] = (),
     offload: bool = False,
     grads_new: bool = False,
+    output: torch.Tensor | None = None,
+    capture: bool = True,
 ) -> BlockCost:
     """Every figure of one block on input ``x``, its times measured on the block alone (what
-    :func:`revckpt.fit` does for a model's blocks, each on its own arguments)."""
+    :func:`revckpt.fit` does for a model's blocks, each on its own arguments); ``output`` and
+    ``capture`` as in :func:`~revckpt.schedule.block_memory.memory_costs`."""
     leaf = x.detach().requires_grad_(x.is_floating_point())
     memory = memory_costs(
         block,
@@ -43,6 +46,8 @@ def profile_block(
         compress=compress,
         offload=offload,
         grads_new=grads_new,
+        output=output,
+        capture=capture,
     )
     fields = dict(memory.fields)
     codecs_priced = list(fields["approx"])
@@ -54,6 +59,7 @@ def profile_block(
         kwargs,
         repeats,
         reversible=memory.runs.reversible,
+        warmup=0,  # memory_costs has just run each of these steps
     )
     if codecs_priced:
         overhead = derived_codecs(overhead, codec_seconds(x, codecs_priced), codecs_priced[0])

@@ -78,28 +78,31 @@ def block_times(
     repeats: int,
     *,
     reversible: nn.Module | None = None,
+    warmup: int = 1,
 ) -> BlockTimes:
     """Forward and backward seconds of ``block`` stored, and each of ``strategies``' extra
     seconds of a step of the block alone (``leaf``: its input; ``grad_out``: its output's
-    gradient)."""
+    gradient), from ``repeats`` rotated rounds after ``warmup`` untimed ones (0 where every
+    step has just run, as after its memory profile)."""
 
-    def forward() -> None:
-        block(leaf, **kwargs)
+    forwards: list[float] = []  # the stored step's forward, timed inside it
 
-    forward()
-    f = statistics.median(wall_time(forward) for _ in range(repeats))
-    steps: dict[str, Callable[[], Any]] = {
-        STORE: functools.partial(_step, functools.partial(block, leaf, **kwargs), grad_out)
-    }
+    def stored() -> None:
+        out: list[torch.Tensor] = []
+        forwards.append(wall_time(lambda: out.append(block(leaf, **kwargs))))
+        out.pop().backward(grad_out)
+
+    steps: dict[str, Callable[[], Any]] = {STORE: stored}
     for s in strategies:
         run = _runner(s, block, leaf, kwargs, reversible)
         if run is not None:
             steps[s] = functools.partial(_step, run, grad_out)
-    ratios = time_ratios(steps, baseline=STORE, repeats=repeats, warmup=1)
+    ratios = time_ratios(steps, baseline=STORE, repeats=repeats, warmup=warmup)
     fb = ratios[STORE].baseline_seconds
+    f = min(statistics.median(forwards[warmup:]), fb)
     overhead = {s: max(0.0, (r.ratio - 1.0) * fb) for s, r in ratios.items() if s != STORE}
     leaf.grad = None
-    return f, max(fb - f, 0.0), overhead
+    return f, fb - f, overhead
 
 
 def _runner(

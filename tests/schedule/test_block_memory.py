@@ -136,3 +136,29 @@ def test_approx_replay_figures_without_its_backward_when_nothing_more_is_kept(dr
         assert full.kept > 0 and lean.transient is not None and late[1] > 0
     else:
         assert full.kept <= 0 and lean.transient is None
+
+
+def test_the_capture_step_is_left_out_only_where_no_segment_reads_it():
+    # capture=False (fit, planning no offload or reversible segment) leaves out the step with
+    # the gradients returned; every other figure is the same. Codecs (approx segments read
+    # it) or a reversible unit measure it all the same.
+    torch.manual_seed(0)
+    block, x = gpt_like(1, 32, 2)[0], torch.randn(2, 16, 32)
+
+    def fields(codecs, **options):
+        for p in block.parameters():
+            p.grad = torch.zeros_like(p)
+        leaf = x.detach().clone().requires_grad_()
+        torch.manual_seed(0)
+        return memory_costs(block, leaf, codecs, ("matmul",), "cpu", {}, **options).fields
+
+    full, lean = fields(()), fields((), capture=False)
+    assert full["backward_capture_peak_bytes"] > 0 and lean["backward_capture_peak_bytes"] is None
+    assert {k: v for k, v in lean.items() if k != "backward_capture_peak_bytes"} == {
+        k: v for k, v in full.items() if k != "backward_capture_peak_bytes"
+    }
+    assert fields(("bf16",), capture=False)["backward_capture_peak_bytes"] > 0
+    unit, u = revnet_like((1,), (8,))[1], torch.randn(4, 8, 8, 8)
+    leaf = u.detach().clone().requires_grad_()
+    got = memory_costs(unit, leaf, (), (), "cpu", {}, capture=False).fields
+    assert got["backward_capture_peak_bytes"] > 0
