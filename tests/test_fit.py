@@ -787,3 +787,52 @@ def test_the_trace_runs_the_forward_once_and_keeps_no_graph() -> None:
     assert tensors and all(t.grad_fn is None for t in tensors)  # no activation held by them
     assert traced.chained and all(c.input.requires_grad for c in traced.calls)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_error_profile_reuses_the_chains_exact_gradients() -> None:
+    # on a model whose blocks form a chain, each block's exact gradients come from the one
+    # backward of the chain (the sensitivities): a block after the first two of its group
+    # (the first is profiled, the second tells whether the group saves its input) runs once
+    # there and once per codec, and its errors are those of its own exact run
+    from revckpt.inplace.blocks import find_blocks
+    from revckpt.inplace.fit import _recorder_slot
+    from revckpt.inplace.install import Planned, install
+    from revckpt.inplace.measure import InSitu, profile_in_situ
+    from revckpt.inplace.runners import runner_for
+    from revckpt.inplace.trace import trace
+    from revckpt.schedule.block_errors import error_fields, sensitivities
+
+    case = _case("nanogpt")
+    model, example = case.make_model(), case.make_example(2, 16)
+    found = find_blocks(model, None)
+    for fqn, block in found:
+        install(block, Planned(fqn, "store", runner_for("store")))
+    traced = trace(model, example, case.loss_fn, found, _recorder_slot(found))
+    runs = [0] * len(found)
+    hooks = [
+        block.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
+        for i, (_, block) in enumerate(found)
+    ]
+    codecs = ("bf16", "e4m3")
+    try:
+        profile = profile_in_situ(model, traced, codecs=codecs, policies=())
+    finally:
+        for h in hooks:
+            h.remove()
+        revckpt.restore(model)
+    assert traced.chained and len(found) >= 3
+    assert runs[2:] == [1 + len(codecs)] * (len(found) - 2)
+    units = [InSitu(c) for c in traced.calls]
+    weights = sensitivities(units, traced.calls[0].input.detach(), {})
+    for i in range(1, len(units)):
+        cost = profile.blocks[i]
+        own = error_fields(units[i], weights.inputs[i], cost.approx, {}, weights.cotangents[i], {})[
+            "approx"
+        ]
+        for c in codecs:
+            assert cost.approx[c].param_grad_error == pytest.approx(
+                own[c].param_grad_error, rel=1e-4
+            )
+            assert cost.approx[c].input_grad_error == pytest.approx(
+                own[c].input_grad_error, rel=1e-4
+            )

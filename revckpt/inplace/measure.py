@@ -93,13 +93,16 @@ def _same_costs_key(call: Call) -> Any:
 
 
 def block_errors(
-    unit: nn.Module, x: torch.Tensor, cost: BlockCost, weights: Any, i: int
+    unit: nn.Module, x: torch.Tensor, cost: BlockCost, weights: Any, i: int, reuse: bool
 ) -> dict[str, Any]:
-    """Block ``i``'s own codec errors (approx and compress), for the codecs ``cost`` priced."""
+    """Block ``i``'s own codec errors (approx and compress), for the codecs ``cost`` priced;
+    ``reuse``: ``x`` is the block's input in the chain ``weights`` ran (its exact gradients
+    there spare the exact run)."""
     # the exact run is this block's own, on its traced input: the chain of units the weights
     # come from may differ from the model where code runs between blocks
     cotangent = weights.cotangents[i]
-    return error_fields(unit, x, cost.approx, cost.compress, cotangent, {})
+    exact = weights.exact[i] if reuse else None
+    return error_fields(unit, x, cost.approx, cost.compress, cotangent, {}, exact)
 
 
 def profile_in_situ(
@@ -120,8 +123,12 @@ def profile_in_situ(
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.enable_grad(), preserved(model):
         priced = bool(codecs or compress)  # errors to measure: per block
+        # the chain of units is the model's, each with parameters of its own
+        chain_exact = priced and trace.chained and _own_parameters(units)
         if priced:
             weights = sensitivities(units, inputs[0], {})
+            if chain_exact:  # each block's input in that chain, on which its exact run was made
+                inputs = list(weights.inputs)
         costs: list[BlockCost] = []
         reuse: dict[Any, BlockCost] = {}
         for i, (unit, x) in enumerate(zip(units, inputs, strict=True)):
@@ -143,9 +150,11 @@ def profile_in_situ(
                     grads_new=True,
                     output=trace.calls[i].output,  # no stored forward of its own
                     capture=False,  # fit plans no offload or reversible segment
+                    exact=weights.exact[i] if chain_exact else None,
                 )
             elif priced:  # bytes and times shared; the errors are this block's own
-                cost = dataclasses.replace(cost, **block_errors(unit, x, cost, weights, i))
+                own = block_errors(unit, x, cost, weights, i, chain_exact)
+                cost = dataclasses.replace(cost, **own)
             if priced:
                 cost = _weighted(cost, weights, i)
             costs.append(cost)
@@ -165,6 +174,13 @@ def profile_in_situ(
     names = tuple(c.fqn for c in trace.calls)
     step = _step_outside(trace.step, costs)
     return Profile(tuple(costs), names, None, step=step, threads=torch.get_num_threads())
+
+
+def _own_parameters(units: Sequence[nn.Module]) -> bool:
+    """No parameter belongs to two of ``units`` (a block called twice, tied weights): each
+    unit's parameter gradients in the chain are then its own."""
+    ids = [id(p) for u in units for p in u.parameters()]
+    return len(ids) == len(set(ids))
 
 
 def _step_outside(step: Any, costs: list[BlockCost]) -> Any:

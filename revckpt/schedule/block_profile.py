@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..strategy import Strategy
-from .block_errors import error_fields
+from .block_errors import Exact, error_fields
 from .block_memory import memory_costs
 from .block_time import block_times, codec_seconds, derived_codecs
 from .costs import APPROX, CHECKPOINT, COMPRESS, OFFLOAD, REVERSIBLE, SELECTIVE, STORE, BlockCost
@@ -31,10 +31,13 @@ def profile_block(
     grads_new: bool = False,
     output: torch.Tensor | None = None,
     capture: bool = True,
+    exact: Exact | None = None,
 ) -> BlockCost:
     """Every figure of one block on input ``x``, its times measured on the block alone (what
     :func:`revckpt.fit` does for a model's blocks, each on its own arguments); ``output`` and
-    ``capture`` as in :func:`~revckpt.schedule.block_memory.memory_costs`."""
+    ``capture`` as in :func:`~revckpt.schedule.block_memory.memory_costs`; ``exact``: the
+    block's exact gradients on ``x`` (:func:`~revckpt.schedule.block_errors.sensitivities`),
+    which spare the error fields their exact run."""
     leaf = x.detach().requires_grad_(x.is_floating_point())
     memory = memory_costs(
         block,
@@ -63,7 +66,9 @@ def profile_block(
     )
     if codecs_priced:
         overhead = derived_codecs(overhead, codec_seconds(x, codecs_priced), codecs_priced[0])
-    fields.update(_errors(block, x, fields, cotangent, kwargs))
+    fields.update(
+        error_fields(block, x, fields["approx"], fields["compress"], cotangent, kwargs, exact)
+    )
     fields.update(
         forward_s=f,
         backward_s=b,
@@ -88,14 +93,3 @@ def one_block_strategies(fields: dict[str, Any], offload: bool) -> list[str]:
     if offload:
         strategies.append(OFFLOAD)
     return strategies
-
-
-def _errors(
-    block: nn.Module,
-    x: torch.Tensor,
-    fields: dict[str, Any],
-    cotangent: torch.Tensor | None,
-    kwargs: dict[str, Any],
-) -> dict[str, Any]:
-    """The error fields: per codec priced for approx, per format for compress."""
-    return error_fields(block, x, fields["approx"], fields["compress"], cotangent, kwargs)
