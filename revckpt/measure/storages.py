@@ -60,11 +60,30 @@ def _dynamo_callback(caller: FrameType) -> Any:
     return get_eval_frame_callback()
 
 
+def _converted_codes() -> Any:
+    """The ids of the code objects Dynamo has converted since its last reset (a set), or None
+    where this torch does not keep them where :func:`_compiled_code` looks."""
+    try:
+        from torch._dynamo import convert_frame
+    except ImportError:  # pragma: no cover - torch without Dynamo
+        return None
+    seen = getattr(getattr(convert_frame, "input_codes", None), "seen_ids", None)
+    return seen if isinstance(seen, set) else None
+
+
+_CONVERTED = _converted_codes()
+
+
 def _compiled_code(caller: FrameType) -> str | None:
     """Why an operation comes from compiled code (the message to raise), or None."""
     node = torch._C._current_autograd_node()
     if node is not None and node.name() == "CompiledFunctionBackward":
         return _COMPILED_BACKWARD
+    if _CONVERTED is not None and not _CONVERTED:
+        # Dynamo has converted no frame since its last reset (which drops compiled code):
+        # no compiled forward can be running, and reading the callback in force (the
+        # caller's locals) is a third of the meter's own cost per operation
+        return None
     callback = _dynamo_callback(caller)
     if callback is not None and callback is not False:
         return _COMPILED_FORWARD
