@@ -836,25 +836,3 @@ def test_the_error_profile_reuses_the_chains_exact_gradients() -> None:
             assert cost.approx[c].input_grad_error == pytest.approx(
                 own[c].input_grad_error, rel=1e-4
             )
-
-
-def test_many_groups_of_few_blocks_are_timed_in_the_chain() -> None:
-    # a ResNet's 9 blocks fall into 5 groups: timing each group alone (3 rounds of store and
-    # each strategy) would cost more than the chain profiler's few mixed steps of all blocks,
-    # which also measure what a block adds inside a longer checkpoint segment; GPT-2's blocks
-    # are one group, timed alone, with no saving assumed inside a segment
-    from revckpt.inplace.fit import _fit
-
-    def profile_of(name: str):
-        case = _case(name)
-        model, example = case.make_model(), case.make_example(*PLANNED[name])
-        fitted = _fit(model, example, memory_budget=0.6, loss_fn=case.loss_fn)
-        revckpt.restore(model)
-        return fitted.profile
-
-    resnet = profile_of("resnet")
-    assert len(resnet.blocks) == 9
-    assert any(b.chained_s != b.strategy_overhead_s["checkpoint"] for b in resnet.blocks)
-    assert all(b.forward_s > 0 and b.backward_s > 0 for b in resnet.blocks)
-    gpt2 = profile_of("gpt2")
-    assert all(b.chained_s == b.strategy_overhead_s["checkpoint"] for b in gpt2.blocks)

@@ -20,12 +20,10 @@ from torch import nn
 
 from ..measure.state import preserved
 from ..schedule.block_errors import error_fields, sensitivities
-from ..schedule.block_memory import BlockMemory, memory_costs, saves_input
-from ..schedule.block_profile import alone_times, block_cost, one_block_strategies
+from ..schedule.block_memory import saves_input
+from ..schedule.block_profile import profile_block
 from ..schedule.costs import BlockCost
-from ..schedule.probe import probe_chain, probe_steps
 from ..schedule.profile import Profile
-from ..schedule.profiling import Ticker, in_chain_times
 from .calls import Key, hidden_of, replaced, run_with
 from .trace import Call, Trace
 
@@ -131,99 +129,51 @@ def profile_in_situ(
             weights = sensitivities(units, inputs[0], {})
             if chain_exact:  # each block's input in that chain, on which its exact run was made
                 inputs = list(weights.inputs)
-        keys = [_same_costs_key(c) for c in trace.calls]
-        groups = [keys.index(k) for k in keys]  # a group: its first block's index
-        tick = Ticker(progress, len(units))  # blocks done
-        metered = _group_figures(
-            trace,
-            units,
-            inputs,
-            groups,
-            dict(codecs=codecs, policies=policies, compress=compress, device=device),
-            repeats,
-        )
         costs: list[BlockCost] = []
+        reuse: dict[Any, BlockCost] = {}
         for i, (unit, x) in enumerate(zip(units, inputs, strict=True)):
-            g = groups[i]
-            if g == i:
-                memory, times = metered[g]
-                cotangent = weights.cotangents[i] if priced else None
-                exact = weights.exact[i] if chain_exact else None
-                args = dict(cotangent=cotangent, kwargs={}, exact=exact)
-                cost = block_cost(unit, x, memory, times, **args)
-            else:  # bytes and times shared; the errors are this block's own
-                cost = costs[g]
-                if priced:
-                    own = block_errors(unit, x, cost, weights, i, chain_exact)
-                    cost = dataclasses.replace(cost, **own)
+            key = _same_costs_key(trace.calls[i])
+            if progress is not None:
+                progress(i, len(units))
+            cost = reuse.get(key)
+            if cost is None:
+                cost = reuse[key] = profile_block(
+                    unit,
+                    x,
+                    codecs=codecs,
+                    policies=policies,
+                    compress=compress,
+                    repeats=repeats,
+                    device=device,
+                    kwargs={},
+                    cotangent=weights.cotangents[i] if priced else None,
+                    grads_new=True,
+                    output=trace.calls[i].output,  # no stored forward of its own
+                    capture=False,  # fit plans no offload or reversible segment
+                    exact=weights.exact[i] if chain_exact else None,
+                )
+            elif priced:  # bytes and times shared; the errors are this block's own
+                own = block_errors(unit, x, cost, weights, i, chain_exact)
+                cost = dataclasses.replace(cost, **own)
             if priced:
                 cost = _weighted(cost, weights, i)
             costs.append(cost)
-            tick()
+        if progress is not None:
+            progress(len(units), len(units))
         # a block's input stays alive when it saves it or the block before saves its output
         # (the first block's input counts as held, as by the caller of a chain); blocks of
         # the same costs save the same
         saves: dict[Any, bool] = {}
         kept = [True]
         for i in range(1, len(units)):
-            if keys[i] not in saves:
-                saves[keys[i]] = saves_input(units[i], inputs[i], {})
-            kept.append(saves[keys[i]] or costs[i - 1].output_saved)
+            key = _same_costs_key(trace.calls[i])
+            if key not in saves:
+                saves[key] = saves_input(units[i], inputs[i], {})
+            kept.append(saves[key] or costs[i - 1].output_saved)
     costs = [dataclasses.replace(c, input_kept=k) for c, k in zip(costs, kept, strict=True)]
     names = tuple(c.fqn for c in trace.calls)
     step = _step_outside(trace.step, costs)
     return Profile(tuple(costs), names, None, step=step, threads=torch.get_num_threads())
-
-
-def _group_figures(
-    trace: Trace,
-    units: list[InSitu],
-    inputs: list[torch.Tensor],
-    groups: list[int],
-    priced: dict[str, Any],
-    repeats: int,
-) -> dict[int, tuple[BlockMemory, dict[str, Any]]]:
-    """Per group (its first block's index) the memory figures and time fields of its first
-    block. Times are measured on the block alone or, where that costs more (many groups of
-    few blocks each, as in a ResNet), in the chain of units once every group is metered: its
-    stored step and a few mixed strategy steps (:func:`~revckpt.schedule.probe.probe_chain`,
-    the chain profiler's). In block steps, a group alone costs ``repeats`` rounds of store and
-    each strategy; the chain, its :func:`~revckpt.schedule.probe.probe_steps` over every
-    block. ``priced``: the codecs, policies and compress formats to price, and the device."""
-    codecs, policies, compress = priced["codecs"], priced["policies"], priced["compress"]
-    reps = sorted(set(groups))
-    n = len(units)
-    strategies = 1 + bool(codecs) + len(policies) + len(compress)  # one-block, besides store
-    in_chain = trace.chained and probe_steps(strategies, n) * n < repeats * (1 + strategies) * len(
-        reps
-    )
-    memory, times = {}, {}
-    for g in reps:
-        memory[g] = memory_costs(
-            units[g],
-            inputs[g].detach().requires_grad_(inputs[g].is_floating_point()),
-            codecs,
-            policies,
-            priced["device"],
-            {},
-            compress=compress,
-            grads_new=True,
-            output=trace.calls[g].output,  # no stored forward of its own
-            capture=False,  # fit plans no offload or reversible segment
-        )
-        if not in_chain:
-            options = one_block_strategies(memory[g].fields, offload=False)
-            times[g] = alone_times(units[g], memory[g], inputs[g], options, {}, repeats)
-    if in_chain:
-        options = [one_block_strategies(memory[g].fields, offload=False) for g in groups]
-        grad = memory[groups[-1]].grad_out
-        # warm: the trace has just run the step
-        probed = probe_chain(units, inputs[0], grad, {}, groups, options, warm=True)
-        for g in reps:
-            times[g] = in_chain_times(
-                units[g], memory[g], inputs[g], options[g], probed, g, {}, repeats
-            )
-    return {g: (memory[g], times[g]) for g in reps}
 
 
 def _own_parameters(units: Sequence[nn.Module]) -> bool:

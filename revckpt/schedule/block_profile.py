@@ -11,7 +11,7 @@ from torch import nn
 
 from ..strategy import Strategy
 from .block_errors import Exact, error_fields
-from .block_memory import BlockMemory, memory_costs
+from .block_memory import memory_costs
 from .block_time import block_times, codec_seconds, derived_codecs
 from .costs import APPROX, CHECKPOINT, COMPRESS, OFFLOAD, REVERSIBLE, SELECTIVE, STORE, BlockCost
 
@@ -52,60 +52,29 @@ def profile_block(
         output=output,
         capture=capture,
     )
-    strategies = one_block_strategies(memory.fields, offload)
-    times = alone_times(block, memory, x, strategies, kwargs, repeats)
-    return block_cost(block, x, memory, times, cotangent=cotangent, kwargs=kwargs, exact=exact)
-
-
-def alone_times(
-    block: nn.Module,
-    memory: BlockMemory,
-    x: torch.Tensor,
-    strategies: Sequence[str],
-    kwargs: dict[str, Any],
-    repeats: int,
-) -> dict[str, Any]:
-    """The time fields of a block just metered (``memory``: :func:`memory_costs` on ``x``),
-    measured on the block alone for ``strategies`` (store first); every codec priced from
-    the timed one; a multi-block segment assumed to save nothing (``chained_s``)."""
+    fields = dict(memory.fields)
+    codecs_priced = list(fields["approx"])
     f, b, overhead = block_times(
         block,
-        memory.runs.leaf,
+        leaf,
         memory.grad_out,
-        strategies[1:],  # besides store
+        one_block_strategies(fields, offload)[1:],  # besides store
         kwargs,
         repeats,
         reversible=memory.runs.reversible,
         warmup=0,  # memory_costs has just run each of these steps
     )
-    codecs_priced = list(memory.fields["approx"])
     if codecs_priced:
         overhead = derived_codecs(overhead, codec_seconds(x, codecs_priced), codecs_priced[0])
-    return {
-        "forward_s": f,
-        "backward_s": b,
-        "strategy_overhead_s": overhead,
-        "chained_s": overhead.get(CHECKPOINT, f),
-    }
-
-
-def block_cost(
-    block: nn.Module,
-    x: torch.Tensor,
-    memory: BlockMemory,
-    times: dict[str, Any],
-    *,
-    cotangent: torch.Tensor | None,
-    kwargs: dict[str, Any],
-    exact: Exact | None = None,
-) -> BlockCost:
-    """The :class:`BlockCost` of a block from its memory figures and time fields, with its
-    codec errors measured on ``x`` (see :func:`profile_block`)."""
-    fields = dict(memory.fields)
     fields.update(
         error_fields(block, x, fields["approx"], fields["compress"], cotangent, kwargs, exact)
     )
-    fields.update(times)
+    fields.update(
+        forward_s=f,
+        backward_s=b,
+        strategy_overhead_s=overhead,
+        chained_s=overhead.get(CHECKPOINT, f),
+    )
     return BlockCost(**fields)
 
 

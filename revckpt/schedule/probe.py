@@ -51,7 +51,7 @@ from ..measure.timing import Clock
 from .costs import CHECKPOINT, STORE, Segment
 from .plan import run_segment, segment_runs
 
-__all__ = ["CHAINED", "InChain", "probe_chain", "probe_steps", "timed_step", "warm_up"]
+__all__ = ["CHAINED", "InChain", "probe_chain", "timed_step", "warm_up"]
 
 
 @dataclass(frozen=True)
@@ -173,8 +173,8 @@ def probe_chain(
     own = [fwd[g] + bwd[g] for g in groups]  # the group's median: less noise than one sample
     strategies = sorted({s for o in options for s in o if s != STORE}, key=_order(options))
     kinds = [*strategies, CHAINED] if n > 1 else strategies
-    if parts is None:
-        parts = default_parts(len(kinds))
+    if parts is None:  # two strategy steps: halves for up to four kinds, thirds for six
+        parts = max(2, -(-len(kinds) // 2))
     steps = [kinds[a : a + parts] for a in range(0, len(kinds), parts)]
     warmed = warm_up(chain, x, kwargs, kinds, options)
     run = functools.partial(timed_step, chain, x=x, grad=grad, kwargs=kwargs, clock=clock)
@@ -189,20 +189,6 @@ def probe_chain(
         chained_s=tuple(chained[i] for i in range(n)),
         rounds=1 + rounds * len(steps) + (0 if warm else 1) + warmed,
     )
-
-
-def default_parts(kinds: int) -> int:
-    """Parts per strategy step for ``kinds`` strategies timed in the chain: as few as make
-    two steps, at least halves (halves for up to four kinds, thirds for six)."""
-    return max(2, -(-kinds // 2))
-
-
-def probe_steps(strategies: int, blocks: int) -> int:
-    """The whole steps :func:`probe_chain` runs for ``strategies`` one-block strategies
-    (besides store) on a chain of ``blocks``, warm and one round: the stored step and the
-    strategy steps (the chained part of multi-block segments counted as a kind)."""
-    kinds = strategies + (1 if blocks > 1 else 0)
-    return 1 + -(-kinds // default_parts(kinds))
 
 
 # (device type, kind) run untimed in this process: the first run of a strategy in a process

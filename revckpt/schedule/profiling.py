@@ -82,7 +82,7 @@ class _ProfilingJob:
         groups = [keys.index(k) for k in keys]  # a group: its first block's index
         reps = sorted(set(groups))
         errors_needed = [i for i, h in enumerate(inputs) if weights and h.is_floating_point()]
-        tick = Ticker(progress, len(reps) + 1 + len(errors_needed))
+        tick = _Ticker(progress, len(reps) + 1 + len(errors_needed))
         params = [p for b in chain for p in b.parameters() if p.requires_grad]
         for p in params:  # steady state: gradients exist
             p.grad = torch.zeros_like(p)
@@ -110,12 +110,7 @@ class _ProfilingJob:
         )
         tick()
         costs = []
-        times = {
-            g: in_chain_times(
-                chain[g], memory[g], inputs[g], options[g], probed, g, kw, self.repeats
-            )
-            for g in reps
-        }
+        times = {g: self._times(g, memory[g], inputs[g], options[g], probed) for g in reps}
         for i, block in enumerate(chain):
             g = groups[i]
             fields = dict(memory[g].fields)
@@ -165,50 +160,45 @@ class _ProfilingJob:
         out["grad_norms"] = weights.norms(i)
         return out
 
-
-def in_chain_times(
-    block: nn.Module,
-    memory: Any,
-    x: torch.Tensor,
-    options: list[str],
-    probed: InChain,
-    g: int,
-    kwargs: dict[str, Any],
-    repeats: int,
-) -> dict[str, Any]:
-    """The time fields of block ``g`` (input ``x``, memory figures ``memory``): in-chain
-    (``probed``) where measured, else the block alone; every codec priced from the timed one."""
-    f, b = probed.forward_s[g], probed.backward_s[g]
-    overhead = dict(probed.overhead_s[g])
-    missing = [s for s in options if s != STORE and s not in overhead]
-    if missing or math.isnan(f):  # nan: never stored in the rounds
-        leaf = memory.runs.leaf
-        reversible = memory.runs.reversible
-        alone = block_times(
-            block, leaf, memory.grad_out, missing, kwargs, repeats, reversible=reversible
-        )
-        if math.isnan(f):
-            f, b = alone[0], alone[1]
-        for s in missing:
-            if s in alone[2]:
-                overhead[s] = alone[2][s]
-    if memory.fields["approx"]:
-        codec_s = codec_seconds(x, list(memory.fields["approx"]))
-        overhead = derived_codecs(overhead, codec_s, next(iter(memory.fields["approx"])))
-    chained = probed.chained_s[g]
-    if chained is None:  # no saving assumed: as its own node
-        chained = overhead.get(CHECKPOINT, f)
-    return {
-        "forward_s": f,
-        "backward_s": b,
-        "strategy_overhead_s": overhead,
-        "chained_s": chained,
-    }
+    def _times(
+        self, g: int, memory: Any, x: torch.Tensor, options: list[str], probed: InChain
+    ) -> dict[str, Any]:
+        """The time fields of group ``g``: in-chain where measured, else the block alone."""
+        f, b = probed.forward_s[g], probed.backward_s[g]
+        overhead = dict(probed.overhead_s[g])
+        missing = [s for s in options if s != STORE and s not in overhead]
+        if missing or math.isnan(f):  # nan: never stored in the rounds
+            leaf = memory.runs.leaf
+            reversible = memory.runs.reversible
+            alone = block_times(
+                self.chain[g],
+                leaf,
+                memory.grad_out,
+                missing,
+                self.kwargs,
+                self.repeats,
+                reversible=reversible,
+            )
+            if math.isnan(f):
+                f, b = alone[0], alone[1]
+            for s in missing:
+                if s in alone[2]:
+                    overhead[s] = alone[2][s]
+        if memory.fields["approx"]:
+            codec_s = codec_seconds(x, list(memory.fields["approx"]))
+            overhead = derived_codecs(overhead, codec_s, next(iter(memory.fields["approx"])))
+        chained = probed.chained_s[g]
+        if chained is None:  # no saving assumed: as its own node
+            chained = overhead.get(CHECKPOINT, f)
+        return {
+            "forward_s": f,
+            "backward_s": b,
+            "strategy_overhead_s": overhead,
+            "chained_s": chained,
+        }
 
 
-class Ticker:
-    """``progress(done, total)`` at the start and after each of ``total`` pieces of work."""
-
+class _Ticker:
     def __init__(self, progress: Progress | None, total: int) -> None:
         self.progress, self.total, self.done = progress, total, 0
         if progress is not None:
