@@ -207,7 +207,8 @@ def _fit(
             install(block, Planned(fqn, "store", runner_for("store")))
         if saved is not None and not profiled:
             return _fit_saved(saved, found, memory_budget, tuple(chosen), o.error_budget)
-        traced = trace(model, example, o.loss_fn, found, _recorder_slot(found))
+        priced = any(kind_of(s) in ("approx", "compress") for s in chosen)  # errors measured
+        traced = trace(model, example, o.loss_fn, found, _recorder_slot(found), gradients=priced)
         if o.segment_blocks is not None:
             step = dataclasses.replace(traced.step, max_span=o.segment_blocks)
             traced = dataclasses.replace(traced, step=step)

@@ -43,7 +43,9 @@ class InSitu(nn.Module):
         args, kwargs = replaced(call.args, call.kwargs, call.key, None)
         # other arguments made with a graph (T5's position bias, a U-Net's skip tensor) become
         # leaves: the traced step's graph is gone, and the block's backward still computes
-        # their gradients, as in the model
+        # their gradients, as in the model. They are the unit's keyword arguments too
+        # (``extras``): a strategy's node differentiates its keyword tensors, not the tensors a
+        # module holds
         self._leaves: list[torch.Tensor] = []
         self._args, self._kwargs = self._detached(args), self._detached(kwargs)
 
@@ -58,11 +60,30 @@ class InSitu(nn.Module):
             return {k: self._detached(v) for k, v in obj.items()}
         return obj
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    @property
+    def extras(self) -> dict[str, torch.Tensor]:
+        """The other arguments made with a graph, as keyword arguments of :meth:`forward`."""
+        return {f"extra{i}": leaf for i, leaf in enumerate(self._leaves)}
+
+    def forward(self, h: torch.Tensor, **extras: torch.Tensor) -> torch.Tensor:
         for leaf in self._leaves:  # each profiled step makes their gradients anew
             leaf.grad = None
-        out = run_with(self.block, self._args, self._kwargs, self._key, h)
+        args, kwargs = self._args, self._kwargs
+        if extras:  # in place of the leaves they stand for
+            given = {id(leaf): extras[name] for name, leaf in self.extras.items()}
+            args, kwargs = _substituted(args, given), _substituted(kwargs, given)
+        out = run_with(self.block, args, kwargs, self._key, h)
         return hidden_of(out, f"block {self.fqn}")
+
+
+def _substituted(obj: Any, given: dict[int, torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return given.get(id(obj), obj)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_substituted(o, given) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _substituted(v, given) for k, v in obj.items()}
+    return obj
 
 
 def _signature(obj: Any) -> Any:
@@ -126,7 +147,7 @@ def profile_in_situ(
         # the chain of units is the model's, each with parameters of its own
         chain_exact = priced and trace.chained and _own_parameters(units)
         if priced:
-            weights = sensitivities(units, inputs[0], {})
+            weights = _weights(trace, units, inputs[0])
             if chain_exact:  # each block's input in that chain, on which its exact run was made
                 inputs = list(weights.inputs)
         costs: list[BlockCost] = []
@@ -145,7 +166,7 @@ def profile_in_situ(
                     compress=compress,
                     repeats=repeats,
                     device=device,
-                    kwargs={},
+                    kwargs=unit.extras,
                     cotangent=weights.cotangents[i] if priced else None,
                     grads_new=True,
                     output=trace.calls[i].output,  # no stored forward of its own
@@ -165,15 +186,29 @@ def profile_in_situ(
         # the same costs save the same
         saves: dict[Any, bool] = {}
         kept = [True]
+        held = trace.input_held or (False,) * len(units)
         for i in range(1, len(units)):
             key = _same_costs_key(trace.calls[i])
             if key not in saves:
                 saves[key] = saves_input(units[i], inputs[i], {})
-            kept.append(saves[key] or costs[i - 1].output_saved)
-    costs = [dataclasses.replace(c, input_kept=k) for c, k in zip(costs, kept, strict=True)]
+            kept.append(saves[key] or costs[i - 1].output_saved or held[i])
+    costs = [
+        dataclasses.replace(c, input_kept=k, input_held=h)
+        for c, k, h in zip(costs, kept, held, strict=True)
+    ]
     names = tuple(c.fqn for c in trace.calls)
     step = _step_outside(trace.step, costs)
     return Profile(tuple(costs), names, None, step=step, threads=torch.get_num_threads())
+
+
+def _weights(trace: Trace, units: Sequence[nn.Module], x: torch.Tensor) -> Any:
+    """The error model's weights: the chain of units run on ``x`` where the blocks form a
+    chain, else the model's own step's (the trace's), as code between blocks must run."""
+    if trace.chained:
+        return sensitivities(units, x, {})
+    if trace.gradients is None:
+        raise AssertionError("trace(..., gradients=True) for blocks that form no chain")
+    return trace.gradients
 
 
 def _own_parameters(units: Sequence[nn.Module]) -> bool:

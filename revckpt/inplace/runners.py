@@ -5,7 +5,8 @@ Every runner calls the strategy's own public entry point (``revckpt.checkpoint``
 checkpoint segment spanning several blocks needs a mechanism of its own
 (:class:`~revckpt.inplace.region.Region`). Strategies that keep only the hidden state
 (approx, offload) get the block as a ``functools.partial`` holding its other arguments (masks,
-rotary tables, flags), which stay as they are.
+rotary tables, flags), which stay as they are; those that require grad go to the node as
+keywords, which it keeps exactly and differentiates.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..approx import Approx, compress_saved
@@ -68,10 +70,51 @@ class _HiddenOnly:
     ) -> Any:
         hidden = args[key] if isinstance(key, int) else kwargs[key]
         rest_args, rest_kwargs = replaced(args, kwargs, key, None)
-        call = functools.partial(run_with, fn, rest_args, rest_kwargs, key)
+        graphs = _with_graph(rest_args, rest_kwargs)
+        if graphs:  # through the node's keywords, which it keeps exactly and differentiates
+            rest_args, rest_kwargs = _without(rest_args, rest_kwargs, graphs)
+        call = functools.partial(_run_hidden, fn, rest_args, rest_kwargs, key)
         if self.entry == "offload":
-            return checkpoint(call, hidden, strategy="offload")
-        return checkpoint(call, hidden, strategy=Approx(store=self.store))
+            return checkpoint(call, hidden, strategy="offload", **graphs)
+        return checkpoint(call, hidden, strategy=Approx(store=self.store), **graphs)
+
+
+_ARG, _KW = "_revckpt_arg_", "_revckpt_kw_"
+
+
+def _with_graph(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The block's other tensor arguments that require grad (T5's position bias, a U-Net's
+    skip tensor), by node keyword: a function of the hidden state alone would hide them from
+    the node, whose backward would then drop their gradients."""
+    graphs = {f"{_ARG}{i}": a for i, a in enumerate(args) if _requires_grad(a)}
+    graphs.update({f"{_KW}{k}": v for k, v in kwargs.items() if _requires_grad(v)})
+    return graphs
+
+
+def _requires_grad(a: Any) -> bool:
+    return isinstance(a, torch.Tensor) and a.requires_grad
+
+
+def _without(
+    args: tuple[Any, ...], kwargs: dict[str, Any], graphs: dict[str, torch.Tensor]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    args = tuple(None if f"{_ARG}{i}" in graphs else a for i, a in enumerate(args))
+    return args, {k: v for k, v in kwargs.items() if f"{_KW}{k}" not in graphs}
+
+
+def _run_hidden(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    key: Key,
+    hidden: Any,
+    **graphs: torch.Tensor,
+) -> Any:
+    """``fn`` on ``hidden`` and its other arguments, those of ``graphs`` put back in place."""
+    if graphs:
+        args = tuple(graphs.get(f"{_ARG}{i}", a) for i, a in enumerate(args))
+        kwargs = {**kwargs, **{k[len(_KW) :]: v for k, v in graphs.items() if k.startswith(_KW)}}
+    return run_with(fn, args, kwargs, key, hidden)
 
 
 @dataclass(frozen=True)

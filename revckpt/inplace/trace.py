@@ -25,6 +25,7 @@ from .._numbers import tensor_bytes
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..measure import MemoryMeter
 from ..measure.state import preserved
+from ..schedule.block_errors import Sensitivities, step_sensitivities
 from ..schedule.step import StepCosts
 from .calls import Key, carried_key, get, hidden_of
 
@@ -119,12 +120,17 @@ class Call:
 @dataclass(frozen=True)
 class Trace:
     """What one step showed: the block calls, whether each block takes the previous block's
-    output, the step's costs outside the chain and its measured store-all peak."""
+    output, the step's costs outside the chain and its measured store-all peak; where asked
+    for and the blocks do not form a chain, the blocks' :class:`Sensitivities` in the step
+    (``gradients``); per block, whether code outside the blocks saved its input for backward
+    (``input_held``)."""
 
     calls: tuple[Call, ...]
     chained: bool
     step: StepCosts
     store_peak: int
+    gradients: Sensitivities | None = None
+    input_held: tuple[bool, ...] = ()
 
 
 class Recorder:
@@ -164,9 +170,14 @@ def trace(
     loss_fn: LossFn,
     blocks: list[tuple[str, nn.Module]],
     recorder_slot: Callable[[Recorder | None], None],
+    *,
+    gradients: bool = False,
 ) -> Trace:
     """Run the step twice (see the module docstring) with every block stored; ``recorder_slot``
-    installs a :class:`Recorder` on the blocks' forwards (and removes it with ``None``)."""
+    installs a :class:`Recorder` on the blocks' forwards (and removes it with ``None``).
+    ``gradients``: where the blocks do not form a chain, backpropagate the first run's loss
+    to the blocks (:func:`~revckpt.schedule.block_errors.step_sensitivities`), for the error
+    model, which cannot run such blocks one after the other."""
     names = [fqn for fqn, _ in blocks]
     recorder = Recorder(blocks)
     calls: list[Call] = []
@@ -184,15 +195,23 @@ def trace(
             hidden = hidden_of(out, f"block {names[i]}")
             calls.append(Call(names[i], blocks[i][1], args, kwargs, key, hidden))
 
-    recorder.hooks.append(capture)
+    outside = _SavedOutside()
+    recorder.hooks += [capture, outside.track]
     recorder_slot(recorder)
     try:
+        weights = None
         with _left_as_found(model), _runnable():
             args, kwargs = split_example(example)
-            loss_of(model(*args, **kwargs), loss_fn)  # the forward alone: no backward yet
-        _check_calls(recorder.counts, names, [c.fqn for c in calls])
+            with outside:
+                loss = loss_of(model(*args, **kwargs), loss_fn)  # the forward: no backward yet
+            _check_calls(recorder.counts, names, [c.fqn for c in calls])
+            held = tuple(i > 0 and outside.saved(c.input) for i, c in enumerate(calls))
+            chained = all(c.input is p.output for p, c in itertools.pairwise(calls))
+            if gradients and not chained:
+                ins, outs = [c.input for c in calls], [c.output for c in calls]
+                weights = step_sensitivities(loss, ins, outs, [c.block for c in calls])
+            del loss
         recorder.hooks.clear()
-        chained = all(c.input is p.output for p, c in itertools.pairwise(calls))
         calls = [_detached(c) for c in calls]  # the first run's graph goes
         recorder.counts = [0] * len(names)
         with _runnable():
@@ -200,7 +219,36 @@ def trace(
         _check_calls(recorder.counts, names, names)  # a backward may run blocks again
     finally:
         recorder_slot(None)
-    return Trace(tuple(calls), chained, step, peak)
+    return Trace(tuple(calls), chained, step, peak, weights, held)
+
+
+class _SavedOutside(torch.autograd.graph.saved_tensors_hooks):
+    """While entered, the storages of the tensors autograd saves outside the blocks' calls
+    (code between blocks, the embedding, the head)."""
+
+    def __init__(self) -> None:
+        self.storages: set[int] = set()
+        self.depth = 0
+        super().__init__(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.depth == 0:
+            self.storages.add(_storage(t))
+        return t
+
+    def track(self, what: str, i: int, payload: Any) -> None:
+        """A :class:`Recorder` hook: inside a block's call or not."""
+        self.depth += 1 if what == "enter" else -1
+
+    def saved(self, t: torch.Tensor) -> bool:
+        return _storage(t) in self.storages
+
+
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage of its own (a tensor subclass)
+        return -1
 
 
 @contextlib.contextmanager

@@ -34,6 +34,7 @@ __all__ = [
     "Sensitivities",
     "error_fields",
     "sensitivities",
+    "step_sensitivities",
 ]
 
 
@@ -93,32 +94,62 @@ def sensitivities(
         outs.append(h)
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(h.shape, generator=gen).to(h.device, h.dtype if h.is_floating_point() else None)
-    per_block = [[p for p in b.parameters() if p.requires_grad] for b in chain]
-    flat = [p for ps in per_block for p in ps]
-    inputs = [leaf] if leaf.requires_grad else []
-    wrt = inputs + [o for o in outs[:-1] if o.requires_grad] + flat
-    n = len(chain)
     inputs = [x.detach()] + [o.detach() for o in outs[:-1]]
-    if not h.requires_grad or not wrt:
+    loss = (h * w).sum() if h.requires_grad else None
+    return _gradients(loss, leaf, outs, chain, inputs, states)
+
+
+def step_sensitivities(
+    loss: torch.Tensor,
+    inputs: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor],
+    blocks: Sequence[nn.Module],
+) -> Sensitivities:
+    """:class:`Sensitivities` of blocks a model ran, from its own step's ``loss`` (its graph
+    through the blocks' ``inputs`` and ``outputs`` still alive): one backward. For blocks that
+    do not form a chain (code between them, outputs used twice), where :func:`sensitivities`
+    cannot run them one after the other. The cotangents are those of the model's loss; no
+    :class:`Exact` gradients (a block's input gradient there is not its own alone)."""
+    first = inputs[0]
+    detached = [t.detach() for t in inputs]
+    return _gradients(loss, first, list(outputs), blocks, detached, None)
+
+
+def _gradients(
+    loss: torch.Tensor | None,
+    first: torch.Tensor,
+    outs: list[torch.Tensor],
+    blocks: Sequence[nn.Module],
+    inputs: list[torch.Tensor],
+    states: list[Any] | None,
+) -> Sensitivities:
+    """The :class:`Sensitivities` of one backward of ``loss`` through ``blocks``, whose first
+    input is ``first`` and outputs ``outs``; :class:`Exact` gradients where ``states`` (the
+    generator states of the blocks' forwards, ``outs`` chained) are given."""
+    n = len(blocks)
+    per_block = [[p for p in b.parameters() if p.requires_grad] for b in blocks]
+    flat = [p for ps in per_block for p in ps]
+    head = [first] if first.requires_grad else []
+    wrt = head + [o for o in outs if o.requires_grad] + flat
+    if loss is None or not loss.requires_grad or not wrt:
         return Sensitivities([None] * n, [0.0] * n, 0.0, [None] * n, inputs)
-    grads = torch.autograd.grad((h * w).sum(), wrt, allow_unused=True)
+    grads = torch.autograd.grad(loss, wrt, allow_unused=True)
     by_id = {id(t): g for t, g in zip(wrt, grads, strict=True)}
 
     def sq(g: torch.Tensor | None) -> float:
         return 0.0 if g is None else float(g.double().pow(2).sum())
 
-    cotangents = [by_id.get(id(o)) for o in outs[:-1]] + [w]
+    cotangents = [by_id.get(id(o)) for o in outs]
     grad_sq = [sum(sq(by_id[id(p)]) for p in ps) for ps in per_block]
-    input_sq = sq(by_id.get(id(leaf))) if leaf.requires_grad else 0.0
-    exact: list[Exact | None] = []
-    for i, ps in enumerate(per_block):
-        g_in = by_id.get(id(leaf if i == 0 else outs[i - 1]))
+    input_sq = sq(by_id.get(id(first)))
+    exact: list[Exact | None] = [None] * n
+    for i, ps in enumerate(per_block if states is not None else []):
+        g_in = by_id.get(id(first if i == 0 else outs[i - 1]))
         g_par = [by_id[id(p)] for p in ps]
         if g_in is None or any(g is None for g in g_par):
-            exact.append(None)
             continue
         par = torch.cat([g.reshape(-1) for g in g_par]) if g_par else outs[i].new_zeros(0)
-        exact.append(Exact(g_in.reshape(-1), par, outs[i].detach().reshape(-1), states[i]))
+        exact[i] = Exact(g_in.reshape(-1), par, outs[i].detach().reshape(-1), states[i])
     return Sensitivities(
         [None if c is None else c.detach() for c in cotangents], grad_sq, input_sq, exact, inputs
     )

@@ -124,8 +124,11 @@ class BlockCost:
     ``None`` before it, as after ``zero_grad()``): they stay alive from the block's backward to
     the end of the step, and its backward transients were measured so (their own gradients
     included); ``input_kept``: a stored block keeps its input alive until its backward (it
-    saves it, or the block before saves its own output); if not, its input goes once it has
-    run; ``chained_s``: the extra seconds the block adds when it is recomputed inside a longer
+    saves it, or the block before saves its own output, or ``input_held``); if not, its input
+    goes once it has run; ``input_held``: code outside the blocks saves the block's input for
+    its own backward (an activation between blocks), so the input stays alive until then
+    whatever the plan (an approx segment starting here keeps its compressed copy beside it);
+    ``chained_s``: the extra seconds the block adds when it is recomputed inside a longer
     checkpoint or approx segment, not first in it (its recompute without a node of its own;
     ``None``: its forward time is assumed). Per strategy, the measurements of its own:
     ``approx[c]`` (:class:`ApproxCost`, per codec), ``selective[p]`` (:class:`SelectiveCost`,
@@ -153,6 +156,7 @@ class BlockCost:
     reversible_check_bytes: int = 0
     grads_new: bool = False
     input_kept: bool = True
+    input_held: bool = False
     chained_s: float | None = None
     approx: Mapping[str, ApproxCost] = field(default_factory=dict)
     selective: Mapping[str, SelectiveCost] = field(default_factory=dict)

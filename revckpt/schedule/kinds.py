@@ -100,7 +100,7 @@ def _recompute_work(part: Sequence[BlockCost], strategy: str, first: bool, out: 
         kept, held = part[0].input_bytes, 0
     else:
         kept = held = part[0].approx[argument_of(strategy)].kept_bytes
-        if first:  # the caller's chain input stays alive next to its compressed copy
+        if first or part[0].input_held:  # the input stays alive next to its compressed copy
             kept += part[0].input_bytes
             held += part[0].input_bytes
     fwd = 0
