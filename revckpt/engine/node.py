@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..replay import ForwardState
@@ -67,6 +68,7 @@ class _BlockCall:
         "label",
         "modules",
         "norms",
+        "out_spec",
         "params",
         "preserve_rng_state",
         "slots",
@@ -94,6 +96,7 @@ class _BlockCall:
         self.norms: tuple[nn.Module, ...] | None = None
         self.keep: Keep = EXACT
         self.preserve_rng_state = True
+        self.out_spec: _OutSpec | None = None  # the output's structure, set by the forward
 
     def args(self, tensors: Sequence[Any]) -> list[Any]:
         args = list(self.template)
@@ -122,10 +125,9 @@ class _RecomputeNode(torch.autograd.Function):
         ctx.kw_start = len(saved)
         saved += [call.kwargs[k] for k in ctx.kw_names]
         ctx.save_for_backward(*saved)
-        outs, multiple = _outputs(out, call.label)
+        outs, call.out_spec = _OutSpec.split(out, call.label)
         del out
-        outs = [o.detach() for o in outs]  # the node is their history, not the forward's graph
-        return tuple(outs) if multiple else outs[0]
+        return tuple(o.detach() for o in outs)  # the node is their history, not the forward's
 
     @staticmethod
     @differentiable_once("an approximate-recompute or offloaded block")
@@ -156,7 +158,7 @@ class _RecomputeNode(torch.autograd.Function):
                 "gradient would be lost; pass an nn.Module that registers it, or pass the "
                 "tensor as an argument"
             )
-        result = output_grads(_outputs(out, call.label)[0], grads, sources)
+        result = output_grads(_rerun_outputs(out, call), grads, sources)
         del out
         arg_grads, i = [], 0
         for leaf in ctx.leaves:
@@ -165,15 +167,50 @@ class _RecomputeNode(torch.autograd.Function):
         return (None, *arg_grads, *result[len(leaves) :])
 
 
-def _outputs(out: Any, label: str) -> tuple[list[torch.Tensor], bool]:
-    if isinstance(out, torch.Tensor):
-        return [out], False
-    if isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
-        return list(out), True
-    raise InvalidInputTypeError(
-        f"{label} returned {type(out).__name__}; an approximate checkpoint needs a block that "
-        "returns a tensor or a tuple of tensors"
-    )
+class _OutSpec:
+    """Where the tensors are in a block's output: the node returns only those, and the output
+    is rebuilt around them with its other values (``None``, flags, a cache object) as they came
+    from the first forward, the way ``torch.utils.checkpoint`` passes any output through."""
+
+    __slots__ = ("leaves", "slots", "spec")
+
+    def __init__(self, leaves: list[Any], slots: list[int], spec: Any) -> None:
+        self.leaves, self.slots, self.spec = leaves, slots, spec
+
+    @staticmethod
+    def split(out: Any, label: str) -> tuple[list[torch.Tensor], _OutSpec]:
+        leaves, spec = tree_flatten(out)
+        slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        if not slots:
+            raise InvalidInputTypeError(
+                f"{label} returned {type(out).__name__} with no tensor in it; a recompute node "
+                "needs a block whose output holds at least one tensor"
+            )
+        tensors = [leaves[i] for i in slots]
+        for i in slots:
+            leaves[i] = None  # the node's outputs hold them
+        return tensors, _OutSpec(leaves, slots, spec)
+
+    def join(self, tensors: Sequence[torch.Tensor]) -> Any:
+        leaves = list(self.leaves)
+        for i, t in zip(self.slots, tensors, strict=True):
+            leaves[i] = t
+        return tree_unflatten(leaves, self.spec)
+
+
+def _rerun_outputs(out: Any, call: _BlockCall) -> list[torch.Tensor]:
+    """The re-run's output tensors, which must stand where the first forward's stood."""
+    leaves, spec = tree_flatten(out)
+    first = call.out_spec
+    assert first is not None
+    slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    if spec != first.spec or slots != first.slots:
+        raise InvalidArgumentError(
+            f"{call.label} returned an output of a different structure when re-run in backward "
+            f"({spec} against {first.spec} in forward); a recomputed block must return the "
+            "same structure each time it runs"
+        )
+    return [leaves[i] for i in slots]
 
 
 def _targets(modules: Sequence[nn.Module]) -> tuple[tuple[torch.Tensor, ...], list[nn.Module]]:
@@ -233,4 +270,6 @@ def run_node(
     call.modules = tuple(dict.fromkeys((*modules, *modules_of(fn))))
     call.norms = tuple(norms) if complete else None
     call.preserve_rng_state = preserve_rng_state
-    return _RecomputeNode.apply(call, *tensors, *params, *(kwargs[k] for k in grad_kwargs))
+    outs = _RecomputeNode.apply(call, *tensors, *params, *(kwargs[k] for k in grad_kwargs))
+    assert call.out_spec is not None
+    return call.out_spec.join(outs)

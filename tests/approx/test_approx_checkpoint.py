@@ -305,3 +305,53 @@ def test_reversible_bf16_recompute_with_anchors():
 def test_reversible_rejects_a_store_format():
     with pytest.raises(InvalidArgumentError, match="keeps no block inputs to compress"):
         ReversibleSequential(reversible_mlp_block(8, 16), approx=Approx(store="e4m3"))
+
+
+class _Tupled(nn.Module):
+    """A block returning what Hugging Face layers return: tensors mixed with ``None``, flags
+    and nested containers (T5's layer returns its position bias beside the hidden state)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.bias = nn.Parameter(torch.randn(width))
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        return h, None, {"bias": self.bias * 2, "flag": True, "steps": (3, h.sum())}
+
+
+def _tupled_grads(strategy, x):
+    torch.manual_seed(0)
+    block = _Tupled().double()
+    xx = x.detach().clone().requires_grad_()
+    out = block(xx) if strategy is None else revckpt.checkpoint(block, xx, strategy=strategy)
+    h, _, extra = out
+    loss = (h**2).sum() + (extra["bias"] * h[0]).sum() + extra["steps"][1] ** 2
+    loss.backward()
+    return out, [xx.grad, *(p.grad for p in block.parameters())]
+
+
+@pytest.mark.parametrize("strategy", [Approx(store=None), "offload", Approx(store="bf16")])
+def test_a_block_returning_non_tensors_beside_its_tensors(strategy):
+    x = torch.randn(4, 8, dtype=torch.float64)
+    plain, plain_grads = _tupled_grads(None, x)
+    out, grads = _tupled_grads(strategy, x)
+    assert out[1] is None and out[2]["flag"] is True and out[2]["steps"][0] == 3
+    exact = not (isinstance(strategy, Approx) and strategy.store == "bf16")
+    tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 2e-2, "atol": 1e-2}
+    torch.testing.assert_close(out[0], plain[0], **tol)
+    for g, p in zip(grads, plain_grads, strict=True):
+        torch.testing.assert_close(g, p, **tol)
+
+
+def test_a_block_whose_output_changes_structure_in_backward_is_refused():
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        return (x * 2, None) if len(calls) == 1 else (x * 2, x * 3)
+
+    y, _ = revckpt.checkpoint(fn, torch.randn(3, requires_grad=True), strategy=Approx())
+    with pytest.raises(InvalidArgumentError, match="different structure when re-run"):
+        y.sum().backward()
