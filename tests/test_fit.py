@@ -918,3 +918,40 @@ def test_the_error_profile_reuses_the_chains_exact_gradients() -> None:
             assert cost.approx[c].input_grad_error == pytest.approx(
                 own[c].input_grad_error, rel=1e-4
             )
+
+
+class _SharedBody(nn.Module):
+    """Two layers, each called twice (shared weights): one block, two calls."""
+
+    def __init__(self, unused: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3 if unused else 2))
+        self.unused = unused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        calls = self.layers[:2] if self.unused else [*self.layers, *self.layers]
+        for layer in calls:
+            x = x + torch.tanh(layer(x))
+        return x
+
+
+class _TwoBodies(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = _SharedBody(), _SharedBody()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x)).pow(2).mean()
+
+
+def test_blocks_called_twice_or_never_are_refused_with_the_cure_that_works() -> None:
+    x = torch.randn(64, 16)
+    with pytest.raises(revckpt.InvalidArgumentError, match="called at several places") as info:
+        revckpt.fit(_TwoBodies(), x, memory_budget=0.6, blocks="a.layers")
+    assert "a.layers.0 2 times" in str(info.value) and "fqn in" in str(info.value)
+    model = _TwoBodies()  # the cure named: their parents, which run once
+    plan = revckpt.fit(model, x, memory_budget=0.6, blocks=lambda m, fqn: fqn in ("a", "b"))
+    assert len(plan.strategies) == 2
+    with pytest.raises(revckpt.InvalidArgumentError, match=r"never ran layers\.2"):
+        revckpt.fit(_SharedBody(unused=True), x, memory_budget=0.6, blocks="layers",
+                    loss_fn=lambda out: out.pow(2).mean())  # fmt: skip

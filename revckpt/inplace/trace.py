@@ -284,12 +284,23 @@ def _detached(call: Call) -> Call:
 
 
 def _check_calls(counts: list[int], names: list[str], order: list[str]) -> None:
-    wrong = [(n, c) for n, c in zip(names, counts, strict=True) if c != 1]
-    if wrong:
-        shown = ", ".join(f"{n} {c} times" for n, c in wrong[:4])
+    shared = [(n, c) for n, c in zip(names, counts, strict=True) if c > 1]
+    if shared:
+        shown = ", ".join(f"{n} {c} times" for n, c in shared[:4])
         raise InvalidArgumentError(
-            f"each block must run exactly once per step, but the example ran {shown}; pick the "
-            "blocks with blocks='attribute.path' or blocks=lambda module, fqn: ..."
+            f"each block must run exactly once per step, but the example ran {shown}: a module "
+            "called at several places (shared weights, a loop) is one block for the planner "
+            "but several calls in the step, which it cannot plan apart. Checkpoint each call "
+            "in the model's forward with revckpt.checkpoint(block, x, strategy=...), or plan "
+            "modules that contain every call and run once (blocks=lambda module, fqn: fqn in "
+            "(...) naming those parents)"
+        )
+    unused = [n for n, c in zip(names, counts, strict=True) if c == 0]
+    if unused:
+        raise InvalidArgumentError(
+            f"each block must run exactly once per step, but the example never ran "
+            f"{', '.join(unused[:4])}; leave such blocks out with blocks=lambda module, fqn: "
+            "... (or blocks='attribute.path' naming the blocks the step runs)"
         )
     if order != names:
         raise InvalidArgumentError(

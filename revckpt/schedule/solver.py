@@ -182,14 +182,38 @@ def _least_peak(problem: _Problem, store_peak: int, slots: int) -> tuple[int, li
     the store-all peak at ``slots``, then up to the peak found on the finest grid."""
     segments = _lowest_peak(problem, 2 * store_peak, slots)
     if segments is None:
-        raise InvalidArgumentError(
-            f"no plan with strategies {list(problem.strategies)} fits even twice the store-all "
-            f"peak ({2 * store_peak:,} bytes); allow 'store' or 'checkpoint'"
-        )
+        raise _no_plan(problem, store_peak)
     peak = problem.evaluate(segments).peak_bytes
     finer = _lowest_peak(problem, *problem.grids(peak, slots)[-1])
     finer_peak = peak if finer is None else problem.evaluate(finer).peak_bytes
     return (finer_peak, finer) if finer is not None and finer_peak < peak else (peak, segments)
+
+
+def _no_plan(problem: _Problem, store_peak: int) -> InvalidArgumentError:
+    """Why no plan exists at any budget: the error budget, when only approximate strategies
+    are allowed (each block then pays an error), else the strategies themselves."""
+    asked = list(problem.asked)
+    approx = [s for s in problem.asked if approximate(s)]
+    if approx and all(approximate(s) for s in problem.asked):
+        least, best = min((_uniform_error(problem, s), s) for s in approx)
+        return InvalidArgumentError(
+            f"no plan with strategies {asked} keeps the predicted gradient error within "
+            f"error_budget={problem.error_budget:g}: every block must then be approximate, and "
+            f"with every block {best!r} the predicted error is {least:.3g}. Pass "
+            f"error_budget={least * 1.001:.3g} or more, or allow an exact strategy ('store', "
+            "'checkpoint')"
+        )
+    return InvalidArgumentError(
+        f"no plan with strategies {asked} fits even twice the store-all peak "
+        f"({2 * store_peak:,} bytes); allow 'store' or 'checkpoint'"
+    )
+
+
+def _uniform_error(problem: _Problem, strategy: str) -> float:
+    """The predicted error of every block run with ``strategy`` (approx: one block a
+    segment)."""
+    n = len(problem.blocks)
+    return problem.evaluate([Segment(i, i + 1, strategy) for i in range(n)]).error
 
 
 def _lowest_peak(problem: _Problem, span: int, slots: int) -> list[Segment] | None:
@@ -241,15 +265,21 @@ def _cures(problem: _Problem, smallest: int, store_peak: int, slots: int) -> lis
     if len(available) > len(exact):
         anything = _Problem.of(blocks, available, math.inf, problem.error_slots, problem.step)
         peak, segments = _least_peak(anything, store_peak, slots)
-        if peak < smallest:
-            error = anything.evaluate(segments).error
-            used = sorted({s.strategy for s in segments} - set(problem.asked))
+        error = anything.evaluate(segments).error
+        used = sorted({s.strategy for s in segments} - set(problem.asked))
+        if peak < smallest and error > problem.error_budget:
             cures.append(
                 f"allow approx boundaries: a plan with a predicted gradient error of "
                 f"{error:.2g} fits {human_bytes(peak)} ({peak:,} bytes; pass "
                 f"error_budget={error * 1.001:.3g}"
                 + (f" and strategies including {used}" if used else "")
                 + ")"
+            )
+        elif peak < smallest and used:  # the error budget holds: the strategies are the cause
+            cures.append(
+                f"allow {used}: a plan with them fits {human_bytes(peak)} ({peak:,} bytes) "
+                f"with a predicted gradient error of {error:.2g}, within error_budget="
+                f"{problem.error_budget:g}"
             )
     if not any(b.invertible for b in blocks) and problem.step is None:
         cures.append(

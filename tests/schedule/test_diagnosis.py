@@ -77,3 +77,14 @@ def test_plain_blocks_name_approx_and_reversible_blocks_and_the_approx_cure_work
     error = float(re.search(r"error_budget=([0-9.e+-]+)\)", message).group(1))
     plan = solve(prof, memory_budget=cured, error_budget=error)
     assert plan.predicted_peak_bytes <= cured and plan.predicted_error <= error
+
+
+def test_an_error_budget_that_already_allows_approx_names_the_strategies_not_the_budget():
+    torch.manual_seed(0)
+    prof = profile(mlp_chain(8, 128, 32), torch.randn(64, 128), repeats=1, codecs=("e4m3",))
+    message = _refusal(prof, error_budget=1.0, strategies=["store", "checkpoint"])
+    assert "pass error_budget" not in message, message  # 1.0 is more than the plan needs
+    assert "allow ['approx:e4m3']: a plan with them fits" in message, message
+    cured = _bytes_after(message, "allow ['approx:e4m3']")
+    plan = solve(prof, memory_budget=cured, error_budget=1.0)  # the cure works
+    assert "approx:e4m3" in plan.strategies and plan.predicted_peak_bytes <= cured

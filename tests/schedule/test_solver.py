@@ -278,3 +278,18 @@ def test_bad_input():
     with pytest.raises(InvalidArgumentError, match="not invertible"):
         evaluate(blocks, [Segment(0, 1, "reversible")])
     assert math.isfinite(solve(blocks, memory_budget=1.0).predicted_overhead)
+
+
+@pytest.mark.parametrize("error_budget", [0.0, 1e-4])
+def test_only_approx_strategies_over_the_error_budget_name_the_error_that_works(error_budget):
+    # the cause is the error budget, not the memory: the message names the error a plan of
+    # these strategies has, and that error budget then plans
+    blocks = make_chain(6, 1)
+    with pytest.raises(InvalidArgumentError, match="keeps the predicted gradient error") as info:
+        solve(blocks, memory_budget=1.0, error_budget=error_budget, strategies=["approx:e4m3"])
+    message = str(info.value)
+    assert "fits even twice" not in message and "'store', 'checkpoint'" in message
+    named = float(message.split("Pass error_budget=")[1].split()[0])
+    assert named > error_budget
+    plan = solve(blocks, memory_budget=1.0, error_budget=named, strategies=["approx:e4m3"])
+    assert set(plan.strategies) == {"approx:e4m3"} and plan.predicted_error <= named
