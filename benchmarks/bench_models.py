@@ -16,7 +16,8 @@ Columns: the measured peak of the whole training step (forward, loss, backward) 
 ``MemoryMeter("cpu")`` around it, parameter gradients ``None`` before the step; the plan's
 predicted peak and measured / predicted (store-all: the plans' predicted store-all peak); time
 of a step against store-all (every row's step run once per round in one rotated round-robin,
-``revckpt.time_ratios``, median and interquartile range, one thread); the wall time of
+``revckpt.time_ratios``, median and interquartile range, one thread); the time the plan
+predicted (1 + ``Plan.predicted_overhead``, of the whole step); the wall time of
 ``fit`` in plain training steps (fit seconds / median store-all step seconds); the gradient
 error against store-all's gradients (relative Frobenius norm over all parameters). On the
 Hugging Face models a last row times the two per-layer checkpoints head to head
@@ -255,8 +256,9 @@ def _mib(n: int | None) -> str:
 def table(result: dict[str, Any]) -> str:
     out = [
         "| model | variant | measured peak MiB (of store-all) | predicted MiB | "
-        "measured/predicted | time vs store-all (IQR) | fit time (steps) | grad error | plan |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "measured/predicted | time vs store-all (IQR) | predicted time | fit time (steps) | "
+        "grad error | plan |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in result["models"]:
         for r in m["rows"]:
@@ -275,22 +277,25 @@ def table(result: dict[str, Any]) -> str:
             fit = "-" if "fit_steps" not in r else f"{r['fit_steps']:.0f}"
             err = r["gradient_error"]
             err_cell = "0" if err == 0 else f"{err:.1e}"
+            overhead = r.get("predicted_overhead")
+            predicted = "-" if overhead is None else f"{1 + overhead:.3f}"
             out.append(
                 f"| {m['model']} | {variant} | {_mib(r['measured_peak_bytes'])} "
                 f"({r['fraction_of_store_all']:.1%}) | {_mib(r.get('predicted_peak_bytes'))} | "
-                f"{over} | {ratio_cell(r)} | {fit} | {err_cell} | {r.get('plan_cell', '')} |"
+                f"{over} | {ratio_cell(r)} | {predicted} | {fit} | {err_cell} | "
+                f"{r.get('plan_cell', '')} |"
             )
         for r in m["failed"]:
             smallest = r.get("smallest_budget_bytes")
             note = "" if smallest is None else f"{r['requested_budget']} infeasible; smallest "
             note += "" if smallest is None else f"{smallest / 2**20:.2f} MiB; "
             out.append(
-                f"| {m['model']} | {r['variant']} ({note}fit at it FAILED) | | | | | | | "
+                f"| {m['model']} | {r['variant']} ({note}fit at it FAILED) | | | | | | | | "
                 f"{r['failed'][:90]} |"
             )
         if m["head_to_head"] is not None:
             h = m["head_to_head"]
-            out.append(f"| {m['model']} | {h['variant']} | | | | {ratio_cell(h)} | | | |")
+            out.append(f"| {m['model']} | {h['variant']} | | | | {ratio_cell(h)} | | | | |")
     return "\n".join(out)
 
 

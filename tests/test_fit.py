@@ -955,3 +955,19 @@ def test_blocks_called_twice_or_never_are_refused_with_the_cure_that_works() -> 
     with pytest.raises(revckpt.InvalidArgumentError, match=r"never ran layers\.2"):
         revckpt.fit(_SharedBody(unused=True), x, memory_budget=0.6, blocks="layers",
                     loss_fn=lambda out: out.pow(2).mean())  # fmt: skip
+
+
+def test_the_chains_share_of_the_step_is_read_at_the_metered_steps_marks() -> None:
+    from revckpt.inplace.trace import _chain_share
+
+    # forward 1 -> 5 in the blocks, their backward 6 -> 9, of a 10 s step
+    times = {"start": 0.0, "chain_start": 1.0, "chain_end": 5.0, "head_done": 6.0}
+    assert _chain_share({**times, "chain_done": 9.0, "end": 10.0}) == pytest.approx(0.7)
+    # nothing before the chain to backpropagate into: its backward ends with the step
+    assert _chain_share({**times, "chain_done": 11.0, "end": 10.0}) == pytest.approx(0.8)
+    case = _case("gpt2")  # and fit's profile carries it: a step with a head outside the blocks
+    model, example = case.make_model(), case.make_example(2, 16)
+    from revckpt.inplace.fit import _fit
+
+    fitted = _fit(model, example, memory_budget=1.0, loss_fn=case.loss_fn, repeats=1)
+    assert fitted.profile is not None and 0 < fitted.profile.step.chain_share < 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -326,9 +327,12 @@ def _metered(
     calls: list[Call],
     chained: bool,
 ) -> tuple[StepCosts, int]:
-    """The store-all step metered, with a mark at every phase boundary."""
+    """The store-all step metered, with a mark at every phase boundary (bytes, and the time,
+    for the chain's share of the step's time: the meter slows every operation alike, so the
+    share is that of the plain step to a few percent)."""
     last = len(calls) - 1
     marks: dict[str, int] = {}
+    times: dict[str, float] = {}
     handles: list[Any] = []  # the hooks, removed after the step (x0 may be the caller's leaf)
     device = calls[0].input.device
     x0_bytes = tensor_bytes(calls[0].input)
@@ -337,6 +341,7 @@ def _metered(
     with _left_as_found(model), MemoryMeter(device) as meter:
 
         def mark(name: str) -> None:
+            times[name] = _now(device)
             marks[name] = meter.live_bytes
             marks[name + "_peak"] = meter.phase_peak_bytes
             meter.reset_peak()
@@ -354,12 +359,14 @@ def _metered(
                     handles.append(out.register_hook(lambda g: mark("head_done")))
 
         recorder.hooks.append(on_event)
+        times["start"] = _now(device)
         try:
             run_step(model, example, loss_fn)
         finally:
             recorder.hooks.clear()
             for handle in handles:
                 handle.remove()
+        times["end"] = _now(device)
         if "chain_done" not in marks:  # nothing before the chain to backpropagate into
             mark("chain_done")
     if "head_done" not in marks:
@@ -375,5 +382,22 @@ def _metered(
         backward_held=marks["head_done"] - marks["chain_end"],
         after=max(meter.stats.since_reset_peak_bytes, marks["chain_done"]) - new_grads,
         chained=chained,
+        chain_share=_chain_share(times),
     )
     return step, meter.peak_bytes
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _chain_share(times: dict[str, float]) -> float:
+    """The blocks' share of the step's time: their forward (first block entered to last block
+    left) and their backward (the last output's gradient to the first input's)."""
+    whole = times["end"] - times["start"]
+    chain = (times["chain_end"] - times["chain_start"]) + (
+        min(times["chain_done"], times["end"]) - times["head_done"]
+    )
+    return min(1.0, max(chain, 1e-12) / whole) if whole > 0 else 1.0

@@ -312,10 +312,12 @@ def _check_sequence(blocks: Sequence[BlockCost], segments: Sequence[Segment]) ->
 
 
 def chain_totals(blocks: Sequence[BlockCost], step: StepCosts | None = None) -> tuple[float, int]:
-    """Forward+backward seconds of the plain chain and its store-everything peak bytes (of
-    the whole step, with ``step``)."""
+    """Forward+backward seconds of the plain chain and its store-everything peak bytes; with
+    ``step``, both of the whole step (the chain's seconds over its share of the step's)."""
     plain = evaluate(blocks, [Segment(0, len(blocks), STORE)], step=step)
     base = sum(b.forward_s + b.backward_s for b in blocks)
+    if step is not None:
+        base /= step.chain_share
     return base, plain.peak_bytes
 
 

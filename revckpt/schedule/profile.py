@@ -69,8 +69,10 @@ class Profile:
     @property
     def cost_in_steps(self) -> float | None:
         """What profiling took, in training steps of the stored chain (``seconds`` over the
-        measured forward+backward time of every block)."""
+        measured forward+backward time of every block; with ``step``, of the whole step)."""
         base = sum(b.forward_s + b.backward_s for b in self.blocks)
+        if self.step is not None:
+            base /= self.step.chain_share
         if self.seconds is None or base <= 0:
             return None
         return self.seconds / base

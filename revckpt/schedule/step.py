@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import InvalidArgumentError
+
 __all__ = ["StepCosts"]
 
 
@@ -37,7 +39,10 @@ class StepCosts:
     peak after the chain's backward, above what the chain keeps to the end of the step
     (``late``). ``chained``: every block's input is the output of the block before it, so a
     checkpoint segment may span several blocks (its recompute re-runs them in order), at most
-    ``max_span`` (``None``: any number)."""
+    ``max_span`` (``None``: any number). ``chain_share``: the chain's share of the stored
+    step's wall time (its forward and its backward, read at the same marks in the metered
+    step), which turns the chain's predicted seconds into a share of the whole step (1.0: the
+    chain is the step)."""
 
     before_peak: int
     held: int
@@ -46,3 +51,11 @@ class StepCosts:
     after: int
     chained: bool = True
     max_span: int | None = None
+    chain_share: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.chain_share <= 1.0:
+            raise InvalidArgumentError(
+                f"chain_share={self.chain_share!r}: the chain's share of the step's time is in "
+                "(0, 1]"
+            )

@@ -1,5 +1,6 @@
 """The solver is exact: it equals brute force (L <= 7) and an independent MILP (L <= 32)."""
 
+import dataclasses
 import math
 import random
 
@@ -293,3 +294,23 @@ def test_only_approx_strategies_over_the_error_budget_name_the_error_that_works(
     assert named > error_budget
     plan = solve(blocks, memory_budget=1.0, error_budget=named, strategies=["approx:e4m3"])
     assert set(plan.strategies) == {"approx:e4m3"} and plan.predicted_error <= named
+
+
+def test_a_whole_step_profile_prices_the_overhead_against_the_whole_step():
+    # fit's profiles carry the chain's share of the step's time: the same seconds of
+    # recompute are a smaller share of a step that does more than the chain
+    from revckpt.schedule import Profile
+    from revckpt.schedule.step import StepCosts
+
+    blocks = tuple(make_chain(6, 2))
+    names = tuple(f"b{i}" for i in range(6))
+    step = StepCosts(before_peak=0, held=0, head=0, backward_held=0, after=0)
+    whole = solve(Profile(blocks, names, None, step=step), memory_budget=0.6)
+    half = dataclasses.replace(step, chain_share=0.5)
+    shared = solve(Profile(blocks, names, None, step=half), memory_budget=0.6)
+    assert shared.segments == whole.segments and whole.predicted_overhead > 0
+    assert shared.predicted_overhead == pytest.approx(whole.predicted_overhead / 2)
+    assert shared.predicted_peak_bytes == whole.predicted_peak_bytes
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(InvalidArgumentError, match="chain_share"):
+            dataclasses.replace(step, chain_share=bad)
