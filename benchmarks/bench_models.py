@@ -35,7 +35,9 @@ run on small batches); prints a Markdown table and writes
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import statistics
 import sys
 import time
 import warnings
@@ -299,6 +301,26 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def time_model(result: dict[str, Any]) -> str:
+    """How the fitted plans' predicted overheads compare with the measured ones: within 15%
+    (or 0.03 of a step) of the measured overhead, and the median and worst relative error."""
+    pairs = [
+        (r["predicted_overhead"], r["time_ratio"] - 1)
+        for m in result["models"]
+        for r in m["rows"]
+        if r.get("predicted_overhead") is not None and r["time_ratio"] > 1
+    ]
+    if not pairs:
+        return "time model: no fitted plan with an overhead"
+    errors = sorted(abs(p - t) / t for p, t in pairs)
+    within = sum(abs(p - t) <= max(0.15 * t, 0.03) for p, t in pairs)
+    return (
+        f"time model: predicted overhead within 15% (or 0.03) of the measured for {within} of "
+        f"{len(pairs)} fitted plans; relative error median {statistics.median(errors):.1%}, "
+        f"worst {errors[-1]:.1%}"
+    )
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small batches, four models")
@@ -308,7 +330,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "bench_models.json"
     )
+    parser.add_argument("--table-from", type=Path, help="print the tables of a saved JSON")
     args = parser.parse_args(argv)
+    if args.table_from is not None:
+        saved = json.loads(args.table_from.read_text())
+        print(table(saved) + "\n\n" + time_model(saved))
+        return saved
     torch.set_num_threads(1)
     names = args.models or (QUICK_NAMES if args.quick else NAMES)
     try:
@@ -334,7 +361,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "repeats": args.repeats,
         "models": models,
     }
-    print(table(result))
+    print(table(result) + "\n\n" + time_model(result))
     write_json(result, args.out)
     return result
 

@@ -247,3 +247,20 @@ def test_bench_profile_cost_quick(tmp_path):
     for row in result["models"].values():
         assert len(row["steps"]) == 2 and all(s > 0 for s in row["steps"])
         assert row["iqr_steps"][0] <= row["median_steps"] <= row["iqr_steps"][1]
+
+
+def test_bench_models_time_model_summary_and_saved_tables(tmp_path, capsys):
+    bench = load("bench_models")
+    rows = [  # predicted overheads against measured ratios: within 15% / 0.03, or not
+        {"variant": "fit", "predicted_overhead": 0.50, "time_ratio": 1.45},
+        {"variant": "fit", "predicted_overhead": 0.60, "time_ratio": 1.40},
+        {"variant": "fit", "predicted_overhead": 0.02, "time_ratio": 1.04},
+        {"variant": "store-all", "time_ratio": 1.0},
+    ]
+    summary = bench.time_model({"models": [{"rows": rows}]})
+    assert "for 2 of 3 fitted plans" in summary and "worst 50.0%" in summary
+    saved = ROOT / "benchmarks" / "results" / "bench_models.json"
+    result = bench.main(["--table-from", str(saved)])
+    assert result["benchmark"] == "bench_models"
+    out = capsys.readouterr().out
+    assert "| model | variant |" in out and "time model:" in out
