@@ -971,3 +971,19 @@ def test_the_chains_share_of_the_step_is_read_at_the_metered_steps_marks() -> No
 
     fitted = _fit(model, example, memory_budget=1.0, loss_fn=case.loss_fn, repeats=1)
     assert fitted.profile is not None and 0 < fitted.profile.step.chain_share < 1
+
+
+@pytest.mark.parametrize(
+    ("name", "where"), [("bert", "the head's own"), ("gpt2", "inside the blocks")]
+)
+def test_an_infeasible_budget_says_where_the_smallest_plan_peaks(name: str, where: str) -> None:
+    # BERT's smallest plan peaks at its head (the logits and the loss), GPT-2's inside the
+    # blocks (one block's re-run and backward): the message says which, with the bytes
+    case = _case(name)
+    example = case.make_example(*PLANNED[name])
+    with pytest.raises(revckpt.InfeasibleBudgetError) as info:
+        revckpt.fit(case.make_model(), example, memory_budget="20%", loss_fn=case.loss_fn)
+    message = str(info.value)
+    assert "by the cost model, that plan peaks" in message and where in message, message
+    if name == "bert":
+        assert "no block strategy lowers" in message and "a loss computed in chunks" in message

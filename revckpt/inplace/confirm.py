@@ -12,9 +12,14 @@ from ..errors import InfeasibleBudgetError
 from ..schedule.budget import human_bytes, parse_budget
 from ..schedule.plan import Plan
 
+Phases = Callable[[Plan], dict[str, dict[str, int]]]
+
 
 def _within_budget(
-    checked: Callable[[Any], tuple[Plan, int]], memory_budget: Any, store_peak: int
+    checked: Callable[[Any], tuple[Plan, int]],
+    memory_budget: Any,
+    store_peak: int,
+    phases: Phases | None = None,
 ) -> Plan:
     """The plan solved for the budget, confirmed by one metered step (``checked`` returns the
     plan, its prediction raised to what the step measured, and by how much the cost model was
@@ -22,7 +27,9 @@ def _within_budget(
     seen taken off the budget. An infeasible budget is answered with the smallest budget a
     plan met in a measured step. ``store_peak``: the store-all step's measured peak, of which
     a fractional budget is a fraction (and the plan's ``store_all_peak_bytes``); a budget it
-    meets gets the store-all plan even where the cost model predicts that above it."""
+    meets gets the store-all plan even where the cost model predicts that above it.
+    ``phases``: what each phase of the step holds under a plan
+    (:func:`~revckpt.schedule.costs.peak_phases`), to say where the smallest plan peaks."""
     budget = parse_budget(memory_budget, store_peak)
     target, worst, tried = budget, 0, []
     for _ in range(8):
@@ -39,7 +46,8 @@ def _within_budget(
                 )
             smallest, _ = checked(err.smallest_budget_bytes)
             least = min([smallest.predicted_peak_bytes, *tried])
-            raise _infeasible(err, budget, least, store_peak) from None
+            where = _where(phases(smallest)) if phases is not None else ""
+            raise _infeasible(err, budget, least, store_peak, where) from None
         if plan.predicted_peak_bytes <= budget:
             return dataclasses.replace(
                 plan, memory_budget_bytes=budget, store_all_peak_bytes=store_peak
@@ -55,16 +63,51 @@ def _within_budget(
 
 
 def _infeasible(
-    err: InfeasibleBudgetError, budget: int, smallest: int, store_peak: int
+    err: InfeasibleBudgetError, budget: int, smallest: int, store_peak: int, where: str = ""
 ) -> InfeasibleBudgetError:
     cures = "; or ".join(err.fixes)
     infeasible = InfeasibleBudgetError(
         f"no plan fits a memory budget of {human_bytes(budget)} ({budget:,} bytes) for the "
         f"whole training step: the smallest budget a plan fits is {human_bytes(smallest)} "
         f"({smallest:,} bytes, {smallest / store_peak:.1%} of the step with every block "
-        "stored, as measured on the example). Raise the budget to at least that, or use a "
-        "smaller batch" + (f"; or lower that smallest budget: {cures}" if cures else ""),
+        f"stored, as measured on the example){where}. Raise the budget to at least that, or "
+        "use a smaller batch" + (f"; or lower that smallest budget: {cures}" if cures else ""),
         smallest_budget_bytes=smallest,
     )
     infeasible.fixes = err.fixes
     return infeasible
+
+
+def _where(phases: dict[str, dict[str, int]]) -> str:
+    """Where the smallest plan peaks, by the cost model: in the blocks (one block's working set
+    on top of what the plan keeps), or outside them, which no block strategy lowers."""
+    name, parts = max(phases.items(), key=lambda item: sum(item[1].values()))
+    b = {k: human_bytes(v) for k, v in parts.items()}
+    if name == "blocks":
+        return (
+            f"; by the cost model, that plan peaks inside the blocks: {b['held']} the step holds "
+            f"outside them and {b['blocks']} of theirs (what the plan keeps, and one block's "
+            "forward, or its re-run and backward, on top)"
+        )
+    if name == "before":
+        said = (
+            f"before the blocks run ({b['before']}: the embedding and what the model computes "
+            "ahead of them)"
+        )
+    elif name == "head":
+        said = (
+            f"between the blocks' forward and their backward: {b['held']} the step holds "
+            f"outside the blocks, {b['kept']} the plan keeps for their backward and "
+            f"{b['head']} of the head's own (its output, the logits, the loss and their "
+            "backward)"
+        )
+    else:
+        said = (
+            f"after the blocks' backward: {b['after']} (the parameter gradients and what the "
+            f"step holds to its end) and {b['late']} the plan keeps to then"
+        )
+    return (
+        f"; by the cost model, that plan peaks {said}, which no block strategy lowers (a "
+        "smaller batch or sequence does"
+        + (", or a loss computed in chunks)" if name == "head" else ")")
+    )

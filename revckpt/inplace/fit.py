@@ -22,6 +22,7 @@ from torch import nn
 
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..schedule.budget import UNKNOWN_PEAK, parse_budget
+from ..schedule.costs import peak_phases
 from ..schedule.plan import Plan
 from ..schedule.profile import Profile
 from ..schedule.solver import solve
@@ -229,7 +230,12 @@ def _fit(
                 )
                 return _measured(found_plan, model, example, o.loss_fn, found, keys)
 
-            result = _agreed(_within_budget(checked, memory_budget, traced.store_peak))
+            def phases(plan: Plan) -> dict[str, dict[str, int]]:
+                assert profile.step is not None
+                return peak_phases(profile.blocks, plan.segments, profile.step)
+
+            within = _within_budget(checked, memory_budget, traced.store_peak, phases)
+            result = _agreed(within)
         _apply(result, found, keys)
         seen = (profile, traced.store_peak, shapes)
         return Fitted(result, found, keys, tuple(chosen), o.error_budget, budget, *seen)

@@ -113,6 +113,7 @@ __all__ = [
     "chain_totals",
     "evaluate",
     "follow_limit",
+    "peak_phases",
     "segment_cost",
     "strategy_names",
 ]
@@ -273,11 +274,7 @@ def evaluate(
     the peak of the whole training step around the chain (see :mod:`~revckpt.schedule.step`)."""
     _check_sequence(blocks, segments)
     costs = [segment_cost(blocks, seg, step) for seg in segments]
-    late_after = [sum(c.late for c in costs[p + 1 :]) for p in range(len(costs))]
-    prefix, peak = 0, 0
-    for cost, late in zip(costs, late_after, strict=True):
-        peak = max(peak, prefix + cost.work, prefix + late + cost.backward_work)
-        prefix += cost.kept
+    peak, prefix = _chain_peak(costs)
     if step is not None:
         late = sum(c.late for c in costs)
         peak = max(step.before_peak, step.held + peak, step.held + prefix + step.head)
@@ -288,6 +285,35 @@ def evaluate(
         error=math.sqrt(sum(c.error**2 for c in costs)),
         kept_bytes=prefix,
     )
+
+
+def _chain_peak(costs: Sequence[SegmentCost]) -> tuple[int, int]:
+    """The chain's own peak, ``max_p max(P_p + W_p, P_p + L_p + Wb_p)``, and what the plan
+    keeps at the end of its forward (``P`` after the last segment)."""
+    late_after = [sum(c.late for c in costs[p + 1 :]) for p in range(len(costs))]
+    prefix, peak = 0, 0
+    for cost, late in zip(costs, late_after, strict=True):
+        peak = max(peak, prefix + cost.work, prefix + late + cost.backward_work)
+        prefix += cost.kept
+    return peak, prefix
+
+
+def peak_phases(
+    blocks: Sequence[BlockCost], segments: Sequence[Segment], step: StepCosts
+) -> dict[str, dict[str, int]]:
+    """What each phase of the whole step holds at its predicted peak under a plan, part by
+    part (bytes): ``before`` the blocks, ``blocks`` (inside their forward or backward),
+    ``head`` (after their forward, before their backward) and ``after`` their backward; the
+    largest sum is the plan's predicted peak (:func:`evaluate`)."""
+    _check_sequence(blocks, segments)
+    costs = [segment_cost(blocks, seg, step) for seg in segments]
+    chain, prefix = _chain_peak(costs)
+    return {
+        "before": {"before": step.before_peak},
+        "blocks": {"held": step.held, "blocks": chain},
+        "head": {"held": step.held, "kept": prefix, "head": step.head},
+        "after": {"after": step.after, "late": sum(c.late for c in costs)},
+    }
 
 
 def _check_sequence(blocks: Sequence[BlockCost], segments: Sequence[Segment]) -> None:

@@ -15,6 +15,7 @@ from revckpt.schedule import (
     BlockCost,
     OffloadCost,
     Plan,
+    Profile,
     Segment,
     SelectiveCost,
     baseline,
@@ -22,8 +23,9 @@ from revckpt.schedule import (
     parse_budget,
     solve,
 )
-from revckpt.schedule.costs import chain_totals, strategy_names
+from revckpt.schedule.costs import chain_totals, peak_phases, strategy_names
 from revckpt.schedule.programme import quantise, solve_segments
+from revckpt.schedule.step import StepCosts
 
 
 def make_chain(n, seed):
@@ -299,9 +301,6 @@ def test_only_approx_strategies_over_the_error_budget_name_the_error_that_works(
 def test_a_whole_step_profile_prices_the_overhead_against_the_whole_step():
     # fit's profiles carry the chain's share of the step's time: the same seconds of
     # recompute are a smaller share of a step that does more than the chain
-    from revckpt.schedule import Profile
-    from revckpt.schedule.step import StepCosts
-
     blocks = tuple(make_chain(6, 2))
     names = tuple(f"b{i}" for i in range(6))
     step = StepCosts(before_peak=0, held=0, head=0, backward_held=0, after=0)
@@ -314,3 +313,23 @@ def test_a_whole_step_profile_prices_the_overhead_against_the_whole_step():
     for bad in (0.0, -0.1, 1.5):
         with pytest.raises(InvalidArgumentError, match="chain_share"):
             dataclasses.replace(step, chain_share=bad)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_largest_phase_of_a_plan_is_its_predicted_peak(seed):
+    rng = random.Random(seed)
+    blocks = make_chain(8, seed)
+    step = StepCosts(*(rng.randint(0, 4 * blocks[0].input_bytes) for _ in range(5)))
+    for budget in (1.0, 0.6, 0.3):
+        try:
+            plan = solve(Profile(tuple(blocks), names_of(8), None, step=step), memory_budget=budget)
+        except InvalidArgumentError:
+            continue
+        phases = peak_phases(blocks, plan.segments, step)
+        assert set(phases) == {"before", "blocks", "head", "after"}
+        peak = max(sum(parts.values()) for parts in phases.values())
+        assert peak == evaluate(blocks, plan.segments, step=step).peak_bytes
+
+
+def names_of(n):
+    return tuple(f"b{i}" for i in range(n))
