@@ -871,11 +871,14 @@ def test_the_trace_runs_the_forward_once_and_keeps_no_graph() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_the_error_profile_reuses_the_chains_exact_gradients() -> None:
+@pytest.mark.parametrize("from_trace", [False, True])
+def test_the_error_profile_reuses_the_chains_exact_gradients(from_trace: bool) -> None:
     # on a model whose blocks form a chain, each block's exact gradients come from the one
     # backward of the chain (the sensitivities): a block after the first two of its group
     # (the first is profiled, the second tells whether the group saves its input) runs once
-    # there and once per codec, and its errors are those of its own exact run
+    # there and once per codec, and its errors are those of its own exact run. As fit traces
+    # (gradients=True), the sensitivities come from the traced forward's graph: the chain does
+    # not run again, and the errors are the same
     from revckpt.inplace.blocks import find_blocks
     from revckpt.inplace.fit import _recorder_slot
     from revckpt.inplace.install import Planned, install
@@ -889,7 +892,8 @@ def test_the_error_profile_reuses_the_chains_exact_gradients() -> None:
     found = find_blocks(model, None)
     for fqn, block in found:
         install(block, Planned(fqn, "store", runner_for("store")))
-    traced = trace(model, example, case.loss_fn, found, _recorder_slot(found))
+    traced = trace(model, example, case.loss_fn, found, _recorder_slot(found), gradients=from_trace)
+    assert (traced.gradients is not None) == from_trace
     runs = [0] * len(found)
     hooks = [
         block.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
@@ -903,7 +907,7 @@ def test_the_error_profile_reuses_the_chains_exact_gradients() -> None:
             h.remove()
         revckpt.restore(model)
     assert traced.chained and len(found) >= 3
-    assert runs[2:] == [1 + len(codecs)] * (len(found) - 2)
+    assert runs[2:] == [(not from_trace) + len(codecs)] * (len(found) - 2)
     units = [InSitu(c) for c in traced.calls]
     weights = sensitivities(units, traced.calls[0].input.detach(), {})
     for i in range(1, len(units)):
@@ -987,3 +991,28 @@ def test_an_infeasible_budget_says_where_the_smallest_plan_peaks(name: str, wher
     assert "by the cost model, that plan peaks" in message and where in message, message
     if name == "bert":
         assert "no block strategy lowers" in message and "a loss computed in chunks" in message
+
+
+def test_a_chain_whose_input_needs_no_gradient_gets_its_weights_from_its_own_run() -> None:
+    # the blocks take the data itself: the traced graph has no gradient for the chain input,
+    # which the error model's weights count, so the profile runs the chain for them
+    from revckpt.inplace.blocks import find_blocks
+    from revckpt.inplace.fit import _recorder_slot
+    from revckpt.inplace.install import Planned, install
+    from revckpt.inplace.runners import runner_for
+    from revckpt.inplace.trace import trace
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)))
+    x = torch.randn(32, 16)
+    loss_fn = lambda out: out.pow(2).mean()  # noqa: E731
+    found = find_blocks(model, None)
+    for fqn, block in found:
+        install(block, Planned(fqn, "store", runner_for("store")))
+    try:
+        traced = trace(model, x, loss_fn, found, _recorder_slot(found), gradients=True)
+    finally:
+        revckpt.restore(model)
+    assert traced.chained and traced.gradients is None
+    plan = revckpt.fit(model, x, memory_budget=0.9, error_budget=1e-2, loss_fn=loss_fn)
+    assert plan.predicted_error <= 1e-2

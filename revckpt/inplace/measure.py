@@ -202,13 +202,15 @@ def profile_in_situ(
 
 
 def _weights(trace: Trace, units: Sequence[nn.Module], x: torch.Tensor) -> Any:
-    """The error model's weights: the chain of units run on ``x`` where the blocks form a
-    chain, else the model's own step's (the trace's), as code between blocks must run."""
-    if trace.chained:
-        return sensitivities(units, x, {})
-    if trace.gradients is None:
+    """The error model's weights: the traced step's (:func:`~revckpt.inplace.trace.trace`
+    with ``gradients=True``: the chain's projection from its graph, or the model's own loss
+    where the blocks form no chain, as code between blocks must run), else the chain of
+    units run on ``x``."""
+    if trace.gradients is not None:
+        return trace.gradients
+    if not trace.chained:
         raise AssertionError("trace(..., gradients=True) for blocks that form no chain")
-    return trace.gradients
+    return sensitivities(units, x, {})
 
 
 def _own_parameters(units: Sequence[nn.Module]) -> bool:

@@ -26,7 +26,12 @@ from .._numbers import tensor_bytes
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..measure import MemoryMeter
 from ..measure.state import preserved
-from ..schedule.block_errors import Sensitivities, step_sensitivities
+from ..schedule.block_errors import (
+    Sensitivities,
+    chain_sensitivities,
+    rng_state,
+    step_sensitivities,
+)
 from ..schedule.step import StepCosts
 from .calls import Key, carried_key, get, hidden_of
 
@@ -122,9 +127,9 @@ class Call:
 class Trace:
     """What one step showed: the block calls, whether each block takes the previous block's
     output, the step's costs outside the chain and its measured store-all peak; where asked
-    for and the blocks do not form a chain, the blocks' :class:`Sensitivities` in the step
-    (``gradients``); per block, whether code outside the blocks saved its input for backward
-    (``input_held``)."""
+    for, the blocks' :class:`Sensitivities` from the traced forward's graph (``gradients``;
+    ``None`` for a chain whose input needs no gradient); per block, whether code outside the
+    blocks saved its input for backward (``input_held``)."""
 
     calls: tuple[Call, ...]
     chained: bool
@@ -176,14 +181,21 @@ def trace(
 ) -> Trace:
     """Run the step twice (see the module docstring) with every block stored; ``recorder_slot``
     installs a :class:`Recorder` on the blocks' forwards (and removes it with ``None``).
-    ``gradients``: where the blocks do not form a chain, backpropagate the first run's loss
-    to the blocks (:func:`~revckpt.schedule.block_errors.step_sensitivities`), for the error
-    model, which cannot run such blocks one after the other."""
+    ``gradients``: the error model's weights from the first run's graph: for a chain, one
+    backward of the seeded projection of its output
+    (:func:`~revckpt.schedule.block_errors.chain_sensitivities`, sparing the profile a run of
+    the chain); where the blocks do not form a chain, of the model's loss
+    (:func:`~revckpt.schedule.block_errors.step_sensitivities`), as the error model cannot run
+    such blocks one after the other."""
     names = [fqn for fqn, _ in blocks]
     recorder = Recorder(blocks)
     calls: list[Call] = []
 
+    states: list[Any] = []  # the generator states each block's forward started from
+
     def capture(what: str, i: int, payload: Any) -> None:
+        if what == "enter":
+            states.append(_state_at(*payload))
         if what == "exit":
             args, kwargs, out = payload
             previous = calls[-1].output if calls else None
@@ -208,9 +220,8 @@ def trace(
             _check_calls(recorder.counts, names, [c.fqn for c in calls])
             held = tuple(i > 0 and outside.saved(c.input) for i, c in enumerate(calls))
             chained = all(c.input is p.output for p, c in itertools.pairwise(calls))
-            if gradients and not chained:
-                ins, outs = [c.input for c in calls], [c.output for c in calls]
-                weights = step_sensitivities(loss, ins, outs, [c.block for c in calls])
+            if gradients:
+                weights = _sensitivities(loss, calls, chained, states)
             del loss
         recorder.hooks.clear()
         calls = [_detached(c) for c in calls]  # the first run's graph goes
@@ -221,6 +232,27 @@ def trace(
     finally:
         recorder_slot(None)
     return Trace(tuple(calls), chained, step, peak, weights, held)
+
+
+def _state_at(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    return rng_state(tensor.device if tensor is not None else torch.device("cpu"))
+
+
+def _sensitivities(
+    loss: torch.Tensor, calls: list[Call], chained: bool, states: list[Any]
+) -> Sensitivities | None:
+    """The error model's weights from the traced forward's graph: for a chain, the seeded
+    projection of its output (what the profile would otherwise run the chain again for; not
+    where the chain's input needs no gradient, which the profile's own run gives one); for
+    blocks that form no chain, the model's own loss."""
+    ins, outs = [c.input for c in calls], [c.output for c in calls]
+    blocks = [c.block for c in calls]
+    if not chained:
+        return step_sensitivities(loss, ins, outs, blocks)
+    if ins[0].requires_grad and ins[0].is_floating_point():
+        return chain_sensitivities(ins[0], outs, blocks, states)
+    return None
 
 
 class _SavedOutside(torch.autograd.graph.saved_tensors_hooks):

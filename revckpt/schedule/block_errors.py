@@ -32,7 +32,9 @@ __all__ = [
     "CodecErrors",
     "Exact",
     "Sensitivities",
+    "chain_sensitivities",
     "error_fields",
+    "rng_state",
     "sensitivities",
     "step_sensitivities",
 ]
@@ -71,7 +73,7 @@ class Sensitivities:
         )
 
 
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def rng_state(device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
     cuda = [torch.cuda.get_rng_state(device)] if device.type == "cuda" else []
     return torch.get_rng_state(), cuda
 
@@ -84,7 +86,7 @@ def sensitivities(
     h = leaf
     outs, states = [], []
     for block in chain:
-        states.append(_rng_state(x.device))
+        states.append(rng_state(x.device))
         h = block(h, **kwargs)
         if not isinstance(h, torch.Tensor):
             raise InvalidInputTypeError(
@@ -92,11 +94,25 @@ def sensitivities(
                 f"{type(block).__name__} returned {type(h).__name__}"
             )
         outs.append(h)
+    return chain_sensitivities(leaf, outs, chain, states)
+
+
+def chain_sensitivities(
+    first: torch.Tensor,
+    outs: Sequence[torch.Tensor],
+    chain: Sequence[nn.Module],
+    states: list[Any],
+) -> Sensitivities:
+    """:class:`Sensitivities` of a chain that has run forward, its graph alive: ``first`` its
+    input, ``outs`` every block's output (each the next block's input), ``states`` the
+    generator states each block's forward started from. One backward of the seeded projection
+    ``<w, y>`` of the last output (:func:`sensitivities`, or the graph of a traced step)."""
+    h = outs[-1]
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(h.shape, generator=gen).to(h.device, h.dtype if h.is_floating_point() else None)
-    inputs = [x.detach()] + [o.detach() for o in outs[:-1]]
+    inputs = [first.detach()] + [o.detach() for o in outs[:-1]]
     loss = (h * w).sum() if h.requires_grad else None
-    return _gradients(loss, leaf, outs, chain, inputs, states)
+    return _gradients(loss, first, list(outs), chain, inputs, states)
 
 
 def step_sensitivities(
