@@ -9,21 +9,21 @@ hooks; the single-threaded CPU engine, or a CUDA synchronisation at each mark, m
 moments the segment's bounds).
 
 One step stores every block: each block's forward and backward. Each further step cuts the
-chain into ``parts`` contiguous halves (by default), each run with one strategy, every block
-of a part as a segment of its own; the part ``chained`` is cut into checkpoint segments of
-up to four blocks, whose blocks after the first measure what a block adds *inside* a longer
-segment (its recompute without a node of its own). With the four strategies of a GPT block
-(checkpoint, approx, selective, chained) that is three steps in all. A step is one sample per
-block. ``rounds`` repeats the strategy steps, rotated; on this shared machine three rounds
-did not make the benchmark's predictions better (``python benchmarks/bench_schedule.py
---profile-rounds 3``: 19/33, 25/30 and 19/26 plans within 15% against 26/34, 29/30 and
-26/26 with one): the noise is in the machine over the minutes of the run, which a longer
-profile does not average away. (Dividing each step by the slowdown of a stored tail made it
-worse on short chains: one to three blocks' ratio is noisier than what it corrects.) Long
-parts, not alternating blocks: against whole-chain plans timed head to head, a block's
-checkpoint overhead read higher from quarters than from halves, and higher still from a step
-that switches strategy at every block (exploratory runs); the plans the solver makes run a
-strategy over stretches of blocks.
+chain into contiguous parts, one per strategy and a last one stored (the *reference*), every
+block of a strategy part as a segment of its own; the part ``chained`` is cut into checkpoint
+segments of up to four blocks, whose blocks after the first measure what a block adds
+*inside* a longer segment (its recompute without a node of its own). With the four
+strategies of a GPT block (checkpoint, approx, selective, chained) that is three steps in
+all. A step is one sample per block. The reference part says how fast the machine ran that
+step against the stored step (the median over its blocks of their time over their stored
+time): each strategy step's times are divided by it before the stored times are taken off.
+Without it a burst of load over one step moved every strategy timed in it: on the 24-block
+GPT-like model, 2 of 8 profiles in one process read every plan's overhead about twice the
+measured one, and on a 12-layer HF Llama one read a fifth of it (the machine ran the strategy
+steps 20% slower, or the stored step faster, than the rest). ``rounds`` repeats the strategy
+steps, rotated. Long parts, not alternating blocks: against whole-chain plans timed head to
+head, a block's checkpoint overhead read higher from a step that switches strategy at every
+block (exploratory runs); the plans the solver makes run a strategy over stretches of blocks.
 
 Before the first timed step, each strategy not yet run in this process runs once untimed
 on a prefix of the chain (:func:`warm_up`, two blocks per strategy): a strategy's first run
@@ -156,9 +156,9 @@ def probe_chain(
     warm: bool = True,
     clock: Clock = time.perf_counter,
 ) -> InChain:
-    """Time the chain's step stored, then every strategy on ``parts`` contiguous parts per
-    step (default: as few as make two steps, at least halves), ``rounds`` times with the
-    parts rotated (see the module docstring).
+    """Time the chain's step stored, then every strategy on contiguous parts, ``parts`` per
+    step with the stored reference part (default: as few as make two steps, at least
+    thirds), ``rounds`` times with the parts rotated (see the module docstring).
     ``groups[i]``: block ``i``'s group (identical blocks share one); ``options[i]``: the
     one-block strategies it can run with, ``"store"`` first; ``grad``: the chain output's
     gradient; ``warm``: the caches and allocator are warm (a stored step ran just before), or
@@ -173,9 +173,10 @@ def probe_chain(
     own = [fwd[g] + bwd[g] for g in groups]  # the group's median: less noise than one sample
     strategies = sorted({s for o in options for s in o if s != STORE}, key=_order(options))
     kinds = [*strategies, CHAINED] if n > 1 else strategies
-    if parts is None:  # two strategy steps: halves for up to four kinds, thirds for six
-        parts = max(2, -(-len(kinds) // 2))
-    steps = [kinds[a : a + parts] for a in range(0, len(kinds), parts)]
+    if parts is None:  # two strategy steps: two kinds each for up to four kinds, three for six
+        parts = max(2, -(-len(kinds) // 2)) + 1
+    per = max(1, parts - 1)  # kinds per step, beside the stored reference part
+    steps = [[*kinds[a : a + per], STORE] for a in range(0, len(kinds), per)]
     warmed = warm_up(chain, x, kwargs, kinds, options)
     run = functools.partial(timed_step, chain, x=x, grad=grad, kwargs=kwargs, clock=clock)
     samples, spans = _rounds(run, steps, rounds, groups, options, own)
@@ -245,13 +246,27 @@ def _rounds(
             )
             segments = _segments(_parts(len(groups), rotated), options)
             times = run(segments)
+            pace = _pace(segments, times, own)
             for seg, (f, b) in zip(segments, times, strict=True):
-                extra = f + b - sum(own[seg.start : seg.stop])
+                if seg.strategy == STORE:
+                    continue
+                extra = (f + b) / pace - sum(own[seg.start : seg.stop])
                 if seg.stop - seg.start == 1:
                     samples[(groups[seg.start], seg.strategy)].append(extra)
                 else:
                     spans.append((seg, extra))
     return samples, spans
+
+
+def _pace(segments: Sequence[Segment], times: list[tuple[float, float]], own: list[float]) -> float:
+    """How much slower than the stored step the machine ran a step: the median, over the
+    step's stored blocks, of their time over their stored step's time (1: none stored)."""
+    ratios = [
+        (f + b) / own[seg.start]
+        for seg, (f, b) in zip(segments, times, strict=True)
+        if seg.strategy == STORE and own[seg.start] > 0
+    ]
+    return statistics.median(ratios) if ratios else 1.0
 
 
 def _overheads(

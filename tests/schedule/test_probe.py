@@ -148,3 +148,28 @@ def test_parts_cover_the_chain():
 def test_a_block_that_cannot_run_a_parts_strategy_is_checkpointed():
     segs = _segments([(0, 2, "reversible")], [["store", "checkpoint"], [*OPTIONS, "reversible"]])
     assert [s.strategy for s in segs] == ["checkpoint", "reversible"]
+
+
+@pytest.mark.parametrize("pace", [0.6, 1.7])
+def test_a_step_the_machine_runs_slower_or_faster_is_timed_at_the_stored_steps_pace(
+    monkeypatch, pace
+):
+    """Load on the machine that slows (or a quiet spell that speeds) a whole strategy step is
+    read off the step's stored reference part and taken out: the costs are exact."""
+    clock = FakeClock()
+    costs = [(1.0, 2.0)] * 6 + [(4.0, 6.0)] * 6
+    chain = _chain(clock, costs)
+    timed = probe.timed_step
+
+    def at_pace(chain_, segments, *args, **kw):
+        clock.scale = 1.0 if all(s.strategy == "store" for s in segments) else pace
+        return timed(chain_, segments, *args, **kw)
+
+    monkeypatch.setattr(probe, "timed_step", at_pace)
+    groups = [0] * 6 + [6] * 6
+    got = probe_chain(
+        chain, torch.randn(4, 8), torch.ones(4, 8), {}, groups, [OPTIONS] * 12, clock=clock
+    )
+    for (f, _), overhead, chained in zip(costs, got.overhead_s, got.chained_s, strict=True):
+        assert overhead == pytest.approx({"checkpoint": f, "approx:bf16": f})
+        assert chained == pytest.approx(f)
