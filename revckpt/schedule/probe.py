@@ -8,22 +8,28 @@ backward between the moments the gradients of its output and of its input are re
 hooks; the single-threaded CPU engine, or a CUDA synchronisation at each mark, makes these
 moments the segment's bounds).
 
-One step stores every block: each block's forward and backward. Each further step cuts the
-chain into contiguous parts, one per strategy and a last one stored (the *reference*), every
-block of a strategy part as a segment of its own; the part ``chained`` is cut into checkpoint
-segments of up to four blocks, whose blocks after the first measure what a block adds
-*inside* a longer segment (its recompute without a node of its own). With the four
-strategies of a GPT block (checkpoint, approx, selective, chained) that is three steps in
-all. A step is one sample per block. The reference part says how fast the machine ran that
-step against the stored step (the median over its blocks of their time over their stored
-time): each strategy step's times are divided by it before the stored times are taken off.
-Without it a burst of load over one step moved every strategy timed in it: on the 24-block
-GPT-like model, 2 of 8 profiles in one process read every plan's overhead about twice the
-measured one, and on a 12-layer HF Llama one read a fifth of it (the machine ran the strategy
-steps 20% slower, or the stored step faster, than the rest). ``rounds`` repeats the strategy
-steps, rotated. Long parts, not alternating blocks: against whole-chain plans timed head to
-head, a block's checkpoint overhead read higher from a step that switches strategy at every
-block (exploratory runs); the plans the solver makes run a strategy over stretches of blocks.
+One step stores every block: each block's forward and backward. Each further step runs a
+few strategies and a stored *reference*, each on two stretches of contiguous blocks
+(``A B S A B S`` along the chain), every block of a strategy stretch as a segment of its
+own; the strategy ``chained`` is cut into checkpoint segments of up to four blocks, whose
+blocks after the first measure what a block adds *inside* a longer segment (its recompute
+without a node of its own). With the four strategies of a GPT block (checkpoint, approx,
+selective, chained) that is three steps in all. A step is one sample per block.
+
+This machine is shared and its load comes in bursts of tens of milliseconds to seconds, so
+a step is not timed against the stored step as it stands. The reference says how fast the
+machine ran the step against the stored step (the median over its blocks of their time over
+their stored time), and the step's times are divided by that pace before the stored times
+are taken off: without it, 2 of 8 profiles of the 24-block GPT-like model in one process
+read every plan's overhead about twice the measured one, and one of a 12-layer HF Llama a
+fifth of it. Two stretches per strategy, at two moments of the step, keep a burst over one
+stretch from setting a strategy's whole sample: against one stretch per strategy, in one
+process with the two alternating (exploratory runs of the ``bench_schedule`` plans), the
+profiles of one model stood a median 8% / 18% / 32% apart (GPT-like / HF Llama /
+RevNet-like) against 18% / 63% / 79%. Stretches, not alternating blocks: on the GPT-like model a
+block's checkpoint overhead read 5-15% higher from stretches of one or three blocks than from
+a run of 24 (two exploratory runs), and the plans the solver makes run a strategy over
+stretches of blocks. ``rounds`` repeats the strategy steps, rotated.
 
 Before the first timed step, each strategy not yet run in this process runs once untimed
 on a prefix of the chain (:func:`warm_up`, two blocks per strategy): a strategy's first run
@@ -125,6 +131,7 @@ def _parts(n: int, strategies: Sequence[str]) -> list[tuple[int, int, str]]:
 
 
 _SPAN = 4  # blocks per checkpoint segment of the chained part
+_STRETCHES = 2  # times each step's parts are laid along the chain
 
 
 def _segments(parts: list[tuple[int, int, str]], options: Sequence[Sequence[str]]) -> list[Segment]:
@@ -244,7 +251,7 @@ def _rounds(
             rotated = (
                 kinds_of_step[r % len(kinds_of_step) :] + kinds_of_step[: r % len(kinds_of_step)]
             )
-            segments = _segments(_parts(len(groups), rotated), options)
+            segments = _segments(_parts(len(groups), rotated * _STRETCHES), options)
             times = run(segments)
             pace = _pace(segments, times, own)
             for seg, (f, b) in zip(segments, times, strict=True):

@@ -128,7 +128,8 @@ def test_a_group_no_part_reached_gets_the_ratio_of_the_others():
         parts=3,
         clock=clock,
     )
-    # one step of three parts of four blocks: block 9 falls in the chained part
+    # block 9 (a group of its own) runs approx and store only: its checkpoint overhead is the
+    # other group's ratio to the forward
     assert got.overhead_s[9] == {"checkpoint": 10.0, "approx:bf16": 10.0}  # ratio 1 x f
 
 
@@ -173,3 +174,24 @@ def test_a_step_the_machine_runs_slower_or_faster_is_timed_at_the_stored_steps_p
     for (f, _), overhead, chained in zip(costs, got.overhead_s, got.chained_s, strict=True):
         assert overhead == pytest.approx({"checkpoint": f, "approx:bf16": f})
         assert chained == pytest.approx(f)
+
+
+def test_each_strategy_runs_on_two_stretches_beside_two_stored_ones(monkeypatch):
+    """A burst of load over one stretch of a step leaves the strategy's other stretch: each
+    strategy step lays its strategies and the stored reference along the chain twice."""
+    clock = FakeClock()
+    chain = _chain(clock, [(1.0, 2.0)] * 12)
+    seen = []
+    timed = probe.timed_step
+
+    def record(chain_, segments, *args, **kw):
+        seen.append([(s.stop - s.start, s.strategy) for s in segments])
+        return timed(chain_, segments, *args, **kw)
+
+    monkeypatch.setattr(probe, "timed_step", record)
+    probe_chain(
+        chain, torch.randn(4, 8), torch.ones(4, 8), {}, [0] * 12, [OPTIONS] * 12, clock=clock
+    )
+    stretch = [(1, "checkpoint")] * 2 + [(1, "approx:bf16")] * 2 + [(1, "store")] * 2
+    assert seen[1] == stretch * 2  # seen[0]: the stored step
+    assert seen[2] == [(3, "checkpoint"), *[(1, "store")] * 3] * 2  # chained: one segment
