@@ -179,6 +179,8 @@ class _OutSpec:
 
     @staticmethod
     def split(out: Any, label: str) -> tuple[list[torch.Tensor], _OutSpec]:
+        if isinstance(out, torch.Tensor):  # the common case, without walking a tree
+            return [out], _BARE
         leaves, spec = tree_flatten(out)
         slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         if not slots:
@@ -192,25 +194,38 @@ class _OutSpec:
         return tensors, _OutSpec(leaves, slots, spec)
 
     def join(self, tensors: Sequence[torch.Tensor]) -> Any:
+        if self is _BARE:
+            return tensors[0]
         leaves = list(self.leaves)
         for i, t in zip(self.slots, tensors, strict=True):
             leaves[i] = t
         return tree_unflatten(leaves, self.spec)
 
 
+_BARE = _OutSpec([None], [0], None)  # an output that is one tensor
+
+
 def _rerun_outputs(out: Any, call: _BlockCall) -> list[torch.Tensor]:
     """The re-run's output tensors, which must stand where the first forward's stood."""
-    leaves, spec = tree_flatten(out)
     first = call.out_spec
     assert first is not None
+    if first is _BARE:
+        if isinstance(out, torch.Tensor):
+            return [out]
+        raise _changed_structure(call, type(out).__name__, "a tensor")
+    leaves, spec = tree_flatten(out)
     slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     if spec != first.spec or slots != first.slots:
-        raise InvalidArgumentError(
-            f"{call.label} returned an output of a different structure when re-run in backward "
-            f"({spec} against {first.spec} in forward); a recomputed block must return the "
-            "same structure each time it runs"
-        )
+        raise _changed_structure(call, spec, first.spec)
     return [leaves[i] for i in slots]
+
+
+def _changed_structure(call: _BlockCall, now: Any, first: Any) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"{call.label} returned an output of a different structure when re-run in backward "
+        f"({now} against {first} in forward); a recomputed block must return the same "
+        "structure each time it runs"
+    )
 
 
 def _targets(modules: Sequence[nn.Module]) -> tuple[tuple[torch.Tensor, ...], list[nn.Module]]:

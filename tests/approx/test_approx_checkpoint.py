@@ -355,3 +355,15 @@ def test_a_block_whose_output_changes_structure_in_backward_is_refused():
     y, _ = revckpt.checkpoint(fn, torch.randn(3, requires_grad=True), strategy=Approx())
     with pytest.raises(InvalidArgumentError, match="different structure when re-run"):
         y.sum().backward()
+
+
+def test_a_block_that_returned_a_tensor_and_returns_a_tuple_in_backward_is_refused():
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        return x * 2 if len(calls) == 1 else (x * 2,)
+
+    y = revckpt.checkpoint(fn, torch.randn(3, requires_grad=True), strategy=Approx())
+    with pytest.raises(InvalidArgumentError, match=r"different structure .*tuple against a"):
+        y.sum().backward()
