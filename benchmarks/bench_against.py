@@ -21,11 +21,19 @@ sizes (``--quick``: small ones), each written against the public API both sides 
 
 Run ``python benchmarks/bench_against.py --base <commit>``; prints a table and writes
 ``benchmarks/results/bench_against.json``.
+
+``--instructions`` counts instead of timing: each workload's training steps run once per side
+under valgrind's callgrind (``benchmarks/_callgrind.py``), after one warm step, and the
+instructions per step are compared. Unlike the times, the counts do not move with the
+machine's load, so a difference of a percent is visible; they weigh every instruction alike
+(a cache miss costs no more than an add), so they measure work, not time. Writes
+``benchmarks/results/bench_against_instructions.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import statistics
@@ -33,7 +41,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +174,24 @@ def worker(quick: bool) -> None:
         print(json.dumps(times), flush=True)
 
 
+def counted(name: str, quick: bool, steps: int, root: str) -> None:
+    """Under callgrind: one warm step of workload ``name``, then ``steps`` counted ones."""
+    import _callgrind  # benchmarks/_callgrind.py
+    import torch
+
+    import revckpt
+
+    if Path(revckpt.__file__).resolve().parents[1] != Path(root).resolve():
+        raise RuntimeError(f"imported the revckpt of {revckpt.__file__}, not of {root}")
+    torch.set_num_threads(1)
+    step = _workload(name, quick)
+    step()
+    _callgrind.start()
+    for _ in range(steps):
+        step()
+    _callgrind.stop()
+
+
 # --- driver side ----------------------------------------------------------------------------
 
 
@@ -227,57 +254,111 @@ def compare(head: Worker, base: Worker, rounds: int, steps: int) -> list[dict[st
     return rows
 
 
+def instructions(roots: dict[str, Path], quick: bool, steps: int) -> list[dict[str, Any]]:
+    """Per workload, the instructions of a training step on each side (``roots``: side ->
+    the folder its revckpt is imported from), the two sides counted at once."""
+    import _callgrind  # benchmarks/_callgrind.py
+
+    missing = _callgrind.available()
+    if missing:
+        raise SystemExit(f"--instructions needs valgrind and gcc: {missing}")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="revckpt-count-") as tmp, ThreadPoolExecutor(2) as pool:
+        library = _callgrind.build(Path(tmp))
+        for name in WORKLOADS:
+            jobs = {}
+            for side, root in roots.items():
+                cmd = [sys.executable, __file__, "--count", name, "--steps", str(steps)]
+                cmd += ["--root", str(root)] + (["--quick"] if quick else [])
+                env = {**_env(), "PYTHONPATH": str(root)}
+                jobs[side] = pool.submit(_callgrind.count, cmd, library, env)
+            per_step = {side: job.result() / steps for side, job in jobs.items()}
+            rows.append(
+                {
+                    "workload": name,
+                    "instructions_per_step": per_step,
+                    "ratio": per_step["head"] / per_step["base"],
+                }
+            )
+    return rows
+
+
+@contextlib.contextmanager
+def _checked_out(sha: str) -> Iterator[Path]:
+    """Commit ``sha`` checked out with ``git worktree`` into a temporary folder."""
+    with tempfile.TemporaryDirectory(prefix="revckpt-base-") as tmp:
+        root = Path(tmp) / "base"
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(root), sha],
+            check=True,
+            capture_output=True,
+        )
+        try:
+            yield root
+        finally:
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(root)],
+                check=False,
+                capture_output=True,
+            )
+
+
+def _timed(base_root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    rounds = args.rounds or (3 if args.quick else 9)
+    steps = args.steps or (3 if args.quick else 5)
+    head, base = Worker(ROOT, args.quick), Worker(base_root, args.quick)
+    try:
+        rows = compare(head, base, rounds, steps)
+    finally:
+        head.close()
+        base.close()
+    return {"rounds": rounds, "steps_per_burst": steps, "rows": rows}
+
+
+def _counted(base_root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    steps = args.steps or (1 if args.quick else 2)
+    rows = instructions({"head": ROOT, "base": base_root}, args.quick, steps)
+    return {"counted_steps": steps, "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", default="HEAD", help="the commit to compare against")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
     parser.add_argument("--rounds", type=int, default=None, help="alternating rounds")
     parser.add_argument("--steps", type=int, default=None, help="training steps per burst")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
-        "--out", type=Path, default=Path(__file__).parent / "results" / "bench_against.json"
+        "--instructions",
+        action="store_true",
+        help="count instructions per step under callgrind instead of timing",
     )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--count", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--root", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=None, help="the JSON to write")
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.quick)
         return {}
-    rounds = args.rounds or (3 if args.quick else 9)
-    steps = args.steps or (3 if args.quick else 5)
+    if args.count:
+        counted(args.count, args.quick, args.steps, args.root)
+        return {}
     sha = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", args.base], capture_output=True, text=True, check=True
     ).stdout.strip()
-    with tempfile.TemporaryDirectory(prefix="revckpt-base-") as tmp:
-        base_root = Path(tmp) / "base"
-        subprocess.run(
-            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base_root), sha],
-            check=True,
-            capture_output=True,
-        )
-        try:
-            head, base = Worker(ROOT, args.quick), Worker(base_root, args.quick)
-            try:
-                rows = compare(head, base, rounds, steps)
-            finally:
-                head.close()
-                base.close()
-        finally:
-            subprocess.run(
-                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_root)],
-                check=False,
-                capture_output=True,
-            )
+    with _checked_out(sha) as base_root:
+        measured = (_counted if args.instructions else _timed)(base_root, args)
+    flags = (" --instructions" if args.instructions else "") + (" --quick" if args.quick else "")
     result = {
         "benchmark": "bench_against",
-        "command": f"python benchmarks/bench_against.py --base {args.base}"
-        + (" --quick" if args.quick else ""),
+        "command": f"python benchmarks/bench_against.py --base {args.base}{flags}",
         "environment": environment(),
         "base": sha,
-        "rounds": rounds,
-        "steps_per_burst": steps,
-        "rows": rows,
+        **measured,
     }
-    print(table(result))
-    write_json(result, args.out)
+    print(count_table(result) if args.instructions else table(result))
+    name = "bench_against_instructions.json" if args.instructions else "bench_against.json"
+    write_json(result, args.out or Path(__file__).parent / "results" / name)
     return result
 
 
@@ -291,6 +372,22 @@ def table(result: dict[str, Any]) -> str:
     ]
     for r in result["rows"]:
         lines.append(f"| {r['workload']} | {r['ratio']:.3f} ({r['q25']:.2f}-{r['q75']:.2f}) |")
+    return "\n".join(lines)
+
+
+def count_table(result: dict[str, Any]) -> str:
+    lines = [
+        f"this checkout / {result['base'][:10]}: instructions per training step under callgrind "
+        f"({result['counted_steps']} steps counted after a warm one; > 1: more work now)",
+        "",
+        "| workload | this checkout | base | this / base |",
+        "|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        n = r["instructions_per_step"]
+        lines.append(
+            f"| {r['workload']} | {n['head']:,.0f} | {n['base']:,.0f} | {r['ratio']:.4f} |"
+        )
     return "\n".join(lines)
 
 

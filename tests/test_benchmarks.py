@@ -188,6 +188,39 @@ def test_bench_demo_front_quick(tmp_path):
     assert len(runs) == 1 and runs[0]["dominated_by"] == [] and result["on_front"] == 1
 
 
+_LOOP = """
+import sys
+sys.path.insert(0, sys.argv[2])
+import _callgrind
+total = sum(range(1000))  # before start(): not counted
+_callgrind.start()
+for i in range(int(sys.argv[1])):
+    total += i
+_callgrind.stop()
+total += sum(range(100000))  # after stop(): not counted
+"""
+
+
+@pytest.mark.skipif(
+    load("_callgrind").available() is not None, reason="needs valgrind, its headers and gcc"
+)
+def test_callgrind_counts_only_what_runs_between_start_and_stop(tmp_path):
+    """The instruction counts of bench_against --instructions: the same code counts the same
+    (within 1%), twice the loop counts twice the instructions."""
+    cg = load("_callgrind")
+    library = cg.build(tmp_path)
+    script = tmp_path / "loop.py"
+    script.write_text(_LOOP)
+
+    def count(n):
+        cmd = [sys.executable, str(script), str(n), str(ROOT / "benchmarks")]
+        return cg.count(cmd, library, {"PATH": "/usr/bin:/bin"})
+
+    once, again, twice = count(20000), count(20000), count(40000)
+    assert abs(again - once) <= 0.01 * once
+    assert 1.9 < twice / once < 2.1
+
+
 def test_bench_against_quick(tmp_path):
     """Two workers (this checkout and HEAD's worktree), each importing its own revckpt."""
     result = load("bench_against").main(
