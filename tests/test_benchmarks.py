@@ -297,3 +297,17 @@ def test_bench_models_time_model_summary_and_saved_tables(tmp_path, capsys):
     assert result["benchmark"] == "bench_models"
     out = capsys.readouterr().out
     assert "| model | variant |" in out and "time model:" in out
+
+
+def test_bench_profile_spread_quick(tmp_path):
+    result = load("bench_profile_spread").main(
+        ["--quick", "--profiles", "2", "--repeats", "1", "--out", str(tmp_path / "s.json")]
+    )
+    for m in result["models"]:
+        assert set(m["variants"]) == {"default", "no-retry"}
+        for r in m["variants"].values():
+            assert len(r["within_15pct"]) == 2 and len(r["predicted"][0]) == len(m["plans"])
+            assert 0 <= r["apart_median"] <= r["apart_worst"]
+    from revckpt.schedule import probe
+
+    assert (probe._STRETCHES, probe._RETRIES) == (2, 2)  # the variants leave it as it ships
