@@ -10,31 +10,34 @@ moments the segment's bounds).
 
 One step stores every block: each block's forward and backward. Each further step runs a
 few strategies and a stored *reference*, each on two stretches of contiguous blocks
-(``A B S A B S`` along the chain), every block of a strategy stretch as a segment of its
-own; the strategy ``chained`` is cut into checkpoint segments of up to four blocks, whose
-blocks after the first measure what a block adds *inside* a longer segment (its recompute
-without a node of its own). With the four strategies of a GPT block (checkpoint, approx,
-selective, chained) that is three steps in all. A step is one sample per block.
+(``A B S A B S`` along the chain; once, ``A B S``, where a part would get fewer than two
+blocks), every block of a strategy stretch as a segment of its own; the strategy ``chained``
+is cut into checkpoint segments of up to four blocks, whose blocks after the first measure
+what a block adds *inside* a longer segment (its recompute without a node of its own). The
+steps of a round rotate their parts by one (``B S A B S A``), so the reference lands on other
+blocks in each and every block runs a strategy in one of them. With the four strategies of a
+GPT block (checkpoint, approx, selective, chained) that is three steps in all. A step is one
+sample per block.
 
 This machine is shared and its load comes in bursts of tens of milliseconds to seconds, so
 a step is not timed against the stored step as it stands. The reference says how fast the
 machine ran the step against the stored step (the median over its blocks of their time over
-their stored time), and the step's times are divided by that pace before the stored times
+their own time in the stored step: the first and last blocks of a chain read 1.1-1.2x their
+group's median there), and the step's times are divided by that pace before the stored times
 are taken off: without it, 2 of 8 profiles of the 24-block GPT-like model in one process
 read every plan's overhead about twice the measured one, and one of a 12-layer HF Llama a
 fifth of it. Two stretches per strategy, at two moments of the step, keep a burst over one
-stretch from setting a strategy's whole sample: against one stretch per strategy, in one
-process with the two alternating (exploratory runs of the ``bench_schedule`` plans), the
-profiles of one model stood a median 8% / 18% / 32% apart (GPT-like / HF Llama /
-RevNet-like) against 18% / 63% / 79%. Stretches, not alternating blocks: on the GPT-like model a
-block's checkpoint overhead read 5-15% higher from stretches of one or three blocks than from
-a run of 24 (two exploratory runs), and the plans the solver makes run a strategy over
-stretches of blocks. A step whose two reference stretches ran at paces more than 10%
-apart (load came or went during it) runs again, at most twice, and the try whose stretches
-agreed best is kept: in the same exploratory runs that kept every profile of the three models
-within 0.46 / 0.30 / 0.51 of each other at worst (against 2.4 / 0.19 / 14.5 without: one
-RevNet-like profile read its plans 4.6x their measured overhead) for about half a step more.
-``rounds`` repeats the strategy steps, rotated.
+stretch from setting a strategy's whole sample. A step whose two reference stretches ran at
+paces more than 10% apart (load came or went during it) runs again, at most twice, and the
+try whose stretches agreed best is kept. Measured with ``python
+benchmarks/bench_profile_spread.py`` (six profiles per variant in one process): the two
+stretches and the retry keep every pair of profiles of a model within 49% of each other on
+its plans, against up to 150% / 140% / 409% (GPT-like / RevNet-like / HF Llama) with one
+stretch or no retry; the typical profile is no closer to the measurements, and the retry
+costs 0.5-1.6 steps. Stretches, not alternating blocks: on the GPT-like model a block's
+checkpoint overhead read 5-15% higher from stretches of one or three blocks than from a run
+of 24 (two exploratory runs), and the plans the solver makes run a strategy over stretches
+of blocks. ``rounds`` repeats the strategy steps, rotated.
 
 Before the first timed step, each strategy not yet run in this process runs once untimed
 on a prefix of the chain (:func:`warm_up`, two blocks per strategy): a strategy's first run
@@ -129,10 +132,26 @@ def timed_step(
 
 
 def _parts(n: int, strategies: Sequence[str]) -> list[tuple[int, int, str]]:
-    """``n`` blocks cut into contiguous parts ``(start, stop, strategy)``, one per strategy."""
+    """``n`` blocks cut into contiguous parts ``(start, stop, strategy)``, one per strategy, of
+    sizes that differ by one at most (every part has a block where ``n >= len(strategies)``;
+    beyond that the empty parts are left out)."""
     k = len(strategies)
-    size = max(1, -(-n // k))
-    return [(p * size, min(n, (p + 1) * size), s) for p, s in enumerate(strategies) if p * size < n]
+    bounds = [p * n // k for p in range(k + 1)]
+    return [
+        (bounds[p], bounds[p + 1], s) for p, s in enumerate(strategies) if bounds[p] < bounds[p + 1]
+    ]
+
+
+def _step_layout(n: int, kinds: Sequence[str], shift: int) -> list[str]:
+    """The parts of one strategy step along ``n`` blocks: ``kinds`` and the stored reference,
+    rotated by ``shift`` (so the steps of a round put the reference on different blocks and
+    every block runs a strategy in one of them), laid ``_STRETCHES`` times where that leaves
+    each part two blocks or more (a chained part then holds a multi-block segment), else once."""
+    parts = [*kinds, STORE]
+    shift %= len(parts)
+    parts = parts[shift:] + parts[:shift]
+    times = _STRETCHES if n >= 2 * _STRETCHES * len(parts) else 1
+    return parts * times
 
 
 _SPAN = 4  # blocks per checkpoint segment of the chained part
@@ -188,10 +207,11 @@ def probe_chain(
     if parts is None:  # two strategy steps: two kinds each for up to four kinds, three for six
         parts = max(2, -(-len(kinds) // 2)) + 1
     per = max(1, parts - 1)  # kinds per step, beside the stored reference part
-    steps = [[*kinds[a : a + per], STORE] for a in range(0, len(kinds), per)]
+    steps = [kinds[a : a + per] for a in range(0, len(kinds), per)]
     warmed = warm_up(chain, x, kwargs, kinds, options)
     run = functools.partial(timed_step, chain, x=x, grad=grad, kwargs=kwargs, clock=clock)
-    samples, spans, ran = _rounds(run, steps, rounds, groups, options, own)
+    ref = [f + b for f, b in stored]  # each block's own stored time: the reference's pace
+    samples, spans, ran = _rounds(run, steps, rounds, groups, options, own, ref)
     extra = {key: max(0.0, statistics.median(v)) for key, v in samples.items()}
     overhead = _overheads(groups, options, extra, fwd)
     chained = _chained(spans, groups, overhead, fwd)
@@ -245,21 +265,24 @@ def _rounds(
     groups: Sequence[int],
     options: Sequence[Sequence[str]],
     own: list[float],
+    ref: list[float],
 ) -> tuple[dict[tuple[int, str], list[float]], list[tuple[Segment, float]], int]:
-    """The strategy steps, ``rounds`` times with their parts rotated (``run(segments)`` times
+    """The strategy steps, ``rounds`` times with their kinds rotated (``run(segments)`` times
     one step): per ``(group, strategy)`` the extra seconds of each one-block segment, each
-    multi-block segment with its extra seconds (``own``: a block's stored seconds), and the
-    steps run (a step whose reference stretches disagree runs again: :func:`_steady`)."""
+    multi-block segment with its extra seconds (``own``: a block's stored seconds, its
+    group's median; ``ref``: its own seconds in the stored step), and the steps run (a step
+    whose reference stretches disagree runs again: :func:`_steady`)."""
     samples: dict[tuple[int, str], list[float]] = defaultdict(list)
     spans: list[tuple[Segment, float]] = []
     ran = 0
     for r in range(rounds):
-        for kinds_of_step in steps:
+        for j, kinds_of_step in enumerate(steps):
             rotated = (
                 kinds_of_step[r % len(kinds_of_step) :] + kinds_of_step[: r % len(kinds_of_step)]
             )
-            segments = _segments(_parts(len(groups), rotated * _STRETCHES), options)
-            times, pace, tries = _steady(run, segments, own)
+            layout = _step_layout(len(groups), rotated, j + r)
+            segments = _segments(_parts(len(groups), layout), options)
+            times, pace, tries = _steady(run, segments, ref)
             ran += tries
             for seg, (f, b) in zip(segments, times, strict=True):
                 if seg.strategy == STORE:
@@ -277,7 +300,7 @@ _RETRIES = 2  # times a step whose reference stretches disagree runs again
 
 
 def _steady(
-    run: Callable[..., list[tuple[float, float]]], segments: list[Segment], own: list[float]
+    run: Callable[..., list[tuple[float, float]]], segments: list[Segment], ref: list[float]
 ) -> tuple[list[tuple[float, float]], float, int]:
     """One strategy step timed where the machine ran it at one pace: its times, that pace and
     the tries it took. A step whose reference stretches ran at paces more than ``_AGREE``
@@ -288,38 +311,43 @@ def _steady(
     while tries <= _RETRIES and (best is None or best[0] > _AGREE):
         times = run(segments)
         tries += 1
-        paces = [p for p in _stretch_paces(segments, times, own) if p > 0]
+        paces = _stretch_paces(segments, times, ref)
         spread = max(paces) / min(paces) if paces else 1.0
         if best is None or spread < best[0]:
             best = (spread, times)
     assert best is not None
-    return best[1], _pace(segments, best[1], own), tries
+    return best[1], _pace(segments, best[1], ref) or 1.0, tries
 
 
 def _stretch_paces(
-    segments: Sequence[Segment], times: list[tuple[float, float]], own: list[float]
+    segments: Sequence[Segment], times: list[tuple[float, float]], ref: list[float]
 ) -> list[float]:
-    """The pace (see :func:`_pace`) of each stretch of consecutive stored blocks."""
+    """The pace (see :func:`_pace`) of each stretch of consecutive stored blocks that has one."""
     paces, start = [], None
     for k, seg in enumerate([*segments, None]):
         stored = seg is not None and seg.strategy == STORE
         if stored and start is None:
             start = k
         elif not stored and start is not None:
-            paces.append(_pace(segments[start:k], times[start:k], own))
+            pace = _pace(segments[start:k], times[start:k], ref)
+            if pace is not None:
+                paces.append(pace)
             start = None
     return paces
 
 
-def _pace(segments: Sequence[Segment], times: list[tuple[float, float]], own: list[float]) -> float:
+def _pace(
+    segments: Sequence[Segment], times: list[tuple[float, float]], ref: list[float]
+) -> float | None:
     """How much slower than the stored step the machine ran a step: the median, over the
-    step's stored blocks, of their time over their stored step's time (1: none stored)."""
+    step's stored blocks, of their time over their own time in the stored step (``None``:
+    no stored block with both times above zero, as under a clock coarser than the blocks)."""
     ratios = [
-        (f + b) / own[seg.start]
+        (f + b) / ref[seg.start]
         for seg, (f, b) in zip(segments, times, strict=True)
-        if seg.strategy == STORE and own[seg.start] > 0
+        if seg.strategy == STORE and ref[seg.start] > 0 and f + b > 0
     ]
-    return statistics.median(ratios) if ratios else 1.0
+    return statistics.median(ratios) if ratios else None
 
 
 def _overheads(

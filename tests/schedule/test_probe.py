@@ -136,7 +136,7 @@ def test_a_group_no_part_reached_gets_the_ratio_of_the_others():
 def test_parts_cover_the_chain():
     kinds = ["store", "checkpoint", CHAINED]
     parts = _parts(7, kinds)
-    assert [(a, b) for a, b, _ in parts] == [(0, 3), (3, 6), (6, 7)]
+    assert [(a, b) for a, b, _ in parts] == [(0, 2), (2, 4), (4, 7)]  # sizes differ by one
     assert [p[2] for p in parts] == kinds
     segs = _segments(_parts(10, ["store", CHAINED]), [OPTIONS] * 10)
     assert [(s.start, s.stop, s.strategy) for s in segs] == [
@@ -194,7 +194,8 @@ def test_each_strategy_runs_on_two_stretches_beside_two_stored_ones(monkeypatch)
     )
     stretch = [(1, "checkpoint")] * 2 + [(1, "approx:bf16")] * 2 + [(1, "store")] * 2
     assert seen[1] == stretch * 2  # seen[0]: the stored step
-    assert seen[2] == [(3, "checkpoint"), *[(1, "store")] * 3] * 2  # chained: one segment
+    # the second step puts its reference on other blocks; chained: one segment per stretch
+    assert seen[2] == [*[(1, "store")] * 3, (3, "checkpoint")] * 2
 
 
 class BurstClock(FakeClock):
@@ -234,3 +235,51 @@ def test_a_step_whose_reference_stretches_disagree_runs_again(monkeypatch):
         assert overhead == pytest.approx({"checkpoint": 1.0, "approx:bf16": 1.0})
         assert chained == pytest.approx(1.0)
     assert got.rounds == 4.5  # one more step than test_probe_recovers_each_groups_costs_exactly
+
+
+@pytest.mark.parametrize("n", [3, 5, 6, 7, 12, 13, 24, 28])
+def test_every_block_runs_a_strategy_in_some_step_and_short_chains_keep_a_chained_span(
+    monkeypatch, n
+):
+    """The reference moves between the steps of a round, so no block (and no group) is only
+    ever stored; stretches too short for a multi-block chained segment are not doubled."""
+    clock = FakeClock()
+    chain = _chain(clock, [(1.0, 2.0)] * n)
+    seen = []
+    timed = probe.timed_step
+
+    def record(chain_, segments, *args, **kw):
+        seen.append(list(segments))
+        return timed(chain_, segments, *args, **kw)
+
+    monkeypatch.setattr(probe, "timed_step", record)
+    got = probe_chain(
+        chain, torch.randn(4, 8), torch.ones(4, 8), {}, list(range(n)), [OPTIONS] * n, clock=clock
+    )
+    strategy_steps = seen[1:]
+    for i in range(n):
+        assert any(
+            s.strategy != "store" for step in strategy_steps for s in step if s.start <= i < s.stop
+        )
+    assert any(s.stop - s.start > 1 for step in strategy_steps for s in step)
+    assert all(c is not None for c in got.chained_s)
+
+
+def test_a_reference_that_reads_no_time_is_no_reference(monkeypatch):
+    """A clock coarser than the blocks reads 0 s for some stored blocks: the pace falls back to
+    1 instead of dividing by zero."""
+    clock = FakeClock()
+    costs = [(1.0, 2.0)] * 12
+    chain = _chain(clock, costs)
+    timed = probe.timed_step
+
+    def frozen_on_strategy_steps(chain_, segments, *args, **kw):
+        clock.scale = 1.0 if all(s.strategy == "store" for s in segments) else 0.0
+        return timed(chain_, segments, *args, **kw)
+
+    monkeypatch.setattr(probe, "timed_step", frozen_on_strategy_steps)
+    got = probe_chain(
+        chain, torch.randn(4, 8), torch.ones(4, 8), {}, [0] * 12, [OPTIONS] * 12, clock=clock
+    )
+    for overhead in got.overhead_s:  # nothing measured beyond the stored times: no extra
+        assert overhead == {"checkpoint": 0.0, "approx:bf16": 0.0}
