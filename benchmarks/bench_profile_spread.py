@@ -12,8 +12,7 @@ measured overhead; per variant, how far apart two profiles predict a plan (the w
 of each pair of profiles: the median and the worst pair).
 
 Variants (``--variants``): ``default``, the timing as it ships; ``one-stretch``, each
-strategy and the stored reference on one stretch of the chain per step instead of two;
-``no-retry``, a step whose reference stretches disagree is not run again.
+strategy and the stored reference on one stretch of the chain per step instead of two.
 
 Run ``python benchmarks/bench_profile_spread.py``; prints a table and writes
 ``benchmarks/results/bench_profile_spread.json``.
@@ -36,7 +35,7 @@ from revckpt.measure import keep_freed_memory
 from revckpt.report import report
 from revckpt.schedule import baseline, evaluate, probe, profile
 
-VARIANTS = {"default": {}, "one-stretch": {"_STRETCHES": 1}, "no-retry": {"_RETRIES": 0}}
+VARIANTS = {"default": {}, "one-stretch": {"_STRETCHES": 1}}
 
 
 @contextlib.contextmanager
@@ -142,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--profiles", type=int, default=6, help="profiles per variant")
     parser.add_argument("--repeats", type=int, default=15, help="timing rounds of the plans")
     parser.add_argument(
-        "--variants", nargs="+", default=["default", "no-retry"], choices=list(VARIANTS)
+        "--variants", nargs="+", default=["default", "one-stretch"], choices=list(VARIANTS)
     )
     parser.add_argument(
         "--out",

@@ -27,14 +27,13 @@ group's median there), and the step's times are divided by that pace before the 
 are taken off: without it, 2 of 8 profiles of the 24-block GPT-like model in one process
 read every plan's overhead about twice the measured one, and one of a 12-layer HF Llama a
 fifth of it. Two stretches per strategy, at two moments of the step, keep a burst over one
-stretch from setting a strategy's whole sample. A step whose two reference stretches ran at
-paces more than 10% apart (load came or went during it) runs again, at most twice, and the
-try whose stretches agreed best is kept. Measured with ``python
-benchmarks/bench_profile_spread.py`` (six profiles per variant in one process): the two
-stretches and the retry keep every pair of profiles of a model within 49% of each other on
-its plans, against up to 150% / 140% / 409% (GPT-like / RevNet-like / HF Llama) with one
-stretch or no retry; the typical profile is no closer to the measurements, and the retry
-costs 0.5-1.6 steps. Stretches, not alternating blocks: on the GPT-like model a block's
+stretch from setting a strategy's whole sample. What neither corrects is load that comes or
+goes within a step; ``python benchmarks/bench_profile_spread.py`` (six profiles per variant
+of each model in one process) shows how far apart separate profiles still read on this
+machine: two runs of it disagreed on whether two stretches or one, or re-running a step whose
+two reference stretches ran at different paces (tried, and dropped: it cost up to a step of
+profiling), kept profiles closer; the pace's fake-clock tests show what it corrects exactly.
+Stretches, not alternating blocks: on the GPT-like model a block's
 checkpoint overhead read 5-15% higher from stretches of one or three blocks than from a run
 of 24 (two exploratory runs), and the plans the solver makes run a strategy over stretches
 of blocks. ``rounds`` repeats the strategy steps, rotated.
@@ -211,7 +210,7 @@ def probe_chain(
     warmed = warm_up(chain, x, kwargs, kinds, options)
     run = functools.partial(timed_step, chain, x=x, grad=grad, kwargs=kwargs, clock=clock)
     ref = [f + b for f, b in stored]  # each block's own stored time: the reference's pace
-    samples, spans, ran = _rounds(run, steps, rounds, groups, options, own, ref)
+    samples, spans = _rounds(run, steps, rounds, groups, options, own, ref)
     extra = {key: max(0.0, statistics.median(v)) for key, v in samples.items()}
     overhead = _overheads(groups, options, extra, fwd)
     chained = _chained(spans, groups, overhead, fwd)
@@ -220,7 +219,7 @@ def probe_chain(
         backward_s=tuple(bwd[g] for g in groups),
         overhead_s=tuple(overhead),
         chained_s=tuple(chained[i] for i in range(n)),
-        rounds=1 + ran + (0 if warm else 1) + warmed,
+        rounds=1 + rounds * len(steps) + (0 if warm else 1) + warmed,
     )
 
 
@@ -266,15 +265,13 @@ def _rounds(
     options: Sequence[Sequence[str]],
     own: list[float],
     ref: list[float],
-) -> tuple[dict[tuple[int, str], list[float]], list[tuple[Segment, float]], int]:
+) -> tuple[dict[tuple[int, str], list[float]], list[tuple[Segment, float]]]:
     """The strategy steps, ``rounds`` times with their kinds rotated (``run(segments)`` times
     one step): per ``(group, strategy)`` the extra seconds of each one-block segment, each
     multi-block segment with its extra seconds (``own``: a block's stored seconds, its
-    group's median; ``ref``: its own seconds in the stored step), and the steps run (a step
-    whose reference stretches disagree runs again: :func:`_steady`)."""
+    group's median; ``ref``: its own seconds in the stored step)."""
     samples: dict[tuple[int, str], list[float]] = defaultdict(list)
     spans: list[tuple[Segment, float]] = []
-    ran = 0
     for r in range(rounds):
         for j, kinds_of_step in enumerate(steps):
             rotated = (
@@ -282,8 +279,8 @@ def _rounds(
             )
             layout = _step_layout(len(groups), rotated, j + r)
             segments = _segments(_parts(len(groups), layout), options)
-            times, pace, tries = _steady(run, segments, ref)
-            ran += tries
+            times = run(segments)
+            pace = _pace(segments, times, ref) or 1.0
             for seg, (f, b) in zip(segments, times, strict=True):
                 if seg.strategy == STORE:
                     continue
@@ -292,48 +289,7 @@ def _rounds(
                     samples[(groups[seg.start], seg.strategy)].append(extra)
                 else:
                     spans.append((seg, extra))
-    return samples, spans, ran
-
-
-_AGREE = 1.10  # the most the paces of one step's two reference stretches may differ by
-_RETRIES = 2  # times a step whose reference stretches disagree runs again
-
-
-def _steady(
-    run: Callable[..., list[tuple[float, float]]], segments: list[Segment], ref: list[float]
-) -> tuple[list[tuple[float, float]], float, int]:
-    """One strategy step timed where the machine ran it at one pace: its times, that pace and
-    the tries it took. A step whose reference stretches ran at paces more than ``_AGREE``
-    apart (load came or went during it) runs again, at most ``_RETRIES`` times; the try whose
-    stretches agreed best is kept."""
-    best: tuple[float, list[tuple[float, float]]] | None = None
-    tries = 0
-    while tries <= _RETRIES and (best is None or best[0] > _AGREE):
-        times = run(segments)
-        tries += 1
-        paces = _stretch_paces(segments, times, ref)
-        spread = max(paces) / min(paces) if paces else 1.0
-        if best is None or spread < best[0]:
-            best = (spread, times)
-    assert best is not None
-    return best[1], _pace(segments, best[1], ref) or 1.0, tries
-
-
-def _stretch_paces(
-    segments: Sequence[Segment], times: list[tuple[float, float]], ref: list[float]
-) -> list[float]:
-    """The pace (see :func:`_pace`) of each stretch of consecutive stored blocks that has one."""
-    paces, start = [], None
-    for k, seg in enumerate([*segments, None]):
-        stored = seg is not None and seg.strategy == STORE
-        if stored and start is None:
-            start = k
-        elif not stored and start is not None:
-            pace = _pace(segments[start:k], times[start:k], ref)
-            if pace is not None:
-                paces.append(pace)
-            start = None
-    return paces
+    return samples, spans
 
 
 def _pace(

@@ -198,45 +198,6 @@ def test_each_strategy_runs_on_two_stretches_beside_two_stored_ones(monkeypatch)
     assert seen[2] == [*[(1, "store")] * 3, (3, "checkpoint")] * 2
 
 
-class BurstClock(FakeClock):
-    """A fake clock that runs three times as fast over a given run of its ticks (counted
-    from the start of each step): load that comes in the middle of a step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-        self.burst: set[int] = set()
-
-    def tick(self, seconds: float) -> None:
-        self.count += 1
-        self.now += seconds * (3.0 if self.count in self.burst else 1.0)
-
-
-def test_a_step_whose_reference_stretches_disagree_runs_again(monkeypatch):
-    """Load over the second half of a step's forward slows one reference stretch and not the
-    other: no one pace fits the step, so it runs again and the steady try is kept."""
-    clock = BurstClock()
-    chain = _chain(clock, [(1.0, 2.0)] * 12)
-    timed, calls = probe.timed_step, []
-
-    def bursty(chain_, segments, *args, **kw):
-        calls.append(segments)
-        clock.count = 0
-        first_strategy_step = len(calls) == 2
-        clock.burst = set(range(7, 13)) if first_strategy_step else set()  # blocks 6-11
-        return timed(chain_, segments, *args, **kw)
-
-    monkeypatch.setattr(probe, "timed_step", bursty)
-    got = probe_chain(
-        chain, torch.randn(4, 8), torch.ones(4, 8), {}, [0] * 12, [OPTIONS] * 12, clock=clock
-    )
-    assert calls[1] == calls[2]  # the disturbed step, then the same step again
-    for overhead, chained in zip(got.overhead_s, got.chained_s, strict=True):
-        assert overhead == pytest.approx({"checkpoint": 1.0, "approx:bf16": 1.0})
-        assert chained == pytest.approx(1.0)
-    assert got.rounds == 4.5  # one more step than test_probe_recovers_each_groups_costs_exactly
-
-
 @pytest.mark.parametrize("n", [3, 5, 6, 7, 12, 13, 24, 28])
 def test_every_block_runs_a_strategy_in_some_step_and_short_chains_keep_a_chained_span(
     monkeypatch, n
