@@ -133,9 +133,9 @@ def timed_step(
 def _parts(n: int, strategies: Sequence[str]) -> list[tuple[int, int, str]]:
     """``n`` blocks cut into contiguous parts ``(start, stop, strategy)``, one per strategy, of
     sizes that differ by one at most (every part has a block where ``n >= len(strategies)``;
-    beyond that the empty parts are left out)."""
+    else the first ``n`` parts have one each)."""
     k = len(strategies)
-    bounds = [p * n // k for p in range(k + 1)]
+    bounds = [-(-p * n // k) for p in range(k + 1)]
     return [
         (bounds[p], bounds[p + 1], s) for p, s in enumerate(strategies) if bounds[p] < bounds[p + 1]
     ]
@@ -145,7 +145,10 @@ def _step_layout(n: int, kinds: Sequence[str], shift: int) -> list[str]:
     """The parts of one strategy step along ``n`` blocks: ``kinds`` and the stored reference,
     rotated by ``shift`` (so the steps of a round put the reference on different blocks and
     every block runs a strategy in one of them), laid ``_STRETCHES`` times where that leaves
-    each part two blocks or more (a chained part then holds a multi-block segment), else once."""
+    each part two blocks or more (a chained part then holds a multi-block segment), else once;
+    no reference where even once it would leave a part one block."""
+    if n < 2 * (len(kinds) + 1):  # too short to spare two blocks for a reference
+        return list(kinds)
     parts = [*kinds, STORE]
     shift %= len(parts)
     parts = parts[shift:] + parts[:shift]
@@ -198,9 +201,6 @@ def probe_chain(
     if not warm:
         timed_step(chain, stored_segments, x, grad, kwargs, clock=clock)
     stored = timed_step(chain, stored_segments, x, grad, kwargs, clock=clock)
-    fwd = _by_group(groups, [f for f, _ in stored])
-    bwd = _by_group(groups, [b for _, b in stored])
-    own = [fwd[g] + bwd[g] for g in groups]  # the group's median: less noise than one sample
     strategies = sorted({s for o in options for s in o if s != STORE}, key=_order(options))
     kinds = [*strategies, CHAINED] if n > 1 else strategies
     if parts is None:  # two strategy steps: two kinds each for up to four kinds, three for six
@@ -209,14 +209,15 @@ def probe_chain(
     steps = [kinds[a : a + per] for a in range(0, len(kinds), per)]
     warmed = warm_up(chain, x, kwargs, kinds, options)
     run = functools.partial(timed_step, chain, x=x, grad=grad, kwargs=kwargs, clock=clock)
-    ref = [f + b for f, b in stored]  # each block's own stored time: the reference's pace
-    samples, spans = _rounds(run, steps, rounds, groups, options, own, ref)
+    ran = _rounds(run, steps, rounds, n, options)
+    times = _Stored(groups, stored, ran)
+    samples, spans = times.extras(ran)
     extra = {key: max(0.0, statistics.median(v)) for key, v in samples.items()}
-    overhead = _overheads(groups, options, extra, fwd)
-    chained = _chained(spans, groups, overhead, fwd)
+    overhead = _overheads(groups, options, extra, times.fwd)
+    chained = _chained(spans, groups, overhead, times.fwd)
     return InChain(
-        forward_s=tuple(fwd[g] for g in groups),
-        backward_s=tuple(bwd[g] for g in groups),
+        forward_s=tuple(times.fwd[g] for g in groups),
+        backward_s=tuple(times.bwd[g] for g in groups),
         overhead_s=tuple(overhead),
         chained_s=tuple(chained[i] for i in range(n)),
         rounds=1 + rounds * len(steps) + (0 if warm else 1) + warmed,
@@ -257,39 +258,90 @@ def warm_up(
     return m / len(chain)
 
 
+Timed = list[tuple[list[Segment], list[tuple[float, float]]]]  # steps: segments, times
+
+
 def _rounds(
     run: Callable[..., list[tuple[float, float]]],
     steps: list[list[str]],
     rounds: int,
-    groups: Sequence[int],
+    n: int,
     options: Sequence[Sequence[str]],
-    own: list[float],
-    ref: list[float],
-) -> tuple[dict[tuple[int, str], list[float]], list[tuple[Segment, float]]]:
+) -> Timed:
     """The strategy steps, ``rounds`` times with their kinds rotated (``run(segments)`` times
-    one step): per ``(group, strategy)`` the extra seconds of each one-block segment, each
-    multi-block segment with its extra seconds (``own``: a block's stored seconds, its
-    group's median; ``ref``: its own seconds in the stored step)."""
-    samples: dict[tuple[int, str], list[float]] = defaultdict(list)
-    spans: list[tuple[Segment, float]] = []
+    one step): each step's segments and their (forward, backward) seconds."""
+    ran: Timed = []
     for r in range(rounds):
         for j, kinds_of_step in enumerate(steps):
             rotated = (
                 kinds_of_step[r % len(kinds_of_step) :] + kinds_of_step[: r % len(kinds_of_step)]
             )
-            layout = _step_layout(len(groups), rotated, j + r)
-            segments = _segments(_parts(len(groups), layout), options)
-            times = run(segments)
-            pace = _pace(segments, times, ref) or 1.0
+            segments = _segments(_parts(n, _step_layout(n, rotated, j + r)), options)
+            ran.append((segments, run(segments)))
+    return ran
+
+
+class _Stored:
+    """Each group's stored forward and backward seconds, and each strategy's extra seconds.
+
+    The stored step can run cold (the first of a process: its blocks read up to 1.4x what the
+    same blocks stored read a step later, unevenly along the chain), so a group's stored
+    times are the medians of its blocks in the strategy steps' reference stretches where it
+    has any, and the stored step's only where it has none (times the strategy steps' pace
+    against it, :func:`_pace`). A strategy block's extra time is taken against its group's
+    reference blocks in the same step, where there are any, and each step's seconds are scaled
+    to the stored times by its reference blocks: the machine's load and the process's warm-up
+    then cancel within the step."""
+
+    def __init__(self, groups: Sequence[int], stored: list[tuple[float, float]], ran: Timed):
+        self.groups = groups
+        ref = [f + b for f, b in stored]
+        paces = [_pace(segments, times, ref) for segments, times in ran]
+        known = [p for p in paces if p is not None]
+        pace = statistics.median(known) if known else 1.0  # the strategy steps' against it
+        seen: dict[int, list[tuple[float, float]]] = defaultdict(list)
+        for segments, times in ran:
+            for seg, t in zip(segments, times, strict=True):
+                if seg.strategy == STORE:
+                    seen[groups[seg.start]].append(t)
+        fwd = _by_group(groups, [f for f, _ in stored])
+        bwd = _by_group(groups, [b for _, b in stored])
+        self.fwd = {
+            g: statistics.median(f for f, _ in seen[g]) if g in seen else fwd[g] * pace for g in fwd
+        }
+        self.bwd = {
+            g: statistics.median(b for _, b in seen[g]) if g in seen else bwd[g] * pace for g in bwd
+        }
+
+    def extras(
+        self, ran: Timed
+    ) -> tuple[dict[tuple[int, str], list[float]], list[tuple[Segment, float]]]:
+        """Per ``(group, strategy)`` the extra seconds of each one-block segment, and each
+        multi-block segment with its extra seconds, in the units of the stored times."""
+        groups = self.groups
+        samples: dict[tuple[int, str], list[float]] = defaultdict(list)
+        spans: list[tuple[Segment, float]] = []
+        pooled = {g: self.fwd[g] + self.bwd[g] for g in self.fwd}
+        for segments, times in ran:
+            here: dict[int, list[float]] = defaultdict(list)
+            for seg, (f, b) in zip(segments, times, strict=True):
+                if seg.strategy == STORE:
+                    here[groups[seg.start]].append(f + b)
+            # this step's seconds per second of the stored times, from its reference blocks
+            ratios = [t / pooled[g] for g, ts in here.items() for t in ts if pooled[g] > 0]
+            scale = statistics.median(ratios) if ratios else 1.0
+            own = {
+                g: statistics.median(here[g]) if g in here else pooled[g] * scale for g in pooled
+            }
             for seg, (f, b) in zip(segments, times, strict=True):
                 if seg.strategy == STORE:
                     continue
-                extra = (f + b) / pace - sum(own[seg.start : seg.stop])
+                extra = (f + b - sum(own[groups[i]] for i in range(seg.start, seg.stop))) / scale
                 if seg.stop - seg.start == 1:
                     samples[(groups[seg.start], seg.strategy)].append(extra)
                 else:
                     spans.append((seg, extra))
-    return samples, spans
+        return samples, spans
 
 
 def _pace(

@@ -136,7 +136,7 @@ def test_a_group_no_part_reached_gets_the_ratio_of_the_others():
 def test_parts_cover_the_chain():
     kinds = ["store", "checkpoint", CHAINED]
     parts = _parts(7, kinds)
-    assert [(a, b) for a, b, _ in parts] == [(0, 2), (2, 4), (4, 7)]  # sizes differ by one
+    assert [(a, b) for a, b, _ in parts] == [(0, 3), (3, 5), (5, 7)]  # sizes differ by one
     assert [p[2] for p in parts] == kinds
     segs = _segments(_parts(10, ["store", CHAINED]), [OPTIONS] * 10)
     assert [(s.start, s.stop, s.strategy) for s in segs] == [
@@ -171,7 +171,9 @@ def test_a_step_the_machine_runs_slower_or_faster_is_timed_at_the_stored_steps_p
     got = probe_chain(
         chain, torch.randn(4, 8), torch.ones(4, 8), {}, groups, [OPTIONS] * 12, clock=clock
     )
-    for (f, _), overhead, chained in zip(costs, got.overhead_s, got.chained_s, strict=True):
+    # the stored times come from the strategy steps' own reference blocks: in their seconds
+    assert got.forward_s == pytest.approx(tuple(f * pace for f, _ in costs))
+    for f, overhead, chained in zip(got.forward_s, got.overhead_s, got.chained_s, strict=True):
         assert overhead == pytest.approx({"checkpoint": f, "approx:bf16": f})
         assert chained == pytest.approx(f)
 
@@ -244,3 +246,42 @@ def test_a_reference_that_reads_no_time_is_no_reference(monkeypatch):
     )
     for overhead in got.overhead_s:  # nothing measured beyond the stored times: no extra
         assert overhead == {"checkpoint": 0.0, "approx:bf16": 0.0}
+
+
+class ColdClock(FakeClock):
+    """A fake clock under which the first ``cold`` forwards of the chain's first step (its
+    stored step) take 1.5 times as long: a process's first step, slow unevenly."""
+
+    def __init__(self, cold: int) -> None:
+        super().__init__()
+        self.cold, self.ticks, self.steps = cold, 0, 0
+
+    def tick(self, seconds: float) -> None:
+        self.ticks += 1
+        slow = self.steps == 1 and self.ticks <= self.cold
+        self.now += seconds * (1.5 if slow else 1.0)
+
+
+def test_a_cold_stored_step_leaves_the_costs_exact(monkeypatch):
+    """The stored times come from the strategy steps' reference blocks, and each strategy
+    block is timed against its group's reference blocks in the same step: a stored step that
+    ran slow over most of its blocks moves nothing."""
+    clock = ColdClock(cold=9)
+    costs = [(1.0, 2.0)] * 12
+    chain = _chain(clock, costs)
+    timed = probe.timed_step
+
+    def counted(chain_, segments, *args, **kw):
+        clock.steps += 1
+        clock.ticks = 0
+        return timed(chain_, segments, *args, **kw)
+
+    monkeypatch.setattr(probe, "timed_step", counted)
+    got = probe_chain(
+        chain, torch.randn(4, 8), torch.ones(4, 8), {}, [0] * 12, [OPTIONS] * 12, clock=clock
+    )
+    assert got.forward_s == pytest.approx((1.0,) * 12)
+    assert got.backward_s == pytest.approx((2.0,) * 12)
+    for overhead, chained in zip(got.overhead_s, got.chained_s, strict=True):
+        assert overhead == pytest.approx({"checkpoint": 1.0, "approx:bf16": 1.0})
+        assert chained == pytest.approx(1.0)
