@@ -19,24 +19,26 @@ blocks in each and every block runs a strategy in one of them. With the four str
 GPT block (checkpoint, approx, selective, chained) that is three steps in all. A step is one
 sample per block.
 
-This machine is shared and its load comes in bursts of tens of milliseconds to seconds, so
-a step is not timed against the stored step as it stands. The reference says how fast the
-machine ran the step against the stored step (the median over its blocks of their time over
-their own time in the stored step: the first and last blocks of a chain read 1.1-1.2x their
-group's median there), and the step's times are divided by that pace before the stored times
-are taken off: without it, 2 of 8 profiles of the 24-block GPT-like model in one process
-read every plan's overhead about twice the measured one, and one of a 12-layer HF Llama a
-fifth of it. Two stretches per strategy, at two moments of the step, keep a burst over one
-stretch from setting a strategy's whole sample. What neither corrects is load that comes or
-goes within a step; ``python benchmarks/bench_profile_spread.py`` (six profiles per variant
-of each model in one process) shows how far apart separate profiles still read on this
-machine: two runs of it disagreed on whether two stretches or one, or re-running a step whose
-two reference stretches ran at different paces (tried, and dropped: it cost up to a step of
-profiling), kept profiles closer; the pace's fake-clock tests show what it corrects exactly.
-Stretches, not alternating blocks: on the GPT-like model a block's
-checkpoint overhead read 5-15% higher from stretches of one or three blocks than from a run
-of 24 (two exploratory runs), and the plans the solver makes run a strategy over stretches
-of blocks. ``rounds`` repeats the strategy steps, rotated.
+This machine is shared and its load comes in bursts of tens of milliseconds to seconds, and
+a process's first steps run slower than its later ones, unevenly along the chain, so a
+strategy is not timed against the stored step as it stands. A strategy block's extra time is
+its time less that of its group's reference blocks *in the same step*, and the step's seconds
+are scaled to the stored times by those reference blocks; a group's stored times are the
+medians of its reference blocks over the strategy steps (:class:`_Stored`). The stored step
+gives the times only of groups that no reference reached, at the strategy steps' pace against
+it (:func:`_pace`). Timed against the stored step alone, 2 of 8 profiles of the 24-block
+GPT-like model in one process read every plan's overhead about twice the measured one, one of
+a 12-layer HF Llama a fifth of it, and the first profile of a process read its per-block
+checkpoint 1.1x to 2.5x the measured overhead (its stored step ran cold). Two stretches per
+strategy, at two moments of the step, keep a burst over one stretch from setting a
+strategy's whole sample (``python benchmarks/bench_profile_spread.py`` compares one stretch
+and two). What none of this corrects is load that comes or goes within a stretch. (Re-running
+a step whose two reference stretches ran at different paces was tried and dropped: two runs
+of that benchmark disagreed on whether it kept profiles closer, and it cost up to a step.)
+Stretches, not alternating blocks: on the GPT-like model a block's checkpoint overhead read
+5-15% higher from stretches of one or three blocks than from a run of 24 (two exploratory
+runs), and the plans the solver makes run a strategy over stretches of blocks. ``rounds``
+repeats the strategy steps, rotated.
 
 Before the first timed step, each strategy not yet run in this process runs once untimed
 on a prefix of the chain (:func:`warm_up`, two blocks per strategy): a strategy's first run

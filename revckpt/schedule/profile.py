@@ -134,8 +134,8 @@ def profile(
     block to measure its error, and on a CPU its codec time makes it slower than recomputing).
     ``repeats``: timing rounds of a block timed on its own (what the in-chain rounds did not
     reach). ``rounds``: how many times the in-chain timing steps run (each round adds two
-    steps, or three for six strategies, rotated, and a step disturbed by load runs again, at
-    most twice; more rounds average out a noisy machine, see :mod:`.probe`).
+    steps, or three for six strategies, rotated; more rounds average out a noisy machine, see
+    :mod:`.probe`).
     ``device``: where memory is metered (default: ``x``'s device). ``offload``: price
     host offload (:mod:`revckpt.offload`): how many of each block input's bytes leave the
     device and the time of the copies; default ``None``, on when ``x`` is on a CUDA device (on
