@@ -23,10 +23,11 @@ This machine is shared and its load comes in bursts of tens of milliseconds to s
 a process's first steps run slower than its later ones, unevenly along the chain, so a
 strategy is not timed against the stored step as it stands. A strategy block's extra time is
 its time less that of its group's reference blocks *in the same step*, and the step's seconds
-are scaled to the stored times by those reference blocks; a group's stored times are the
-medians of its reference blocks over the strategy steps (:class:`_Stored`). The stored step
-gives the times only of groups that no reference reached, at the strategy steps' pace against
-it (:func:`_pace`). Timed against the stored step alone, 2 of 8 profiles of the 24-block
+are scaled to the stored times by a factor per step, fitted with each group's stored time
+over all the reference blocks (:class:`_Stored`): every group's times are then in one unit,
+whichever steps its reference blocks fell in. The stored step gives the times only of groups
+that no reference reached, at the strategy steps' pace against it (:func:`_pace`); a chain
+too short for a reference (five blocks or fewer) times a second stored step after the others. Timed against the stored step alone, 2 of 8 profiles of the 24-block
 GPT-like model in one process read every plan's overhead about twice the measured one, one of
 a 12-layer HF Llama a fifth of it, and the first profile of a process read its per-block
 checkpoint 1.1x to 2.5x the measured overhead (its stored step ran cold). Two stretches per
@@ -52,6 +53,7 @@ that were reached (recomputing costs in proportion to the forward).
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 import time
 from collections import defaultdict
@@ -59,6 +61,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -212,6 +215,9 @@ def probe_chain(
     warmed = warm_up(chain, x, kwargs, kinds, options)
     run = functools.partial(timed_step, chain, x=x, grad=grad, kwargs=kwargs, clock=clock)
     ran = _rounds(run, steps, rounds, n, options)
+    again = not any(seg.strategy == STORE for segments, _ in ran for seg in segments)
+    if again:  # too short for a reference: a stored step after the others, warmer than the first
+        ran.append((stored_segments, run(stored_segments)))
     times = _Stored(groups, stored, ran)
     samples, spans = times.extras(ran)
     extra = {key: max(0.0, statistics.median(v)) for key, v in samples.items()}
@@ -222,7 +228,7 @@ def probe_chain(
         backward_s=tuple(times.bwd[g] for g in groups),
         overhead_s=tuple(overhead),
         chained_s=tuple(chained[i] for i in range(n)),
-        rounds=1 + rounds * len(steps) + (0 if warm else 1) + warmed,
+        rounds=1 + rounds * len(steps) + again + (0 if warm else 1) + warmed,
     )
 
 
@@ -287,32 +293,46 @@ class _Stored:
     """Each group's stored forward and backward seconds, and each strategy's extra seconds.
 
     The stored step can run cold (the first of a process: its blocks read up to 1.4x what the
-    same blocks stored read a step later, unevenly along the chain), so a group's stored
-    times are the medians of its blocks in the strategy steps' reference stretches where it
-    has any, and the stored step's only where it has none (times the strategy steps' pace
-    against it, :func:`_pace`). A strategy block's extra time is taken against its group's
-    reference blocks in the same step, where there are any, and each step's seconds are scaled
-    to the stored times by its reference blocks: the machine's load and the process's warm-up
-    then cancel within the step."""
+    same blocks stored read a step later, unevenly along the chain), so the stored times come
+    from the strategy steps' reference blocks where a group has any. Each strategy step runs
+    at its own pace, so a reference block's time is taken as its step's factor times its
+    group's time, both fitted over all reference blocks (:func:`_fit_steps`): every group's
+    times are then in one unit, the steps' mean. Groups that share no step with the others,
+    and groups no reference reached, are tied in through the stored step (their pace against
+    it, :func:`_pace`). A strategy block's extra time is taken against its group's reference
+    blocks in the same step where there are any (else its group's time at that step's
+    factor), divided by the step's factor: the machine's load and the process's warm-up then
+    cancel within the step."""
 
     def __init__(self, groups: Sequence[int], stored: list[tuple[float, float]], ran: Timed):
         self.groups = groups
         ref = [f + b for f, b in stored]
-        paces = [_pace(segments, times, ref) for segments, times in ran]
-        known = [p for p in paces if p is not None]
-        pace = statistics.median(known) if known else 1.0  # the strategy steps' against it
-        seen: dict[int, list[tuple[float, float]]] = defaultdict(list)
-        for segments, times in ran:
-            for seg, t in zip(segments, times, strict=True):
-                if seg.strategy == STORE:
-                    seen[groups[seg.start]].append(t)
+        cells = [  # (step, block, forward, backward) of every timed reference block
+            (k, seg.start, f, b)
+            for k, (segments, times) in enumerate(ran)
+            for seg, (f, b) in zip(segments, times, strict=True)
+            if seg.strategy == STORE and f > 0 and b > 0
+        ]
+        self.factor = _fit_steps([(k, groups[i], f + b) for k, i, f, b in cells], len(ran))
+        # each connected set of groups is tied to the stored step at the median pace
+        paces: dict[int, list[float]] = defaultdict(list)
+        for k, i, f, b in cells:
+            if ref[i] > 0:
+                paces[self.factor[k][1]].append((f + b) / self.factor[k][0] / ref[i])
+        pace_of = {c: statistics.median(v) for c, v in paces.items()}
+        pace = statistics.median(pace_of.values()) if pace_of else 1.0
+        for k, (factor, c) in list(self.factor.items()):
+            self.factor[k] = (factor * pace_of.get(c, pace) / pace, c)
+        mine: dict[int, list[tuple[float, float]]] = defaultdict(list)
+        for k, i, f, b in cells:
+            mine[groups[i]].append((f / self.factor[k][0], b / self.factor[k][0]))
         fwd = _by_group(groups, [f for f, _ in stored])
         bwd = _by_group(groups, [b for _, b in stored])
         self.fwd = {
-            g: statistics.median(f for f, _ in seen[g]) if g in seen else fwd[g] * pace for g in fwd
+            g: statistics.median(f for f, _ in mine[g]) if g in mine else fwd[g] * pace for g in fwd
         }
         self.bwd = {
-            g: statistics.median(b for _, b in seen[g]) if g in seen else bwd[g] * pace for g in bwd
+            g: statistics.median(b for _, b in mine[g]) if g in mine else bwd[g] * pace for g in bwd
         }
 
     def extras(
@@ -324,14 +344,12 @@ class _Stored:
         samples: dict[tuple[int, str], list[float]] = defaultdict(list)
         spans: list[tuple[Segment, float]] = []
         pooled = {g: self.fwd[g] + self.bwd[g] for g in self.fwd}
-        for segments, times in ran:
+        for k, (segments, times) in enumerate(ran):
             here: dict[int, list[float]] = defaultdict(list)
             for seg, (f, b) in zip(segments, times, strict=True):
-                if seg.strategy == STORE:
+                if seg.strategy == STORE and f > 0 and b > 0:
                     here[groups[seg.start]].append(f + b)
-            # this step's seconds per second of the stored times, from its reference blocks
-            ratios = [t / pooled[g] for g, ts in here.items() for t in ts if pooled[g] > 0]
-            scale = statistics.median(ratios) if ratios else 1.0
+            scale = self.factor.get(k, (1.0, None))[0]
             own = {
                 g: statistics.median(here[g]) if g in here else pooled[g] * scale for g in pooled
             }
@@ -344,6 +362,42 @@ class _Stored:
                 else:
                     spans.append((seg, extra))
         return samples, spans
+
+
+def _fit_steps(cells: list[tuple[int, int, float]], steps: int) -> dict[int, tuple[float, int]]:
+    """Per step that has reference blocks, its factor and its component, from ``cells``
+    ``(step, group, seconds)`` with ``seconds = factor[step] * time[group]``, by least
+    squares of the logarithms. Steps linked by a group they share form
+    a component (named by its first step); within one the factors' geometric mean is 1, and
+    factors of different components are not comparable (the caller ties them together)."""
+    comp = list(range(steps))
+
+    def root(k: int) -> int:
+        while comp[k] != k:
+            k = comp[k]
+        return k
+
+    first: dict[int, int] = {}
+    for k, g, _ in cells:
+        a, b = root(k), root(first.setdefault(g, k))
+        comp[max(a, b)] = min(a, b)
+    steps_seen = sorted({k for k, _, _ in cells})
+    groups_seen = sorted({g for _, g, _ in cells})
+    col = {k: j for j, k in enumerate(steps_seen)}
+    col.update({("g", g): len(steps_seen) + j for j, g in enumerate(groups_seen)})
+    design = np.zeros((len(cells), len(col)))
+    for r, (k, g, _) in enumerate(cells):
+        design[r, col[k]] = design[r, col[("g", g)]] = 1.0
+    logs = np.log([t for _, _, t in cells])
+    fitted = np.linalg.lstsq(design, logs, rcond=None)[0] if cells else []
+    factor = {k: float(fitted[col[k]]) for k in steps_seen}
+    for c in {root(k) for k in factor}:  # each component's log factors centred on 0
+        members = [k for k in factor if root(k) == c]
+        mean = sum(factor[k] for k in members) / len(members)
+        for k in members:
+            factor[k] -= mean
+    factor = {k: math.exp(v) for k, v in factor.items()}
+    return {k: (f, root(k)) for k, f in factor.items()}
 
 
 def _pace(

@@ -83,12 +83,12 @@ def test_probe_recovers_each_groups_costs_exactly():
     got = probe_chain(
         chain, torch.randn(4, 8), torch.ones(4, 8), {}, groups, [OPTIONS] * 12, clock=clock
     )
-    assert got.forward_s == tuple(f for f, _ in costs)
-    assert got.backward_s == tuple(b for _, b in costs)
+    assert got.forward_s == pytest.approx(tuple(f for f, _ in costs))
+    assert got.backward_s == pytest.approx(tuple(b for _, b in costs))
     for (f, _), overhead, chained in zip(costs, got.overhead_s, got.chained_s, strict=True):
         # recomputing strategies re-run the forward once; the fake clock sees nothing else
-        assert overhead == {"checkpoint": f, "approx:bf16": f}
-        assert chained == f
+        assert overhead == pytest.approx({"checkpoint": f, "approx:bf16": f})
+        assert chained == pytest.approx(f)
     # the stored step, then checkpoint | approx, then chained; and the warm-up of the three
     # on the first six of the twelve blocks
     assert got.rounds == 3.5
@@ -130,7 +130,7 @@ def test_a_group_no_part_reached_gets_the_ratio_of_the_others():
     )
     # block 9 (a group of its own) runs approx and store only: its checkpoint overhead is the
     # other group's ratio to the forward
-    assert got.overhead_s[9] == {"checkpoint": 10.0, "approx:bf16": 10.0}  # ratio 1 x f
+    assert got.overhead_s[9] == pytest.approx({"checkpoint": 10.0, "approx:bf16": 10.0})
 
 
 def test_parts_cover_the_chain():
@@ -285,3 +285,31 @@ def test_a_cold_stored_step_leaves_the_costs_exact(monkeypatch):
     for overhead, chained in zip(got.overhead_s, got.chained_s, strict=True):
         assert overhead == pytest.approx({"checkpoint": 1.0, "approx:bf16": 1.0})
         assert chained == pytest.approx(1.0)
+
+
+def test_groups_timed_in_steps_of_different_paces_share_one_unit(monkeypatch):
+    """Two groups whose reference blocks fall in different strategy steps, the steps run at
+    different paces: the fit of one factor per step puts every group's times in one unit, so
+    each group's figures keep their true ratios (found by a review: before, the slower
+    step's group read twice its time and its overheads five times its forward)."""
+    clock = FakeClock()
+    # blocks 4, 5, 10, 11 are the reference in the first strategy step, 0-2 and 6-8 in the second
+    groups = [0, 0, 0, 3, 3, 3, 0, 0, 0, 3, 3, 3]
+    costs = [(1.0, 2.0) if g == 0 else (4.0, 6.0) for g in groups]
+    chain = _chain(clock, costs)
+    timed, calls = probe.timed_step, []
+
+    def paced(chain_, segments, *args, **kw):
+        calls.append(1)
+        clock.scale = {2: 2.0}.get(len(calls), 1.0)  # the first strategy step at half speed
+        return timed(chain_, segments, *args, **kw)
+
+    monkeypatch.setattr(probe, "timed_step", paced)
+    got = probe_chain(
+        chain, torch.randn(4, 8), torch.ones(4, 8), {}, groups, [OPTIONS] * 12, clock=clock
+    )
+    assert got.forward_s[3] / got.forward_s[0] == pytest.approx(4.0)
+    assert got.backward_s[3] / got.backward_s[0] == pytest.approx(3.0)
+    for f, overhead, chained in zip(got.forward_s, got.overhead_s, got.chained_s, strict=True):
+        assert overhead == pytest.approx({"checkpoint": f, "approx:bf16": f})
+        assert chained == pytest.approx(f)
