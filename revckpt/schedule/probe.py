@@ -19,27 +19,27 @@ blocks in each and every block runs a strategy in one of them. With the four str
 GPT block (checkpoint, approx, selective, chained) that is three steps in all. A step is one
 sample per block.
 
-This machine is shared and its load comes in bursts of tens of milliseconds to seconds, and
-a process's first steps run slower than its later ones, unevenly along the chain, so a
-strategy is not timed against the stored step as it stands. A strategy block's extra time is
-its time less that of its group's reference blocks *in the same step*, and the step's seconds
-are scaled to the stored times by a factor per step, fitted with each group's stored time
-over all the reference blocks (:class:`_Stored`): every group's times are then in one unit,
-whichever steps its reference blocks fell in. The stored step gives the times only of groups
-that no reference reached, at the strategy steps' pace against it (:func:`_pace`); a chain
-too short for a reference (five blocks or fewer) times a second stored step after the others. Timed against the stored step alone, 2 of 8 profiles of the 24-block
-GPT-like model in one process read every plan's overhead about twice the measured one, one of
-a 12-layer HF Llama a fifth of it, and the first profile of a process read its per-block
-checkpoint 1.1x to 2.5x the measured overhead (its stored step ran cold). Two stretches per
-strategy, at two moments of the step, keep a burst over one stretch from setting a
-strategy's whole sample (``python benchmarks/bench_profile_spread.py`` compares one stretch
-and two). What none of this corrects is load that comes or goes within a stretch. (Re-running
-a step whose two reference stretches ran at different paces was tried and dropped: two runs
-of that benchmark disagreed on whether it kept profiles closer, and it cost up to a step.)
-Stretches, not alternating blocks: on the GPT-like model a block's checkpoint overhead read
-5-15% higher from stretches of one or three blocks than from a run of 24 (two exploratory
-runs), and the plans the solver makes run a strategy over stretches of blocks. ``rounds``
-repeats the strategy steps, rotated.
+This machine is shared and its load comes in bursts of tens of milliseconds to seconds, and a
+process's first steps run slower than its later ones, unevenly along the chain, so a strategy
+is not timed against the stored step as it stands. A strategy block's extra time is its time
+less that of its group's reference blocks *in the same step*, and the step's seconds are scaled
+to the stored times by a factor per step, fitted with each group's stored time over all the
+reference blocks (:class:`_Stored`): every group's times are then in one unit, whichever steps
+its reference blocks fell in. The stored step gives the times only of groups that no reference
+reached, at the strategy steps' pace against it (:func:`_pace`); a chain too short for a
+reference (five blocks or fewer) times a second stored step after the others. Timed against the
+stored step alone, 2 of 8 profiles of the 24-block GPT-like model in one process read every
+plan's overhead about twice the measured one, one of a 12-layer HF Llama a fifth of it, and the
+first profile of a process read its per-block checkpoint 1.1x to 2.5x the measured overhead
+(its stored step ran cold). Two stretches per strategy, at two moments of the step, keep a
+burst over one stretch from setting a strategy's whole sample (``python
+benchmarks/bench_profile_spread.py`` compares one stretch and two). What none of this corrects
+is load that comes or goes within a stretch. (Re-running a step whose two reference stretches
+ran at different paces was tried and dropped: two runs of that benchmark disagreed on whether
+it kept profiles closer, and it cost up to a step.) Stretches, not alternating blocks: on the
+GPT-like model a block's checkpoint overhead read 5-15% higher from stretches of one or three
+blocks than from a run of 24 (two exploratory runs), and the plans the solver makes run a
+strategy over stretches of blocks. ``rounds`` repeats the strategy steps, rotated.
 
 Before the first timed step, each strategy not yet run in this process runs once untimed
 on a prefix of the chain (:func:`warm_up`, two blocks per strategy): a strategy's first run
