@@ -26,7 +26,7 @@ less that of its group's reference blocks *in the same step*, and the step's sec
 to the stored times by a factor per step, fitted with each group's stored time over all the
 reference blocks (:class:`_Stored`): every group's times are then in one unit, whichever steps
 its reference blocks fell in. The stored step gives the times only of groups that no reference
-reached, at the strategy steps' pace against it (:func:`_pace`); a chain too short for a
+reached, at the strategy steps' median pace against it; a chain too short for a
 reference (five blocks or fewer) times a second stored step after the others. Timed against the
 stored step alone, 2 of 8 profiles of the 24-block GPT-like model in one process read every
 plan's overhead about twice the measured one, one of a 12-layer HF Llama a fifth of it, and the
@@ -292,14 +292,14 @@ def _rounds(
 class _Stored:
     """Each group's stored forward and backward seconds, and each strategy's extra seconds.
 
-    The stored step can run cold (the first of a process: its blocks read up to 1.4x what the
+    The stored step can run cold (the first of a process: its blocks read up to 1.5x what the
     same blocks stored read a step later, unevenly along the chain), so the stored times come
     from the strategy steps' reference blocks where a group has any. Each strategy step runs
     at its own pace, so a reference block's time is taken as its step's factor times its
     group's time, both fitted over all reference blocks (:func:`_fit_steps`): every group's
     times are then in one unit, the steps' mean. Groups that share no step with the others,
     and groups no reference reached, are tied in through the stored step (their pace against
-    it, :func:`_pace`). A strategy block's extra time is taken against its group's reference
+    it). A strategy block's extra time is taken against its group's reference
     blocks in the same step where there are any (else its group's time at that step's
     factor), divided by the step's factor: the machine's load and the process's warm-up then
     cancel within the step."""
@@ -366,10 +366,10 @@ class _Stored:
 
 def _fit_steps(cells: list[tuple[int, int, float]], steps: int) -> dict[int, tuple[float, int]]:
     """Per step that has reference blocks, its factor and its component, from ``cells``
-    ``(step, group, seconds)`` with ``seconds = factor[step] * time[group]``, by least
-    squares of the logarithms. Steps linked by a group they share form
-    a component (named by its first step); within one the factors' geometric mean is 1, and
-    factors of different components are not comparable (the caller ties them together)."""
+    ``(step, group, seconds)`` with ``seconds = factor[step] * time[group]``, by least squares
+    of the logarithms. Steps linked by a group they share form a component (named by its first
+    step); within one the factors' geometric mean is 1, and factors of different components are
+    not comparable (the caller ties them together)."""
     comp = list(range(steps))
 
     def root(k: int) -> int:
@@ -398,20 +398,6 @@ def _fit_steps(cells: list[tuple[int, int, float]], steps: int) -> dict[int, tup
             factor[k] -= mean
     factor = {k: math.exp(v) for k, v in factor.items()}
     return {k: (f, root(k)) for k, f in factor.items()}
-
-
-def _pace(
-    segments: Sequence[Segment], times: list[tuple[float, float]], ref: list[float]
-) -> float | None:
-    """How much slower than the stored step the machine ran a step: the median, over the
-    step's stored blocks, of their time over their own time in the stored step (``None``:
-    no stored block with both times above zero, as under a clock coarser than the blocks)."""
-    ratios = [
-        (f + b) / ref[seg.start]
-        for seg, (f, b) in zip(segments, times, strict=True)
-        if seg.strategy == STORE and ref[seg.start] > 0 and f + b > 0
-    ]
-    return statistics.median(ratios) if ratios else None
 
 
 def _overheads(
