@@ -23,7 +23,7 @@ Run ``python benchmarks/bench_against.py --base <commit>``; prints a table and w
 ``benchmarks/results/bench_against.json``.
 
 ``--instructions`` counts instead of timing: each workload's training steps run once per side
-under valgrind's callgrind (``benchmarks/_callgrind.py``), after one warm step, and the
+under valgrind's callgrind (``benchmarks/_callgrind.py``), after ten warm steps, and the
 instructions per step are compared. Unlike the times, the counts do not move with the
 machine's load, so a difference of a percent is visible; they weigh every instruction alike
 (a cache miss costs no more than an add), so they measure work, not time. Writes
@@ -174,8 +174,15 @@ def worker(quick: bool) -> None:
         print(json.dumps(times), flush=True)
 
 
+# Warm steps before counting: CPython 3.11 specialises ("quickens") a code object after its
+# first eight runs, once per process; code that runs once per step would pay that inside the
+# counted step after fewer warm steps, on whichever side has more such code.
+WARM_STEPS = 10
+
+
 def counted(name: str, quick: bool, steps: int, root: str) -> None:
-    """Under callgrind: one warm step of workload ``name``, then ``steps`` counted ones."""
+    """Under callgrind: ``WARM_STEPS`` steps of workload ``name``, uncounted, then ``steps``
+    counted ones."""
     import _callgrind  # benchmarks/_callgrind.py
     import torch
 
@@ -185,7 +192,8 @@ def counted(name: str, quick: bool, steps: int, root: str) -> None:
         raise RuntimeError(f"imported the revckpt of {revckpt.__file__}, not of {root}")
     torch.set_num_threads(1)
     step = _workload(name, quick)
-    step()
+    for _ in range(WARM_STEPS):
+        step()
     _callgrind.start()
     for _ in range(steps):
         step()
@@ -318,7 +326,7 @@ def _timed(base_root: Path, args: argparse.Namespace) -> dict[str, Any]:
 def _counted(base_root: Path, args: argparse.Namespace) -> dict[str, Any]:
     steps = args.steps or (1 if args.quick else 2)
     rows = instructions({"head": ROOT, "base": base_root}, args.quick, steps)
-    return {"counted_steps": steps, "rows": rows}
+    return {"counted_steps": steps, "warm_steps": WARM_STEPS, "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -378,7 +386,8 @@ def table(result: dict[str, Any]) -> str:
 def count_table(result: dict[str, Any]) -> str:
     lines = [
         f"this checkout / {result['base'][:10]}: instructions per training step under callgrind "
-        f"({result['counted_steps']} steps counted after a warm one; > 1: more work now)",
+        f"({result['counted_steps']} steps counted after {result.get('warm_steps', 1)} warm "
+        "ones; > 1: more work now)",
         "",
         "| workload | this checkout | base | this / base |",
         "|---|---|---|---|",

@@ -37,6 +37,15 @@ def _autocast_state(
     return AutocastState(device_type, enabled, dtype, cache_enabled)
 
 
+@functools.cache
+def _autocast_off(device_type: str) -> AutocastState:
+    """Autocast off on ``device_type`` (with the dtype and cache flag found the first time:
+    a context that switches autocast off ignores them)."""
+    return AutocastState(
+        device_type, False, torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled()
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class AutocastState:
     """The autocast settings of one device type at capture time."""
@@ -49,7 +58,10 @@ class AutocastState:
     @classmethod
     def capture(cls, device_type: str) -> AutocastState:
         """The autocast settings now in effect for ``device_type`` (one shared instance per
-        distinct setting: a capture runs per block and step)."""
+        distinct setting: a capture runs per block and step). With autocast off, only that
+        is read: replay then only switches it off, whatever the dtype."""
+        if not torch.is_autocast_enabled(device_type):
+            return _autocast_off(device_type)
         return _autocast_state(
             device_type,
             torch.is_autocast_enabled(device_type),

@@ -77,21 +77,24 @@ class _Layout:
     layer but its own (``None``: not seen yet; see :meth:`ModuleState.norms`).
 
     It holds the modules by weak reference: the cache maps each root to its layout, and a
-    layout holding its own root would keep every module ever captured alive."""
+    layout holding its own root would keep every module ever captured alive. The attributes
+    and normalisation layers are kept as positions in the module list, so that one pass over
+    the references (:meth:`alive`) serves a whole capture."""
 
-    __slots__ = ("__weakref__", "_attrs", "_modules", "_norms", "closed", "signature")
+    __slots__ = ("__weakref__", "_modules", "attr_slots", "closed", "norm_slots", "signature")
 
     def __init__(self, root: nn.Module) -> None:
         modules = _walk((root,))
         self._modules = tuple(weakref.ref(m) for m in modules)
         self.signature = _signature(modules)
-        self._norms = tuple(weakref.ref(m) for m in modules if isinstance(m, _NormBase))
+        self.norm_slots = tuple(i for i, m in enumerate(modules) if isinstance(m, _NormBase))
         self.closed: bool | None = None
-        self._attrs = []
-        for m in modules:
+        # (position of the module, its plain attributes' names, a getter of their values)
+        self.attr_slots: list[tuple[int, tuple[str, ...], Any]] = []
+        for i, m in enumerate(modules):
             keys = tuple(k for k, v in m.__dict__.items() if k[0] != "_" and type(v) in _PLAIN)
             if keys:
-                self._attrs.append((weakref.ref(m), keys, operator.itemgetter(*keys)))
+                self.attr_slots.append((i, keys, operator.itemgetter(*keys)))
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -99,17 +102,17 @@ class _Layout:
 
     @property
     def norms(self) -> tuple[nn.Module, ...]:
-        return tuple(ref() for ref in self._norms)  # type: ignore[misc]
+        modules = self.modules
+        return tuple(modules[i] for i in self.norm_slots)
 
-    @property
-    def attrs(self) -> list[tuple[nn.Module, tuple[str, ...], Any]]:
-        return [(ref(), keys, get) for ref, keys, get in self._attrs]  # type: ignore[misc]
-
-    def current(self) -> bool:
-        """Whether no submodule was added, removed or replaced since the scan (new attributes
-        of an existing module are not seen until the root is scanned again)."""
+    def alive(self) -> list[nn.Module] | None:
+        """The modules, when none was added, removed or replaced since the scan (new
+        attributes of an existing module are not seen until the root is scanned again);
+        else ``None``."""
         modules = [ref() for ref in self._modules]
-        return None not in modules and _signature(modules) == self.signature
+        if None in modules or _signature(modules) != self.signature:
+            return None
+        return modules  # type: ignore[return-value]
 
 
 def _signature(modules: list[Any]) -> list[int]:
@@ -119,17 +122,16 @@ def _signature(modules: list[Any]) -> list[int]:
 _LAYOUTS: weakref.WeakKeyDictionary[nn.Module, _Layout] = weakref.WeakKeyDictionary()
 
 
-def _layout(root: nn.Module) -> _Layout:
-    layout = _LAYOUTS.get(root)
-    if layout is None or not layout.current():
-        layout = _LAYOUTS[root] = _Layout(root)
-    return layout
-
-
-def layout_of(root: nn.Module) -> _Layout:
+def layout_and_modules(root: nn.Module) -> tuple[_Layout, list[nn.Module]]:
     """``root``'s layout (cached; scanned again when a submodule was added, removed or
-    replaced: a new layout object then)."""
-    return _layout(root)
+    replaced: a new layout object then) and its modules, checked in one pass."""
+    layout = _LAYOUTS.get(root)
+    modules = layout.alive() if layout is not None else None
+    if modules is None:
+        layout = _LAYOUTS[root] = _Layout(root)
+        modules = layout.modules
+    assert layout is not None
+    return layout, modules
 
 
 def submodules(root: nn.Module) -> list[nn.Module]:
@@ -138,7 +140,7 @@ def submodules(root: nn.Module) -> list[nn.Module]:
     guards on the cache (a weak dictionary whose entries come and go) would not hold."""
     if torch.compiler.is_compiling():
         return _walk((root,))
-    return _layout(root).modules
+    return layout_and_modules(root)[1]
 
 
 def _tracked_buffers(m: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
@@ -192,14 +194,16 @@ class ModuleState:
     # Bookkeeping runs eagerly: after a graph break Dynamo would otherwise compile these frames.
     @torch.compiler.disable
     def __init__(self, roots: Iterable[Any]) -> None:
-        layouts = [_layout(r) for r in roots if isinstance(r, nn.Module)]
-        mods = layouts[0].modules if len(layouts) == 1 else _walk(roots)
+        found = [layout_and_modules(r) for r in roots if isinstance(r, nn.Module)]
+        layouts = [layout for layout, _ in found]
+        mods = found[0][1] if len(found) == 1 else _walk(roots)
         self._layouts = layouts
         self._modules = mods
         self._attrs = [
-            (m.__dict__, keys, _values(get, keys, m.__dict__))
-            for layout in layouts
-            for m, keys, get in layout.attrs
+            (d, keys, _values(get, keys, d))
+            for layout, modules in found
+            for i, keys, get in layout.attr_slots
+            for d in (modules[i].__dict__,)
         ]
         # (module, name, tensor, version) of every buffer when the forward starts
         self._before = [
@@ -207,7 +211,7 @@ class ModuleState:
         ]
         self._old: dict[tuple[nn.Module, str], torch.Tensor] = {}
         self._stats: dict[tuple[nn.Module, str], torch.Tensor] = {}
-        norms = layouts[0].norms if len(layouts) == 1 else mods
+        norms = [mods[i] for i in layouts[0].norm_slots] if len(found) == 1 else mods
         copies = [
             (self._old, (m, name), b)
             for m, name, b, _ in self._before

@@ -25,6 +25,7 @@ Compared with ``torch.utils.checkpoint`` (whose non-reentrant engine does the bo
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import operator
@@ -103,10 +104,18 @@ def _checkpoint(
         modules=modules,
         preserve_rng_state=preserve_rng_state,
         check_values=determinism_check == "values",
-        context_fn=policy_context_fn(policy) if policy is not None else None,
+        context_fn=None if policy is None else _context_fn(policy),
         label=label,
     )
     return run_checkpoint(call, args, determinism_check)
+
+
+def _context_fn(policy: Policy) -> Callable[[], tuple[Any, Any]]:
+    """The eager context function, cached per spec (each call makes new contexts)."""
+    return _spec_context_fn(policy) if isinstance(policy, str) else policy_context_fn(policy)
+
+
+_spec_context_fn = functools.lru_cache(maxsize=128)(policy_context_fn)
 
 
 def _compiled_checkpoint(

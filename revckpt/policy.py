@@ -172,22 +172,26 @@ def canonical_policy(spec: str) -> str:
 
 
 def policy_context_fn(policy: Policy) -> Callable[[], tuple[Any, Any]]:
+    """torch's ``context_fn`` for a checkpoint with this selective policy (a spec or a function
+    ``op -> bool | CheckpointPolicy``)."""
     if isinstance(policy, str):
         # a set, not the frozenset: traced by torch.compile, a frozenset made in the graph and
         # alive at a graph break cannot be rebuilt by Dynamo ("frozenset not in co_names", seen
         # with torch 2.13 on Hugging Face layers wrapped by the `kernels` package)
         keep = set(parse_policy(policy))
+        save, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
 
-        def decide(op: Any) -> bool | CheckpointPolicy:
-            return op.overloadpacket in keep
-    elif callable(policy):
-        decide = policy
-    else:
+        def spec_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            return save if op.overloadpacket in keep else recompute  # runs per operation
+
+        return functools.partial(create_selective_checkpoint_contexts, spec_policy)
+    if not callable(policy):
         raise InvalidInputTypeError(
             f"policy must be a spec (a preset name {sorted(POLICY_PRESETS)}, or groups and aten "
             f"operation names joined by '+') or a function op -> bool, got "
             f"{type(policy).__name__}"
         )
+    decide = policy
 
     def torch_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         verdict = decide(op)

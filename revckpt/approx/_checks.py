@@ -1,7 +1,8 @@
 """The input checks of the codecs (:mod:`revckpt.approx.formats`), now or deferred.
 
 Checked now (:meth:`Codec.defers_checks` false; the CPU by default), a codec reads one flag on
-the host per encode: ``isfinite(amax).all()`` of the group maxima it computes anyway. Deferred
+the host per encode: ``isfinite(amax).all()`` of the group maxima it computes anyway (without
+a scale, ``isfinite(x).all()``; float64 also reads its maximum, for the range). Deferred
 (elsewhere by default), encode keeps the check on the device and leaves a mark in what it
 returns, which no valid payload carries:
 
@@ -48,10 +49,14 @@ def check_type(x: object) -> None:
         )
 
 
-def raise_if_invalid(codec: Codec, x: torch.Tensor, amax: torch.Tensor) -> None:
-    """The checks now, from ``amax`` (:meth:`Codec._amax` of the non-empty ``x``): one host
-    read of a flag, and the counts when it fails."""
-    if not bool(torch.isfinite(amax).all()):
+def raise_if_invalid(codec: Codec, x: torch.Tensor, amax: torch.Tensor | None = None) -> None:
+    """The checks now, on the non-empty ``x``: one host read of a flag, and the counts when it
+    fails. ``amax``: the group maxima (:meth:`Codec._amax`) where the codec computes them anyway
+    (with a scale); without one, ``isfinite(x).all()`` reads ``x`` in two operations where its
+    maximum would take four (float64 takes the maximum too, for the range check)."""
+    if amax is None and codec.scaling is None and x.dtype == torch.float64:
+        amax = x.abs().amax()
+    if not bool(torch.isfinite(x if amax is None else amax).all()):
         bad = int((~torch.isfinite(x)).sum())
         raise NonFiniteInputError(
             f"{bad} non-finite value(s) (inf or nan) in a tensor of shape {tuple(x.shape)} "
@@ -59,7 +64,7 @@ def raise_if_invalid(codec: Codec, x: torch.Tensor, amax: torch.Tensor) -> None:
             f"{codec.spec.fmax:g}. Find where the model overflows (e.g. with "
             "torch.autograd.detect_anomaly) or keep this boundary exact (store=None)"
         )
-    if codec.scaling is None and x.dtype == torch.float64:
+    if amax is not None and codec.scaling is None and x.dtype == torch.float64:
         top = float(amax)
         if top > UNSCALED_LIMIT:
             raise InvalidArgumentError(

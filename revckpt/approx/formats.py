@@ -225,7 +225,8 @@ class Codec:
         check_type(x)
         if x.numel():
             with torch.no_grad():
-                raise_if_invalid(self, x.detach(), self._amax(x.detach()))
+                x = x.detach()
+                raise_if_invalid(self, x, None if self.scaling is None else self._amax(x))
 
     def scales(self, x: torch.Tensor) -> torch.Tensor | None:
         """The scale of each group, shape ``(groups, 1)``, in the dtype the scaling runs in
@@ -271,7 +272,7 @@ class Codec:
                 t = (self._rows(x.to(work)) * scales).reshape(x.shape)
             else:
                 if not deferred:
-                    raise_if_invalid(self, x, self._amax(x))
+                    raise_if_invalid(self, x)
                 t = x.to(work)
             # inactive after scaling; without a scale, saturates bf16 within u * |x|
             t = t.clamp(-spec.fmax, spec.fmax)

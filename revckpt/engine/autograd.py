@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._pytree import tree_flatten
 
-from .._module_state import layout_of, submodules
+from .._module_state import layout_and_modules, submodules
 from ..errors import DoubleBackwardError, InvalidInputTypeError
 
 __all__ = [
@@ -67,7 +67,7 @@ def differentiable_once(what: str) -> Callable[[Callable[..., Any]], Callable[..
 
 class _Targets:
     """The parameters (each once, trainable or not) and normalisation layers under one root
-    module, with what they were found from: the root's layout (:func:`layout_of`: a new one
+    module, with what they were found from: the root's layout (:func:`layout_and_modules`: a new one
     once a submodule was added, removed or replaced) and the identity of every registered
     parameter (one added, removed or replaced, as ``functional_call`` does, changes it).
     Modules are held through the layout (by weak reference): the cache maps each root to its
@@ -76,8 +76,7 @@ class _Targets:
     __slots__ = ("ids", "layout", "params")
 
     def __init__(self, root: nn.Module) -> None:
-        self.layout = layout_of(root)
-        modules = self.layout.modules
+        self.layout, modules = layout_and_modules(root)
         self.ids = _parameter_ids(modules)
         params: dict[int, torch.Tensor] = {}
         for m in modules:
@@ -104,13 +103,12 @@ def module_targets(module: Any) -> tuple[tuple[torch.Tensor, ...], tuple[nn.Modu
     if torch.compiler.is_compiling():  # traced, not cached (see _module_state.submodules)
         return _traced_targets(module)
     found = _TARGETS.get(module)
-    if (
-        found is None
-        or layout_of(module) is not found.layout
-        or _parameter_ids(found.layout.modules) != found.ids
-    ):
+    layout, modules = layout_and_modules(module)
+    if found is None or layout is not found.layout or _parameter_ids(modules) != found.ids:
         found = _TARGETS[module] = _Targets(module)
-    return tuple(p for p in found.params if p.requires_grad), found.layout.norms
+    return tuple(p for p in found.params if p.requires_grad), tuple(
+        modules[i] for i in layout.norm_slots
+    )
 
 
 def _traced_targets(module: nn.Module) -> tuple[tuple[torch.Tensor, ...], tuple[nn.Module, ...]]:
