@@ -70,9 +70,11 @@ def resolve(strategy: Any) -> tuple[str, Any]:
     if strategy is None:
         return "checkpoint", None
     if isinstance(strategy, str):
-        if torch.compiler.is_compiling() and kind_of(strategy) in ("checkpoint", "selective"):
-            # traced: parsing a Strategy (its policy's canonical text) would break the graph
-            return kind_of(strategy), argument_of(strategy)
+        if torch.compiler.is_compiling():
+            if kind_of(strategy) in ("checkpoint", "selective"):
+                # traced: parsing a Strategy (its policy's canonical text) would break the graph
+                return kind_of(strategy), argument_of(strategy)
+            return _resolve_typed(Strategy.parse(strategy))  # (Dynamo warns at a cache)
         return _resolve_text(strategy)
     if isinstance(strategy, Strategy):
         return _resolve_typed(strategy)
