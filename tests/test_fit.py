@@ -285,7 +285,7 @@ def test_a_budget_of_the_store_all_step_is_met_by_storing_everything() -> None:
     """memory_budget="100%" is the store-all step as measured: on small chains the cost
     model reads it a few hundred bytes high, and fit installs the store-all plan anyway
     (it was refused as infeasible, new-user trial)."""
-    from revckpt.inplace.trace import measure_step
+    from revckpt.inplace.step import measure_step
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)], nn.ReLU())

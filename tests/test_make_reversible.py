@@ -255,7 +255,7 @@ def test_fit_picks_the_stack_mode_for_the_budget():
     """fit on a converted model: the fastest of store / checkpoint / reversible whose measured
     step fits; the three give the same gradients."""
     import revckpt
-    from revckpt.inplace.trace import measure_step
+    from revckpt.inplace.step import measure_step
 
     case = zoo.CASES["gpt2"]
     model = case.make_model()

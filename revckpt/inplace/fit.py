@@ -35,7 +35,8 @@ from .install import Planned, install, is_fsdp, planned
 from .measure import profile_in_situ
 from .reversible import refuse_reversible, stack_of
 from .runners import runner_for, segment_runners
-from .trace import LossFn, Recorder, measure_step, trace
+from .step import LossFn, measure_step
+from .trace import Recorder, trace
 
 __all__ = ["convert", "fit", "restore"]
 

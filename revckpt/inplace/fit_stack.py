@@ -6,7 +6,7 @@ compute), ``"checkpoint"`` (each layer's two input streams kept, its forward re-
 backward) or ``"reversible"`` (each layer's input rebuilt from its output; only anchors kept).
 The three give the same gradients (the rebuild to round-off, see ``check_inverse``), so the
 choice is a planning one: ``fit`` measures the user's whole step in each mode the strategies
-allow (its peak, :func:`~revckpt.inplace.trace.measure_step`), keeps those within the budget
+allow (its peak, :func:`~revckpt.inplace.step.measure_step`), keeps those within the budget
 and, when more than one fits, times them against ``"store"`` in rotated rounds and installs
 the fastest; ``"store"`` needs no timing when it fits (nothing is recomputed). The plan it
 returns covers the converted layers as one segment, with the measured peak and overhead.
@@ -31,7 +31,7 @@ from ..schedule.plan import Plan
 from ..strategy import StrategyLike
 from ._reversible_stack import MODES, ReversibleLayers
 from .blocks import Blocks, model_digest
-from .trace import LossFn, _left_as_found, measure_step, run_step
+from .step import LossFn, left_as_found, measure_step, run_step
 
 __all__ = ["fit_converted", "fit_stack"]
 
@@ -157,7 +157,7 @@ def _ratios(
     names = list(dict.fromkeys(["store", *modes]))
     params = [p for p in model.parameters() if p.requires_grad]
     rounds: list[dict[str, float]] = []
-    with _left_as_found(model), _mode_kept(converted):
+    with left_as_found(model), _mode_kept(converted):
         for i in range(1 + max(1, repeats)):
             shift = i % len(names)
             seconds = {}

@@ -181,24 +181,31 @@ def profile_in_situ(
             costs.append(cost)
         if progress is not None:
             progress(len(units), len(units))
-        # a block's input stays alive when it saves it or the block before saves its output
-        # (the first block's input counts as held, as by the caller of a chain); blocks of
-        # the same costs save the same
-        saves: dict[Any, bool] = {}
-        kept = [True]
-        held = trace.input_held or (False,) * len(units)
-        for i in range(1, len(units)):
-            key = _same_costs_key(trace.calls[i])
-            if key not in saves:
-                saves[key] = saves_input(units[i], inputs[i], {})
-            kept.append(saves[key] or costs[i - 1].output_saved or held[i])
-    costs = [
-        dataclasses.replace(c, input_kept=k, input_held=h)
-        for c, k, h in zip(costs, kept, held, strict=True)
-    ]
+        costs = _with_inputs_kept(trace, units, inputs, costs)
     names = tuple(c.fqn for c in trace.calls)
     step = _step_outside(trace.step, costs)
     return Profile(tuple(costs), names, None, step=step, threads=torch.get_num_threads())
+
+
+def _with_inputs_kept(
+    trace: Trace, units: Sequence[nn.Module], inputs: Sequence[torch.Tensor], costs: list[BlockCost]
+) -> list[BlockCost]:
+    """``costs`` with whether each block's input stays alive: when the block saves it, the
+    block before saves its output, or code outside the blocks saves it (``input_held``); the
+    first block's input counts as held, as by the caller of a chain. Blocks of the same costs
+    save the same."""
+    saves: dict[Any, bool] = {}
+    kept = [True]
+    held = trace.input_held or (False,) * len(units)
+    for i in range(1, len(units)):
+        key = _same_costs_key(trace.calls[i])
+        if key not in saves:
+            saves[key] = saves_input(units[i], inputs[i], {})
+        kept.append(saves[key] or costs[i - 1].output_saved or held[i])
+    return [
+        dataclasses.replace(c, input_kept=k, input_held=h)
+        for c, k, h in zip(costs, kept, held, strict=True)
+    ]
 
 
 def _weights(trace: Trace, units: Sequence[nn.Module], x: torch.Tensor) -> Any:

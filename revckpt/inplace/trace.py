@@ -25,7 +25,6 @@ from torch import nn
 from .._numbers import tensor_bytes
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..measure import MemoryMeter
-from ..measure.state import preserved
 from ..schedule.block_errors import (
     Sensitivities,
     chain_sensitivities,
@@ -34,76 +33,9 @@ from ..schedule.block_errors import (
 )
 from ..schedule.step import StepCosts
 from .calls import Key, carried_key, get, hidden_of
+from .step import LossFn, left_as_found, loss_of, run_step, split_example
 
-__all__ = [
-    "Call",
-    "LossFn",
-    "Trace",
-    "loss_of",
-    "measure_step",
-    "run_step",
-    "split_example",
-    "trace",
-]
-
-LossFn = Callable[[Any], torch.Tensor] | None
-
-
-def split_example(example: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """One batch as positional and keyword arguments: a tensor, a tuple (or list) of positional
-    arguments, or a dict of keyword arguments (Hugging Face style)."""
-    if isinstance(example, torch.Tensor):
-        return (example,), {}
-    if isinstance(example, (tuple, list)):
-        return tuple(example), {}
-    if isinstance(example, dict):
-        if not all(isinstance(k, str) for k in example):
-            raise InvalidInputTypeError("an example dict has string keys (keyword arguments)")
-        return (), dict(example)
-    raise InvalidInputTypeError(
-        f"example is one batch: a tensor, a tuple of positional arguments or a dict of keyword "
-        f"arguments (dict(input_ids=..., labels=...)), got {type(example).__name__}"
-    )
-
-
-def loss_of(out: Any, loss_fn: LossFn) -> torch.Tensor:
-    """The step's loss: ``loss_fn(out)``; without one, ``out.loss`` when the output has one,
-    else the output itself when it is a scalar."""
-    if loss_fn is not None:
-        loss = loss_fn(out)
-        what = "loss_fn(output)"
-    elif getattr(out, "loss", None) is not None:
-        loss, what = out.loss, "output.loss"
-    elif isinstance(out, torch.Tensor) and out.dim() == 0:
-        loss, what = out, "the output"
-    else:
-        raise InvalidArgumentError(
-            f"the model returned {type(out).__name__} with no .loss and not a scalar: pass "
-            "loss_fn=, a function from the model output to a scalar loss (or include labels "
-            "in the example, for a Hugging Face model)"
-        )
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
-        shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise InvalidArgumentError(
-            f"{what} is {shape}, not a floating-point scalar; return a scalar loss from loss_fn "
-            "(e.g. .mean() it)"
-        )
-    if not loss.requires_grad:
-        raise InvalidArgumentError(
-            f"{what} does not require grad: no parameter reaches it (are the parameters "
-            "frozen, or the model in a torch.no_grad() context?)"
-        )
-    return loss
-
-
-def run_step(model: nn.Module, example: Any, loss_fn: LossFn) -> torch.Tensor:
-    """One training step as :func:`revckpt.fit` plans it; returns the detached loss."""
-    args, kwargs = split_example(example)
-    out = model(*args, **kwargs)
-    loss = loss_of(out, loss_fn)
-    loss.backward()
-    del out
-    return loss.detach()
+__all__ = ["Call", "Recorder", "Trace", "trace"]
 
 
 @dataclass
@@ -160,16 +92,6 @@ class Recorder:
             hook("exit", i, (args, kwargs, out))
 
 
-@contextlib.contextmanager
-def _left_as_found(model: nn.Module) -> Iterator[None]:
-    params = [p for p in model.parameters() if p.requires_grad]
-    devices = sorted({p.device for p in params if p.device.type == "cuda"}, key=str)
-    with torch.random.fork_rng(devices=devices), preserved(model):
-        for p in params:  # the step creates them, as after zero_grad()
-            p.grad = None
-        yield
-
-
 def trace(
     model: nn.Module,
     example: Any,
@@ -213,7 +135,7 @@ def trace(
     recorder_slot(recorder)
     try:
         weights = None
-        with _left_as_found(model), _runnable():
+        with left_as_found(model), _runnable():
             args, kwargs = split_example(example)
             with outside:
                 loss = loss_of(model(*args, **kwargs), loss_fn)  # the forward: no backward yet
@@ -342,15 +264,6 @@ def _check_calls(counts: list[int], names: list[str], order: list[str]) -> None:
         )
 
 
-def measure_step(model: nn.Module, example: Any, loss_fn: LossFn) -> int:
-    """The peak bytes of one step as planned (gradients ``None`` before it), leaving the model
-    as it was."""
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    with _left_as_found(model), MemoryMeter(device) as meter:
-        run_step(model, example, loss_fn)
-    return meter.peak_bytes
-
-
 def _metered(
     model: nn.Module,
     example: Any,
@@ -367,10 +280,8 @@ def _metered(
     times: dict[str, float] = {}
     handles: list[Any] = []  # the hooks, removed after the step (x0 may be the caller's leaf)
     device = calls[0].input.device
-    x0_bytes = tensor_bytes(calls[0].input)
-    out_bytes = tensor_bytes(calls[-1].output)
     # the model's state is saved and put back outside the meter (it is not the step's)
-    with _left_as_found(model), MemoryMeter(device) as meter:
+    with left_as_found(model), MemoryMeter(device) as meter:
 
         def mark(name: str) -> None:
             times[name] = _now(device)
@@ -406,17 +317,25 @@ def _metered(
             f"no gradient reached the output of the last block ({calls[-1].fqn}): the loss does "
             "not depend on it; pick the blocks the loss goes through"
         )
+    step = _step_costs(calls, marks, times, meter.stats.since_reset_peak_bytes, chained)
+    return step, meter.peak_bytes
+
+
+def _step_costs(
+    calls: list[Call], marks: dict[str, int], times: dict[str, float], last_peak: int, chained: bool
+) -> StepCosts:
+    """The step's costs outside the chain, from the bytes live and the phase peaks marked at
+    each phase boundary of the metered step (``last_peak``: the peak after the last mark)."""
     new_grads = sum(tensor_bytes(p) for c in calls for p in c.block.parameters() if p.requires_grad)
-    step = StepCosts(
+    return StepCosts(
         before_peak=marks["chain_start_peak"],
-        held=marks["chain_start"] - x0_bytes,
-        head=out_bytes + marks["head_done_peak"] - marks["chain_end"],
+        held=marks["chain_start"] - tensor_bytes(calls[0].input),
+        head=tensor_bytes(calls[-1].output) + marks["head_done_peak"] - marks["chain_end"],
         backward_held=marks["head_done"] - marks["chain_end"],
-        after=max(meter.stats.since_reset_peak_bytes, marks["chain_done"]) - new_grads,
+        after=max(last_peak, marks["chain_done"]) - new_grads,
         chained=chained,
         chain_share=_chain_share(times),
     )
-    return step, meter.peak_bytes
 
 
 def _now(device: torch.device) -> float:

@@ -8,7 +8,7 @@ policy profiled and every block ``approx:<codec>`` for each codec profiled (thos
 measured only when its prediction fits both budgets. Each is installed on the model itself, in
 turn, and measured in the step ``fit`` plans for (``example`` and ``loss_fn``):
 
-* **peak**: fit's own metered step (:func:`~revckpt.inplace.trace.measure_step`, gradients
+* **peak**: fit's own metered step (:func:`~revckpt.inplace.step.measure_step`, gradients
   ``None`` before it), the one that checks fit's plan;
 * **time**: rotated rounds, as :func:`~revckpt.time_ratios` runs them, each plan divided by
   store-all's time of the same round. Installing a plan sets an attribute on each block (no
@@ -44,7 +44,7 @@ from ..schedule.solver import baseline, make_plan
 from ..schedule.verify import STORE_ALL, Verified, _fastest_that_fits, _key
 from ..strategy import argument_of, kind_of
 from .fit import Fitted, _agreed, _apply, _fit, model_digest, restore
-from .trace import LossFn, _left_as_found, measure_step, run_step
+from .step import LossFn, left_as_found, measure_step, run_step
 
 __all__ = ["fit_verified"]
 
@@ -272,7 +272,7 @@ class _InStep:
         names = list(self.plans)
         params = [p for p in self.model.parameters() if p.requires_grad]
         times: dict[str, list[float]] = {name: [] for name in names}
-        with _left_as_found(self.model):
+        with left_as_found(self.model):
             for i in range(warmup + rounds):
                 shift = i % len(names)
                 for name in names[shift:] + names[:shift]:
@@ -302,7 +302,7 @@ class _InStep:
             self.step()
             return [None if p.grad is None else p.grad.detach().clone() for p in params]
 
-        with _left_as_found(self.model):
+        with left_as_found(self.model):
             reference = gradients(STORE_ALL)
             for name in approx:
                 num = den = 0.0

@@ -1,0 +1,96 @@
+"""One training step as :func:`revckpt.fit` runs it: the example split into arguments, the
+loss found in the output, the step run with the model left as it was found, and its peak
+measured (:func:`measure_step`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import InvalidArgumentError, InvalidInputTypeError
+from ..measure import MemoryMeter
+from ..measure.state import preserved
+
+__all__ = ["LossFn", "left_as_found", "loss_of", "measure_step", "run_step", "split_example"]
+
+LossFn = Callable[[Any], torch.Tensor] | None
+
+
+def split_example(example: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """One batch as positional and keyword arguments: a tensor, a tuple (or list) of positional
+    arguments, or a dict of keyword arguments (Hugging Face style)."""
+    if isinstance(example, torch.Tensor):
+        return (example,), {}
+    if isinstance(example, (tuple, list)):
+        return tuple(example), {}
+    if isinstance(example, dict):
+        if not all(isinstance(k, str) for k in example):
+            raise InvalidInputTypeError("an example dict has string keys (keyword arguments)")
+        return (), dict(example)
+    raise InvalidInputTypeError(
+        f"example is one batch: a tensor, a tuple of positional arguments or a dict of keyword "
+        f"arguments (dict(input_ids=..., labels=...)), got {type(example).__name__}"
+    )
+
+
+def loss_of(out: Any, loss_fn: LossFn) -> torch.Tensor:
+    """The step's loss: ``loss_fn(out)``; without one, ``out.loss`` when the output has one,
+    else the output itself when it is a scalar."""
+    if loss_fn is not None:
+        loss = loss_fn(out)
+        what = "loss_fn(output)"
+    elif getattr(out, "loss", None) is not None:
+        loss, what = out.loss, "output.loss"
+    elif isinstance(out, torch.Tensor) and out.dim() == 0:
+        loss, what = out, "the output"
+    else:
+        raise InvalidArgumentError(
+            f"the model returned {type(out).__name__} with no .loss and not a scalar: pass "
+            "loss_fn=, a function from the model output to a scalar loss (or include labels "
+            "in the example, for a Hugging Face model)"
+        )
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+        shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise InvalidArgumentError(
+            f"{what} is {shape}, not a floating-point scalar; return a scalar loss from loss_fn "
+            "(e.g. .mean() it)"
+        )
+    if not loss.requires_grad:
+        raise InvalidArgumentError(
+            f"{what} does not require grad: no parameter reaches it (are the parameters "
+            "frozen, or the model in a torch.no_grad() context?)"
+        )
+    return loss
+
+
+def run_step(model: nn.Module, example: Any, loss_fn: LossFn) -> torch.Tensor:
+    """One training step as :func:`revckpt.fit` plans it; returns the detached loss."""
+    args, kwargs = split_example(example)
+    out = model(*args, **kwargs)
+    loss = loss_of(out, loss_fn)
+    loss.backward()
+    del out
+    return loss.detach()
+
+
+@contextlib.contextmanager
+def left_as_found(model: nn.Module) -> Iterator[None]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    devices = sorted({p.device for p in params if p.device.type == "cuda"}, key=str)
+    with torch.random.fork_rng(devices=devices), preserved(model):
+        for p in params:  # the step creates them, as after zero_grad()
+            p.grad = None
+        yield
+
+
+def measure_step(model: nn.Module, example: Any, loss_fn: LossFn) -> int:
+    """The peak bytes of one step as planned (gradients ``None`` before it), leaving the model
+    as it was."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    with left_as_found(model), MemoryMeter(device) as meter:
+        run_step(model, example, loss_fn)
+    return meter.peak_bytes
