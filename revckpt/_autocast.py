@@ -60,11 +60,15 @@ class AutocastState:
         """The autocast settings now in effect for ``device_type`` (one shared instance per
         distinct setting: a capture runs per block and step). With autocast off, only that
         is read: replay then only switches it off, whatever the dtype."""
-        if not torch.is_autocast_enabled(device_type):
+        enabled = torch.is_autocast_enabled(device_type)
+        if torch.compiler.is_compiling():  # traced: Dynamo skips a cache, and warns at it
+            dtype = torch.get_autocast_dtype(device_type)
+            return cls(device_type, enabled, dtype, torch.is_autocast_cache_enabled())
+        if not enabled:
             return _autocast_off(device_type)
         return _autocast_state(
             device_type,
-            torch.is_autocast_enabled(device_type),
+            True,
             torch.get_autocast_dtype(device_type),
             torch.is_autocast_cache_enabled(),
         )

@@ -28,7 +28,8 @@ def _accelerator_initialised() -> bool:
     """Whether any accelerator runtime has been started (else every tensor lives on the CPU)."""
     if torch.cuda.is_initialized():
         return True
-    kind = _accelerator_type()
+    # traced, the uncached lookup: Dynamo skips a cache, and warns at it
+    kind = _accelerator_type.__wrapped__() if torch.compiler.is_compiling() else _accelerator_type()
     if kind is None or kind == "cuda":
         return False
     module = torch.get_device_module(kind)

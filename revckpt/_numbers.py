@@ -36,9 +36,10 @@ def relative_error(
     return relative(diff, norm)
 
 
-def mib(n: float, digits: int = 2) -> str:
-    """``n`` bytes as mebibytes: ``"12.34 MiB"``."""
-    return f"{n / 2**20:.{digits}f} MiB"
+def mib(n: float, digits: int = 2, *, unit: bool = True) -> str:
+    """``n`` bytes as mebibytes: ``"12.34 MiB"`` (``unit=False``: ``"12.34"``, for a table
+    whose column names the unit)."""
+    return f"{n / 2**20:.{digits}f}" + (" MiB" if unit else "")
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._numbers import mib
 from ._report_plots import plot_errors, plot_memory_time
 from ._step_memory import StepMemory, measure_peak, measure_step
 from .errors import InvalidArgumentError, InvalidInputTypeError
@@ -171,16 +172,16 @@ class Report:
         ]
         for r in self.rows:
             budget = (
-                "-" if r.memory_budget_bytes is None else f"{r.memory_budget_bytes / 2**20:.2f}"
+                "-" if r.memory_budget_bytes is None else mib(r.memory_budget_bytes, unit=False)
             )
             mark = " (chosen)" if r.name == self.chosen else ""
             mark += " (over the error budget)" if self.over_error_budget(r.name) else ""
             cells = [
                 f"{r.name}{mark}",
-                f"{r.measured_peak_bytes / 2**20:.2f}",
+                mib(r.measured_peak_bytes, unit=False),
                 f"{r.measured_peak_bytes / self.store_all_peak_bytes:.1%}",
-                f"{r.measured_retained_bytes / 2**20:.2f}",
-                f"{r.predicted_peak_bytes / 2**20:.2f}",
+                mib(r.measured_retained_bytes, unit=False),
+                mib(r.predicted_peak_bytes, unit=False),
                 f"{r.peak_ratio:.3f}",
                 budget,
                 f"{r.time_ratio:.3f}",

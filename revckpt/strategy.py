@@ -16,6 +16,8 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
 from .errors import InvalidArgumentError, InvalidInputTypeError
 
 __all__ = ["Strategy", "StrategyLike", "argument_of", "kind_of", "parse_strategy"]
@@ -119,19 +121,29 @@ def _checked_parts(text: str) -> tuple[str, str | None]:
     return kind, arg
 
 
-# cached: the scheduler's dynamic programme asks in its loops (a few distinct texts)
+# cached: the scheduler's dynamic programme asks in its loops (a few distinct texts); not
+# under torch.compile, where Dynamo skips a cache and warns at every traced call
 @functools.lru_cache(maxsize=1024)
+def _cached_parts(text: str) -> tuple[str, str | None]:
+    return _checked_parts(text)
+
+
+def _parts_of(text: str) -> tuple[str, str | None]:
+    if torch.compiler.is_compiling():
+        return _checked_parts(text)
+    return _cached_parts(text)
+
+
 def kind_of(text: str) -> str:
     """The kind of a strategy's text form: ``"approx"`` for ``"approx:e4m3"``, ``"checkpoint"``
     for ``"checkpoint"``. Raises :class:`~revckpt.InvalidArgumentError` unless ``text`` is a
     known kind with an argument exactly where the kind takes one (no surrounding spaces); the
     argument's value is not checked (the scheduler checks it against what was profiled,
     :meth:`Strategy.parse` against the known policies and codecs)."""
-    return _checked_parts(text)[0]
+    return _parts_of(text)[0]
 
 
-@functools.lru_cache(maxsize=1024)
 def argument_of(text: str) -> str | None:
     """The argument of a strategy's text form: the codec of ``"approx:e4m3"``, the policy of
     ``"selective:matmul"``, ``None`` for the kinds without one; checked as :func:`kind_of`."""
-    return _checked_parts(text)[1]
+    return _parts_of(text)[1]

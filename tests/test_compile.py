@@ -185,3 +185,27 @@ def test_compiled_selective_checkpoint_survives_a_graph_break_inside_the_block()
     block(x2).sum().backward()
     for a, b in zip(got, [x2.grad, *(p.grad for p in _LINEAR.parameters())], strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("strategy", ["selective:matmul", "approx:bf16", "offload"])
+def test_compiled_checkpoint_warns_nothing_about_revckpt_caches(strategy):
+    """Dynamo skips a functools cache and warns at every traced call of one (with a stack
+    trace): the strategy-text, autocast and accelerator caches stay out of traced code."""
+    import warnings
+
+    import revckpt
+
+    torch._dynamo.reset()
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    x = torch.randn(2, 8, requires_grad=True)
+
+    @torch.compile(backend="eager")
+    def step(x):
+        return revckpt.checkpoint(block, x, strategy=strategy).sum()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(x).backward()
+    cached = [str(w.message) for w in caught if "lru_cache" in str(w.message)]
+    assert cached == []
+    assert x.grad is not None

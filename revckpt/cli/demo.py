@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .._numbers import mib
 from ..errors import RevckptError
 from .terminal import _CPU_SCOPE, _Progress
 from .usage import _add_command, _positive_int, _UsageError
@@ -82,7 +83,7 @@ def _demo(args: argparse.Namespace) -> int:
     budget = schedule.parse_budget(
         args.budget, schedule.baseline(prof, "store").predicted_peak_bytes
     )
-    progress.step(f"solving for {budget / 2**20:.1f} MiB, error <= {args.error_budget:g}")
+    progress.step(f"solving for {mib(budget, 1)}, error <= {args.error_budget:g}")
     verified = _demo_verify(args, chain, x, prof, budget, progress)
     rep = _demo_report(verified)
 
@@ -288,15 +289,15 @@ def _demo_table(rep: Any, rev: Any, device_type: str) -> str:
         mark = " *" if r.name == rep.chosen else ""
         mark += " (over the error budget)" if rep.over_error_budget(r.name) else ""
         lines.append(
-            f"| {r.name}{mark} | {r.measured_peak_bytes / 2**20:.2f} | "
-            f"{r.measured_peak_bytes / base:.1%} | {r.measured_retained_bytes / 2**20:.2f} | "
+            f"| {r.name}{mark} | {mib(r.measured_peak_bytes, unit=False)} | "
+            f"{r.measured_peak_bytes / base:.1%} | {mib(r.measured_retained_bytes, unit=False)} | "
             f"{r.time_ratio:.2f} | {r.gradient_error:.1e} |"
         )
     r = rev.row("reversible")
     lines.append(
-        f"| reversible (RevGPT variant) | {r.measured_peak_bytes / 2**20:.2f} | "
+        f"| reversible (RevGPT variant) | {mib(r.measured_peak_bytes, unit=False)} | "
         f"{r.measured_peak_bytes / rev.store_all_peak_bytes:.1%} of its own | "
-        f"{r.measured_retained_bytes / 2**20:.2f} | {r.time_ratio:.2f} | "
+        f"{mib(r.measured_retained_bytes, unit=False)} | {r.time_ratio:.2f} | "
         f"{r.gradient_error:.1e} |"
     )
     over = (

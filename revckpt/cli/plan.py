@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .._numbers import mib
 from ..errors import RevckptError
 from .factory import _load_factory
 from .terminal import _CPU_SCOPE, _end_progress_line, _progress_bar
@@ -320,8 +321,8 @@ def _plan_chain(
         peak = measure_peak(apply(blocks, plan), x, kwargs=kwargs)
         verdict = "within" if peak <= budget else "OVER"
         print(
-            f"measured peak {peak / 2**20:.2f} MiB: {verdict} the budget of "
-            f"{budget / 2**20:.2f} MiB ({peak / plan.predicted_peak_bytes:.3f} of predicted)"
+            f"measured peak {mib(peak)}: {verdict} the budget of "
+            f"{mib(budget)} ({peak / plan.predicted_peak_bytes:.3f} of predicted)"
             + (_CPU_SCOPE if x.device.type == "cpu" else "")
         )
         if peak > budget:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._numbers import mib
 from ..approx import Approx, compress_saved
 from ..checkpoint import checkpoint, checkpoint_sequential
 from ..errors import InvalidArgumentError, InvalidInputTypeError, PlanWarning
@@ -40,10 +41,6 @@ from .plan_checks import (
 )
 
 __all__ = ["Plan", "Scheduled", "apply"]
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.2f} MiB"
 
 
 @dataclass(frozen=True)
@@ -108,10 +105,10 @@ class Plan:
 
     def table(self) -> str:
         """Per-segment strategies and the predictions, as Markdown."""
-        budget = "none" if self.memory_budget_bytes is None else _mib(self.memory_budget_bytes)
+        budget = "none" if self.memory_budget_bytes is None else mib(self.memory_budget_bytes)
         lines = [
-            f"plan {self.name!r}: predicted peak {_mib(self.predicted_peak_bytes)} "
-            f"({self.predicted_peak_fraction:.1%} of store-all {_mib(self.store_all_peak_bytes)},"
+            f"plan {self.name!r}: predicted peak {mib(self.predicted_peak_bytes)} "
+            f"({self.predicted_peak_fraction:.1%} of store-all {mib(self.store_all_peak_bytes)},"
             f" budget {budget}), overhead +{self.predicted_overhead:.1%} of a plain step, "
             f"gradient error {self.predicted_error:.2e}"
             + ("" if self.memory_budget_bytes is None else f" (budget {self.error_budget:g})"),

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .._deprecation import warn_deprecated
+from .._numbers import mib
 from ..checkpoint import canonical_policy
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..measure.state import preserved
@@ -92,8 +93,9 @@ class Profile:
             )
             lines.append(
                 f"| {name} | {b.forward_s * 1e3:.2f} | {b.backward_s * 1e3:.2f} | "
-                f"{b.input_bytes / 2**20:.2f} | {b.saved_bytes / 2**20:.2f} | "
-                f"{b.forward_peak_bytes / 2**20:.2f} | {b.backward_peak_bytes / 2**20:.2f} | "
+                f"{mib(b.input_bytes, unit=False)} | {mib(b.saved_bytes, unit=False)} | "
+                f"{mib(b.forward_peak_bytes, unit=False)} | "
+                f"{mib(b.backward_peak_bytes, unit=False)} | "
                 f"{'yes' if b.invertible else 'no'} | {errs} |"
             )
         return "\n".join(lines)
