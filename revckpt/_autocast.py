@@ -37,15 +37,6 @@ def _autocast_state(
     return AutocastState(device_type, enabled, dtype, cache_enabled)
 
 
-@functools.cache
-def _autocast_off(device_type: str) -> AutocastState:
-    """Autocast off on ``device_type`` (with the dtype and cache flag found the first time:
-    a context that switches autocast off ignores them)."""
-    return AutocastState(
-        device_type, False, torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled()
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class AutocastState:
     """The autocast settings of one device type at capture time."""
@@ -58,28 +49,22 @@ class AutocastState:
     @classmethod
     def capture(cls, device_type: str) -> AutocastState:
         """The autocast settings now in effect for ``device_type`` (one shared instance per
-        distinct setting: a capture runs per block and step). With autocast off, only that
-        is read: replay then only switches it off, whatever the dtype."""
+        distinct setting: a capture runs per block and step). The dtype and cache flag are
+        read with autocast off too: a block may switch autocast on without naming a dtype,
+        and then runs in the one in force."""
         enabled = torch.is_autocast_enabled(device_type)
+        dtype = torch.get_autocast_dtype(device_type)
+        cache = torch.is_autocast_cache_enabled()
         if torch.compiler.is_compiling():  # traced: Dynamo skips a cache, and warns at it
-            dtype = torch.get_autocast_dtype(device_type)
-            return cls(device_type, enabled, dtype, torch.is_autocast_cache_enabled())
-        if not enabled:
-            return _autocast_off(device_type)
-        return _autocast_state(
-            device_type,
-            True,
-            torch.get_autocast_dtype(device_type),
-            torch.is_autocast_cache_enabled(),
-        )
+            return cls(device_type, enabled, dtype, cache)
+        return _autocast_state(device_type, enabled, dtype, cache)
 
     def matches_current(self) -> bool:
         """Whether autocast on this device type is already in this state (so replay need not
-        enter a context)."""
-        if not torch.is_autocast_enabled(self.device_type):
-            return not self.enabled
+        enter a context). Off, the dtype counts too: a block that switches autocast on without
+        naming one runs in the dtype in force."""
         return (
-            self.enabled
+            torch.is_autocast_enabled(self.device_type) == self.enabled
             and torch.get_autocast_dtype(self.device_type) == self.dtype
             and torch.is_autocast_cache_enabled() == self.cache_enabled
         )

@@ -35,7 +35,6 @@ _STRATEGY_FORMS = (
 
 
 @functools.lru_cache(maxsize=256)
-@functools.lru_cache(maxsize=128)
 def _resolve_text(text: str) -> tuple[str, Any]:
     """Cached per text (a checkpoint call per block and step parses the same few): every
     options object it returns is immutable (``Approx`` and ``Offload`` are frozen)."""

@@ -110,10 +110,13 @@ def _same_state(before: torch.Tensor, now: torch.Tensor) -> bool:
     if before.shape != now.shape:
         return False
     if (
-        before.numel() % 8 == 0
+        before.dim() == 1
+        and before.numel() % 8 == 0
         and before.dtype == now.dtype == torch.uint8
         and before.is_contiguous()
         and now.is_contiguous()
+        and before.storage_offset() % 8 == 0
+        and now.storage_offset() % 8 == 0
     ):
         before, now = before.view(torch.int64), now.view(torch.int64)
     return torch.equal(before, now)

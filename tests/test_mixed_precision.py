@@ -98,3 +98,49 @@ def test_bf16_autocast_gradients_against_plain_autocast(name):
         error = _relative(got, reference)
         print(f"\n{name}: relative gradient error {error:.2e} against plain bf16 autocast")
         assert 0 < error < tolerance, error
+
+
+class _AutocastInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu"):  # the dtype in force
+            return self.lin(x).float()
+
+
+@pytest.mark.parametrize("backward_enabled", [True, False])
+@pytest.mark.parametrize("strategy", [None, "approx:bf16", "offload"])
+def test_autocast_off_replays_with_the_forwards_dtype(backward_enabled, strategy):
+    """A forward with autocast off, inside an fp16 region, of a block that switches autocast on
+    without naming a dtype (so it runs in fp16); its backward inside a bf16 autocast, on or
+    switched off. The recompute must run as the forward did: plain autograd's gradients, and
+    no metadata mismatch. Found in review: the state of autocast off was cached with the dtype
+    of the first capture."""
+    torch.manual_seed(0)
+    block = _AutocastInside()
+    lin = block.lin
+
+    def step(checkpointed):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.float16), torch.autocast("cpu", enabled=False):
+            y = revckpt.checkpoint(block, x, strategy=strategy) if checkpointed else block(x)
+        with (
+            torch.autocast("cpu", dtype=torch.bfloat16),
+            torch.autocast("cpu", enabled=backward_enabled),
+        ):
+            y.square().sum().backward()
+        grads = [x.grad.clone(), lin.weight.grad.clone(), lin.bias.grad.clone()]
+        lin.zero_grad(set_to_none=True)
+        return grads
+
+    xw = torch.randn(2, 16, requires_grad=True)
+    revckpt.checkpoint(lin, xw).sum().backward()  # a capture with autocast off and bf16 first
+    lin.zero_grad(set_to_none=True)
+    expected = step(False)
+    for got, want in zip(step(True), expected, strict=True):
+        if strategy == "approx:bf16":  # the boundary is rounded: close, not equal
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        else:
+            assert torch.equal(got, want)

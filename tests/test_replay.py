@@ -138,3 +138,23 @@ def test_devices_of_walks_nested_arguments_and_other_pytrees():
     assert found == [torch.device("cpu")]
     assert devices_of((meta,), {}) == []
     assert devices_of(nn.Linear(2, 2)) == []  # no accelerator started: modules are on the CPU
+
+
+def test_generator_states_compare_as_torch_equal_does():
+    """The eight-bytes-at-a-time comparison of generator states agrees with torch.equal on a
+    real state, a changed byte, and uint8 tensors it cannot view as int64 (an odd offset, a
+    2-D shape, an odd size), where it falls back."""
+    from revckpt.replay import _same_state
+
+    state = torch.get_rng_state()
+    changed = state.clone()
+    changed[4000] ^= 1
+    cases = [
+        (state, state.clone()),
+        (state, changed),
+        (torch.zeros(17, dtype=torch.uint8)[1:], torch.zeros(16, dtype=torch.uint8)),
+        (torch.zeros(8, 1, dtype=torch.uint8), torch.zeros(8, 1, dtype=torch.uint8)),
+        (torch.zeros(5, dtype=torch.uint8), torch.ones(5, dtype=torch.uint8)),
+    ]
+    for a, b in cases:
+        assert _same_state(a, b) == torch.equal(a, b)
