@@ -24,7 +24,15 @@ def _autocast_types(extra: frozenset[str]) -> tuple[str, ...]:
 
 def autocast_device_types(devices: Iterable[torch.device]) -> tuple[str, ...]:
     extra = [d.type for d in devices if d.type != "cpu"]
+    if not extra and not torch.compiler.is_compiling():
+        global _CPU_TYPES
+        if _CPU_TYPES is None:  # (a capture per block and step asks; the answer is fixed)
+            _CPU_TYPES = _autocast_types(_NO_EXTRA)
+        return _CPU_TYPES
     return _autocast_types(frozenset(extra) if extra else _NO_EXTRA)
+
+
+_CPU_TYPES: tuple[str, ...] | None = None
 
 
 _NO_EXTRA: frozenset[str] = frozenset()

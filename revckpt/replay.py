@@ -76,6 +76,7 @@ __all__ = [
 _WAIT_UNKNOWN_S = 1.0  # a block not seen yet: if the lock stays busy, run and check instead
 _WAIT_DRAWING_S = 30.0  # a block known to draw: past this, refuse (ReplayError)
 _RNG_LOCK = threading.RLock()
+_CPU = torch.device("cpu")
 # Whether each block's last forward drew random numbers (blocks that never do take no lock).
 _DRAWS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
@@ -104,22 +105,13 @@ def _lock_for(what: str, *, drawing: bool) -> bool:
 
 
 def _same_state(before: torch.Tensor, now: torch.Tensor) -> bool:
-    """Whether two generator states are equal, read eight bytes at a time where their size
+    """Whether two generator states are equal, read eight bytes at a time where their layout
     allows (a CPU state is 5,056 bytes; compared byte by byte, it was most of a checkpoint
-    call's own work on small blocks)."""
-    if before.shape != now.shape:
-        return False
-    if (
-        before.dim() == 1
-        and before.numel() % 8 == 0
-        and before.dtype == now.dtype == torch.uint8
-        and before.is_contiguous()
-        and now.is_contiguous()
-        and before.storage_offset() % 8 == 0
-        and now.storage_offset() % 8 == 0
-    ):
-        before, now = before.view(torch.int64), now.view(torch.int64)
-    return torch.equal(before, now)
+    call's own work on small blocks); else byte by byte."""
+    try:
+        return torch.equal(before.view(torch.int64), now.view(torch.int64))
+    except RuntimeError:  # a size, offset or stride that an int64 view cannot take
+        return torch.equal(before, now)
 
 
 def _digest(state: torch.Tensor) -> int:
@@ -186,21 +178,23 @@ class ForwardState:
         if devices is None:
             devices = devices_of(*owners)
         locked = False
-        if preserve_rng_state and not torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if preserve_rng_state and not compiling:
             draws = _known_draws(modules)
             if draws is not False:
                 locked = _lock_for("a checkpointed forward", drawing=bool(draws))
         try:
             rng: dict[torch.device, torch.Tensor] = {}
             if preserve_rng_state:
-                for device in [torch.device("cpu"), *devices]:
+                rng[_CPU] = get_rng(_CPU)
+                for device in devices:
                     if device not in rng:
                         rng[device] = get_rng(device)
-            autocast = tuple(AutocastState.capture(t) for t in autocast_device_types(devices))
+            autocast = tuple([AutocastState.capture(t) for t in autocast_device_types(devices)])
             state = cls(devices, rng, autocast)
             state.norms = norms
             state._owners = modules
-            if modules and not torch.compiler.is_compiling():
+            if modules and not compiling:
                 state.modules = ModuleState(modules)
         except BaseException:
             if locked:
