@@ -24,12 +24,15 @@ def _autocast_types(extra: frozenset[str]) -> tuple[str, ...]:
 
 def autocast_device_types(devices: Iterable[torch.device]) -> tuple[str, ...]:
     extra = [d.type for d in devices if d.type != "cpu"]
-    if not extra and not torch.compiler.is_compiling():
-        global _CPU_TYPES
-        if _CPU_TYPES is None:  # (a capture per block and step asks; the answer is fixed)
-            _CPU_TYPES = _autocast_types(_NO_EXTRA)
-        return _CPU_TYPES
-    return _autocast_types(frozenset(extra) if extra else _NO_EXTRA)
+    key = frozenset(extra) if extra else _NO_EXTRA
+    if torch.compiler.is_compiling():  # traced: Dynamo skips a cache, and warns at it
+        return _autocast_types.__wrapped__(key)
+    if extra:
+        return _autocast_types(key)
+    global _CPU_TYPES
+    if _CPU_TYPES is None:  # (a capture per block and step asks; the answer is fixed)
+        _CPU_TYPES = _autocast_types(_NO_EXTRA)
+    return _CPU_TYPES
 
 
 _CPU_TYPES: tuple[str, ...] | None = None
