@@ -293,8 +293,8 @@ class ReversibleLayers:
                 "16-bit",
                 f"{self._what}: the converted layers compute in {dtype} now (was the model "
                 "cast after conversion?), with floating-point rebuilds, which drift by 1e-2 "
-                f"or more in {dtype} even with an anchor per layer: convert the model in "
-                f"{dtype} (exact='auto' then rebuilds exactly) or pass exact=True",
+                f"or more in {dtype} even with an anchor per layer: convert with a scale "
+                "2^-k (k <= 16) and exact=True (or 'auto') to rebuild exactly",
             )
         if self.anchor_every == "auto":
             k = auto_anchors(self.scale, dtype, len(self.layers))

@@ -56,7 +56,7 @@ def make_reversible(
     model: nn.Module,
     *,
     variant: Literal["layer_f", "layer_g"] = "layer_f",
-    scale: float = 0.125,
+    scale: float = 2**-8,
     rank: int = 8,
     trainable: Literal["adapters", "all"] = "adapters",
     blocks: Blocks = None,
@@ -75,9 +75,13 @@ def make_reversible(
         variant: ``"layer_f"``, each layer as ``F`` with an adapter as ``G``, or
             ``"layer_g"``, an adapter as ``F`` and the layer as ``G``.
         scale: how much of the residual update of the layer before (carried by the auxiliary
-            stream) enters each layer's input; the smaller, the closer the output to the
-            original model's, and the faster reconstruction error grows (by about
-            ``1 / scale`` per layer: use ``anchor_every`` on deep stacks). A power of two is exact.
+            stream) enters each layer's input: the output at conversion moves in proportion
+            to it (``2^-8``, the default: 8.5e-4 relative on the benchmark's pretrained GPT,
+            1.7e-3 to 2.5e-3 on randomly initialised GPT-2, Llama, nanoGPT and
+            ``nn.TransformerEncoder``; halve it to halve that). A power of two ``2^-k``
+            (``k <= 16``) is rebuilt exactly at the cost of ``k`` bits per element and layer
+            (``exact``); any other scale in floating point, where reconstruction error grows
+            by about ``2 / scale`` per layer (``anchor_every`` bounds it).
         rank: the adapters' bottleneck width.
         trainable: ``"adapters"`` freezes the parameters of the converted layers (the
             pretrained ones: ``requires_grad=False``, no gradients, no memory for them), so
@@ -97,7 +101,8 @@ def make_reversible(
             error grows over at most ``k`` layers (two stored streams per anchor; layer 0 is
             rebuilt exactly).
             ``"auto"``: the largest ``k`` with ``(2 / scale) ** k * eps <= 1e-3`` for the
-            layers' dtype (scale 1/8: 3 for float32, 1 for bfloat16, 10 for float64), none if
+            layers' dtype (scale 1/8: 3 for float32, 1 for bfloat16, 10 for float64; 2^-8:
+            1 for float32), none if
             that covers every layer, read at each forward (a model cast after conversion,
             ``model.to(torch.bfloat16)``, gets the anchors of its new dtype); ``None``: no
             anchors.
@@ -116,17 +121,18 @@ def make_reversible(
             forward.
         exact: carry the streams on a fixed-point grid (float64, resolution ``2^-30``) and
             keep, per layer, the ``log2(1 / scale)`` bits the scaling drops (one byte per
-            element; :mod:`revckpt.layers.grid`): every layer input is rebuilt bit for bit,
-            so there is no drift and no anchor, whatever ``scale`` and the depth. ``scale``
-            must be ``2^-k`` with ``k <= 8``; ``anchor_every`` and ``stream_dtype`` do not
-            apply. The layers still run in their own dtype. ``"auto"`` (default): exact when
-            the layers are in a 16-bit dtype (bfloat16, float16) and neither ``stream_dtype``
-            nor an ``anchor_every`` number is given: there a floating-point rebuild is off by
-            1e-2 or more even with an anchor per layer (which keeps more than checkpointing
-            would), while the exact one keeps a byte per element per layer and rebuilds bit
-            for bit. A 16-bit model with a scale the grid cannot take (not ``2^-k``), or a
-            model converted in float32 and cast to 16 bits afterwards, warns
-            :class:`~revckpt.layers.ReconstructionWarning` instead.
+            element for ``k <= 8``, two up to 16; :mod:`revckpt.layers.grid`): every layer
+            input is rebuilt bit for bit, so there is no drift and no anchor, whatever the
+            depth. ``scale`` must be ``2^-k`` with ``k <= 16``; ``anchor_every`` and
+            ``stream_dtype`` do not apply. The layers still run in their own dtype.
+            ``"auto"`` (default): exact when the scale is such a power of two, the layers
+            are in float32 or a 16-bit dtype (float64 is finer than the grid: it rebuilds in
+            floating point, anchored) and neither ``stream_dtype`` nor an ``anchor_every``
+            number is given (in float32 a
+            floating-point rebuild at ``2^-8`` needs an anchor per layer, which keeps more
+            than checkpointing would; in 16 bits it is off by 1e-2 or more even so). A 16-bit
+            model with a scale the grid cannot take, or one converted in floating point and
+            cast to 16 bits afterwards, warns :class:`~revckpt.layers.ReconstructionWarning`.
 
     The layers must run in order, all of them, in every forward (an early exit, or a
     forward that starts the stack again midway, raises :class:`~revckpt.RevckptError` in
@@ -163,7 +169,7 @@ def make_reversible(
         layers, stack, hidden, scale=scale, anchor_every=anchor_every, stream_dtype=stream_dtype
     )
     converted.exact = exact
-    converted.auto_exact = auto and model_dtype not in SIXTEEN_BITS  # warns if cast to 16 bits
+    converted.auto_exact = auto and not exact  # warns if cast to 16 bits
     converted.width, converted.feature_dim = features[0]
     converted.forwards = [before for _, before in built]
     converted.frozen = frozen
@@ -190,17 +196,22 @@ def _exact_streams(
 def _auto_exact(
     scale: float, dtype: torch.dtype, stream_dtype: torch.dtype | None, anchor_every: Any
 ) -> bool:
-    """``exact="auto"``: exact for 16-bit layers, unless the float options are chosen; a
-    16-bit model whose scale the grid cannot take warns that its rebuild will drift."""
-    if dtype not in SIXTEEN_BITS or stream_dtype is not None or anchor_every not in ("auto", None):
+    """``exact="auto"``: exact for a scale the grid takes and layers no finer than float32,
+    unless the float options are chosen; a 16-bit model whose scale the grid cannot take warns that its rebuild will
+    drift."""
+    if stream_dtype is not None or anchor_every not in ("auto", None):
+        return False
+    if torch.finfo(dtype).eps < torch.finfo(torch.float32).eps:  # float64: finer than the grid
         return False
     try:
         GridCoupling(scale)
     except InvalidArgumentError:
+        if dtype not in SIXTEEN_BITS:
+            return False
         warnings.warn(
             f"make_reversible: layers in {dtype} with scale={scale:g}, which the exact "
             f"rebuild (exact=True) cannot take: the rebuild is in floating point and in "
-            f"{dtype} drifts by 1e-2 or more; pass a scale 2^-k (k <= 8, e.g. 0.125) to "
+            f"{dtype} drifts by 1e-2 or more; pass a scale 2^-k (k <= 16, e.g. 2**-8) to "
             "rebuild exactly",
             ReconstructionWarning,
             stacklevel=3,
@@ -231,7 +242,7 @@ def _check_options(variant: str, trainable: str, scale: float, exact: Any) -> No
         raise InvalidArgumentError(
             f"scale={scale!r}: make_reversible's scale is the share of the layer before's "
             "update that moves each layer's input, in (0, 1]; the smaller, the closer to the "
-            "pretrained model (e.g. 0.125)"
+            "pretrained model (e.g. 2**-8)"
         )
 
 

@@ -31,10 +31,13 @@ import torch
 from ..errors import InvalidArgumentError, RevckptError
 from .coupling import AdditiveCoupling, Coupling
 
-__all__ = ["GRID_BITS", "GridCoupling", "on_grid"]
+__all__ = ["GRID_BITS", "MAX_SHIFT", "GridCoupling", "on_grid"]
 
 #: Fractional bits of the grid: a resolution of 2^-30 (about 1e-9), values up to 2^22 (4e6).
 GRID_BITS = 30
+#: The most bits a coupling can drop and keep (``scale >= 2^-MAX_SHIFT``): two bytes.
+MAX_SHIFT = 16
+_OFFSET = 2**15  # kept bits beyond a byte are held in int16, shifted by this
 
 
 def on_grid(x: torch.Tensor, bits: int = GRID_BITS) -> torch.Tensor:
@@ -64,16 +67,16 @@ def _check_range(y: torch.Tensor, bits: int) -> None:
 
 class GridCoupling(Coupling):
     """``y = scale * x + h`` on the grid (see the module docstring), ``scale`` one of ``0``
-    (an input known to be zeros: ``y = h``), ``1`` (additive) or ``2^-k`` with ``1 <= k <= 8``.
+    (an input known to be zeros: ``y = h``), ``1`` (additive) or ``2^-k`` with ``1 <= k <= 16``.
     :meth:`combine` gives the grid value with the gradients of the linear map;
     :meth:`split` also returns the dropped bits, which :meth:`rebuild` needs."""
 
     def __init__(self, scale: float, bits: int = GRID_BITS) -> None:
         k = -math.log2(scale) if isinstance(scale, (int, float)) and scale > 0 else -1.0
-        if not (scale == 0 or (k == int(k) and 0 <= k <= 8)):
+        if not (scale == 0 or (k == int(k) and 0 <= k <= MAX_SHIFT)):
             raise InvalidArgumentError(
                 f"scale={scale!r}: an exact coupling scales by 0, 1 or a power of two "
-                "2^-k with k <= 8 (e.g. 0.125); use exact=False for other scales"
+                f"2^-k with k <= {MAX_SHIFT} (e.g. 2**-8); use exact=False for other scales"
             )
         self.scale, self.k, self.bits = float(scale), int(k), bits
 
@@ -83,7 +86,8 @@ class GridCoupling(Coupling):
 
     def split(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(y, lost)`` without a graph: ``y`` on the grid, ``lost`` the bits of ``x *
-        scale`` below it (``uint8``; ``None`` when nothing is dropped)."""
+        scale`` below it (``uint8`` for ``k <= 8``, else ``int16`` less ``2^15``; ``None``
+        when nothing is dropped)."""
         with torch.no_grad():  # in place where it can: float64 temporaries are the cost
             hq = self._grid(h)
             if self.scale == 0:
@@ -93,7 +97,8 @@ class GridCoupling(Coupling):
             else:
                 units = x.detach() * 2.0 ** (self.bits - self.k)  # x * scale, in grid units
                 q = torch.floor(units)
-                lost = units.sub_(q).mul_(2.0**self.k).to(torch.uint8)
+                lost = units.sub_(q).mul_(2.0**self.k)
+                lost = lost.to(torch.uint8) if self.k <= 8 else lost.sub_(_OFFSET).to(torch.int16)
                 del units
                 y = q.mul_(2.0**-self.bits).add_(hq)
         _check_range(y, self.bits)
@@ -117,7 +122,8 @@ class GridCoupling(Coupling):
             q = self._grid(h).neg_().add_(y)  # y - h_q, exact
             if lost is None:
                 return q
-            return q.mul_(2.0**self.k).add_(lost, alpha=2.0**-self.bits)
+            q.mul_(2.0**self.k).add_(lost, alpha=2.0**-self.bits)
+            return q if lost.dtype == torch.uint8 else q.add_(_OFFSET * 2.0**-self.bits)
 
     def separate(self, y: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         raise RevckptError(

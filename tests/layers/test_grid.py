@@ -14,7 +14,7 @@ from revckpt.layers.grid import GRID_BITS, GridCoupling, on_grid
 
 
 @given(
-    k=st.sampled_from([None, 0, 1, 3, 8]),
+    k=st.sampled_from([None, 0, 1, 3, 8, 9, 12, 16]),
     magnitude=st.floats(1e-6, 1e5),
     seed=st.integers(0, 2**16),
 )
@@ -28,7 +28,7 @@ def test_split_then_rebuild_is_the_identity(k, magnitude, seed):
     back = coupling.rebuild(y, h, lost)
     assert torch.equal(back, torch.zeros_like(x) if k is None else x)
     if k:
-        assert lost is not None and lost.dtype == torch.uint8 and int(lost.max()) < 2**k
+        assert lost is not None and lost.element_size() == (1 if k <= 8 else 2)
     # combine gives the same value, with the gradients of scale * x + h
     xl, hl = x.clone().requires_grad_(), h.clone().requires_grad_()
     out = coupling.combine(xl, hl)
@@ -39,7 +39,7 @@ def test_split_then_rebuild_is_the_identity(k, magnitude, seed):
 
 
 def test_bad_scales_and_streams_are_refused():
-    for scale in (0.3, 2.0**-9, 2.0, -0.125):
+    for scale in (0.3, 2.0**-17, 2.0, -0.125):
         with pytest.raises(InvalidArgumentError, match="power of two"):
             GridCoupling(scale)
     with pytest.raises(RevckptError, match="grid's range"):
