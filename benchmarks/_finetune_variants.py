@@ -72,41 +72,47 @@ def per_layer_checkpoint(model: GPT) -> tuple[nn.Module, list[nn.Parameter]]:
     return model, list(model.parameters())
 
 
-def reversible(variant: str, trainable: str, scale: float = 0.125, exact: bool = False) -> Variant:
+def reversible(
+    variant: str, trainable: str, scale: float | None = None, exact: bool | str = "auto"
+) -> Variant:
     """``revckpt.make_reversible`` on the GPT's blocks (MEFT-style adapters; ``trainable``:
     ``"adapters"``, everything but the adapters frozen, embeddings and head included, as for
-    the LoRA baseline; or ``"all"``)."""
+    the LoRA baseline; or ``"all"``); ``scale=None``: make_reversible's default (2^-8, rebuilt
+    exactly by its default ``exact="auto"``)."""
 
     def make(model: GPT) -> tuple[nn.Module, list[nn.Parameter]]:
         if trainable == "adapters":  # make_reversible freezes the blocks; the rest too here
             model.requires_grad_(False)
+        options: dict = {} if scale is None else {"scale": scale}
         revckpt.make_reversible(
-            model, blocks="blocks", variant=variant, scale=scale, trainable=trainable, exact=exact
+            model, blocks="blocks", variant=variant, trainable=trainable, exact=exact, **options
         )
         return model, [p for p in model.parameters() if p.requires_grad]
 
-    exactly = ", exact" if exact else ""
-    make.__doc__ = f"reversible {variant}, scale {scale:g}, trainable {trainable}{exactly}"
+    how = "defaults" if scale is None else f"scale {scale:g}"
+    how += "" if exact == "auto" else (", exact" if exact else ", floating point")
+    make.__doc__ = f"reversible {variant}, {how}, trainable {trainable}"
     return make
 
 
 def reversible_variants() -> list[tuple[str, Variant]]:
-    """The reversible fine-tuning variants (issue 17, after MEFT): the layer as F with an
-    adapter as G, and the reverse, adapters only; layer_f with every weight trainable (full
-    fine-tuning in a reversible stack), with LoRA, and at scale 2^-8 (closer to the start,
-    more anchors)."""
+    """The reversible fine-tuning variants (issue 17, after MEFT), at make_reversible's
+    defaults (scale 2^-8, exact rebuild): the layer as F with an adapter as G, and the
+    reverse, adapters only; layer_f with every weight trainable (full fine-tuning in a
+    reversible stack) and with LoRA; then scale 1/8 (the default before session 19: four times
+    further from the start, three bits fewer kept per element), in floating point with
+    anchors and exact."""
     return [
         ("reversible layer_f", reversible("layer_f", "adapters")),
         ("reversible layer_g", reversible("layer_g", "adapters")),
         ("reversible layer_f, all trainable", reversible("layer_f", "all")),
         ("reversible layer_f + LoRA r=8", reversible_lora(8)),
-        ("reversible layer_f, scale 2^-8, all trainable", reversible("layer_f", "all", 2**-8)),
-        ("reversible layer_f, exact", reversible("layer_f", "adapters", exact=True)),
-        ("reversible layer_f, exact, all trainable", reversible("layer_f", "all", exact=True)),
+        ("reversible layer_f, 1/8 floating", reversible("layer_f", "adapters", 0.125, False)),
         (
-            "reversible layer_f, exact, scale 2^-8, all trainable",
-            reversible("layer_f", "all", 2**-8, exact=True),
+            "reversible layer_f, 1/8 floating, all trainable",
+            reversible("layer_f", "all", 0.125, False),
         ),
+        ("reversible layer_f, 1/8 exact, all trainable", reversible("layer_f", "all", 0.125, True)),
     ]
 
 
@@ -116,7 +122,7 @@ def reversible_lora(rank: int) -> Variant:
 
     def make(model: GPT) -> tuple[nn.Module, list[nn.Parameter]]:
         add_lora(model, rank)
-        revckpt.make_reversible(model, blocks="blocks", scale=0.125, trainable="all")
+        revckpt.make_reversible(model, blocks="blocks", trainable="all")
         return model, [p for p in model.parameters() if p.requires_grad]
 
     return make

@@ -247,7 +247,7 @@ def test_bench_finetune_quick(tmp_path, capsys):
     assert result["checkpoint_check"]["max_abs_param_diff"] == 0.0
     # the written-out formulas of _finetune_split give make_reversible's own start (layer_f)
     split = {(r["variant"], r["scale"]): r for r in result["attention_f_mlp_g"]}
-    simulated = split[("layer_f", 0.125)]["start_relative_logit_diff"]
+    simulated = split[("layer_f", 2**-8)]["start_relative_logit_diff"]  # the default scale
     measured = rows["reversible layer_f"]["start_relative_logit_diff"]
     assert simulated == pytest.approx(measured, rel=1e-3)
     assert split[("attention F, MLP G", 0.125)]["bits_per_element_per_layer"] == 6

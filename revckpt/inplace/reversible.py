@@ -197,8 +197,8 @@ def _auto_exact(
     scale: float, dtype: torch.dtype, stream_dtype: torch.dtype | None, anchor_every: Any
 ) -> bool:
     """``exact="auto"``: exact for a scale the grid takes and layers no finer than float32,
-    unless the float options are chosen; a 16-bit model whose scale the grid cannot take warns that its rebuild will
-    drift."""
+    unless the float options are chosen; a 16-bit model whose scale the grid cannot take
+    warns that its rebuild will drift."""
     if stream_dtype is not None or anchor_every not in ("auto", None):
         return False
     if torch.finfo(dtype).eps < torch.finfo(torch.float32).eps:  # float64: finer than the grid
