@@ -7,7 +7,7 @@ stream ``h`` (what the layer saw before) and an *auxiliary* stream ``a``:
 
 ``"layer_f"`` (MEFT's first variant: the layer in ``F``, an adapter as ``G``)::
 
-    h' = scale * a + L(h) + A_f(h)      a' = h - h' + A_g(h')      then the streams swap
+    h' = scale * a + L(h) + A_f(h)      a' = h - h' + A_g(h') / scale      then the streams swap
 
 ``"layer_g"`` (the second: an adapter as ``F``, the layer in ``G``)::
 
@@ -21,8 +21,11 @@ state one layer back and ``G`` subtracts ``scale * u`` (:class:`Centred`), which
 same ``scale * (a - u)``: both variants move each layer's input by ``scale`` times an update,
 not by ``scale`` times a hidden state (MEFT's ``scale * a`` moved the logits of
 ``benchmarks/bench_finetune.py``'s GPT 4.7x further at scale 1/8). Both are still couplings
-(what ``G`` adds is a function of ``u`` alone). The inverse divides by ``scale``:
-reconstruction error grows by about ``1 / scale`` per layer
+(what ``G`` adds is a function of ``u`` alone). ``"layer_f"``'s ``A_g`` is divided by
+``scale`` so that it reaches the next layer's output at full strength, as the other adapters
+do (``scale * a'`` enters it): undivided, an adapter trained at 2^-8 moved that output
+2^-8 as far per step as the others, and adapters-only fine-tuning lost it. The inverse
+divides by ``scale``: reconstruction error grows by about ``1 / scale`` per layer
 (:class:`~revckpt.layers.ScaledCoupling`), which ``anchor_every`` bounds.
 :func:`revckpt.make_reversible` builds these blocks on a model's own layers, in place.
 """
@@ -140,15 +143,22 @@ class Centred(nn.Module):
 
 
 class _Difference(nn.Module):
-    """``adapter(u) - u``: as ``G`` of ``"layer_f"``, the auxiliary stream becomes
-    ``h - h' + A_g(h')``, minus the layer's residual update, small beside the hidden state."""
+    """``adapter(u) * gain - u``: as ``G`` of ``"layer_f"`` (``gain = 1 / scale``), the
+    auxiliary stream becomes ``h - h' + A_g(h') / scale``, minus the layer's residual update
+    (small beside the hidden state) until the adapter learns, and ``scale`` times it, what
+    enters the next layer, carries ``A_g`` at full strength. ``gain`` a power of two on the
+    grid: exact."""
 
-    def __init__(self, adapter: Adapter) -> None:
+    gain = 1.0  # a block pickled before the gain existed
+
+    def __init__(self, adapter: Adapter, gain: float = 1.0) -> None:
         super().__init__()
         self.adapter = adapter
+        self.gain = gain
 
     def forward(self, u: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        return self.adapter(u) - u
+        out = self.adapter(u)
+        return (out if self.gain == 1.0 else out * self.gain) - u
 
 
 def adapter_block(
@@ -173,8 +183,8 @@ def adapter_block(
         scaled, additive = GridCoupling(0.0 if first else scale), GridCoupling(1.0)
     else:
         scaled, additive = (_StartCoupling() if first else ScaledCoupling(scale)), "additive"
-    if variant == "layer_f":  # y1 = scale * a + F(h); y2 = h + A_g(y1); out (y2, y1)
-        g = _Difference(adapter)
+    if variant == "layer_f":  # y1 = scale * a + F(h); y2 = h + A_g(y1) / scale; out (y2, y1)
+        g = _Difference(adapter, 1.0 / scale)
         return ReversibleBlock(layer, g, coupling=scaled, g_coupling=additive, swap=True)
     # y1 = h + A_f(a); y2 = scale * a + G(y1) - scale * y1 (none at the first); out (y2, y1)
     g_layer = layer if first else Centred(layer, scale)
