@@ -107,6 +107,30 @@ def test_both_variants_move_the_output_by_the_same_update():
     assert 0 < moved["layer_g"] < 2**-4
 
 
+@pytest.mark.parametrize("variant", ["layer_f", "layer_g"])
+def test_every_adapter_moves_the_output_as_far_at_any_scale(variant):
+    """An adapter's effect on the output does not shrink with the scale: the same small
+    weights in each adapter of the second layer move the logits about as far at scale 2^-3 as
+    at 2^-8 (layer_f's A_g reaches the next layer through ``scale * a'``, so it is divided by
+    the scale; undivided, it moved them 2^-8 / 2^-3 = 1/32 as far)."""
+    moved = {}
+    for scale in (2**-3, 2**-8):
+        case, _, model = _converted("nanogpt", variant=variant, scale=scale)
+        layer = reversible_layers(model).layers[1][1]  # layer_g's first A_f sees zeros
+        example = case.make_example()
+        with torch.no_grad():
+            ref = _logits(model, example)
+            for which in ("f", "g"):
+                up = getattr(layer, f"revckpt_adapter_{which}").up.weight
+                gen = torch.Generator().manual_seed(0)  # not constant: a norm would remove it
+                up.copy_(torch.randn(up.shape, generator=gen, dtype=up.dtype) * 1e-3)
+                moved[(scale, which)] = (_logits(model, example) - ref).norm().item()
+                up.zero_()
+    for which in ("f", "g"):
+        ratio = moved[(2**-8, which)] / moved[(2**-3, which)]
+        assert 0.5 < ratio < 2, (which, moved)
+
+
 def test_trainable_adapters_freezes_the_converted_layers_only():
     """trainable="adapters" freezes the converted (pretrained) layers' own parameters; the
     rest of the model keeps requires_grad as the user set it: a task head added on top trains,
