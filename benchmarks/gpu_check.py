@@ -8,7 +8,9 @@ host offload per block (with and without prefetch; its retained device bytes aft
 are printed next to checkpoint's); the scheduler's plan at 30% of store-all (error budget 1e-2,
 offload priced); a reversible model of the same size (``rev_gpt_like``, against its own
 store-all) run by revckpt and by the reversible peers when installed (revlib, revtorch,
-memcnn: ``pip install -e '.[bench]'`` and ``pip install --no-deps memcnn==1.5.2``).
+memcnn: ``pip install -e '.[bench]'`` and ``pip install --no-deps memcnn==1.5.2``); and
+``make_reversible`` at its defaults on a GPT, its exact rebuild checked against plain
+autograd on the device (``_gpu_reversible.py``).
 
 Run ``python benchmarks/gpu_check.py`` on a GPU (about 3 minutes on one H100-class GPU);
 without CUDA it runs a reduced CPU smoke mode (``--smoke`` forces it). Prints a table and
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from _common import environment, reversible_peers, write_json  # benchmarks/_common.py
+from _gpu_reversible import reversible_lines, reversible_rows
 
 import revckpt
 from revckpt import MemoryMeter, time_ratios
@@ -231,6 +234,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name in ("checkpoint per block", "offload per block")
     }
     fp16 = _fp16_scaler_rows(chain, x.detach(), device)  # CPU autocast takes fp16 too
+    finetune = reversible_rows(device, size)  # make_reversible's exact rebuild on the device
     name = torch.cuda.get_device_name() if cuda else "CPU (smoke mode)"
     lines = [
         f"gpu_check on {name}, GPT-like {depth} blocks x {dim}, input {batch}x{seq}x{dim}, "
@@ -256,6 +260,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "retained device bytes after the forward, beyond the output: "
         + ", ".join(f"{k} {v:,} ({v / boundary:.2f} boundaries)" for k, v in retained.items())
     )
+    lines += reversible_lines(finetune)
     lines += notes
     elapsed = time.perf_counter() - started
     lines.append(f"({elapsed:.0f} s)")
@@ -268,6 +273,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "size": size,
         "rows": rows,
         "fp16_gradscaler": fp16,
+        "make_reversible": finetune,
         "retained_after_forward_bytes": retained,
         "boundary_bytes": boundary,
         "notes": notes,

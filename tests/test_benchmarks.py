@@ -107,6 +107,10 @@ def test_gpu_check_smoke_mode_on_cpu(tmp_path):
     retained = result["retained_after_forward_bytes"]
     assert retained["offload per block"] == retained["checkpoint per block"]
     assert retained["checkpoint per block"] == 2 * result["boundary_bytes"]
+    (rev,) = result["make_reversible"]  # the exact rebuild: no drift, plain autograd's grads
+    assert rev["exact"] and rev["max_rebuilt_input_drift"] == 0.0
+    assert rev["max_abs_grad_difference_from_stored"] == 0.0
+    assert 0 < rev["start_relative_logit_change"] < 1e-2
     fp16 = {r["variant"]: r for r in result["fp16_gradscaler"]}
     assert all(r["fp16_gradscaler_finite_grads"] for r in fp16.values())
     for exact in ("checkpoint per block", "offload per block"):  # same arithmetic as store-all
