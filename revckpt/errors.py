@@ -86,4 +86,5 @@ class GradientMismatchError(RevckptError, AssertionError):
 
 class PlanWarning(UserWarning):
     """A plan runs off the conditions its predictions were made for (another intra-op thread
-    count than it was profiled with: its time predictions do not hold)."""
+    count than it was profiled with: its time predictions do not hold), or where it does not
+    apply (a planned block in eval mode with gradients on: a backward there saves nothing)."""

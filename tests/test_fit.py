@@ -226,6 +226,30 @@ def test_convert_applies_one_strategy_in_place(strategy: str) -> None:
     assert all(type(m).forward is m.forward.__func__ for m in model.modules())
 
 
+def test_a_backward_in_eval_mode_is_said_to_save_nothing(monkeypatch) -> None:
+    """Planned blocks run plainly in eval mode (as HF's checkpointing does): with gradients
+    on, that is said once (PlanWarning), since a loop calling model.eval() to switch dropout
+    off would get none of the saving; under no_grad, in train mode or for stored blocks,
+    nothing is said."""
+    from revckpt.inplace import install as installed
+
+    monkeypatch.setattr(installed, "_eval_warned", [])
+    case = _case("nanogpt")
+    example = case.make_example(2, 16)
+    model = case.make_model()
+    revckpt.convert(model, "checkpoint")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zoo.step(model, example, case.loss_fn)  # train mode: planned, silent
+        model.eval()
+        with torch.no_grad():
+            model(*example) if isinstance(example, tuple) else model(example)
+    with pytest.warns(revckpt.PlanWarning, match=r"eval mode.*none of the plan's saving") as seen:
+        zoo.step(model, example, case.loss_fn)
+        zoo.step(model, example, case.loss_fn)
+    assert len([w for w in seen if issubclass(w.category, revckpt.PlanWarning)]) == 1
+
+
 def test_approx_checkpoint_takes_bound_methods_and_partials() -> None:
     torch.manual_seed(0)
     layer = nn.Linear(8, 8)

@@ -2,7 +2,8 @@
 
 The module keeps its class, its parameters and its ``state_dict`` keys; the model's own
 ``forward`` (its loop over the blocks) is untouched. The installed forward runs the block
-plainly in eval mode and under ``no_grad`` (one attribute read and one flag test), and in
+plainly in eval mode and under ``no_grad`` (one attribute read and one flag test; in eval
+mode with gradients on it warns once that a backward there saves nothing), and in
 training hands it to the block's runner (a strategy of :mod:`revckpt.inplace.runners`).
 ``copy.deepcopy`` of a planned model gives a planned copy; :func:`uninstall` (what
 :func:`revckpt.restore` calls) removes every trace.
@@ -11,6 +12,7 @@ training hands it to the block's runner (a strategy of :mod:`revckpt.inplace.run
 from __future__ import annotations
 
 import types
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, PlanWarning
 from ..schedule.plan import warn_if_threads_differ
 from .calls import Key, carried_key, drop_caches
 
@@ -65,6 +67,8 @@ def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     info: Planned = self.__dict__[_ATTR]
     fn = info.function(self)
     if not (self.training and torch.is_grad_enabled()):
+        if torch.is_grad_enabled() and info.strategy != "store":
+            _warn_eval_backward(info)
         return fn(*args, **kwargs)
     args, kwargs = drop_caches(args, kwargs, f"{type(self).__name__} ({info.fqn})")
     key = info.key if info.key is not None else carried_key(args, kwargs)
@@ -79,6 +83,26 @@ def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if info.recorder is not None:
         info.recorder.returned(self, args, kwargs, out)
     return out
+
+
+_eval_warned: list[bool] = []  # once per process: a model's every block would say it
+
+
+def _warn_eval_backward(info: Planned) -> None:
+    """Say once that a planned block runs plainly in eval mode with gradients on (as Hugging
+    Face's gradient checkpointing does): a backward through it gets none of the plan's
+    saving, which a loop calling ``model.eval()`` to switch dropout off would not expect."""
+    if _eval_warned:
+        return
+    _eval_warned.append(True)
+    warnings.warn(
+        f"block {info.fqn} ({info.strategy}) runs plainly in eval mode: with gradients on, a "
+        "backward through this forward stores every activation and gets none of the plan's "
+        "saving. To train without dropout, keep model.train() and set the dropout "
+        "probabilities to 0; to evaluate, wrap the forward in torch.no_grad()",
+        PlanWarning,
+        stacklevel=3,
+    )
 
 
 def within(shape: tuple[int, ...], limit: tuple[int, ...]) -> bool:
