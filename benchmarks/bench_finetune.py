@@ -111,7 +111,7 @@ def sweep(
             kw = dict(steps=steps, lr=lr, batch=batch, seed=seed, heldout=heldout)
             try:
                 run = finetune(model, params, task, **kw)
-            except revckpt.ReconstructionError as err:  # a diverging run's rebuilt inputs
+            except revckpt.ReconstructionError as err:  # a diverging run: drift, or off the grid
                 print(f"  {name} lr {lr:g}: failed: {str(err)[:120]}", flush=True)
                 return {"lr": lr, "final_heldout_loss": float("inf"), "failed": str(err)}
             print(f"  {name} lr {lr:g}: held-out {run['final_heldout_loss']:.4f}", flush=True)

@@ -77,7 +77,9 @@ class DoubleBackwardError(RevckptError, RuntimeError):
 
 
 class ReconstructionError(RevckptError, RuntimeError):
-    """A reversible block's rebuilt input drifted past the ``check_inverse`` tolerance."""
+    """A reversible block's input cannot be rebuilt: it drifted past the ``check_inverse``
+    tolerance, or a stream of an exact stack left the grid (beyond its range, or not finite:
+    a diverging run, usually)."""
 
 
 class GradientMismatchError(RevckptError, AssertionError):

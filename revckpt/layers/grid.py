@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from ..errors import InvalidArgumentError, RevckptError
+from ..errors import InvalidArgumentError, ReconstructionError, RevckptError
 from .coupling import AdditiveCoupling, Coupling
 
 __all__ = ["GRID_BITS", "MAX_SHIFT", "GridCoupling", "on_grid"]
@@ -54,14 +54,16 @@ def _check_range(y: torch.Tensor, bits: int) -> None:
         return
     what = "an exact reversible stack (make_reversible(..., exact=True))"
     if not bool(y.isfinite().all()):
-        raise RevckptError(
+        raise ReconstructionError(
             f"a stream of {what} is not finite (nan or inf): the model computed it (an "
-            "overflow, a nan in the input or the weights), not the grid; find where it starts "
-            "(exact=False carries it on silently, as the model without revckpt would)"
+            "overflow, a nan in the input or the weights, a diverging run), not the grid; find "
+            "where it starts (exact=False carries it on silently, as the model without revckpt "
+            "would)"
         )
-    raise RevckptError(
+    raise ReconstructionError(
         f"a stream of {what} reached {float(y.abs().amax()):.3g}, beyond the grid's range "
-        f"{limit:.3g}; use exact=False (anchors instead)"
+        f"{limit:.3g}: a diverging run (lower the learning rate), or a model whose hidden "
+        "states are that large (then use exact=False: anchors instead)"
     )
 
 
