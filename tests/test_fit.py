@@ -228,12 +228,12 @@ def test_convert_applies_one_strategy_in_place(strategy: str) -> None:
 
 def test_a_backward_in_eval_mode_is_said_to_save_nothing(monkeypatch) -> None:
     """Planned blocks run plainly in eval mode (as HF's checkpointing does): with gradients
-    on, that is said once (PlanWarning), since a loop calling model.eval() to switch dropout
-    off would get none of the saving; under no_grad, in train mode or for stored blocks,
-    nothing is said."""
+    on, that is said (PlanWarning, one message from one place: once under Python's default
+    filter), since a loop calling model.eval() to switch dropout off would get none of the
+    saving; under no_grad or in train mode nothing is said."""
     from revckpt.inplace import install as installed
 
-    monkeypatch.setattr(installed, "_eval_warned", [])
+    monkeypatch.setattr(installed, "__warningregistry__", {}, raising=False)
     case = _case("nanogpt")
     example = case.make_example(2, 16)
     model = case.make_model()
@@ -244,10 +244,22 @@ def test_a_backward_in_eval_mode_is_said_to_save_nothing(monkeypatch) -> None:
         model.eval()
         with torch.no_grad():
             model(*example) if isinstance(example, tuple) else model(example)
-    with pytest.warns(revckpt.PlanWarning, match=r"eval mode.*none of the plan's saving") as seen:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")  # Python's own: once per place
         zoo.step(model, example, case.loss_fn)
         zoo.step(model, example, case.loss_fn)
-    assert len([w for w in seen if issubclass(w.category, revckpt.PlanWarning)]) == 1
+    said = [w for w in seen if issubclass(w.category, revckpt.PlanWarning)]
+    assert len(said) == 1 and "none of the plan's saving" in str(said[0].message)
+
+
+def test_fit_refuses_a_model_in_eval_mode() -> None:
+    """from_pretrained returns a model in eval mode, where planned blocks run plainly: fit
+    says so and what to do, rather than that the example never ran the blocks."""
+    case = _case("gpt2")
+    model = case.make_model().eval()
+    with pytest.raises(revckpt.InvalidArgumentError, match=r"eval mode.*model\.train\(\)"):
+        revckpt.fit(model, case.make_example(2, 16), memory_budget="50%")
+    assert not any(planned(m) for m in model.modules())
 
 
 def test_approx_checkpoint_takes_bound_methods_and_partials() -> None:

@@ -354,6 +354,27 @@ def test_an_overflowed_rebuild_raises_rather_than_passing_nan():
         zoo.step(model, case.make_example(), case.loss_fn)
 
 
+def test_an_exact_stack_whose_recompute_differs_says_so():
+    """An exact stack rebuilds bit for bit only when each layer's recompute in backward gives
+    bitwise what its forward gave; a layer that differs by one ulp on alternate calls (what a
+    nondeterministic kernel does) raises ReconstructionError naming the cause and the ways
+    out, not the anchors' advice of the floating-point rebuild."""
+    case = zoo.CASES["nanogpt"]
+    model = case.make_model()
+    calls = [0]
+
+    def jitter(module, args, out):
+        calls[0] += 1
+        return out * (1 + 2**-23) if calls[0] % 2 else out
+
+    for block in model.transformer.h:
+        block.mlp.register_forward_hook(jitter)
+    make_reversible(model, blocks=case.blocks_path, trainable="all")
+    assert reversible_layers(model).exact
+    with pytest.raises(revckpt.ReconstructionError, match=r"bitwise.*use_deterministic_algo"):
+        zoo.step(model, case.make_example(2, 16), case.loss_fn)
+
+
 class _QKNormLayer(nn.Module):
     """A layer with a per-head norm narrower than the hidden state (as Qwen3's q_norm)."""
 

@@ -203,6 +203,8 @@ def _fit(
     restore(model)
     found = find_blocks(model, o.blocks)
     _refuse_sharded(found)
+    if o.plan is None or profiled:
+        _refuse_eval_mode(found)
     saved = _load(o.plan, model, found) if o.plan is not None else None
     try:
         for fqn, block in found:
@@ -274,6 +276,20 @@ def _refuse_sharded(found: list[tuple[str, nn.Module]]) -> None:
             f"block {sharded[0]} is already sharded by FSDP2 (fully_shard): fit runs blocks "
             "alone to profile them, which sharded blocks cannot do. Call revckpt.fit before "
             "fully_shard (with segment_blocks=1), then shard"
+        )
+
+
+def _refuse_eval_mode(found: list[tuple[str, nn.Module]]) -> None:
+    """fit profiles the training step, which planned blocks take part in only in train mode
+    (in eval mode they run plainly): a model left in eval mode, as ``from_pretrained`` returns
+    it, would show the trace no block at all."""
+    idle = [fqn for fqn, m in found if not m.training]
+    if idle:
+        raise InvalidArgumentError(
+            f"revckpt.fit plans the training step, and block {idle[0]} is in eval mode "
+            f"({len(idle)} of the {len(found)} blocks; from_pretrained returns models in eval "
+            "mode), where planned blocks run plainly: call model.train() before fit (with the "
+            "dropout probabilities at 0 for a step without dropout)"
         )
 
 

@@ -99,7 +99,7 @@ def fit_stack(
     if not fits:
         measured = ", ".join(f"{m} {human_bytes(peaks[m])} ({peaks[m]:,} bytes)" for m in modes)
         fewer = ", or fewer anchors (make_reversible with a larger anchor_every or scale)"
-        if converted.exact:  # no anchors to drop (a byte per element per layer instead)
+        if converted.exact:  # no anchors to drop (k bits per element and layer instead)
             fewer = ""
         raise InfeasibleBudgetError(
             f"memory_budget={memory_budget!r} ({human_bytes(budget)}, {budget:,} bytes): the "

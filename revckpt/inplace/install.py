@@ -68,7 +68,7 @@ def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     fn = info.function(self)
     if not (self.training and torch.is_grad_enabled()):
         if torch.is_grad_enabled() and info.strategy != "store":
-            _warn_eval_backward(info)
+            _warn_eval_backward()
         return fn(*args, **kwargs)
     args, kwargs = drop_caches(args, kwargs, f"{type(self).__name__} ({info.fqn})")
     key = info.key if info.key is not None else carried_key(args, kwargs)
@@ -85,23 +85,18 @@ def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return out
 
 
-_eval_warned: list[bool] = []  # once per process: a model's every block would say it
-
-
-def _warn_eval_backward(info: Planned) -> None:
-    """Say once that a planned block runs plainly in eval mode with gradients on (as Hugging
-    Face's gradient checkpointing does): a backward through it gets none of the plan's
-    saving, which a loop calling ``model.eval()`` to switch dropout off would not expect."""
-    if _eval_warned:
-        return
-    _eval_warned.append(True)
+def _warn_eval_backward() -> None:
+    """Say that planned blocks run plainly in eval mode with gradients on (as Hugging Face's
+    gradient checkpointing does): a backward through them gets none of the plan's saving,
+    which a loop calling ``model.eval()`` to switch dropout off would not expect. One message
+    from one place: Python's warning filters show it once (the default), or as they are set."""
     warnings.warn(
-        f"block {info.fqn} ({info.strategy}) runs plainly in eval mode: with gradients on, a "
-        "backward through this forward stores every activation and gets none of the plan's "
-        "saving. To train without dropout, keep model.train() and set the dropout "
-        "probabilities to 0; to evaluate, wrap the forward in torch.no_grad()",
+        "revckpt: planned blocks run plainly in eval mode: with gradients on, a backward "
+        "through this forward stores every activation and gets none of the plan's saving. "
+        "To train without dropout, keep model.train() and set the dropout probabilities to "
+        "0; to evaluate, wrap the forward in torch.no_grad()",
         PlanWarning,
-        stacklevel=3,
+        stacklevel=1,
     )
 
 

@@ -169,7 +169,8 @@ def make_reversible(
         layers, stack, hidden, scale=scale, anchor_every=anchor_every, stream_dtype=stream_dtype
     )
     converted.exact = exact
-    converted.auto_exact = auto and not exact  # warns if cast to 16 bits
+    # warns if cast to 16 bits later (a 16-bit model has had its warning at conversion)
+    converted.auto_exact = auto and not exact and model_dtype not in SIXTEEN_BITS
     converted.width, converted.feature_dim = features[0]
     converted.forwards = [before for _, before in built]
     converted.frozen = frozen

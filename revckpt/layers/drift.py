@@ -44,6 +44,16 @@ def finish_drift(call: StackCall) -> None:
     if worst is None:
         return
     err, index = worst
+    if call.strict and call.exact:
+        raise ReconstructionError(
+            f"reversible block {index}: its rebuilt input differs from the original by "
+            f"{err:.3e} (relative), where an exact stack (make_reversible's default for a "
+            "scale 2^-k) rebuilds bit for bit: the branch's recompute in backward did not "
+            "give bitwise what its forward gave. Nondeterministic kernels do that (on CUDA, "
+            "torch.use_deterministic_algorithms(True) picks deterministic ones), as does a "
+            "branch whose state changes between forward and backward. Use exact=False (a "
+            "floating-point rebuild with anchors) to tolerate rounding differences"
+        )
     if call.strict and call.scaled:
         raise ReconstructionError(
             f"reversible block {index}: its rebuilt input differs from the original by "

@@ -59,6 +59,7 @@ class StackCall:
     devices: list[torch.device]
     strict: bool = False  # the default check: a drift past it raises whatever on_drift says
     scaled: bool = False  # a coupling divides by a scale (ScaledCoupling): drift is expected
+    exact: bool = False  # couplings on the grid (GridCoupling): any drift is a recompute's
     pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     values: dict[int, torch.Tensor] = field(default_factory=dict)
     owned: set[int] = field(default_factory=set)  # streams whose value this walk created

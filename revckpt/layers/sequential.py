@@ -38,6 +38,7 @@ from ..engine.autograd import grad_keywords, module_targets
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..replay import devices_of
 from .coupling import Coupling, ScaledCoupling, make_coupling
+from .grid import GridCoupling
 from .rebuild import ReconstructionWarning, StackCall, auto_tolerance
 from .steps import HalfSteps, StackRun
 
@@ -309,6 +310,7 @@ class ReversibleSequential(nn.Module):
             check_inverse=self._tolerance(x1),
             strict=self.check_inverse == "auto",
             scaled=any(isinstance(step.coupling, ScaledCoupling) for step in plan.steps),
+            exact=any(isinstance(step.coupling, GridCoupling) for step in plan.steps),
             recompute_dtype=None if self.approx is None else self.approx.recompute_dtype,
             on_drift=self.on_drift,
             drift=[None] * len(self.blocks),
