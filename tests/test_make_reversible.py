@@ -170,6 +170,24 @@ def test_state_dict_is_the_original_plus_adapters():
     assert all(p.data_ptr() == ids[n] for n, p in fresh.named_parameters() if n in ids)
 
 
+def test_adapters_saved_for_another_scale_or_variant_are_refused():
+    """The same adapter weights compute another function at another scale or variant: the
+    state_dict records both (each adapter's extra state), and loading into a model converted
+    otherwise raises, naming what they were saved for; the same conversion loads them."""
+    case = zoo.CASES["nanogpt"]
+    saved = case.make_model()
+    make_reversible(saved, blocks=case.blocks_path, scale=2**-3)
+    state = saved.state_dict()
+    for options in ({}, {"scale": 2**-3, "variant": "layer_g"}):
+        other = case.make_model()
+        make_reversible(other, blocks=case.blocks_path, **options)
+        with pytest.raises(InvalidArgumentError, match=r"saved for variant='layer_f', scale=0.125"):
+            other.load_state_dict(state)
+    same = case.make_model()
+    make_reversible(same, blocks=case.blocks_path, scale=2**-3)
+    same.load_state_dict(state)  # strict: every key, the extra states included
+
+
 def test_eval_and_no_grad_compute_the_same_function():
     case, _, model = _converted("nanogpt", scale=2**-2, trainable="all")
     example = case.make_example()

@@ -275,6 +275,7 @@ def _layer_block(
     size, dim = features
     like = next(layer.parameters(), None)
     a_f, a_g = Adapter(size, rank, dim=dim), Adapter(size, rank, dim=dim)
+    a_f.converted_as = a_g.converted_as = (variant, scale)  # kept in the state_dict
     if like is not None:
         a_f.to(like.device, like.dtype)
         a_g.to(like.device, like.dtype)

@@ -32,6 +32,7 @@ divides by ``scale``: reconstruction error grows by about ``1 / scale`` per laye
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -57,6 +58,9 @@ class Adapter(nn.Module):
     ``(N, C, H, W)``: a 1x1 convolution)."""
 
     dim = -1  # an adapter pickled before the option existed acts on the last dimension
+    #: ``(variant, scale)`` of the stack it was made for (:func:`revckpt.make_reversible`),
+    #: kept in the ``state_dict`` so that adapters trained for one are refused by another
+    converted_as: tuple[str, float] | None = None
 
     def __init__(self, width: int, rank: int = 8, *, init_std: float = 0.02, dim: int = -1) -> None:
         super().__init__()
@@ -71,6 +75,27 @@ class Adapter(nn.Module):
         nn.init.normal_(self.down.weight, std=init_std)
         nn.init.zeros_(self.up.weight)
 
+    def get_extra_state(self) -> torch.Tensor:
+        """``[format, variant, scale]`` (float64; ``nan`` for an adapter of no stack): what
+        its weights mean. Format 2: ``layer_f``'s ``A_g`` divided by the scale (2026-12-06)."""
+        if self.converted_as is None:
+            return torch.tensor([_FORMAT, math.nan, math.nan], dtype=torch.float64)
+        variant, scale = self.converted_as
+        return torch.tensor([_FORMAT, VARIANTS.index(variant), scale], dtype=torch.float64)
+
+    def set_extra_state(self, state: Any) -> None:
+        mine = self.get_extra_state()
+        if isinstance(state, torch.Tensor) and torch.equal(
+            state.detach().cpu().double().nan_to_num(-1.0), mine.nan_to_num(-1.0)
+        ):
+            return
+        raise InvalidArgumentError(
+            f"these adapter weights were saved for {_describe(state)}, and this adapter is "
+            f"{_describe(mine)}: the same weights compute another function. Convert with "
+            "the variant and scale they were trained with (make_reversible(model, "
+            "variant=..., scale=...)), then load"
+        )
+
     def forward(self, x: torch.Tensor, **_: Any) -> torch.Tensor:
         if self.dim in (-1, x.dim() - 1):
             return self._features_last(x)
@@ -81,6 +106,19 @@ class Adapter(nn.Module):
         if x.dtype == dtype or (x.dtype != torch.float64 and torch.is_autocast_enabled()):
             return self.up(self.act(self.down(x)))  # (autocast casts what it runs)
         return self.up(self.act(self.down(x.to(dtype)))).to(x.dtype)  # wider streams
+
+
+_FORMAT = 2.0
+
+
+def _describe(state: Any) -> str:
+    """What an adapter's extra state says, in words."""
+    if not (isinstance(state, torch.Tensor) and state.numel() == 3):
+        return f"an unknown layout ({state!r})"
+    fmt, variant, scale = state.tolist()
+    if math.isnan(variant):
+        return f"no reversible stack (format {fmt:g})"
+    return f"variant={VARIANTS[int(variant)]!r}, scale={scale:g} (format {fmt:g})"
 
 
 class LayerBranch(nn.Module):
