@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -186,6 +187,42 @@ def test_adapters_saved_for_another_scale_or_variant_are_refused():
     same = case.make_model()
     make_reversible(same, blocks=case.blocks_path, scale=2**-3)
     same.load_state_dict(state)  # strict: every key, the extra states included
+
+
+def test_scale_auto_keeps_the_start_within_the_tolerance():
+    """scale="auto" measures the output's change at conversion on the example and picks the
+    largest 2^-k within start_tolerance (the change is linear in the scale: at twice the
+    scale it is above); the model's modes come back; the figure is kept."""
+    case = zoo.CASES["gpt2"]
+    example = {"input_ids": case.make_example(4, 32)["input_ids"]}
+    model = case.make_model()
+    make_reversible(model, scale="auto", example=example)
+    layers = reversible_layers(model)
+    k = -math.log2(layers.scale)
+    assert k == int(k) and 1 <= k <= 16 and layers.exact and model.training
+    assert 0 < layers.start <= 1e-3
+    twice = case.make_model()
+    make_reversible(twice, scale=2 * layers.scale, example=example)  # measured, not chosen
+    assert reversible_layers(twice).start > 1e-3
+    looser = case.make_model()
+    make_reversible(looser, scale="auto", example=example, start_tolerance=1e-2)
+    assert reversible_layers(looser).scale > layers.scale
+
+
+def test_scale_auto_refuses_what_it_cannot_do():
+    case = zoo.CASES["nanogpt"]
+    idx, _ = case.make_example(2, 16)
+    with pytest.raises(InvalidArgumentError, match="pass example="):
+        make_reversible(case.make_model(), scale="auto")
+    with pytest.raises(InvalidArgumentError, match="start_tolerance="):
+        make_reversible(case.make_model(), scale="auto", example=idx, start_tolerance=0)
+    model = case.make_model()
+    before = model(idx)[0]
+    with pytest.raises(InvalidArgumentError, match=r"even at scale 2\^-16"):
+        make_reversible(model, scale="auto", example=idx, start_tolerance=1e-12)
+    assert not any("revckpt_adapter" in n for n, _ in model.named_parameters())
+    assert torch.equal(model(idx)[0], before)  # left as it was
+    assert all(p.requires_grad for p in model.parameters())
 
 
 def test_eval_and_no_grad_compute_the_same_function():

@@ -113,6 +113,7 @@ class ReversibleLayers:
     limit: tuple[int, ...] | None = None
     shape: tuple[int, ...] | None = None
     auto_exact = False  # exact="auto" chose (make_reversible); read by the 16-bit warning
+    start: float | None = None  # the output's relative change at conversion, where measured
     feature_dim = -1  # the adapters' dimension of the hidden state
 
     def __init__(

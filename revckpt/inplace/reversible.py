@@ -36,6 +36,7 @@ from ._reversible_calls import (
     instance_forward,
 )
 from ._reversible_stack import SIXTEEN_BITS, InstalledForward, ReversibleLayers, auto_anchors
+from ._reversible_start import measure_start, relative_change, run_output
 from .blocks import Blocks, find_blocks
 from .install import REVERSIBLE_ATTR
 
@@ -56,7 +57,9 @@ def make_reversible(
     model: nn.Module,
     *,
     variant: Literal["layer_f", "layer_g"] = "layer_f",
-    scale: float = 2**-8,
+    scale: float | Literal["auto"] = 2**-8,
+    example: Any = None,
+    start_tolerance: float = 1e-3,
     rank: int = 8,
     trainable: Literal["adapters", "all"] = "adapters",
     blocks: Blocks = None,
@@ -81,7 +84,15 @@ def make_reversible(
             ``nn.TransformerEncoder``; halve it to halve that). A power of two ``2^-k``
             (``k <= 16``) is rebuilt exactly at the cost of ``k`` bits per element and layer
             (``exact``); any other scale in floating point, where reconstruction error grows
-            by about ``2 / scale`` per layer (``anchor_every`` bounds it).
+            by about ``2 / scale`` per layer (``anchor_every`` bounds it). ``"auto"``: the
+            largest ``2^-k`` (``k <= 16``) that moves the output on ``example`` by at most
+            ``start_tolerance``, measured (:mod:`revckpt.inplace._reversible_start`).
+        example: one batch (a tensor, a tuple of positional arguments or a dict of keyword
+            arguments, as for :func:`revckpt.fit`): with it the relative change of the
+            model's output at conversion is measured on it (eval mode, no gradients) and
+            kept in ``reversible_layers(model).start``; ``scale="auto"`` needs it.
+        start_tolerance: the largest relative change of the output at conversion
+            ``scale="auto"`` accepts (default 1e-3).
         rank: the adapters' bottleneck width.
         trainable: ``"adapters"`` freezes the parameters of the converted layers (the
             pretrained ones: ``requires_grad=False``, no gradients, no memory for them), so
@@ -140,6 +151,12 @@ def make_reversible(
     cross-attention context computed by trainable parameters is refused at the call).
     Undo with :func:`revckpt.restore`.
     """
+    if scale == "auto" or example is not None:
+        options = dict(variant=variant, rank=rank, trainable=trainable, blocks=blocks,
+                       width=width, feature_dim=feature_dim, anchor_every=anchor_every,
+                       check_inverse=check_inverse, stream_dtype=stream_dtype,
+                       exact=exact)  # fmt: skip
+        return _with_start(model, scale, example, start_tolerance, options)
     _check_options(variant, trainable, scale, exact)
     layers = _layers_of(model, blocks)
     model_dtype = dtype_of(layers[0][1]) or torch.float32
@@ -178,6 +195,31 @@ def make_reversible(
         object.__setattr__(layer, _ATTR, (i, converted))
         object.__setattr__(layer, "forward", InstalledForward(layer))
     object.__setattr__(model, _ATTR, converted)
+    return model
+
+
+def _with_start(
+    model: nn.Module, scale: Any, example: Any, tolerance: float, options: dict[str, Any]
+) -> nn.Module:
+    """:func:`make_reversible` with the output's change at conversion measured on
+    ``example`` (and, for ``scale="auto"``, the scale chosen from it)."""
+    if example is None:
+        raise InvalidArgumentError(
+            "make_reversible(scale='auto') measures how far conversion moves the output: pass "
+            "example= (one batch, as for revckpt.fit), or a scale (e.g. 2**-8)"
+        )
+
+    def convert(s: float) -> None:
+        make_reversible(model, scale=s, **options)
+
+    if scale == "auto":
+        _, start = measure_start(convert, lambda: remove_reversible(model), model, example,
+                                 tolerance)  # fmt: skip
+    else:
+        before = run_output(model, example)
+        convert(scale)
+        start = relative_change(before, run_output(model, example))
+    reversible_layers(model).start = start
     return model
 
 
