@@ -7,7 +7,8 @@ converted (``variant``: layer_f and layer_g) at scales ``2^-k`` and rebuilt exac
 default for such scales), in float32. Per model and scale: the relative change of the output
 (logits, or the last hidden state where there are none) against the model before conversion,
 ``||after - before|| / ||before||`` in float64, on one batch in eval mode, and the bits per
-element and layer the exact rebuild keeps (``k``).
+element and layer the exact rebuild keeps (``k``); and the scale ``make_reversible(...,
+scale="auto", example=...)`` chose for a start within 1e-3, with the start it measured.
 
 The change is the scale times the residual updates the auxiliary stream carries (see
 ``docs/reversible.md``), so it halves with the scale: a model whose updates are large against
@@ -19,6 +20,7 @@ start. Run ``python benchmarks/finetune_start.py`` (about a minute); prints a ta
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -65,12 +67,28 @@ def start(name: str, variant: str, shift: int) -> float:
     return float((after - before).norm() / before.norm())
 
 
+def auto(name: str, variant: str) -> tuple[int, float]:
+    """``make_reversible(scale="auto", example=...)`` on zoo model ``name``: the ``k`` of the
+    scale ``2^-k`` it chose for a start within 1e-3, and the start it measured."""
+    case = zoo.CASES[name]
+    model = case.make_model()
+    example = case.make_example(4, 32)
+    revckpt.make_reversible(model, variant=variant, scale="auto", example=example,
+                            blocks=case.blocks_path)  # fmt: skip
+    layers = revckpt.inplace.reversible_layers(model)
+    return round(-math.log2(layers.scale)), float(layers.start)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = " | ".join(f"2^-{k} ({k} bits)" for k in SHIFTS)
-    lines = [f"| model | variant | {head} |", "|---|---|" + "---|" * len(SHIFTS)]
+    lines = [
+        f"| model | variant | {head} | scale='auto': chosen, start |",
+        "|---|---|" + "---|" * (len(SHIFTS) + 1),
+    ]
     for r in rows:
         cells = " | ".join(f"{r['start'][str(k)]:.2e}" for k in SHIFTS)
-        lines.append(f"| {r['model']} | {r['variant']} | {cells} |")
+        chosen = f"2^-{r['auto_shift']}, {r['auto_start']:.2e}"
+        lines.append(f"| {r['model']} | {r['variant']} | {cells} | {chosen} |")
     return "\n".join(lines)
 
 
@@ -80,11 +98,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    rows = [
-        {"model": m, "variant": v, "start": {str(k): start(m, v, k) for k in SHIFTS}}
-        for m in args.models
-        for v in ("layer_f", "layer_g")
-    ]
+    rows = []
+    for m in args.models:
+        for v in ("layer_f", "layer_g"):
+            shift, measured = auto(m, v)
+            rows.append(
+                {
+                    "model": m,
+                    "variant": v,
+                    "start": {str(k): start(m, v, k) for k in SHIFTS},
+                    "auto_shift": shift,
+                    "auto_start": measured,
+                }
+            )
     result = {
         "benchmark": "finetune_start",
         "command": "python benchmarks/finetune_start.py",

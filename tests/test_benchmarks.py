@@ -268,6 +268,17 @@ def test_bench_finetune_quick(tmp_path, capsys):
     assert load("bench_finetune").main(args)["pretraining"]["cached"]
 
 
+def test_finetune_start_is_linear_in_the_scale_and_auto_meets_it(tmp_path):
+    out = tmp_path / "s.json"
+    result = load("finetune_start").main(["--models", "nanogpt", "--out", str(out)])
+    assert json.loads(out.read_text())["benchmark"] == "finetune_start"
+    for row in result["rows"]:
+        starts = [row["start"][str(k)] for k in (6, 8, 10)]
+        assert starts[0] / starts[1] == pytest.approx(4, rel=0.05)  # halves with the scale
+        assert starts[1] / starts[2] == pytest.approx(4, rel=0.05)
+        assert 0 < row["auto_start"] <= 1e-3 and 1 <= row["auto_shift"] <= 16
+
+
 def test_random_plan_peaks_few(tmp_path, capsys):
     out = tmp_path / "p.json"
     result = load("random_plan_peaks").main(["--plans", "3", "--out", str(out)])
