@@ -119,7 +119,8 @@ def drop_caches(
         warnings.warn(
             f"{what}: a key/value cache is not updated while training with revckpt (a "
             "recompute would update it twice); caching is off in training, as with Hugging "
-            "Face gradient checkpointing. Pass use_cache=False to silence this",
+            "Face gradient checkpointing. Pass use_cache=False to the forward call (or set "
+            "model.config.use_cache = False) to silence this",
             stacklevel=4,
         )
     return tuple(new_args), new_kwargs

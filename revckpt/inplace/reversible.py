@@ -344,7 +344,10 @@ def reversible_layers(model: nn.Module) -> ReversibleLayers:
 
 def _layers_of(model: nn.Module, blocks: Blocks) -> list[tuple[str, nn.Module]]:
     if model.__dict__.get(_ATTR) is not None:
-        raise InvalidArgumentError("this model was converted by make_reversible already")
+        raise InvalidArgumentError(
+            "this model was converted by make_reversible already; revckpt.restore(model) "
+            "undoes it (and drops the adapters) before converting again"
+        )
     layers = find_blocks(model, blocks)
     parents = {fqn.rpartition(".")[0] for fqn, _ in layers}
     if len(parents) != 1 or len(layers) < 1:
