@@ -24,8 +24,9 @@ def _within_budget(
     """The plan solved for the budget, confirmed by one metered step (``checked`` returns the
     plan, its prediction raised to what the step measured, and by how much the cost model was
     short). A plan that measured over the budget is solved again with the largest shortfall
-    seen taken off the budget. An infeasible budget is answered with the smallest budget a
-    plan met in a measured step. ``store_peak``: the store-all step's measured peak, of which
+    seen taken off the budget. An infeasible budget is answered with the least-peak plan
+    where its measured step is within the budget, else with the smallest budget a plan met
+    in a measured step. ``store_peak``: the store-all step's measured peak, of which
     a fractional budget is a fraction (and the plan's ``store_all_peak_bytes``); a budget it
     meets gets the store-all plan even where the cost model predicts that above it.
     ``phases``: what each phase of the step holds under a plan
@@ -45,6 +46,13 @@ def _within_budget(
                     store_all_peak_bytes=store_peak,
                 )
             smallest, _ = checked(err.smallest_budget_bytes)
+            if smallest.predicted_peak_bytes <= budget:  # measured within it: it fits
+                # (a retry's lowered target can fall below the least peak while the
+                # least-peak plan itself meets the budget, as when fit is called again at
+                # the smallest budget an earlier fit named, and times pick another plan)
+                return dataclasses.replace(
+                    smallest, memory_budget_bytes=budget, store_all_peak_bytes=store_peak
+                )
             least = min([smallest.predicted_peak_bytes, *tried])
             where = _where(phases(smallest)) if phases is not None else ""
             raise _infeasible(err, budget, least, store_peak, where) from None
