@@ -50,7 +50,10 @@ def on_grid(x: torch.Tensor, bits: int = GRID_BITS) -> torch.Tensor:
 
 def _check_range(y: torch.Tensor, bits: int) -> None:
     limit = 2.0 ** (52 - bits)
-    if not y.numel() or bool(y.abs().amax() < limit):  # a nan fails this too
+    if not y.numel():
+        return
+    low, high = torch.aminmax(y)  # one pass, no |y| made: a nan fails this too
+    if bool((high < limit) & (low > -limit)):
         return
     what = "an exact reversible stack (make_reversible(..., exact=True))"
     if not bool(y.isfinite().all()):
