@@ -59,7 +59,7 @@ def make_reversible(
     variant: Literal["layer_f", "layer_g"] = "layer_f",
     scale: float | Literal["auto"] = 2**-8,
     example: Any = None,
-    start_tolerance: float = 1e-3,
+    start_tolerance: float | None = None,
     rank: int = 8,
     trainable: Literal["adapters", "all"] = "adapters",
     blocks: Blocks = None,
@@ -92,7 +92,7 @@ def make_reversible(
             model's output at conversion is measured on it (eval mode, no gradients) and
             kept in ``reversible_layers(model).start``; ``scale="auto"`` needs it.
         start_tolerance: the largest relative change of the output at conversion
-            ``scale="auto"`` accepts (default 1e-3).
+            ``scale="auto"`` accepts (default 1e-3; only with ``scale="auto"``).
         rank: the adapters' bottleneck width.
         trainable: ``"adapters"`` freezes the parameters of the converted layers (the
             pretrained ones: ``requires_grad=False``, no gradients, no memory for them), so
@@ -152,12 +152,19 @@ def make_reversible(
     cross-attention context computed by trainable parameters is refused at the call).
     Undo with :func:`revckpt.restore`.
     """
+    if start_tolerance is not None and scale != "auto":
+        raise InvalidArgumentError(
+            f"start_tolerance={start_tolerance!r} is what scale='auto' keeps the output's "
+            f"change within; with scale={scale!r} given, leave it out (example= measures the "
+            "change at that scale: reversible_layers(model).start)"
+        )
     if scale == "auto" or example is not None:
         options = dict(variant=variant, rank=rank, trainable=trainable, blocks=blocks,
                        width=width, feature_dim=feature_dim, anchor_every=anchor_every,
                        check_inverse=check_inverse, stream_dtype=stream_dtype,
                        exact=exact)  # fmt: skip
-        return _with_start(model, scale, example, start_tolerance, options)
+        tolerance = 1e-3 if start_tolerance is None else start_tolerance
+        return _with_start(model, scale, example, tolerance, options)
     _check_options(variant, trainable, scale, exact)
     layers = _layers_of(model, blocks)
     model_dtype = dtype_of(layers[0][1]) or torch.float32
