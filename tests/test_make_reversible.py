@@ -239,7 +239,7 @@ def test_scale_auto_refuses_what_it_cannot_do():
         make_reversible(case.make_model(), scale="auto")
     with pytest.raises(InvalidArgumentError, match="start_tolerance="):
         make_reversible(case.make_model(), scale="auto", example=idx, start_tolerance=0)
-    with pytest.raises(InvalidArgumentError, match="start_tolerance=.*leave it out"):
+    with pytest.raises(InvalidArgumentError, match=r"start_tolerance=.*leave it out"):
         make_reversible(case.make_model(), scale=2**-8, start_tolerance=1e-4)  # not ignored
     model = case.make_model()
     before = model(idx)[0]
