@@ -113,10 +113,9 @@ def make_reversible(
             rebuilt exactly).
             ``"auto"``: the largest ``k`` with ``(2 / scale) ** k * eps <= 1e-3`` for the
             layers' dtype (scale 1/8: 3 for float32, 1 for bfloat16, 10 for float64; 2^-8:
-            1 for float32), none if
-            that covers every layer, read at each forward (a model cast after conversion,
-            ``model.to(torch.bfloat16)``, gets the anchors of its new dtype); ``None``: no
-            anchors.
+            1 for float32), none if that covers every layer, read at each forward (a model
+            cast after conversion, ``model.to(torch.bfloat16)``, gets the anchors of its new
+            dtype); ``None``: no anchors.
         check_inverse: as for :class:`revckpt.layers.ReversibleSequential`; the measured
             drift is in ``revckpt.inplace.reversible_layers(model).last_drift``, per layer
             for a number, for the first layer and the anchors only (``None`` for the others)
@@ -140,9 +139,9 @@ def make_reversible(
             ``stream_dtype`` nor an ``anchor_every`` number is given, in any dtype (in float64
             the grid's 2^-30 rounds the forward a little, and the gradients equal plain
             autograd's of the converted model to 1e-15 where an anchored rebuild's are off
-            by 1e-8; in float32 a
-            floating-point rebuild at ``2^-8`` needs an anchor per layer, which keeps more
-            than checkpointing would; in 16 bits it is off by 1e-2 or more even so). A 16-bit
+            by 1e-8; in float32 a floating-point rebuild at ``2^-8`` needs an anchor per
+            layer, which keeps more than checkpointing would; in 16 bits it is off by 1e-2 or
+            more even so). A 16-bit
             model with a scale the grid cannot take, or one converted in floating point and
             cast to 16 bits afterwards, warns :class:`~revckpt.layers.ReconstructionWarning`.
 
