@@ -700,8 +700,8 @@ def test_fit_on_other_block_styles(name: str) -> None:
     if name == "bottleneck-resnet":
         make, example, loss_fn = RN, (torch.randn(8, 3, 48, 48),), (lambda o: o.square().mean())
         # its smallest budget is 56% of store-all; a fit at exactly the smallest budget
-        # another fit named can miss it by 128 bytes (the least-peak search breaks ties
-        # between plans a few bytes apart by their times): a budget above it, not that path
+        # another fit named can miss it by 128 bytes (which of two plans 128 bytes apart the
+        # solver's byte slots let it find there depends on their times): a budget above it
         budget = "60%"
     else:
         tokens = torch.randint(0, 128, (8, 64), generator=torch.Generator().manual_seed(0))
