@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._numbers import relative_error
 from ..errors import InvalidArgumentError
 from ..layers.grid import MAX_SHIFT
 from .step import split_example
@@ -67,9 +68,10 @@ def run_output(model: nn.Module, example: Any) -> torch.Tensor:
 
 
 def relative_change(before: torch.Tensor, after: torch.Tensor) -> float:
-    norm = float(before.norm())
-    diff = float((after - before).norm())
-    return diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
+    """:func:`revckpt._numbers.relative_error` of ``after``, a ``nan`` (an output that became
+    non-finite) counted as infinite: past any tolerance."""
+    change = relative_error(after, before)
+    return math.inf if math.isnan(change) else change
 
 
 def shift_for(start: float, tolerance: float) -> int:
