@@ -32,8 +32,10 @@ __all__ = [
     "CodecErrors",
     "Exact",
     "Sensitivities",
+    "StepRecord",
     "chain_sensitivities",
     "error_fields",
+    "projection",
     "rng_state",
     "sensitivities",
     "step_sensitivities",
@@ -88,13 +90,26 @@ def sensitivities(
     for block in chain:
         states.append(rng_state(x.device))
         h = block(h, **kwargs)
-        if not isinstance(h, torch.Tensor):
-            raise InvalidInputTypeError(
-                "the scheduler handles chains of blocks returning one tensor; "
-                f"{type(block).__name__} returned {type(h).__name__}"
-            )
+        _check_output(block, h)
         outs.append(h)
     return chain_sensitivities(leaf, outs, chain, states)
+
+
+def _check_output(block: nn.Module, y: Any) -> None:
+    if not isinstance(y, torch.Tensor):
+        raise InvalidInputTypeError(
+            "the scheduler handles chains of blocks returning one tensor; "
+            f"{type(block).__name__} returned {type(y).__name__}"
+        )
+
+
+def projection(y: torch.Tensor) -> torch.Tensor:
+    """The seeded random ``w`` of the projection loss ``<w, y>`` of a chain output ``y``: the
+    gradient its backward starts from."""
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(y.shape, generator=gen).to(
+        y.device, y.dtype if y.is_floating_point() else None
+    )
 
 
 def chain_sensitivities(
@@ -108,11 +123,47 @@ def chain_sensitivities(
     generator states each block's forward started from. One backward of the seeded projection
     ``<w, y>`` of the last output (:func:`sensitivities`, or the graph of a traced step)."""
     h = outs[-1]
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(h.shape, generator=gen).to(h.device, h.dtype if h.is_floating_point() else None)
     inputs = [first.detach()] + [o.detach() for o in outs[:-1]]
-    loss = (h * w).sum() if h.requires_grad else None
+    loss = (h * projection(h)).sum() if h.requires_grad else None
     return _gradients(loss, first, list(outs), chain, inputs, states)
+
+
+@dataclass
+class StepRecord:
+    """What a stored step of the chain leaves for the error model, recorded as it runs
+    (:func:`~revckpt.schedule.probe.timed_step` with ``record=``, its output's gradient the
+    :func:`projection`): per block its input and output (detached), the generator states its
+    forward started from and its output's gradient; the chain input's gradient. With the
+    parameters' gradients the step accumulated from none, :meth:`sensitivities` gives what
+    :func:`sensitivities` does, without a run of its own."""
+
+    device: torch.device
+    inputs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    outputs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    states: list[Any] = dataclasses.field(default_factory=list)
+    cotangents: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    input_grad: torch.Tensor | None = None
+
+    def entered(self, h: torch.Tensor) -> None:
+        """A block's forward starts on ``h``."""
+        self.inputs.append(h.detach())
+        self.states.append(rng_state(self.device))
+
+    def left(self, block: nn.Module, y: Any) -> None:
+        """A block's forward returned ``y``."""
+        _check_output(block, y)
+        self.outputs.append(y.detach())
+
+    def sensitivities(self, chain: Sequence[nn.Module]) -> Sensitivities:
+        """The :class:`Sensitivities` of the recorded step; ``chain``'s parameter gradients
+        are those the step accumulated (``None`` before it: a parameter it left without one
+        did not take part)."""
+        n = len(chain)
+        per_block = [[p.grad for p in b.parameters() if p.requires_grad] for b in chain]
+        cotangents = [self.cotangents.get(i) for i in range(n)]
+        first_grad = self.input_grad
+        inputs_grad = [first_grad, *cotangents[:-1]]
+        return _assembled(cotangents, per_block, first_grad, inputs_grad, self, self.states)
 
 
 def step_sensitivities(
@@ -151,23 +202,49 @@ def _gradients(
         return Sensitivities([None] * n, [0.0] * n, 0.0, [None] * n, inputs)
     grads = torch.autograd.grad(loss, wrt, allow_unused=True)
     by_id = {id(t): g for t, g in zip(wrt, grads, strict=True)}
-
-    def sq(g: torch.Tensor | None) -> float:
-        return 0.0 if g is None else float(g.double().pow(2).sum())
-
     cotangents = [by_id.get(id(o)) for o in outs]
-    grad_sq = [sum(sq(by_id[id(p)]) for p in ps) for ps in per_block]
-    input_sq = sq(by_id.get(id(first)))
-    exact: list[Exact | None] = [None] * n
-    for i, ps in enumerate(per_block if states is not None else []):
-        g_in = by_id.get(id(first if i == 0 else outs[i - 1]))
-        g_par = [by_id[id(p)] for p in ps]
+    first_grad = by_id.get(id(first))
+    per_block_grads = [[by_id[id(p)] for p in ps] for ps in per_block]
+    inputs_grad = [first_grad, *cotangents[:-1]]
+    ran = _Ran(inputs, [o.detach() for o in outs])
+    return _assembled(cotangents, per_block_grads, first_grad, inputs_grad, ran, states)
+
+
+@dataclass(frozen=True)
+class _Ran:
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+
+
+def _sq(g: torch.Tensor | None) -> float:
+    return 0.0 if g is None else float(g.double().pow(2).sum())
+
+
+def _assembled(
+    cotangents: list[torch.Tensor | None],
+    param_grads: list[list[torch.Tensor | None]],
+    first_grad: torch.Tensor | None,
+    inputs_grad: list[torch.Tensor | None],
+    ran: _Ran | StepRecord,
+    states: list[Any] | None,
+) -> Sensitivities:
+    """:class:`Sensitivities` from one backward's gradients: of each block's output, of each
+    block's parameters, of the chain input and of each block's input; ``ran``: the blocks'
+    inputs and outputs; :class:`Exact` gradients where ``states`` are given."""
+    exact: list[Exact | None] = [None] * len(param_grads)
+    for i, g_par in enumerate(param_grads if states is not None else []):
+        g_in = inputs_grad[i]
         if g_in is None or any(g is None for g in g_par):
             continue
-        par = torch.cat([g.reshape(-1) for g in g_par]) if g_par else outs[i].new_zeros(0)
-        exact[i] = Exact(g_in.reshape(-1), par, outs[i].detach().reshape(-1), states[i])
+        out = ran.outputs[i].reshape(-1)
+        par = torch.cat([g.reshape(-1) for g in g_par]) if g_par else out.new_zeros(0)
+        exact[i] = Exact(g_in.reshape(-1), par, out, states[i])
     return Sensitivities(
-        [None if c is None else c.detach() for c in cotangents], grad_sq, input_sq, exact, inputs
+        [None if c is None else c.detach() for c in cotangents],
+        [sum(_sq(g) for g in gs) for gs in param_grads],
+        _sq(first_grad),
+        exact,
+        list(ran.inputs),
     )
 
 
@@ -298,16 +375,25 @@ def error_fields(
 
 
 class _Against:
-    """Relative errors against one reference tensor, as :func:`revckpt._numbers.relative_error`
-    gives them (``||got - ref|| / ||ref||`` in float64), the reference's float64 copy and norm
-    made once for every codec compared with it."""
+    """Relative errors ``||got - ref|| / ||ref||`` against one reference tensor, its norm made
+    once for every codec compared with it. In the tensors' own precision, the working one
+    (float32's round-off is orders of magnitude below a codec's error: see the module
+    docstring), without float64 copies of every tensor compared; in float64 where a norm
+    overflows there."""
 
     def __init__(self, ref: torch.Tensor) -> None:
-        self.ref = ref.double()
-        self.norm = math.sqrt(float(self.ref.pow(2).sum()))
+        self.ref = ref
+        self.norm = _norm(ref)
 
     def __call__(self, got: torch.Tensor) -> float:
-        return relative(math.sqrt(float((got.double() - self.ref).pow(2).sum())), self.norm)
+        return relative(_norm(got - self.ref), self.norm)
+
+
+def _norm(t: torch.Tensor) -> float:
+    norm = float(torch.linalg.vector_norm(t))
+    if math.isfinite(norm) or not bool(torch.isfinite(t).all()):
+        return norm
+    return math.sqrt(float(t.double().pow(2).sum()))  # overflowed: only float64 holds it
 
 
 def codec_errors(run: _Runner, x: torch.Tensor, codecs: Sequence[str]) -> CodecErrors:

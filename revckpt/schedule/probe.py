@@ -8,7 +8,11 @@ backward between the moments the gradients of its output and of its input are re
 hooks; the single-threaded CPU engine, or a CUDA synchronisation at each mark, makes these
 moments the segment's bounds).
 
-One step stores every block: each block's forward and backward. Each further step runs a
+One step stores every block: each block's forward and backward. In a profile it is the
+profile's first step, which also records what the error model needs (``record=``: each block's
+input, output, random state and output gradient, :class:`~.block_errors.StepRecord`), so that
+no separate run of the chain is needed for it (it was a step more of every profile, and the
+stored step's warm-up). Each further step runs a
 few strategies and a stored *reference*, each on two stretches of contiguous blocks
 (``A B S A B S`` along the chain; once, ``A B S``, where a part would get fewer than two
 blocks), every block of a strategy stretch as a segment of its own; the strategy ``chained``
@@ -62,6 +66,7 @@ import torch
 from torch import nn
 
 from ..measure.timing import Clock
+from .block_errors import StepRecord
 from .costs import CHECKPOINT, STORE, Segment
 from .plan import run_segment, segment_runs
 from .probe_times import StoredTimes, Timed, chained_extras, overheads, strategy_order
@@ -93,35 +98,50 @@ def timed_step(
     chain: Sequence[nn.Module],
     segments: Sequence[Segment],
     x: torch.Tensor,
-    grad: torch.Tensor,
+    grad: torch.Tensor | Callable[[torch.Tensor], torch.Tensor],
     kwargs: dict[str, Any],
     *,
     clock: Clock = time.perf_counter,
+    record: StepRecord | None = None,
 ) -> list[tuple[float, float]]:
     """One training step of ``chain`` run as ``segments``; per segment its forward and
-    backward seconds on ``clock``."""
+    backward seconds on ``clock``. ``grad``: the output's gradient, or what makes it from
+    the output. ``record``: a stored step (one block per segment) also records, outside the
+    clock's spans, what the error model needs (:class:`~.block_errors.StepRecord`)."""
     runs = segment_runs(chain, segments)
+    assert record is None or all(s.strategy == STORE and s.stop == s.start + 1 for s in segments)
     leaf = x.detach().requires_grad_(x.is_floating_point())
     n = len(runs)
     marks: list[float | None] = [None] * (n + 1)  # when each boundary's gradient is ready
 
     def mark(b: int) -> Callable[[torch.Tensor], None]:
-        def hook(_: torch.Tensor) -> None:
+        def hook(g: torch.Tensor) -> None:
             marks[b] = _now(clock, x.device)
+            if record is not None:
+                record.cotangents[b - 1] = g
 
         return hook
 
     forward = []
     h = leaf
     for p, (strategy, run) in enumerate(runs):
+        if record is not None:
+            record.entered(h)
         start = _now(clock, x.device)
         h = run_segment(strategy, run, h, kwargs)
         forward.append(_now(clock, x.device) - start)
+        if record is not None:
+            record.left(run[0], h)
         if p < n - 1 and h.requires_grad:
             h.register_hook(mark(p + 1))
+    out_grad = grad if isinstance(grad, torch.Tensor) else grad(h)
+    if record is not None:
+        record.cotangents[n - 1] = out_grad
     marks[n] = _now(clock, x.device)
-    h.backward(grad)
+    h.backward(out_grad)
     marks[0] = _now(clock, x.device)
+    if record is not None:
+        record.input_grad = leaf.grad
     # a boundary without a gradient (nothing before it needs one) gets the next mark's time:
     # its segment's backward time then falls to the segment before it
     for b in range(1, n):
@@ -189,6 +209,7 @@ def probe_chain(
     parts: int | None = None,
     rounds: int = 1,
     warm: bool = True,
+    stored: list[tuple[float, float]] | None = None,
     clock: Clock = time.perf_counter,
 ) -> InChain:
     """Time the chain's step stored, then every strategy on contiguous parts, ``parts`` per
@@ -197,12 +218,15 @@ def probe_chain(
     ``groups[i]``: block ``i``'s group (identical blocks share one); ``options[i]``: the
     one-block strategies it can run with, ``"store"`` first; ``grad``: the chain output's
     gradient; ``warm``: the caches and allocator are warm (a stored step ran just before), or
-    one untimed stored step runs first."""
+    one untimed stored step runs first; ``stored``: the stored step's times, timed by the
+    caller (:func:`timed_step`, every block a segment of its own), then none is run here."""
     n = len(chain)
     stored_segments = [Segment(i, i + 1, STORE) for i in range(n)]
-    if not warm:
-        timed_step(chain, stored_segments, x, grad, kwargs, clock=clock)
-    stored = timed_step(chain, stored_segments, x, grad, kwargs, clock=clock)
+    stored_steps = 0 if stored is not None else 1 if warm else 2
+    if stored is None:
+        if not warm:
+            timed_step(chain, stored_segments, x, grad, kwargs, clock=clock)
+        stored = timed_step(chain, stored_segments, x, grad, kwargs, clock=clock)
     strategies = sorted({s for o in options for s in o if s != STORE}, key=strategy_order(options))
     kinds = [*strategies, CHAINED] if n > 1 else strategies
     if parts is None:  # two strategy steps: two kinds each for up to four kinds, three for six
@@ -225,7 +249,7 @@ def probe_chain(
         backward_s=tuple(times.bwd[g] for g in groups),
         overhead_s=tuple(overhead),
         chained_s=tuple(chained[i] for i in range(n)),
-        rounds=1 + rounds * len(steps) + again + (0 if warm else 1) + warmed,
+        rounds=stored_steps + rounds * len(steps) + again + warmed,
     )
 
 

@@ -14,14 +14,14 @@ from torch import nn
 
 from ..errors import InvalidInputTypeError
 from ..strategy import Strategy
-from .block_errors import error_fields, sensitivities
+from .block_errors import StepRecord, error_fields, projection
 from .block_memory import memory_costs
 from .block_profile import one_block_strategies
 from .block_time import block_times, codec_seconds, derived_codecs
 from .compiled import compiled_costs
-from .costs import CHECKPOINT, SELECTIVE, STORE, BlockCost
+from .costs import CHECKPOINT, SELECTIVE, STORE, BlockCost, Segment
 from .ops import op_choices
-from .probe import InChain, probe_chain
+from .probe import InChain, probe_chain, timed_step
 
 DEFAULT_POLICIES = ("matmul+attention",)
 AUTO = "auto"  # policies chosen per block from its operations (op_choices)
@@ -76,14 +76,16 @@ class _ProfilingJob:
         floating = self.x.is_floating_point()
         codecs = self.codecs if floating else ()
         compress = self.compress if floating else ()
-        weights = sensitivities(chain, self.x, kw) if codecs or compress else None
-        inputs = _inputs(chain, self.x, kw) if weights is None else weights.inputs
+        params = [p for b in chain for p in b.parameters() if p.requires_grad]
+        record = None if self.compiled else StepRecord(self.x.device)
+        stored = self._stored_step(params, record)
+        weights = record.sensitivities(chain) if record and (codecs or compress) else None
+        inputs = record.inputs if record else _inputs(chain, self.x, kw)
         keys = [same_costs_key(b, h, kw) for b, h in zip(chain, inputs, strict=True)]
         groups = [keys.index(k) for k in keys]  # a group: its first block's index
         reps = sorted(set(groups))
         errors_needed = [i for i, h in enumerate(inputs) if weights and h.is_floating_point()]
         tick = _Ticker(progress, len(reps) + 1 + len(errors_needed))
-        params = [p for b in chain for p in b.parameters() if p.requires_grad]
         for p in params:  # steady state: gradients exist
             p.grad = torch.zeros_like(p)
         memory = {}
@@ -104,9 +106,10 @@ class _ProfilingJob:
         if self.compiled:
             return self._compiled(memory, groups, tick)
         options = [one_block_strategies(memory[g].fields, offload) for g in groups]
-        grad = memory[groups[-1]].grad_out
+        assert record is not None and stored is not None
+        grad = record.cotangents[len(chain) - 1]
         probed = probe_chain(
-            chain, self.x, grad, kw, groups, options, rounds=self.rounds, warm=weights is not None
+            chain, self.x, grad, kw, groups, options, rounds=self.rounds, stored=stored
         )
         tick()
         costs = []
@@ -120,6 +123,20 @@ class _ProfilingJob:
                 tick()
             costs.append(BlockCost(**fields))
         return costs
+
+    def _stored_step(
+        self, params: list[nn.Parameter], record: StepRecord | None
+    ) -> list[tuple[float, float]] | None:
+        """The chain's first step, every block stored and timed (the probe's stored step), its
+        output's gradient the error model's :func:`~.block_errors.projection`, recording
+        what the error model needs (``record``; the parameters' gradients are then those of
+        this step alone); none where ``record`` is ``None`` (compiled: no in-chain timing)."""
+        if record is None:
+            return None
+        for p in params:
+            p.grad = None
+        stored = [Segment(i, i + 1, STORE) for i in range(len(self.chain))]
+        return timed_step(self.chain, stored, self.x, projection, self.kwargs, record=record)
 
     def _compiled(self, memory: dict[int, Any], groups: list[int], tick: Any) -> list[BlockCost]:
         """Every block's costs compiled: each group's eager fields (sizes, random states), its

@@ -1,0 +1,79 @@
+"""The profile's first step: the stored chain timed and recorded for the error model at once."""
+
+import torch
+from torch import nn
+
+from revckpt.models import gpt_like
+from revckpt.schedule import Segment, profile
+from revckpt.schedule.block_errors import StepRecord, projection, sensitivities
+from revckpt.schedule.probe import timed_step
+
+
+def _chain():
+    torch.manual_seed(0)
+    chain = gpt_like(3, 16, 2, dropout=0.1).double()
+    # a block with a parameter the step leaves without a gradient
+    unused = nn.Linear(16, 16).double()
+    chain.append(_Skip(unused))
+    return chain, torch.randn(2, 5, 16, dtype=torch.float64)
+
+
+class _Skip(nn.Module):
+    def __init__(self, unused: nn.Module) -> None:
+        super().__init__()
+        self.unused = unused
+
+    def forward(self, h):
+        return h * 2.0
+
+
+def test_a_recorded_stored_step_gives_what_sensitivities_give():
+    chain, x = _chain()
+    torch.manual_seed(1)
+    want = sensitivities(chain, x, {})
+    for p in chain.parameters():
+        p.grad = None
+    torch.manual_seed(1)  # the same dropout draws
+    record = StepRecord(x.device)
+    segments = [Segment(i, i + 1, "store") for i in range(len(chain))]
+    times = timed_step(chain, segments, x, projection, {}, record=record)
+    got = record.sensitivities(chain)
+    assert len(times) == len(chain)
+    for a, b in zip(got.inputs, want.inputs, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(got.cotangents, want.cotangents, strict=True):
+        assert torch.equal(a, b)
+    assert got.grad_sq == want.grad_sq
+    assert got.input_sq == want.input_sq
+    assert want.exact[-1] is None  # its unused parameter has no gradient
+    for a, b in zip(got.exact, want.exact, strict=True):
+        assert (a is None) == (b is None)
+        if a is None:
+            continue
+        for field in ("input_grad", "param_grad", "output"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), field
+        assert torch.equal(a.rng[0], b.rng[0])
+
+
+def test_profile_runs_the_stored_chain_once(monkeypatch):
+    """The stored step the probe times is the one the error model records (it was a run of
+    its own before, a step more of profiling)."""
+    from revckpt.schedule import probe
+
+    torch.manual_seed(0)
+    chain, x = gpt_like(8, 16, 2), torch.randn(2, 5, 16)  # long enough for references
+    stored_steps = []
+    timed = probe.timed_step
+
+    def counted(chain_, segments, *args, **kwargs):
+        if all(s.strategy == "store" for s in segments):
+            stored_steps.append(kwargs.get("record"))
+        return timed(chain_, segments, *args, **kwargs)
+
+    monkeypatch.setattr(probe, "timed_step", counted)
+    import revckpt.schedule.profiling as profiling
+
+    monkeypatch.setattr(profiling, "timed_step", counted)
+    prof = profile(chain, x, repeats=1)
+    assert len(stored_steps) == 1 and stored_steps[0] is not None
+    assert all(b.approx["bf16"].param_grad_error is not None for b in prof.blocks)
