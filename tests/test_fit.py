@@ -291,6 +291,27 @@ def test_the_least_peak_plan_that_measures_within_the_budget_is_taken() -> None:
     assert calls == [1000, 872, 1000]
 
 
+def test_the_smallest_budget_named_is_the_solvers_not_a_lower_plan_times_chose() -> None:
+    """At the solver's smallest budget, the plan found can peak a few bytes lower (it was the
+    faster one in this profile); a later fit at that lower peak may profile other times and
+    find only the least-peak plan, above it. The budget named is the solver's, which a later
+    solve always meets."""
+    from revckpt.inplace.confirm import _within_budget
+    from revckpt.schedule import Plan
+
+    def checked(target: int) -> tuple[Plan, int]:
+        if target < 1128:
+            raise revckpt.InfeasibleBudgetError("none", smallest_budget_bytes=1128)
+        return Plan(segments=(Segment(0, 1, "checkpoint"),), predicted_peak_bytes=1000,
+                    predicted_overhead=0.1, predicted_error=0.0, memory_budget_bytes=None,
+                    error_budget=0.0, store_all_peak_bytes=4000, base_time_s=1.0,
+                    name="faster"), 0  # fmt: skip
+
+    with pytest.raises(revckpt.InfeasibleBudgetError) as info:
+        _within_budget(checked, 500, 4000)
+    assert info.value.smallest_budget_bytes == 1128
+
+
 def test_approx_checkpoint_takes_bound_methods_and_partials() -> None:
     torch.manual_seed(0)
     layer = nn.Linear(8, 8)

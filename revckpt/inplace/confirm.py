@@ -53,7 +53,11 @@ def _within_budget(
                 return dataclasses.replace(
                     smallest, memory_budget_bytes=budget, store_all_peak_bytes=store_peak
                 )
-            least = min([smallest.predicted_peak_bytes, *tried])
+            # the solver's smallest budget, not this plan's peak where that is lower: the
+            # plan found there depends on the profiled times (another, a few bytes lower, can
+            # be the faster one), and a fit at the budget named must find a plan again
+            named = max(err.smallest_budget_bytes, smallest.predicted_peak_bytes)
+            least = min([named, *tried])
             where = _where(phases(smallest)) if phases is not None else ""
             raise _infeasible(err, budget, least, store_peak, where) from None
         if plan.predicted_peak_bytes <= budget:

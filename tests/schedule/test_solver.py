@@ -333,3 +333,20 @@ def test_the_largest_phase_of_a_plan_is_its_predicted_peak(seed):
 
 def names_of(n):
     return tuple(f"b{i}" for i in range(n))
+
+
+def test_a_solve_at_the_named_smallest_budget_finds_a_plan_where_the_search_finds_none(
+    monkeypatch,
+):
+    """At exactly the smallest budget named, the time search can miss every plan (its byte
+    slots round the least-peak plan out, and the relaxation's fastest plan is a few bytes
+    over): the least-peak plan, found without the times, is the answer there."""
+    from revckpt.schedule import solver
+
+    blocks = make_chain(10, 0)
+    with pytest.raises(InvalidArgumentError) as info:
+        solve(blocks, memory_budget=1)
+    named = info.value.smallest_budget_bytes
+    monkeypatch.setattr(solver, "_search", lambda problem, budget, slots: None)
+    plan = solve(blocks, memory_budget=named)
+    assert plan.predicted_peak_bytes == named
