@@ -26,6 +26,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from .._numbers import relative
 from ..approx import Approx, compress_saved
 from ..errors import InvalidInputTypeError
+from ..measure.timing import wall_time
 from .cost_records import ApproxCost, CompressCost, GradNorms
 
 __all__ = [
@@ -337,6 +338,7 @@ def error_fields(
     cotangent: torch.Tensor | None,
     kwargs: dict[str, Any],
     exact: Exact | None = None,
+    roundtrips: dict[str, list[float]] | None = None,
 ) -> dict[str, Any]:
     """A block's :class:`~revckpt.schedule.BlockCost` fields ``approx`` and ``compress``, the
     records it was priced with, with their errors measured: per codec of ``approx`` with its
@@ -348,13 +350,15 @@ def error_fields(
     (float64 for a float64 block; see the module docstring): a direct measurement, not a
     linearisation, it sees ReLU kinks and saturation too. ``exact``: the block's exact
     gradients from :func:`sensitivities`, which spare the exact run when the block works in
-    its own precision (the codec runs then replay the chain's random draws)."""
+    its own precision (the codec runs then replay the chain's random draws). ``roundtrips``:
+    where given, each approx codec's round trip of ``x`` is timed and its seconds appended
+    there, per codec (the profile's codec times, without round trips of their own)."""
     out: dict[str, Any] = {}
     if not approx and not compress:
         return out
     run = _Runner.of(block, x, cotangent, kwargs, exact)
     if approx:
-        m = codec_errors(run, x, list(approx))
+        m = codec_errors(run, x, list(approx), roundtrips)
         out["approx"] = {
             c: dataclasses.replace(
                 a,
@@ -396,14 +400,23 @@ def _norm(t: torch.Tensor) -> float:
     return math.sqrt(float(t.double().pow(2).sum()))  # overflowed: only float64 holds it
 
 
-def codec_errors(run: _Runner, x: torch.Tensor, codecs: Sequence[str]) -> CodecErrors:
+def codec_errors(
+    run: _Runner,
+    x: torch.Tensor,
+    codecs: Sequence[str],
+    roundtrips: dict[str, list[float]] | None = None,
+) -> CodecErrors:
     """Measured, per codec (see :class:`CodecErrors` and :func:`error_fields`)."""
     exact_in, exact_par, exact_y, exact_x = map(_Against, run.exact_figures(x))
     errors = CodecErrors({}, {}, {}, {})
+    made: list[torch.Tensor] = []
     for name in codecs:
         codec = Approx(store=name).codec
         assert codec is not None
-        got_in, got_par, got_y, got_x = run.grads(codec.roundtrip(x))
+        seconds = wall_time(lambda codec=codec: made.append(codec.roundtrip(x)))
+        if roundtrips is not None:
+            roundtrips.setdefault(name, []).append(seconds)
+        got_in, got_par, got_y, got_x = run.grads(made.pop())
         errors.parameters[name] = exact_par(got_par)
         errors.input_gradient[name] = exact_in(got_in)
         moved = exact_x(got_x)

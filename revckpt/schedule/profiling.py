@@ -5,6 +5,7 @@ block."""
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -112,16 +113,17 @@ class _ProfilingJob:
             chain, self.x, grad, kw, groups, options, rounds=self.rounds, stored=stored
         )
         tick()
-        costs = []
-        times = {g: self._times(g, memory[g], inputs[g], options[g], probed) for g in reps}
-        for i, block in enumerate(chain):
+        errors, roundtrips = {}, {g: {} for g in reps}  # the codecs' round trips, timed
+        for i in errors_needed:
             g = groups[i]
-            fields = dict(memory[g].fields)
-            fields.update(times[g])
-            if weights is not None and i in errors_needed:
-                fields.update(self._errors(block, inputs[i], weights, i, fields))
-                tick()
-            costs.append(BlockCost(**fields))
+            errors[i] = self._errors(chain[i], inputs[i], weights, i, memory[g], roundtrips[g])
+            tick()
+        costs = []
+        for g in reps:
+            times = self._times(g, memory[g], inputs[g], options[g], probed, roundtrips[g])
+            memory[g].fields.update(times)
+        for i in range(len(chain)):
+            costs.append(BlockCost(**{**memory[groups[i]].fields, **errors.get(i, {})}))
         return costs
 
     def _stored_step(
@@ -168,19 +170,35 @@ class _ProfilingJob:
         return tuple(dict.fromkeys([*found, *DEFAULT_POLICIES]))
 
     def _errors(
-        self, block: nn.Module, x: torch.Tensor, weights: Any, i: int, fields: dict[str, Any]
+        self,
+        block: nn.Module,
+        x: torch.Tensor,
+        weights: Any,
+        i: int,
+        memory: Any,
+        roundtrips: dict[str, list[float]],
     ) -> dict[str, Any]:
         """The error fields of block ``i`` (input ``x``): per codec for approx and compress,
-        and the weights of the chain's error model."""
-        args = (weights.cotangents[i], self.kwargs, weights.exact[i])
+        and the weights of the chain's error model; each codec's round trip timed into
+        ``roundtrips``."""
+        fields = memory.fields
+        args = (weights.cotangents[i], self.kwargs, weights.exact[i], roundtrips)
         out = error_fields(block, x, fields["approx"], fields["compress"], *args)
         out["grad_norms"] = weights.norms(i)
         return out
 
     def _times(
-        self, g: int, memory: Any, x: torch.Tensor, options: list[str], probed: InChain
+        self,
+        g: int,
+        memory: Any,
+        x: torch.Tensor,
+        options: list[str],
+        probed: InChain,
+        roundtrips: dict[str, list[float]],
     ) -> dict[str, Any]:
-        """The time fields of group ``g``: in-chain where measured, else the block alone."""
+        """The time fields of group ``g``: in-chain where measured, else the block alone; its
+        codecs' times from the round trips its blocks' error runs timed (``roundtrips``),
+        else timed here."""
         f, b = probed.forward_s[g], probed.backward_s[g]
         overhead = dict(probed.overhead_s[g])
         missing = [s for s in options if s != STORE and s not in overhead]
@@ -202,7 +220,11 @@ class _ProfilingJob:
                 if s in alone[2]:
                     overhead[s] = alone[2][s]
         if memory.fields["approx"]:
-            codec_s = codec_seconds(x, list(memory.fields["approx"]))
+            codecs = list(memory.fields["approx"])
+            if all(roundtrips.get(c) for c in codecs):
+                codec_s = {c: statistics.median(roundtrips[c]) for c in codecs}
+            else:
+                codec_s = codec_seconds(x, codecs)
             overhead = derived_codecs(overhead, codec_s, next(iter(memory.fields["approx"])))
         chained = probed.chained_s[g]
         if chained is None:  # no saving assumed: as its own node

@@ -77,3 +77,24 @@ def test_profile_runs_the_stored_chain_once(monkeypatch):
     prof = profile(chain, x, repeats=1)
     assert len(stored_steps) == 1 and stored_steps[0] is not None
     assert all(b.approx["bf16"].param_grad_error is not None for b in prof.blocks)
+
+
+def test_the_codecs_are_timed_on_the_round_trips_their_errors_need(monkeypatch):
+    """Each block's input goes through each codec once, for its errors; those round trips,
+    timed, price the codecs (they were timed again, four times per group, before)."""
+    from revckpt.approx.formats import Codec
+
+    torch.manual_seed(0)
+    chain, x = gpt_like(8, 16, 2), torch.randn(2, 5, 16)
+    calls = []
+    roundtrip = Codec.roundtrip
+
+    def counted(self, t):
+        calls.append(self)
+        return roundtrip(self, t)
+
+    monkeypatch.setattr(Codec, "roundtrip", counted)
+    prof = profile(chain, x, repeats=1, codecs=("bf16", "e4m3"))
+    assert len(calls) == 2 * len(chain)
+    for b in prof.blocks:  # e4m3 priced from bf16's in-chain time and the two round trips
+        assert b.strategy_overhead_s["approx:e4m3"] > 0
