@@ -15,7 +15,7 @@ from torch import nn
 
 from ..errors import InvalidInputTypeError
 from ..strategy import Strategy
-from .block_errors import StepRecord, error_fields, projection
+from .block_errors import Sensitivities, StepRecord, error_fields, projection
 from .block_memory import memory_costs
 from .block_profile import one_block_strategies
 from .block_time import block_times, codec_seconds, derived_codecs
@@ -78,14 +78,12 @@ class _ProfilingJob:
         codecs = self.codecs if floating else ()
         compress = self.compress if floating else ()
         params = [p for b in chain for p in b.parameters() if p.requires_grad]
-        record = None if self.compiled else StepRecord(self.x.device)
-        stored = self._stored_step(params, record)
-        weights = record.sensitivities(chain) if record and (codecs or compress) else None
-        inputs = record.inputs if record else _inputs(chain, self.x, kw)
+        inputs = _inputs(chain, self.x, kw)
         keys = [same_costs_key(b, h, kw) for b, h in zip(chain, inputs, strict=True)]
         groups = [keys.index(k) for k in keys]  # a group: its first block's index
         reps = sorted(set(groups))
-        errors_needed = [i for i, h in enumerate(inputs) if weights and h.is_floating_point()]
+        priced = bool(codecs or compress)
+        errors_needed = [i for i, h in enumerate(inputs) if priced and h.is_floating_point()]
         tick = _Ticker(progress, len(reps) + 1 + len(errors_needed))
         for p in params:  # steady state: gradients exist
             p.grad = torch.zeros_like(p)
@@ -107,7 +105,11 @@ class _ProfilingJob:
         if self.compiled:
             return self._compiled(memory, groups, tick)
         options = [one_block_strategies(memory[g].fields, offload) for g in groups]
-        assert record is not None and stored is not None
+        # after the metering, which ran every distinct block forward and backward: the kernels
+        # of every shape are then warm (the stored step's times are all some groups get)
+        record = StepRecord(self.x.device)
+        stored, weights = self._stored_step(params, record, priced)
+        inputs = record.inputs  # those of the step the error model's figures come from
         grad = record.cotangents[len(chain) - 1]
         probed = probe_chain(
             chain, self.x, grad, kw, groups, options, rounds=self.rounds, stored=stored
@@ -127,18 +129,21 @@ class _ProfilingJob:
         return costs
 
     def _stored_step(
-        self, params: list[nn.Parameter], record: StepRecord | None
-    ) -> list[tuple[float, float]] | None:
-        """The chain's first step, every block stored and timed (the probe's stored step), its
+        self, params: list[nn.Parameter], record: StepRecord, priced: bool
+    ) -> tuple[list[tuple[float, float]], Sensitivities | None]:
+        """The chain's step with every block stored, timed (the probe's stored step), its
         output's gradient the error model's :func:`~.block_errors.projection`, recording
-        what the error model needs (``record``; the parameters' gradients are then those of
-        this step alone); none where ``record`` is ``None`` (compiled: no in-chain timing)."""
-        if record is None:
-            return None
+        what the error model needs (``record``); its times and, where errors are ``priced``,
+        the error model's :class:`~.block_errors.Sensitivities` (from the parameters'
+        gradients of this step alone; existing ones again after it, for the steps after)."""
         for p in params:
             p.grad = None
         stored = [Segment(i, i + 1, STORE) for i in range(len(self.chain))]
-        return timed_step(self.chain, stored, self.x, projection, self.kwargs, record=record)
+        times = timed_step(self.chain, stored, self.x, projection, self.kwargs, record=record)
+        weights = record.sensitivities(self.chain) if priced else None
+        for p in params:
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
+        return times, weights
 
     def _compiled(self, memory: dict[int, Any], groups: list[int], tick: Any) -> list[BlockCost]:
         """Every block's costs compiled: each group's eager fields (sizes, random states), its
