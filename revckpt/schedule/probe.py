@@ -8,11 +8,16 @@ backward between the moments the gradients of its output and of its input are re
 hooks; the single-threaded CPU engine, or a CUDA synchronisation at each mark, makes these
 moments the segment's bounds).
 
-One step stores every block: each block's forward and backward. In a profile it is the
-profile's first step, which also records what the error model needs (``record=``: each block's
-input, output, random state and output gradient, :class:`~.block_errors.StepRecord`), so that
-no separate run of the chain is needed for it (it was a step more of every profile, and the
-stored step's warm-up). Each further step runs a
+One step stores every block: each block's forward and backward. In a profile it also records
+what the error model needs (``record=``: each block's input, output, random state and output
+gradient, :class:`~.block_errors.StepRecord`), so that the error model needs no run of the
+chain of its own (it was a step more of every profile). It runs after the memory metering,
+which has run every distinct block forward and backward: a block shape's first run in a
+process is slow (its kernels are set up then: in two fresh processes, the RevNet-like
+model's stem read 2.8x and 8x its later time in a first stored step, and its usual time in
+two where each distinct block had run forward and backward once before; exploratory runs), and
+the groups no reference block reaches take their times from this step.
+Each further step runs a
 few strategies and a stored *reference*, each on two stretches of contiguous blocks
 (``A B S A B S`` along the chain; once, ``A B S``, where a part would get fewer than two
 blocks), every block of a strategy stretch as a segment of its own; the strategy ``chained``
