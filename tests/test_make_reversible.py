@@ -1014,3 +1014,26 @@ class _Residual(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.fc(x)
+
+
+def test_an_anchor_on_every_layer_is_said():
+    """A floating-point rebuild whose automatic anchors land on every layer keeps as much as
+    storing every layer's input: converted so (exact=False at 2^-8 in float32), or converted
+    in float64 (no anchor there at this depth) and cast to float32, it warns once; the exact
+    rebuild, and a scale whose anchors are sparser, do not."""
+    case = zoo.CASES["gpt2"]
+    example = case.make_example()
+    model = make_reversible(case.make_model(), blocks=case.blocks_path, exact=False)
+    with pytest.warns(ReconstructionWarning, match="anchor on every layer"):
+        zoo.step(model, example, None)
+    assert reversible_layers(model).stack.anchor_every == 1
+    double = make_reversible(case.make_model().double(), blocks=case.blocks_path, exact=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReconstructionWarning)
+        zoo.step(double, example, None)  # float64: sparser anchors
+        for options in ({}, {"exact": False, "scale": 2**-3}):
+            zoo.step(make_reversible(case.make_model(), blocks=case.blocks_path, **options),
+                     example, None)  # fmt: skip
+    double.float()
+    with pytest.warns(ReconstructionWarning, match=r"torch\.float32 at scale=0\.00390625"):
+        zoo.step(double, example, None)

@@ -302,6 +302,15 @@ class ReversibleLayers:
             self.stack.anchor_every = k
             # the first layer is rebuilt exactly (its auxiliary input is zeros): k, 2k, ...
             self.stack.first_anchor = k or 0
+            if k == 1 and len(self.layers) > 1 and dtype not in SIXTEEN_BITS:
+                self._warn_once(
+                    "anchors",
+                    f"{self._what}: in {dtype} at scale={self.scale:g}, a floating-point "
+                    "rebuild needs an anchor on every layer (anchor_every='auto': its error "
+                    "grows by up to 2 / scale per layer), so the stack keeps every layer's "
+                    "input, as storing them would: convert with exact=True (a scale 2^-k, "
+                    "k <= 16) to rebuild exactly with no anchor, or with a larger scale",
+                )
 
     def _continue(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Pass:
         state = self._pass
