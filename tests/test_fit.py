@@ -312,6 +312,34 @@ def test_the_smallest_budget_named_is_the_solvers_not_a_lower_plan_times_chose()
     assert info.value.smallest_budget_bytes == 1128
 
 
+def test_the_smallest_budget_named_is_met_by_a_fit_at_it() -> None:
+    """A retry's plan can measure a lower peak than the least-peak plan; naming it, a fit at
+    that budget solves to a faster plan over it and ends infeasible, naming another. Plans:
+    (name, predicted peak, measured peak, seconds); ``checked`` takes the fastest whose
+    prediction fits, as solve does."""
+    from revckpt.inplace.confirm import _within_budget
+    from revckpt.schedule import Plan
+
+    plans = [("A", 1000, 1200, 3.0), ("B", 1050, 1100, 2.0), ("C", 1090, 1400, 1.0)]
+
+    def checked(target: int) -> tuple[Plan, int]:
+        fits = [p for p in plans if p[1] <= target]
+        if not fits:
+            raise revckpt.InfeasibleBudgetError("none", smallest_budget_bytes=1000)
+        name, model, measured, secs = min(fits, key=lambda p: p[3])
+        return Plan(segments=(Segment(0, 1, "checkpoint"),),
+                    predicted_peak_bytes=max(model, measured), predicted_overhead=secs,
+                    predicted_error=0.0, memory_budget_bytes=None, error_budget=0.0,
+                    store_all_peak_bytes=4000, base_time_s=1.0,
+                    name=name), max(0, measured - model)  # fmt: skip
+
+    with pytest.raises(revckpt.InfeasibleBudgetError) as info:
+        _within_budget(checked, 1080, 4000)
+    named = info.value.smallest_budget_bytes
+    assert named == 1200
+    assert _within_budget(checked, named, 4000).name == "A"
+
+
 def test_approx_checkpoint_takes_bound_methods_and_partials() -> None:
     torch.manual_seed(0)
     layer = nn.Linear(8, 8)

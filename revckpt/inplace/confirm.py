@@ -53,11 +53,10 @@ def _within_budget(
                 return dataclasses.replace(
                     smallest, memory_budget_bytes=budget, store_all_peak_bytes=store_peak
                 )
-            # the solver's smallest budget, not this plan's peak where that is lower: the
-            # plan found there depends on the profiled times (another, a few bytes lower, can
-            # be the faster one), and a fit at the budget named must find a plan again
-            named = max(err.smallest_budget_bytes, smallest.predicted_peak_bytes)
-            least = min([named, *tried])
+            # the solver's smallest budget, or what its plan measured: not a lower peak that
+            # a plan the times chose measured (here or in the retries), which a fit at that
+            # budget may not find again; the least-peak plan it finds there
+            least = max(err.smallest_budget_bytes, smallest.predicted_peak_bytes)
             where = _where(phases(smallest)) if phases is not None else ""
             raise _infeasible(err, budget, least, store_peak, where) from None
         if plan.predicted_peak_bytes <= budget:

@@ -11,11 +11,12 @@ round-off, so a wider reference would show nothing more, at twice the cost.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +26,8 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from .._numbers import relative
 from ..approx import Approx, compress_saved
-from ..errors import InvalidInputTypeError
 from ..measure.timing import wall_time
+from .block_runs import check_output
 from .cost_records import ApproxCost, CompressCost, GradNorms
 
 __all__ = [
@@ -91,17 +92,9 @@ def sensitivities(
     for block in chain:
         states.append(rng_state(x.device))
         h = block(h, **kwargs)
-        _check_output(block, h)
+        check_output(block, h)
         outs.append(h)
     return chain_sensitivities(leaf, outs, chain, states)
-
-
-def _check_output(block: nn.Module, y: Any) -> None:
-    if not isinstance(y, torch.Tensor):
-        raise InvalidInputTypeError(
-            "the scheduler handles chains of blocks returning one tensor; "
-            f"{type(block).__name__} returned {type(y).__name__}"
-        )
 
 
 def projection(y: torch.Tensor) -> torch.Tensor:
@@ -133,10 +126,12 @@ def chain_sensitivities(
 class StepRecord:
     """What a stored step of the chain leaves for the error model, recorded as it runs
     (:func:`~revckpt.schedule.probe.timed_step` with ``record=``, its output's gradient the
-    :func:`projection`): per block its input and output (detached), the generator states its
-    forward started from and its output's gradient; the chain input's gradient. With the
-    parameters' gradients the step accumulated from none, :meth:`sensitivities` gives what
-    :func:`sensitivities` does, without a run of its own."""
+    :func:`projection`, inside :meth:`watching` the parameters): per block its input and
+    output (detached), the generator states its forward started from and its output's
+    gradient; the chain input's gradient; each parameter's gradient in the step (as a tensor
+    hook receives it: not ``.grad``, which the step adds it to, and which hooks of the
+    model's may take away). :meth:`sensitivities` then gives what :func:`sensitivities`
+    does, without a run of its own."""
 
     device: torch.device
     inputs: list[torch.Tensor] = dataclasses.field(default_factory=list)
@@ -144,6 +139,7 @@ class StepRecord:
     states: list[Any] = dataclasses.field(default_factory=list)
     cotangents: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     input_grad: torch.Tensor | None = None
+    param_grads: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def entered(self, h: torch.Tensor) -> None:
         """A block's forward starts on ``h``."""
@@ -152,15 +148,33 @@ class StepRecord:
 
     def left(self, block: nn.Module, y: Any) -> None:
         """A block's forward returned ``y``."""
-        _check_output(block, y)
+        check_output(block, y)
         self.outputs.append(y.detach())
 
+    @contextlib.contextmanager
+    def watching(self, params: Sequence[torch.Tensor]) -> Iterator[None]:
+        """Record each of ``params``' gradient in the backwards run inside (a parameter
+        whose hook never runs took no part)."""
+
+        def keep(key: int) -> Callable[[torch.Tensor], None]:
+            def hook(g: torch.Tensor) -> None:
+                self.param_grads[key] = g
+
+            return hook
+
+        handles = [p.register_hook(keep(id(p))) for p in {id(p): p for p in params}.values()]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
     def sensitivities(self, chain: Sequence[nn.Module]) -> Sensitivities:
-        """The :class:`Sensitivities` of the recorded step; ``chain``'s parameter gradients
-        are those the step accumulated (``None`` before it: a parameter it left without one
-        did not take part)."""
+        """The :class:`Sensitivities` of the recorded step (:meth:`watching` ``chain``'s
+        parameters)."""
         n = len(chain)
-        per_block = [[p.grad for p in b.parameters() if p.requires_grad] for b in chain]
+        grads = self.param_grads
+        per_block = [[grads.get(id(p)) for p in b.parameters() if p.requires_grad] for b in chain]
         cotangents = [self.cotangents.get(i) for i in range(n)]
         first_grad = self.input_grad
         inputs_grad = [first_grad, *cotangents[:-1]]
@@ -382,22 +396,34 @@ class _Against:
     """Relative errors ``||got - ref|| / ||ref||`` against one reference tensor, its norm made
     once for every codec compared with it. In the tensors' own precision, the working one
     (float32's round-off is orders of magnitude below a codec's error: see the module
-    docstring), without float64 copies of every tensor compared; in float64 where a norm
-    overflows there."""
+    docstring), without float64 copies of every tensor compared; in float64 where float32
+    would overflow or lose the small elements (:func:`_norm`)."""
 
     def __init__(self, ref: torch.Tensor) -> None:
         self.ref = ref
         self.norm = _norm(ref)
 
     def __call__(self, got: torch.Tensor) -> float:
-        return relative(_norm(got - self.ref), self.norm)
+        diff = _norm(got - self.ref)
+        if math.isinf(diff):  # the difference of two finite tensors can overflow
+            diff = _norm(got.double() - self.ref.double())
+        return relative(diff, self.norm)
 
 
 def _norm(t: torch.Tensor) -> float:
+    """``||t||``: in ``t``'s precision (16-bit in float32) where that is exact to 1e-6, else
+    in float64. Squares overflow above ``sqrt(max)`` and lose the elements below
+    ``sqrt(tiny)``; those hold at most ``n * tiny`` of the squared norm, a millionth of it
+    once the norm is ``1e3 * sqrt(n * tiny)`` or more."""
+    if t.dtype in (torch.float16, torch.bfloat16):
+        t = t.float()
     norm = float(torch.linalg.vector_norm(t))
-    if math.isfinite(norm) or not bool(torch.isfinite(t).all()):
+    floor = 1e3 * math.sqrt(t.numel() * torch.finfo(t.dtype).tiny)
+    if math.isfinite(norm) and norm >= floor:
         return norm
-    return math.sqrt(float(t.double().pow(2).sum()))  # overflowed: only float64 holds it
+    if norm == 0.0 and not bool(t.any()):  # nothing differs (and nothing underflowed)
+        return 0.0
+    return math.sqrt(float(t.double().pow(2).sum()))
 
 
 def codec_errors(

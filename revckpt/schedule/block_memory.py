@@ -25,13 +25,20 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from .._numbers import tensor_bytes
 from ..approx import Approx
 from ..checkpoint import checkpoint, parse_policy
-from ..errors import InvalidInputTypeError
 from ..layers import ReversibleSequential, ReversibleUnit
 from ..measure import MemoryMeter
 from ..measure.timing import wall_time
 from ..offload import record as offload_record
 from ..strategy import Strategy
-from .block_runs import PLAIN_MODES, _forward_alone, _Metered, _metered_modes, _Runs, activation
+from .block_runs import (
+    PLAIN_MODES,
+    _forward_alone,
+    _Metered,
+    _metered_modes,
+    _Runs,
+    activation,
+    check_output,
+)
 from .cost_records import ApproxCost, CompressCost, OffloadCost, ReplayCost, SelectiveCost
 from .costs import APPROX, CHECKPOINT, COMPRESS, OFFLOAD, REVERSIBLE, SELECTIVE
 
@@ -264,12 +271,7 @@ def _stored_forward(
     """The block's stored forward on ``leaf``, metered: its output (detached), and the bytes
     it keeps besides the output and its peak."""
     with MemoryMeter(device) as fwd:
-        y = block(leaf, **kwargs)
-    if not isinstance(y, torch.Tensor):
-        raise InvalidInputTypeError(
-            f"the scheduler handles chains of blocks returning one tensor; {type(block).__name__} "
-            f"returned {type(y).__name__}"
-        )
+        y = check_output(block, block(leaf, **kwargs))
     return y.detach(), (max(0, fwd.end_bytes - tensor_bytes(y)), fwd.peak_bytes)
 
 

@@ -14,12 +14,13 @@ from torch import nn
 from .._numbers import tensor_bytes
 from ..approx import compress_saved
 from ..checkpoint import checkpoint
+from ..errors import InvalidInputTypeError
 from ..layers import ReversibleSequential
 from ..measure import MemoryMeter
 from ..strategy import argument_of, kind_of
 from .costs import APPROX, CHECKPOINT, COMPRESS, OFFLOAD, REVERSIBLE, SELECTIVE
 
-__all__ = ["activation"]
+__all__ = ["activation", "check_output"]
 
 # metered modes that are not strategies: the block stored, its gradients accumulated into
 # .grad or returned
@@ -53,6 +54,16 @@ class _Runs:
             assert self.reversible is not None
             return self.reversible(leaf, **kw)
         return block(leaf, **kw)
+
+
+def check_output(block: nn.Module, y: Any) -> torch.Tensor:
+    """``y``, a block's output, if it is one tensor (what the scheduler handles); else raises."""
+    if not isinstance(y, torch.Tensor):
+        raise InvalidInputTypeError(
+            "the scheduler handles chains of blocks returning one tensor; "
+            f"{type(block).__name__} returned {type(y).__name__}"
+        )
+    return y
 
 
 def _scalar_bytes(like: torch.Tensor) -> int:
@@ -167,7 +178,7 @@ def _metered_step(
         for p in params:
             p.grad = None
     with MemoryMeter(device) as meter:
-        y = runs.forward(mode)
+        y = check_output(runs.block, runs.forward(mode))
         kept = meter.live_bytes - tensor_bytes(y) - accounted
         forward_peak = meter.phase_peak_bytes
         if lean and kept <= 0:

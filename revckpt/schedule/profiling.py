@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import InvalidInputTypeError
 from ..strategy import Strategy
 from .block_errors import Sensitivities, StepRecord, error_fields, projection
 from .block_memory import memory_costs
 from .block_profile import one_block_strategies
+from .block_runs import check_output
 from .block_time import block_times, codec_seconds, derived_codecs
 from .compiled import compiled_costs
 from .costs import CHECKPOINT, SELECTIVE, STORE, BlockCost, Segment
@@ -134,16 +134,11 @@ class _ProfilingJob:
         """The chain's step with every block stored, timed (the probe's stored step), its
         output's gradient the error model's :func:`~.block_errors.projection`, recording
         what the error model needs (``record``); its times and, where errors are ``priced``,
-        the error model's :class:`~.block_errors.Sensitivities` (from the parameters'
-        gradients of this step alone; existing ones again after it, for the steps after)."""
-        for p in params:
-            p.grad = None
+        the error model's :class:`~.block_errors.Sensitivities`."""
         stored = [Segment(i, i + 1, STORE) for i in range(len(self.chain))]
-        times = timed_step(self.chain, stored, self.x, projection, self.kwargs, record=record)
-        weights = record.sensitivities(self.chain) if priced else None
-        for p in params:
-            p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
-        return times, weights
+        with record.watching(params):
+            times = timed_step(self.chain, stored, self.x, projection, self.kwargs, record=record)
+        return times, record.sensitivities(self.chain) if priced else None
 
     def _compiled(self, memory: dict[int, Any], groups: list[int], tick: Any) -> list[BlockCost]:
         """Every block's costs compiled: each group's eager fields (sizes, random states), its
@@ -262,11 +257,5 @@ def _inputs(
     with torch.no_grad():
         for block in chain:
             inputs.append(h)
-            h = block(h, **kwargs)
-            if not isinstance(h, torch.Tensor):
-                raise InvalidInputTypeError(
-                    "the scheduler handles chains of blocks returning one tensor; "
-                    f"{type(block).__name__} returned {type(h).__name__}"
-                )
-            h = h.detach()
+            h = check_output(block, block(h, **kwargs)).detach()
     return inputs
