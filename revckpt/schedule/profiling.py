@@ -109,8 +109,10 @@ class _ProfilingJob:
         # of every shape are then warm (the stored step's times are all some groups get)
         record = StepRecord(self.x.device)
         stored, weights = self._stored_step(params, record, priced)
-        inputs = record.inputs  # those of the step the error model's figures come from
         grad = record.cotangents[len(chain) - 1]
+        if weights is not None:  # the inputs of the step the error model's figures come from
+            inputs = weights.inputs
+        del record  # what nothing prices (every block's output gradient) goes
         probed = probe_chain(
             chain, self.x, grad, kw, groups, options, rounds=self.rounds, stored=stored
         )
