@@ -1004,7 +1004,8 @@ def test_the_error_profile_reuses_the_chains_exact_gradients(from_trace: bool) -
     from revckpt.inplace.measure import InSitu, profile_in_situ
     from revckpt.inplace.runners import runner_for
     from revckpt.inplace.trace import trace
-    from revckpt.schedule.block_errors import error_fields, sensitivities
+    from revckpt.schedule.block_errors import error_fields
+    from revckpt.schedule.sensitivities import sensitivities
 
     case = _case("nanogpt")
     model, example = case.make_model(), case.make_example(2, 16)

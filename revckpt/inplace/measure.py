@@ -19,11 +19,12 @@ import torch
 from torch import nn
 
 from ..measure.state import preserved
-from ..schedule.block_errors import error_fields, sensitivities
+from ..schedule.block_errors import error_fields
 from ..schedule.block_memory import saves_input
 from ..schedule.block_profile import profile_block
 from ..schedule.costs import BlockCost
 from ..schedule.profile import Profile
+from ..schedule.sensitivities import sensitivities
 from .calls import Key, hidden_of, replaced, run_with
 from .trace import Call, Trace
 

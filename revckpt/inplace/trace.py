@@ -25,7 +25,7 @@ from torch import nn
 from .._numbers import tensor_bytes
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..measure import MemoryMeter
-from ..schedule.block_errors import (
+from ..schedule.sensitivities import (
     Sensitivities,
     chain_sensitivities,
     rng_state,
@@ -105,9 +105,9 @@ def trace(
     installs a :class:`Recorder` on the blocks' forwards (and removes it with ``None``).
     ``gradients``: the error model's weights from the first run's graph: for a chain, one
     backward of the seeded projection of its output
-    (:func:`~revckpt.schedule.block_errors.chain_sensitivities`, sparing the profile a run of
+    (:func:`~revckpt.schedule.sensitivities.chain_sensitivities`, sparing the profile a run of
     the chain); where the blocks do not form a chain, of the model's loss
-    (:func:`~revckpt.schedule.block_errors.step_sensitivities`), as the error model cannot run
+    (:func:`~revckpt.schedule.sensitivities.step_sensitivities`), as the error model cannot run
     such blocks one after the other."""
     names = [fqn for fqn, _ in blocks]
     recorder = Recorder(blocks)

@@ -10,10 +10,11 @@ import torch
 from torch import nn
 
 from ..strategy import Strategy
-from .block_errors import Exact, error_fields
+from .block_errors import error_fields
 from .block_memory import memory_costs
 from .block_time import block_times, codec_seconds, derived_codecs
 from .costs import APPROX, CHECKPOINT, COMPRESS, OFFLOAD, REVERSIBLE, SELECTIVE, STORE, BlockCost
+from .sensitivities import Exact
 
 
 def profile_block(
@@ -36,7 +37,7 @@ def profile_block(
     """Every figure of one block on input ``x``, its times measured on the block alone (what
     :func:`revckpt.fit` does for a model's blocks, each on its own arguments); ``output`` and
     ``capture`` as in :func:`~revckpt.schedule.block_memory.memory_costs`; ``exact``: the
-    block's exact gradients on ``x`` (:func:`~revckpt.schedule.block_errors.sensitivities`),
+    block's exact gradients on ``x`` (:func:`~revckpt.schedule.sensitivities.sensitivities`),
     which spare the error fields their exact run."""
     leaf = x.detach().requires_grad_(x.is_floating_point())
     memory = memory_costs(

@@ -10,7 +10,7 @@ moments the segment's bounds).
 
 One step stores every block: each block's forward and backward. In a profile it also records
 what the error model needs (``record=``: each block's input, output, random state and output
-gradient, :class:`~.block_errors.StepRecord`), so that the error model needs no run of the
+gradient, :class:`~.sensitivities.StepRecord`), so that the error model needs no run of the
 chain of its own (it was a step more of every profile). It runs after the memory metering,
 which has run every distinct block forward and backward: a block shape's first run in a
 process is slow (its kernels are set up then: in two fresh processes, the RevNet-like
@@ -71,10 +71,10 @@ import torch
 from torch import nn
 
 from ..measure.timing import Clock
-from .block_errors import StepRecord
 from .costs import CHECKPOINT, STORE, Segment
 from .plan import run_segment, segment_runs
 from .probe_times import StoredTimes, Timed, chained_extras, overheads, strategy_order
+from .sensitivities import StepRecord
 
 __all__ = ["CHAINED", "InChain", "probe_chain", "timed_step", "warm_up"]
 
@@ -112,7 +112,7 @@ def timed_step(
     """One training step of ``chain`` run as ``segments``; per segment its forward and
     backward seconds on ``clock``. ``grad``: the output's gradient, or what makes it from
     the output. ``record``: a stored step (one block per segment) also records, outside the
-    clock's spans, what the error model needs (:class:`~.block_errors.StepRecord`)."""
+    clock's spans, what the error model needs (:class:`~.sensitivities.StepRecord`)."""
     runs = segment_runs(chain, segments)
     assert record is None or all(s.strategy == STORE and s.stop == s.start + 1 for s in segments)
     leaf = x.detach().requires_grad_(x.is_floating_point())

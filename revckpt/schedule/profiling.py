@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..strategy import Strategy
-from .block_errors import Sensitivities, StepRecord, error_fields, projection
+from .block_errors import error_fields
 from .block_memory import memory_costs
 from .block_profile import one_block_strategies
 from .block_runs import check_output
@@ -23,6 +23,7 @@ from .compiled import compiled_costs
 from .costs import CHECKPOINT, SELECTIVE, STORE, BlockCost, Segment
 from .ops import op_choices
 from .probe import InChain, probe_chain, timed_step
+from .sensitivities import Sensitivities, StepRecord, projection
 
 DEFAULT_POLICIES = ("matmul+attention",)
 AUTO = "auto"  # policies chosen per block from its operations (op_choices)
@@ -134,9 +135,9 @@ class _ProfilingJob:
         self, params: list[nn.Parameter], record: StepRecord, priced: bool
     ) -> tuple[list[tuple[float, float]], Sensitivities | None]:
         """The chain's step with every block stored, timed (the probe's stored step), its
-        output's gradient the error model's :func:`~.block_errors.projection`, recording
+        output's gradient the error model's :func:`~.sensitivities.projection`, recording
         what the error model needs (``record``); its times and, where errors are ``priced``,
-        the error model's :class:`~.block_errors.Sensitivities`."""
+        the error model's :class:`~.sensitivities.Sensitivities`."""
         stored = [Segment(i, i + 1, STORE) for i in range(len(self.chain))]
         with record.watching(params):
             times = timed_step(self.chain, stored, self.x, projection, self.kwargs, record=record)

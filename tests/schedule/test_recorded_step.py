@@ -5,8 +5,8 @@ from torch import nn
 
 from revckpt.models import gpt_like
 from revckpt.schedule import Segment, profile
-from revckpt.schedule.block_errors import StepRecord, projection, sensitivities
 from revckpt.schedule.probe import timed_step
+from revckpt.schedule.sensitivities import StepRecord, projection, sensitivities
 
 
 class _Stem(nn.Module):
