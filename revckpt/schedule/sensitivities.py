@@ -13,6 +13,7 @@ gives them without a run of its own: the profile's stored step, recorded as it r
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,7 +170,8 @@ class StepRecord:
         cotangents = [self.cotangents.get(i) for i in range(n)]
         first_grad = self.input_grad
         inputs_grad = [first_grad, *cotangents[:-1]]
-        return _assembled(cotangents, per_block, first_grad, inputs_grad, self, self.states)
+        states = _unless_shared(chain, self.states)
+        return _assembled(cotangents, per_block, first_grad, inputs_grad, self, states)
 
 
 def step_sensitivities(
@@ -213,7 +215,20 @@ def _gradients(
     per_block_grads = [[by_id[id(p)] for p in ps] for ps in per_block]
     inputs_grad = [first_grad, *cotangents[:-1]]
     ran = _Ran(inputs, [o.detach() for o in outs])
+    if states is not None:
+        states = _unless_shared(blocks, states)
     return _assembled(cotangents, per_block_grads, first_grad, inputs_grad, ran, states)
+
+
+def _unless_shared(blocks: Sequence[nn.Module], states: list[Any]) -> list[Any]:
+    """``states`` with ``None`` for every block that shares a parameter with another: a tied
+    weight's gradient in the chain is the sum over every block using it, not the block's own,
+    so it has no :class:`Exact` gradients (its error run makes its own exact run)."""
+    users = Counter(id(p) for b in blocks for p in b.parameters())
+    return [
+        None if any(users[id(p)] > 1 for p in b.parameters()) else state
+        for b, state in zip(blocks, states, strict=True)
+    ]
 
 
 @dataclass(frozen=True)
@@ -240,7 +255,7 @@ def _assembled(
     exact: list[Exact | None] = [None] * len(param_grads)
     for i, g_par in enumerate(param_grads if states is not None else []):
         g_in = inputs_grad[i]
-        if g_in is None or any(g is None for g in g_par):
+        if g_in is None or states[i] is None or any(g is None for g in g_par):
             continue
         out = ran.outputs[i].reshape(-1)
         par = torch.cat([g.reshape(-1) for g in g_par]) if g_par else out.new_zeros(0)
