@@ -282,7 +282,9 @@ def report(
     models: dict[str, nn.Module] = {STORE_ALL: plain}
     for p in plans:
         models[p.name] = apply(blocks, p)
-    with preserved(plain):
+    # the caller's keyword tensors that require grad get no gradients from these steps
+    callers = [v for v in kw.values() if isinstance(v, torch.Tensor)]
+    with preserved(plain, tensors=callers):
         steps = {name: measure_step(m, x, kwargs=kw) for name, m in models.items()}
         ratios = time_ratios(
             _steppers(models, x, kw),
@@ -290,10 +292,10 @@ def report(
             repeats=repeats,
             warmup=warmup,
         )
-    if errors:
-        errs = _gradient_errors(named, models, x, kw, seed)
-    else:
-        errs = dict.fromkeys(models, math.nan)
+        if errors:
+            errs = _gradient_errors(named, models, x, kw, seed)
+        else:
+            errs = dict.fromkeys(models, math.nan)
     store_all = PlanMeasurement(
         name=STORE_ALL,
         strategies=("store",) * len(named),

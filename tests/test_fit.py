@@ -4,6 +4,7 @@ changes but its memory."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import itertools
@@ -19,7 +20,7 @@ import zoo
 from torch import nn
 
 import revckpt
-from revckpt import MemoryMeter
+from revckpt import InvalidArgumentError, MemoryMeter
 from revckpt.inplace.install import planned
 from revckpt.inplace.verify import fit_verified
 from revckpt.schedule import Segment, Verified
@@ -1136,3 +1137,40 @@ def test_a_chain_whose_input_needs_no_gradient_gets_its_weights_from_its_own_run
     assert traced.chained and traced.gradients is None
     plan = revckpt.fit(model, x, memory_budget=0.9, error_budget=1e-2, loss_fn=loss_fn)
     assert plan.predicted_error <= 1e-2
+
+
+def _relu_mlp(first_in_place: bool) -> nn.Sequential:
+    """Six repeated blocks; each ends with (or, ``first_in_place``, starts with) an in-place
+    ReLU."""
+
+    def block() -> nn.Module:
+        if first_in_place:
+            return nn.Sequential(nn.ReLU(inplace=True), nn.Linear(64, 64))
+        return nn.Sequential(nn.Linear(64, 64), nn.ReLU(inplace=True))
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 64), *[block() for _ in range(6)], nn.Linear(64, 1))
+
+
+def test_a_block_that_changes_its_input_in_place_is_named():
+    model = _relu_mlp(first_in_place=True)
+    with pytest.raises(InvalidArgumentError, match=r"block 1 \(Sequential\) changes a tensor"):
+        revckpt.fit(model, torch.randn(32, 64), memory_budget="90%", loss_fn=_mean)
+
+
+def test_a_default_policy_no_block_can_run_with_is_left_out():
+    """Linear then ReLU(inplace=True): the default 'matmul+attention' policy would keep the
+    Linear's output, which the ReLU overwrites; fit plans without it and trains exactly."""
+    model = _relu_mlp(first_in_place=False).double()
+    x = torch.randn(512, 64, dtype=torch.float64)
+    reference = copy.deepcopy(model)
+    plan = revckpt.fit(model, x, memory_budget="80%", loss_fn=_mean)
+    assert not any(s.startswith("selective") for s in plan.strategies)
+    _mean(model(x)).backward()
+    _mean(reference(x)).backward()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+
+
+def _mean(y: torch.Tensor) -> torch.Tensor:
+    return y.square().mean()

@@ -583,3 +583,57 @@ def test_a_cached_parametrization_keeps_its_gradient(strategy):
     with parametrize.cached():
         got = _step(model, x)
     _assert_close(got, expected)
+
+
+# --- a block that changes its input in place --------------------------------------------------
+
+
+def _starts_in_place() -> list[nn.Module]:
+    """Blocks whose first operation changes their input in place (``nn.ReLU(inplace=True)``)."""
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.ReLU(inplace=True), nn.Linear(D, D)) for _ in range(4)]
+
+
+def _ends_in_place() -> list[nn.Module]:
+    """Blocks that change only tensors they made in place."""
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(D, D), nn.ReLU(inplace=True)) for _ in range(4)]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_recomputed_block_that_changes_its_input_in_place_raises_in_its_forward(strategy):
+    """Its recompute would start from the changed input: torch raises a version error in
+    backward (or, for an input without grad, gives other gradients); revckpt names it at once."""
+    model = _build(strategy, _starts_in_place())
+    with pytest.raises(revckpt.ModifiedInputError, match=r"in place.*inplace=False"):
+        model(_input(strategy))
+
+
+@pytest.mark.parametrize("strategy", [s for s in EXACT if s != "selective"])
+def test_in_place_operations_on_what_a_block_made_are_plain_autograds(strategy):
+    blocks = _ends_in_place()
+    x = _input(strategy)
+    expected = _step(_build(_reference(strategy), blocks), x.clone())
+    _assert_close(_step(_build(strategy, blocks), x.clone()), expected)
+
+
+def test_a_kept_output_changed_in_place_raises_in_the_forward():
+    """The 'matmul' policy keeps the Linear's output, which the ReLU then overwrites: torch's
+    selective checkpoint raises a bare RuntimeError in backward; revckpt names the operation."""
+    model = _build("selective", _ends_in_place())
+    with pytest.raises(revckpt.ModifiedInputError, match=r"keeps the output of aten\.addmm"):
+        model(_input("selective"))
+
+
+def test_a_changed_input_without_grad_raises_rather_than_recomputing_from_it():
+    class _Scales(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(D, D)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x.mul_(2.0))
+
+    x = torch.randn(ROWS, D)
+    with pytest.raises(revckpt.ModifiedInputError, match="_Scales changed a tensor"):
+        revckpt.checkpoint(_Scales(), x)

@@ -23,12 +23,14 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as _tcp
 from torch import nn
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from .._determinism import ValueLog
-from ..errors import DoubleBackwardError
+from ..errors import DoubleBackwardError, ModifiedInputError
 from ..replay import ForwardState
+from .rerun import check_versions, input_versions
 
 __all__ = ["FRAME", "Entered", "FrameCall", "device_context", "frame_usable", "run_checkpoint"]
 
@@ -110,6 +112,19 @@ class FrameCall:
         if self.device_context is not None:
             contexts.append(self.device_context)
         return contexts
+
+    def changed_kept(self) -> str | None:
+        """After the forward: an operation whose output the selective policy kept and the
+        block then changed in place (its backward would read the changed value: torch raises
+        then), or ``None``."""
+        storage = getattr(self.sac[0], "storage", None) if self.sac is not None else None
+        for key, entries in (storage or {}).items():
+            for entry in entries.values() if isinstance(entries, dict) else entries:
+                for kept in tree_flatten(entry)[0]:
+                    version = getattr(kept, "version", None)
+                    if version is not None and kept.val._version != version:
+                        return str(key[0] if isinstance(key, tuple) else key)
+        return None
 
     def recompute(self, *args: Any) -> None:
         """The recompute of the frame engine (:func:`run_frame`): the block re-run in the
@@ -274,7 +289,25 @@ def device_context() -> Any:
 
 def run_checkpoint(call: FrameCall, args: tuple[Any, ...], determinism_check: str) -> Any:
     """``call``'s block checkpointed (eager, grad mode on) on ``args``: its inputs kept, the rest
-    recomputed on the first unpack in backward (with a policy, but what it keeps)."""
+    recomputed on the first unpack in backward (with a policy, but what it keeps). A block that
+    changes its input, or an output its policy keeps, in place raises
+    :class:`~revckpt.ModifiedInputError` after its forward (its backward would start from, or
+    use, the changed value)."""
+    versions = input_versions(args, call.kwargs)
+    out = _run_checkpoint(call, args, determinism_check)
+    check_versions(versions, call.label)
+    op = call.changed_kept()
+    if op is not None:
+        raise ModifiedInputError(
+            f"{call.label}: its selective policy keeps the output of {op}, which the block then "
+            "changes in place (e.g. nn.ReLU(inplace=True) after a Linear), so its backward would "
+            "use the changed value. Make that operation out of place (inplace=False), use a "
+            f"policy that does not keep {op}, or checkpoint the block"
+        )
+    return out
+
+
+def _run_checkpoint(call: FrameCall, args: tuple[Any, ...], determinism_check: str) -> Any:
     fn = call.fn
     # Without a policy the recompute of a block that drew random numbers runs to its end (torch
     # stops it after the last saved tensor), so replay can check it drew exactly the forward's.

@@ -118,7 +118,7 @@ class _RecomputeNode(torch.autograd.Function):
             norms=call.norms,
             modules=call.modules,
         )
-        out = first_forward(ctx.state, call.fn, *call.args(tensors), **call.kwargs)
+        out = first_forward(ctx.state, call.label, call.fn, *call.args(tensors), **call.kwargs)
         saved, ctx.recipe = call.keep.keep(tensors, call.label)
         ctx.leaves = [t.is_floating_point() for t in tensors]
         ctx.kw_names = [k for k, v in call.kwargs.items() if isinstance(v, torch.Tensor)]

@@ -23,21 +23,62 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, ModifiedInputError
 from ..replay import ForwardState
 from .autograd import first_unregistered_leaf, forward_as_plain, vjp
 
-__all__ = ["Rerun", "first_forward", "output_grads"]
+__all__ = [
+    "Rerun",
+    "changed_in_place",
+    "check_versions",
+    "first_forward",
+    "input_versions",
+    "output_grads",
+]
 
 
-def first_forward(state: ForwardState, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` as a node's first forward: grad mode on, nothing kept for
-    backward; ``state.forward_finished()`` runs however it ends (it releases the RNG lock)."""
+def first_forward(
+    state: ForwardState, label: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
+) -> Any:
+    """``fn(*args, **kwargs)`` (the block ``label`` names) as a node's first forward: grad
+    mode on, nothing kept for backward; ``state.forward_finished()`` runs however it ends (it
+    releases the RNG lock). A forward that changes a tensor it was given in place raises
+    :class:`~revckpt.ModifiedInputError` (see :func:`changed_in_place`)."""
+    versions = input_versions(args, kwargs)
     try:
         with forward_as_plain():
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
     finally:
         state.forward_finished()
+    check_versions(versions, label)
+    return out
+
+
+def input_versions(args: Sequence[Any], kwargs: dict[str, Any]) -> list[tuple[torch.Tensor, int]]:
+    """The tensors among a call's arguments with their version counters, for
+    :func:`check_versions` after the call (none while compiling: the compiler plans its own
+    recompute)."""
+    if torch.compiler.is_compiling():
+        return []
+    return [(t, t._version) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+
+
+def check_versions(versions: list[tuple[torch.Tensor, int]], label: str) -> None:
+    """Raises :func:`changed_in_place` when a tensor of ``versions`` changed since."""
+    for t, v in versions:
+        if t._version != v:
+            raise changed_in_place(label)
+
+
+def changed_in_place(label: str) -> ModifiedInputError:
+    """The error for a recomputed block that changed its input in place: its recompute would
+    start from the changed value (plain autograd has no recompute, so there it is fine)."""
+    return ModifiedInputError(
+        f"{label} changed a tensor it was given in place (e.g. nn.ReLU(inplace=True) or x.add_ "
+        "on its input), so a recompute would start from the changed value. Make that operation "
+        "out of place (inplace=False), start the recomputed segment one block earlier, so that "
+        "the changed tensor is made inside it, or store this block"
+    )
 
 
 class Rerun:

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..schedule.budget import UNKNOWN_PEAK, parse_budget
-from ..schedule.costs import peak_phases
+from ..schedule.costs import peak_phases, strategy_names
 from ..schedule.plan import Plan
 from ..schedule.profile import Profile
 from ..schedule.solver import solve
@@ -217,6 +217,8 @@ def _fit(
             step = dataclasses.replace(traced.step, max_span=o.segment_blocks)
             traced = dataclasses.replace(traced, step=step)
         profile = _profile(model, traced, chosen, o)
+        if o.strategies is None:  # of the defaults, those no block can run with are left out
+            chosen = [s for s in chosen if s in strategy_names(profile.blocks)]
         keys = [c.key for c in traced.calls]
         budget = parse_budget(memory_budget, traced.store_peak)
         shapes = tuple(tuple(c.input.shape) for c in traced.calls)

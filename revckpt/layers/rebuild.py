@@ -126,7 +126,8 @@ class HalfStepNode(torch.autograd.Function):
         )
         grid = isinstance(step.coupling, GridCoupling)  # exact: keeps the bits it drops
         forward = _eager_forward() if grid else first_forward
-        h = _detached(forward(state, step.block._branch, step.which, u, a, call.kwargs))
+        label = f"branch {step.which} of a reversible block"
+        h = _detached(forward(state, label, step.block._branch, step.which, u, a, call.kwargs))
         # y = a + h is written over the branch's fresh output when nothing else holds it: no
         # view or alias of its memory, and no Python reference but this frame's (a buffer, a
         # tensor the branch caches on itself, a keyword tensor returned as is all hold one)

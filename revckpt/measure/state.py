@@ -12,10 +12,17 @@ __all__ = ["preserved"]
 
 
 @contextlib.contextmanager
-def preserved(modules: nn.Module | Iterable[nn.Module], *, grads: bool = True) -> Iterator[None]:
+def preserved(
+    modules: nn.Module | Iterable[nn.Module],
+    *,
+    grads: bool = True,
+    tensors: Iterable[torch.Tensor] = (),
+) -> Iterator[None]:
     """Within this context the modules may be run forward and backward freely: on exit every
     buffer (BatchNorm running statistics, counters) gets its value back, and, with ``grads``,
-    every trainable parameter its ``.grad`` (the same tensor object, or ``None``)."""
+    every trainable parameter its ``.grad`` (the same tensor object, or ``None``). ``tensors``
+    (the modules' inputs): those that require grad have no ``.grad`` within the context, and
+    get theirs back on exit."""
     mods = [modules] if isinstance(modules, nn.Module) else list(modules)
     seen: set[int] = set()
     params, buffers = [], []
@@ -28,13 +35,19 @@ def preserved(modules: nn.Module | Iterable[nn.Module], *, grads: bool = True) -
             if id(b) not in seen:
                 seen.add(id(b))
                 buffers.append((b, b.detach().clone()))
+    inputs = [t for t in tensors if t.requires_grad and id(t) not in seen]
     saved_grads = [p.grad for p in params]
+    input_grads = [t.grad for t in inputs]
+    for t in inputs:  # not accumulated into: their gradients are the caller's
+        t.grad = None
     try:
         yield
     finally:
         if grads:
             for p, g in zip(params, saved_grads, strict=True):
                 p.grad = g
+        for t, g in zip(inputs, input_grads, strict=True):
+            t.grad = g
         with torch.no_grad():
             for b, value in buffers:
                 b.copy_(value)

@@ -370,6 +370,8 @@ def _selective(
     the output (``output_ops``: the operations whose outputs hold it)."""
     costs = {}
     for policy, mode in policies.items():
+        if mode not in metered.forward:
+            continue  # the block cannot run with it (see _metered_modes)
         kept, peak = metered.forward[mode]
         # a policy that keeps an operation whose output holds the block output keeps it
         kept_output = not output_ops.isdisjoint(parse_policy(policy))

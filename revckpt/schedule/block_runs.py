@@ -14,7 +14,7 @@ from torch import nn
 from .._numbers import tensor_bytes
 from ..approx import compress_saved
 from ..checkpoint import checkpoint
-from ..errors import InvalidInputTypeError
+from ..errors import InvalidInputTypeError, ModifiedInputError
 from ..layers import ReversibleSequential
 from ..measure import MemoryMeter
 from ..strategy import argument_of, kind_of
@@ -128,13 +128,20 @@ def _metered_modes(
     Selective modes count their replay state in what they keep
     (``SelectiveCost.kept_bytes``): only what outlives their backward is recorded here. The
     step of an approx mode whose forward keeps nothing beyond the accounted bytes ends with
-    its forward (its replay figures are 0 without a backward; see ``_REPLAY_ONLY``)."""
+    its forward (its replay figures are 0 without a backward; see ``_REPLAY_ONLY``). A
+    selective mode whose policy keeps an output the block then changes in place is left out:
+    the block cannot run with it (:func:`revckpt.checkpoint` raises)."""
     metered = _Metered({}, {}, {}, {})
     for mode in modes:
         lean = mode not in PLAIN_MODES and kind_of(mode) in _REPLAY_ONLY
-        step = _metered_step(
-            runs, mode, grad_out, accounted.get(mode, 0), device, backward, grads_new, lean
-        )
+        try:
+            step = _metered_step(
+                runs, mode, grad_out, accounted.get(mode, 0), device, backward, grads_new, lean
+            )
+        except ModifiedInputError:
+            if mode in PLAIN_MODES or kind_of(mode) != SELECTIVE:
+                raise
+            continue  # the policy keeps an output the block changes in place: not for it
         metered.forward[mode] = (max(0, step.kept), step.forward_peak)
         if step.transient is not None:
             metered.transient[mode] = step.transient

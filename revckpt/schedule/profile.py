@@ -180,8 +180,13 @@ def profile(
         compiled,
     )
     rng_devices = [x.device] if x.device.type == "cuda" else []
-    # leave the model as it was: gradients, running statistics, RNG
-    with torch.random.fork_rng(devices=rng_devices), torch.enable_grad(), preserved(chain):
+    # leave the model and the caller's tensors as they were: gradients, running statistics, RNG
+    callers = [x, *(v for v in kwargs.values() if isinstance(v, torch.Tensor))]
+    with (
+        torch.random.fork_rng(devices=rng_devices),
+        torch.enable_grad(),
+        preserved(chain, tensors=callers),
+    ):
         costs = job.run(offload=offload, progress=progress)
     return Profile(
         tuple(costs),

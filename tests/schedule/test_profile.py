@@ -148,3 +148,65 @@ def test_block_keywords_go_in_kwargs_and_the_old_spelling_warns():
     assert saved[1] == saved[2] and saved[1] != saved[0]
     with pytest.raises(InvalidArgumentError, match="kwargs= only"), pytest.warns(FutureWarning):
         profile(chain, x, kwargs={"depth": 3}, depth=3, **options)
+
+
+class _Shifted(nn.Module):
+    """A block with a keyword tensor that may require grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, *, bias):
+        return torch.tanh(self.lin(x) + bias)
+
+
+def test_profile_and_verify_leave_the_callers_gradients_alone():
+    """A keyword tensor (and the input) that require grad keep their .grad: same object, same
+    values (the metered steps used to accumulate into it)."""
+    from revckpt.schedule import solve, verify
+
+    torch.manual_seed(0)
+    chain = [_Shifted() for _ in range(3)]
+    x = torch.randn(4, 8, requires_grad=True)
+    bias = torch.randn(8, requires_grad=True)
+    bias.grad = before = torch.ones(8)
+    prof = profile(chain, x, kwargs={"bias": bias}, repeats=1)
+    assert bias.grad is before and torch.equal(before, torch.ones(8)) and x.grad is None
+    plan = solve(prof, memory_budget="95%")
+    verify(chain, x, plan, prof, kwargs={"bias": bias}, repeats=1, warmup=0)
+    assert bias.grad is before and torch.equal(before, torch.ones(8)) and x.grad is None
+
+
+def test_a_block_that_changes_its_input_in_place_is_named_and_the_input_left_alone():
+    chain = [nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8)]
+    x = torch.randn(4, 8)
+    before = x.clone()
+    with pytest.raises(InvalidArgumentError, match=r"block 1 \(ReLU\) changes its input in place"):
+        profile(chain, x, repeats=1)
+    assert torch.equal(x, before)
+    with pytest.raises(InvalidArgumentError, match=r"block 0 \(ReLU\)"):
+        profile([nn.ReLU(inplace=True), nn.Linear(8, 8)], x, repeats=1)
+    assert torch.equal(x, before)  # the chain's input too
+
+
+def test_a_policy_keeping_an_output_the_block_overwrites_is_not_priced_for_it():
+    """nn.Linear then nn.ReLU(inplace=True): 'matmul' keeps the Linear's output, which the ReLU
+    overwrites; the block cannot run with it (revckpt.checkpoint raises), so the profile prices
+    it only where it can run, and a plan solved on it trains as plain autograd does."""
+    from revckpt.schedule import apply, solve
+
+    torch.manual_seed(0)
+    chain = nn.Sequential(
+        *[nn.Sequential(nn.Linear(32, 32), nn.ReLU(inplace=True)) for _ in range(3)],
+        nn.Sequential(nn.Linear(32, 32), nn.Tanh()),
+    ).double()
+    x = torch.randn(16, 32, dtype=torch.float64)
+    prof = profile(chain, x, policies=("matmul",), codecs=(), repeats=1)
+    assert [sorted(b.selective) for b in prof.blocks] == [[], [], [], ["matmul"]]
+    plan = solve(prof, memory_budget="95%")
+    assert all(s.start == 3 for s in plan.segments if s.strategy.startswith("selective"))
+    expected = torch.autograd.grad(chain(x).square().sum(), list(chain.parameters()))
+    got = torch.autograd.grad(apply(chain, plan)(x).square().sum(), list(chain.parameters()))
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
