@@ -1174,3 +1174,14 @@ def test_a_default_policy_no_block_can_run_with_is_left_out():
 
 def _mean(y: torch.Tensor) -> torch.Tensor:
     return y.square().mean()
+
+
+def test_the_infeasible_message_names_no_negative_bytes():
+    """The chain's input here is the example itself (made before the step): the step holds
+    nothing outside the blocks, and the message used to say it held -64 KiB."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(6)])
+    with pytest.raises(revckpt.InfeasibleBudgetError) as caught:
+        revckpt.fit(model, torch.randn(64, 256), memory_budget="20%", loss_fn=_mean)
+    assert "peaks inside the blocks: 0 B the step holds outside them" in str(caught.value)
+    assert "-" not in str(caught.value).split("by the cost model")[1].split("(what")[0]

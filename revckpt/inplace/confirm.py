@@ -93,6 +93,10 @@ def _where(phases: dict[str, dict[str, int]]) -> str:
     """Where the smallest plan peaks, by the cost model: in the blocks (one block's working set
     on top of what the plan keeps), or outside them, which no block strategy lowers."""
     name, parts = max(phases.items(), key=lambda item: sum(item[1].values()))
+    if parts.get("held", 0) < 0:  # the chain's input came with the example (made before the
+        # step: not held by it), and the blocks' part counts it: the two said as their sum
+        first = "blocks" if name == "blocks" else "kept"
+        parts = {**parts, first: parts[first] + parts["held"], "held": 0}
     b = {k: human_bytes(v) for k, v in parts.items()}
     if name == "blocks":
         return (
