@@ -26,6 +26,7 @@ from .._numbers import tensor_bytes
 from ..engine.rerun import input_versions
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..measure import MemoryMeter
+from ..schedule.block_runs import changes_its_input
 from ..schedule.sensitivities import (
     Sensitivities,
     chain_sensitivities,
@@ -125,7 +126,7 @@ def trace(
         if what == "exit":
             args, kwargs, out = payload
             if any(t._version != v for t, v in entered.pop()):
-                raise _changes_its_input(names[i], blocks[i][1])
+                raise changes_its_input(names[i], blocks[i][1])
             previous = calls[-1].output if calls else None
             key = carried_key(args, kwargs, previous)
             if key is None:
@@ -160,17 +161,6 @@ def trace(
     finally:
         recorder_slot(None)
     return Trace(tuple(calls), chained, step, peak, weights, held)
-
-
-def _changes_its_input(fqn: str, block: nn.Module) -> InvalidArgumentError:
-    """A block that changes a tensor it was given in place cannot start a recomputed segment
-    (its recompute would start from the changed value), nor be profiled on its own."""
-    return InvalidArgumentError(
-        f"block {fqn} ({type(block).__name__}) changes a tensor it is given in place (e.g. "
-        "nn.ReLU(inplace=True) as its first operation), so it cannot be recomputed nor "
-        "profiled on its own; make that operation out of place (inplace=False), or pick other "
-        "blocks with blocks='attribute.path'"
-    )
 
 
 def _state_at(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

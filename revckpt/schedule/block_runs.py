@@ -14,13 +14,13 @@ from torch import nn
 from .._numbers import tensor_bytes
 from ..approx import compress_saved
 from ..checkpoint import checkpoint
-from ..errors import InvalidInputTypeError, ModifiedInputError
+from ..errors import InvalidArgumentError, InvalidInputTypeError, ModifiedInputError
 from ..layers import ReversibleSequential
 from ..measure import MemoryMeter
 from ..strategy import argument_of, kind_of
 from .costs import APPROX, CHECKPOINT, COMPRESS, OFFLOAD, REVERSIBLE, SELECTIVE
 
-__all__ = ["activation", "check_output"]
+__all__ = ["activation", "changes_its_input", "check_output"]
 
 # metered modes that are not strategies: the block stored, its gradients accumulated into
 # .grad or returned
@@ -64,6 +64,19 @@ def check_output(block: nn.Module, y: Any) -> torch.Tensor:
             f"{type(block).__name__} returned {type(y).__name__}"
         )
     return y
+
+
+def changes_its_input(name: str, block: nn.Module) -> InvalidArgumentError:
+    """The error for a chain block that changes a tensor it is given in place (an
+    ``nn.ReLU(inplace=True)`` of its own): it cannot start a recomputed segment (its recompute
+    would start from the changed value), nor be run alone on a leaf to be profiled."""
+    return InvalidArgumentError(
+        f"block {name} ({type(block).__name__}) changes a tensor it is given in place (e.g. "
+        "nn.ReLU(inplace=True) as its first operation), so it cannot start a recomputed "
+        "segment and the scheduler cannot profile it on its own; make that operation out of "
+        "place (inplace=False), or join it to the block before it "
+        "(nn.Sequential(previous, block))"
+    )
 
 
 def _scalar_bytes(like: torch.Tensor) -> int:

@@ -13,12 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import InvalidArgumentError
 from ..strategy import Strategy
 from .block_errors import error_fields
 from .block_memory import memory_costs
 from .block_profile import one_block_strategies
-from .block_runs import check_output
+from .block_runs import changes_its_input, check_output
 from .block_time import block_times, codec_seconds, derived_codecs
 from .compiled import compiled_costs
 from .costs import CHECKPOINT, SELECTIVE, STORE, BlockCost, Segment
@@ -257,7 +256,7 @@ def _inputs(
     chain: Sequence[nn.Module], x: torch.Tensor, kwargs: dict[str, Any]
 ) -> list[torch.Tensor]:
     """Every block's input in the chain (detached); raises for a block that changes its input
-    in place (:func:`_changes_its_input`)."""
+    in place (:func:`~.block_runs.changes_its_input`)."""
     inputs, h = [], x.detach().clone()  # the caller's, unchanged whatever the blocks do
     with torch.no_grad():
         for i, block in enumerate(chain):
@@ -265,16 +264,5 @@ def _inputs(
             version = h._version
             h = check_output(block, block(h, **kwargs)).detach()
             if inputs[i]._version != version:
-                raise _changes_its_input(i, block)
+                raise changes_its_input(str(i), block)
     return inputs
-
-
-def _changes_its_input(i: int, block: nn.Module) -> InvalidArgumentError:
-    """A block that changes its input in place (``nn.ReLU(inplace=True)``) cannot be run alone
-    on a leaf nor start a recomputed segment, so it cannot be profiled as a block of its own."""
-    return InvalidArgumentError(
-        f"block {i} ({type(block).__name__}) changes its input in place (e.g. "
-        "nn.ReLU(inplace=True)), so it cannot start a recomputed segment and the scheduler "
-        "cannot profile it as a block of its own; make the operation out of place "
-        "(inplace=False), or join it to the block before it (nn.Sequential(previous, block))"
-    )
