@@ -617,12 +617,70 @@ def test_in_place_operations_on_what_a_block_made_are_plain_autograds(strategy):
     _assert_close(_step(_build(strategy, blocks), x.clone()), expected)
 
 
-def test_a_kept_output_changed_in_place_raises_in_the_forward():
-    """The 'matmul' policy keeps the Linear's output, which the ReLU then overwrites: torch's
-    selective checkpoint raises a bare RuntimeError in backward; revckpt names the operation."""
+def test_a_kept_output_changed_in_place_and_read_by_the_recompute_raises():
+    """The 'matmul' policy keeps the Linear's output, which the ReLU then overwrites, and the
+    recompute reads it: torch's selective checkpoint raises a bare RuntimeError in backward;
+    revckpt names the operation."""
     model = _build("selective", _ends_in_place())
     with pytest.raises(revckpt.ModifiedInputError, match=r"keeps the output of aten\.addmm"):
-        model(_input("selective"))
+        _step(model, _input("selective"))
+
+
+class _ResidualMLP(nn.Module):
+    """Its last kept output (fc2's) is changed in place, but no recompute reads it (the
+    recompute stops after the last tensor autograd saved, fc2's input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+        out += x
+        return out
+
+
+def test_a_kept_output_changed_in_place_that_no_recompute_reads_is_plain_autograds():
+    torch.manual_seed(0)
+    blocks = [_ResidualMLP() for _ in range(4)]
+    x = _input("selective")
+    _assert_close(_step(_build("selective", blocks), x), _step(_build("plain", blocks), x))
+
+
+def test_inference_tensors_and_containers_given_to_a_block():
+    """An inference-mode mask has no version counter (it is not checked); a tensor in a list
+    the block is given, changed in place, is named."""
+    lin = nn.Linear(D, D).double()
+    with torch.inference_mode():
+        mask = torch.ones(D, dtype=torch.float64)
+    x = _input("checkpoint")
+    y = revckpt.checkpoint(lambda h, *, mask: lin(h) + mask, x, mask=mask)
+    expected = lin(x) + mask.clone()
+    torch.testing.assert_close(y, expected)
+
+    def scales_the_second(xs):
+        xs[1].mul_(2.0)
+        return lin(xs[0] + xs[1])
+
+    with pytest.raises(revckpt.ModifiedInputError, match="changed a tensor it was given"):
+        revckpt.checkpoint(scales_the_second, [x, x.clone()])
+
+
+def test_a_reversible_branch_that_changes_a_keyword_tensor_raises():
+    class _Shifts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(D, D)
+
+        def forward(self, x, *, bias):
+            bias.add_(1.0)
+            return self.lin(x) + bias
+
+    torch.manual_seed(0)
+    stack = ReversibleSequential(ReversibleBlock(_Shifts(), _Shifts()), check_inverse=None)
+    x = torch.randn(ROWS, 2 * D, requires_grad=True)
+    with pytest.raises(revckpt.ModifiedInputError, match="branch f of a reversible block"):
+        stack(x, bias=torch.zeros(D))
 
 
 def test_a_changed_input_without_grad_raises_rather_than_recomputing_from_it():

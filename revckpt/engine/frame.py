@@ -35,12 +35,18 @@ from .rerun import check_versions, input_versions
 __all__ = ["FRAME", "Entered", "FrameCall", "device_context", "frame_usable", "run_checkpoint"]
 
 
+# what torch's selective checkpoint raises when its recompute reads a kept output the forward
+# changed in place afterwards
+_KEPT_CHANGED = "Tensor cached during selective activation checkpoint has been mutated"
+
+
 class FrameCall:
     """One checkpoint call: the block, its state captured with the forward, and the contexts of
     the forward and of each recompute (a second backward with ``retain_graph=True`` recomputes
     again, except with a selective policy, whose torch cache serves one backward)."""
 
     __slots__ = (
+        "changed",
         "device_context",
         "fn",
         "kwargs",
@@ -77,6 +83,7 @@ class FrameCall:
         self.state: ForwardState | None = None
         self.device_context: Any = None
         self.recomputed = False
+        self.changed: str | None = None  # a kept output changed in place (changed_kept)
 
     def forward_contexts(self) -> list[contextlib.AbstractContextManager[Any]]:
         """Capture the forward's state; the contexts the forward runs in (the first one
@@ -114,9 +121,8 @@ class FrameCall:
         return contexts
 
     def changed_kept(self) -> str | None:
-        """After the forward: an operation whose output the selective policy kept and the
-        block then changed in place (its backward would read the changed value: torch raises
-        then), or ``None``."""
+        """An operation whose output the selective policy kept and the block then changed in
+        place, or ``None`` (for the error its recompute raises when it reads one)."""
         storage = getattr(self.sac[0], "storage", None) if self.sac is not None else None
         for key, entries in (storage or {}).items():
             for entry in entries.values() if isinstance(entries, dict) else entries:
@@ -130,7 +136,19 @@ class FrameCall:
         """The recompute of the frame engine (:func:`run_frame`): the block re-run in the
         recompute contexts (torch's frame collects what it saves)."""
         with Entered(self.recompute_contexts):
-            self.fn(*args, **self.kwargs)
+            try:
+                self.fn(*args, **self.kwargs)
+            except RuntimeError as e:
+                if _KEPT_CHANGED not in str(e):
+                    raise
+                op = self.changed or "an operation"
+                raise ModifiedInputError(
+                    f"{self.label}: its selective policy keeps the output of {op}, which the "
+                    "block then changes in place (e.g. nn.ReLU(inplace=True) after a Linear), so "
+                    "its backward would use the changed value. Make that operation out of place "
+                    f"(inplace=False), use a policy that does not keep {op}, or checkpoint the "
+                    "block"
+                ) from e
 
 
 class _Finished:
@@ -290,20 +308,14 @@ def device_context() -> Any:
 def run_checkpoint(call: FrameCall, args: tuple[Any, ...], determinism_check: str) -> Any:
     """``call``'s block checkpointed (eager, grad mode on) on ``args``: its inputs kept, the rest
     recomputed on the first unpack in backward (with a policy, but what it keeps). A block that
-    changes its input, or an output its policy keeps, in place raises
-    :class:`~revckpt.ModifiedInputError` after its forward (its backward would start from, or
-    use, the changed value)."""
+    changes a tensor it was given in place raises :class:`~revckpt.ModifiedInputError` after its
+    forward (its recompute would start from the changed value); one that changes an output its
+    policy keeps, when its recompute reads that output (:meth:`FrameCall.recompute`)."""
     versions = input_versions(args, call.kwargs)
     out = _run_checkpoint(call, args, determinism_check)
     check_versions(versions, call.label)
-    op = call.changed_kept()
-    if op is not None:
-        raise ModifiedInputError(
-            f"{call.label}: its selective policy keeps the output of {op}, which the block then "
-            "changes in place (e.g. nn.ReLU(inplace=True) after a Linear), so its backward would "
-            "use the changed value. Make that operation out of place (inplace=False), use a "
-            f"policy that does not keep {op}, or checkpoint the block"
-        )
+    if call.sac is not None:  # named if a recompute reads it (torch's cache pops what it read)
+        call.changed = call.changed_kept()
     return out
 
 

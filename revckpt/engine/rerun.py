@@ -55,12 +55,26 @@ def first_forward(
 
 
 def input_versions(args: Sequence[Any], kwargs: dict[str, Any]) -> list[tuple[torch.Tensor, int]]:
-    """The tensors among a call's arguments with their version counters, for
-    :func:`check_versions` after the call (none while compiling: the compiler plans its own
-    recompute)."""
+    """The tensors among a call's arguments (and in its lists, tuples and dicts) with their
+    version counters, for :func:`check_versions` after the call. Not inference tensors (no
+    version counter, and nothing outside inference mode can change them in place); none while
+    compiling (the compiler plans its own recompute)."""
     if torch.compiler.is_compiling():
         return []
-    return [(t, t._version) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    found: list[tuple[torch.Tensor, int]] = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            _add(found, a)
+        elif isinstance(a, (list, tuple, dict)):  # a list of tensors, a branch's keywords
+            for t in a.values() if isinstance(a, dict) else a:
+                if isinstance(t, torch.Tensor):
+                    _add(found, t)
+    return found
+
+
+def _add(found: list[tuple[torch.Tensor, int]], t: torch.Tensor) -> None:
+    if not t.is_inference():  # no version counter
+        found.append((t, t._version))
 
 
 def check_versions(versions: list[tuple[torch.Tensor, int]], label: str) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..engine.rerun import input_versions
 from ..strategy import Strategy
 from .block_errors import error_fields
 from .block_memory import memory_costs
@@ -261,8 +262,8 @@ def _inputs(
     with torch.no_grad():
         for i, block in enumerate(chain):
             inputs.append(h)
-            version = h._version
+            versions = input_versions((h,), kwargs)
             h = check_output(block, block(h, **kwargs)).detach()
-            if inputs[i]._version != version:
+            if any(t._version != v for t, v in versions):
                 raise changes_its_input(str(i), block)
     return inputs

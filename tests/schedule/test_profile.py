@@ -182,7 +182,8 @@ def test_a_block_that_changes_its_input_in_place_is_named_and_the_input_left_alo
     chain = [nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8)]
     x = torch.randn(4, 8)
     before = x.clone()
-    with pytest.raises(InvalidArgumentError, match=r"block 1 \(ReLU\) changes a tensor it is given in place"):
+    said = r"block 1 \(ReLU\) changes a tensor it is given in place"
+    with pytest.raises(InvalidArgumentError, match=said):
         profile(chain, x, repeats=1)
     assert torch.equal(x, before)
     with pytest.raises(InvalidArgumentError, match=r"block 0 \(ReLU\)"):
@@ -210,3 +211,26 @@ def test_a_policy_keeping_an_output_the_block_overwrites_is_not_priced_for_it():
     got = torch.autograd.grad(apply(chain, plan)(x).square().sum(), list(chain.parameters()))
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_block_that_changes_a_keyword_tensor_in_place_is_named():
+    class _Keeps(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, *, bias):
+            return self.lin(x) + bias
+
+    class _Shifts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, *, bias):
+            bias.add_(1.0)
+            return self.lin(x) + bias
+
+    chain = [_Keeps(), _Shifts()]
+    with pytest.raises(InvalidArgumentError, match=r"block 1 \(_Shifts\) changes a tensor"):
+        profile(chain, torch.randn(4, 8), kwargs={"bias": torch.zeros(8)}, repeats=1)
