@@ -23,7 +23,6 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as _tcp
 from torch import nn
-from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
@@ -46,7 +45,6 @@ class FrameCall:
     again, except with a selective policy, whose torch cache serves one backward)."""
 
     __slots__ = (
-        "changed",
         "device_context",
         "fn",
         "kwargs",
@@ -83,7 +81,6 @@ class FrameCall:
         self.state: ForwardState | None = None
         self.device_context: Any = None
         self.recomputed = False
-        self.changed: str | None = None  # a kept output changed in place (changed_kept)
 
     def forward_contexts(self) -> list[contextlib.AbstractContextManager[Any]]:
         """Capture the forward's state; the contexts the forward runs in (the first one
@@ -120,18 +117,6 @@ class FrameCall:
             contexts.append(self.device_context)
         return contexts
 
-    def changed_kept(self) -> str | None:
-        """An operation whose output the selective policy kept and the block then changed in
-        place, or ``None`` (for the error its recompute raises when it reads one)."""
-        storage = getattr(self.sac[0], "storage", None) if self.sac is not None else None
-        for key, entries in (storage or {}).items():
-            for entry in entries.values() if isinstance(entries, dict) else entries:
-                for kept in tree_flatten(entry)[0]:
-                    version = getattr(kept, "version", None)
-                    if version is not None and kept.val._version != version:
-                        return str(key[0] if isinstance(key, tuple) else key)
-        return None
-
     def recompute(self, *args: Any) -> None:
         """The recompute of the frame engine (:func:`run_frame`): the block re-run in the
         recompute contexts (torch's frame collects what it saves)."""
@@ -141,7 +126,7 @@ class FrameCall:
             except RuntimeError as e:
                 if _KEPT_CHANGED not in str(e):
                     raise
-                op = self.changed or "an operation"
+                op = _reading(e) or "an operation"
                 raise ModifiedInputError(
                     f"{self.label}: its selective policy keeps the output of {op}, which the "
                     "block then changes in place (e.g. nn.ReLU(inplace=True) after a Linear), so "
@@ -149,6 +134,18 @@ class FrameCall:
                     f"(inplace=False), use a policy that does not keep {op}, or checkpoint the "
                     "block"
                 ) from e
+
+
+def _reading(error: BaseException) -> str | None:
+    """The operation torch's selective cache was handing back when it raised ``error``: the
+    ``func`` of its dispatch frame (nothing is looked at before such an error)."""
+    tb, op = error.__traceback__, None
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "__torch_dispatch__" and "func" in frame.f_locals:
+            op = frame.f_locals["func"]
+        tb = tb.tb_next
+    return None if op is None else str(op)
 
 
 class _Finished:
@@ -310,12 +307,11 @@ def run_checkpoint(call: FrameCall, args: tuple[Any, ...], determinism_check: st
     recomputed on the first unpack in backward (with a policy, but what it keeps). A block that
     changes a tensor it was given in place raises :class:`~revckpt.ModifiedInputError` after its
     forward (its recompute would start from the changed value); one that changes an output its
-    policy keeps, when its recompute reads that output (:meth:`FrameCall.recompute`)."""
+    policy keeps, when its recompute reads that output (:meth:`FrameCall.recompute`: torch's
+    cache raises then)."""
     versions = input_versions(args, call.kwargs)
     out = _run_checkpoint(call, args, determinism_check)
     check_versions(versions, call.label)
-    if call.sac is not None:  # named if a recompute reads it (torch's cache pops what it read)
-        call.changed = call.changed_kept()
     return out
 
 
