@@ -29,6 +29,7 @@ from .autograd import first_unregistered_leaf, forward_as_plain, vjp
 
 __all__ = [
     "Rerun",
+    "any_changed",
     "changed_in_place",
     "check_versions",
     "first_forward",
@@ -77,11 +78,15 @@ def _add(found: list[tuple[torch.Tensor, int]], t: torch.Tensor) -> None:
         found.append((t, t._version))
 
 
+def any_changed(versions: list[tuple[torch.Tensor, int]]) -> bool:
+    """Whether a tensor of ``versions`` (:func:`input_versions`) was changed in place since."""
+    return any(t._version != v for t, v in versions)
+
+
 def check_versions(versions: list[tuple[torch.Tensor, int]], label: str) -> None:
     """Raises :func:`changed_in_place` when a tensor of ``versions`` changed since."""
-    for t, v in versions:
-        if t._version != v:
-            raise changed_in_place(label)
+    if any_changed(versions):
+        raise changed_in_place(label)
 
 
 def changed_in_place(label: str) -> ModifiedInputError:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .._numbers import tensor_bytes
-from ..engine.rerun import input_versions
+from ..engine.rerun import any_changed, input_versions
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..measure import MemoryMeter
 from ..schedule.block_runs import changes_its_input
@@ -125,7 +125,7 @@ def trace(
             entered.append(input_versions(*payload))
         if what == "exit":
             args, kwargs, out = payload
-            if any(t._version != v for t, v in entered.pop()):
+            if any_changed(entered.pop()):
                 raise changes_its_input(names[i], blocks[i][1])
             previous = calls[-1].output if calls else None
             key = carried_key(args, kwargs, previous)

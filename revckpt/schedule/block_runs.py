@@ -14,7 +14,12 @@ from torch import nn
 from .._numbers import tensor_bytes
 from ..approx import compress_saved
 from ..checkpoint import checkpoint
-from ..errors import InvalidArgumentError, InvalidInputTypeError, ModifiedInputError
+from ..errors import (
+    InvalidArgumentError,
+    InvalidInputTypeError,
+    ModifiedInputError,
+    ModifiedParameterError,
+)
 from ..layers import ReversibleSequential
 from ..measure import MemoryMeter
 from ..strategy import argument_of, kind_of
@@ -151,8 +156,9 @@ def _metered_modes(
             step = _metered_step(
                 runs, mode, grad_out, accounted.get(mode, 0), device, backward, grads_new, lean
             )
-        except ModifiedInputError:
-            if mode in PLAIN_MODES or kind_of(mode) != SELECTIVE:
+        except ModifiedInputError as e:
+            changed_weights = isinstance(e, ModifiedParameterError)
+            if changed_weights or mode in PLAIN_MODES or kind_of(mode) != SELECTIVE:
                 raise
             continue  # the policy keeps an output the block changes in place: not for it
         metered.forward[mode] = (max(0, step.kept), step.forward_peak)

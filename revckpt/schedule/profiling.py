@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine.rerun import input_versions
+from ..engine.rerun import any_changed, input_versions
 from ..strategy import Strategy
 from .block_errors import error_fields
 from .block_memory import memory_costs
@@ -264,6 +264,6 @@ def _inputs(
             inputs.append(h)
             versions = input_versions((h,), kwargs)
             h = check_output(block, block(h, **kwargs)).detach()
-            if any(t._version != v for t, v in versions):
+            if any_changed(versions):
                 raise changes_its_input(str(i), block)
     return inputs
