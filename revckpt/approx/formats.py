@@ -16,6 +16,9 @@ and leaves them a coarser but honest ``eta / s``). ``xmax`` is the largest finit
 source dtype: rounding may carry ``q`` up to the next power of two (float16 ``65504 * 2**-8 =
 255.875`` rounds to 256 in e4m3, and ``256 / 2**-8 = 65536`` is inf in float16), and the clamp
 brings it back. Every clamp moves towards ``x`` (which lies in the range), so none adds error.
+A clamp that cannot bind is skipped, bitwise the same: the one after scaling (``amax * s <=
+fmax`` exactly), bf16's where ``max |x| <= fmax`` (the check reads that maximum anyway, on the
+CPU), decode's where ``fmax / min(s) <= xmax`` (and bf16 into float32 or float64).
 
 Every element obeys the per-element bound (:meth:`Codec.error_bound`)::
 
@@ -49,6 +52,7 @@ global random stream that dropout and replay rely on.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -67,7 +71,7 @@ from ._rounding import generator as _generator
 from ._rounding import stochastic_round
 from ._scaling import power_of_two_scales as _power_of_two_scales
 from ._scaling import work_dtype as _work_dtype
-from .number_formats import FORMATS, FormatSpec
+from .number_formats import FORMATS, FormatSpec, widen
 
 __all__ = ["FORMATS", "Codec", "Encoded", "FormatSpec", "NonFiniteInputError"]
 
@@ -214,8 +218,9 @@ class Codec:
     def _amax(self, x: torch.Tensor) -> torch.Tensor:
         """``max |x|`` per group, shape ``(groups, 1)`` (of the whole tensor, shape ``()``,
         without a scale); nan or inf where the group holds nan or inf. ``x`` is not empty."""
-        if self.scaling is None:
-            return x.abs().amax()
+        if self.scaling is None:  # one pass, no temporary (abs would make one); nan propagates
+            lo, hi = torch.aminmax(x)
+            return torch.maximum(-lo, hi)
         return self._rows(x).abs().amax(dim=1, keepdim=True)
 
     def check(self, x: torch.Tensor) -> None:
@@ -226,7 +231,7 @@ class Codec:
         if x.numel():
             with torch.no_grad():
                 x = x.detach()
-                raise_if_invalid(self, x, None if self.scaling is None else self._amax(x))
+                raise_if_invalid(self, x, self._amax(x))
 
     def scales(self, x: torch.Tensor) -> torch.Tensor | None:
         """The scale of each group, shape ``(groups, 1)``, in the dtype the scaling runs in
@@ -269,13 +274,13 @@ class Codec:
                 scales = _power_of_two_scales(amax, spec.fmax, work)
                 if deferred:
                     scales = mark_scales(scales, amax)
+                # no clamp: amax * s <= fmax exactly, so every scaled element is in range
                 t = (self._rows(x.to(work)) * scales).reshape(x.shape)
             else:
-                if not deferred:
-                    raise_if_invalid(self, x)
                 t = x.to(work)
-            # inactive after scaling; without a scale, saturates bf16 within u * |x|
-            t = t.clamp(-spec.fmax, spec.fmax)
+                top = None if deferred else raise_if_invalid(self, x, self._amax(x))
+                if top is None or top > spec.fmax:  # saturates bf16 within u * |x|
+                    t = t.clamp(-spec.fmax, spec.fmax)
             if self.rounding == "stochastic":
                 t = self._stochastic(t)
             if deferred and self.scaling is None:
@@ -294,15 +299,25 @@ class Codec:
         Raises here what a deferred :meth:`encode` would have raised
         (:class:`NonFiniteInputError`, or the range error without a scale): one host read of
         a flag (with a scale, always: the scales are few; without one, where encode defers)."""
-        if encoded.scales is not None or (
-            encoded.payload.numel() and self.defers_checks(encoded.payload.device)
-        ):  # scales are few: read their mark always (a payload moved off the device included)
-            raise_if_marked(self, encoded)
-        t = encoded.payload.to(_work_dtype(encoded.dtype))
-        if encoded.scales is not None:
-            t = (self._rows(t) / encoded.scales).reshape(encoded.payload.shape)
+        payload, scales = encoded.payload, encoded.scales
         xmax = torch.finfo(encoded.dtype).max
-        return t.clamp(-xmax, xmax).to(encoded.dtype)
+        if scales is not None:
+            # scales are few: read their mark always (a payload moved off the device included),
+            # and with it the largest magnitude decode can give, fmax / min(s)
+            smallest = float(scales.amin()) if scales.numel() else 1.0
+            if not math.isfinite(smallest):  # nan: a marked scale
+                raise_if_marked(self, encoded)
+            clamp = self.spec.fmax / smallest > xmax
+        else:
+            if payload.numel() and self.defers_checks(payload.device):
+                raise_if_marked(self, encoded)
+            clamp = self.spec.fmax > xmax  # bf16 into float16
+        t = widen(payload, _work_dtype(encoded.dtype))
+        if scales is not None:
+            t = (self._rows(t) / scales).reshape(payload.shape)
+        if clamp:
+            t = t.clamp(-xmax, xmax)
+        return t.to(encoded.dtype)
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """``decode(encode(x))``."""

@@ -110,3 +110,50 @@ def test_extremes_of_the_range(codec, dtype):
     x = torch.tensor(rows, dtype=torch.float64).clamp(-fi.max, fi.max).to(dtype)
     _assert_within_bound(codec, x)
     _assert_within_bound(codec, x[2:3])  # a row of subnormals on its own
+
+
+def _formula_roundtrip(codec: Codec, x: torch.Tensor) -> torch.Tensor:
+    """The module docstring's formula with both clamps applied, round to nearest: what the
+    codec skips where a clamp cannot bind must not change a bit."""
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    spec, xmax = codec.spec, torch.finfo(x.dtype).max
+    scales = codec.scales(x)
+    t = x.to(work)
+    if scales is not None:
+        t = (codec._rows(t) * scales).reshape(x.shape)
+    q = t.clamp(-spec.fmax, spec.fmax).to(spec.dtype).to(work)
+    if scales is not None:
+        q = (codec._rows(q) / scales).reshape(x.shape)
+    return q.clamp(-xmax, xmax).to(x.dtype)
+
+
+NEAREST = [c for c in CODECS if c.rounding == "nearest"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@settings(max_examples=50, derandomize=True, deadline=None)
+@given(data=st.data())
+def test_the_round_trip_is_the_formula_bitwise(dtype, data):
+    x = data.draw(extreme_tensors(dtype))
+    for codec in NEAREST:
+        if codec.scaling is None and dtype == torch.float64:
+            x = x.clamp(-torch.finfo(torch.float32).max, torch.finfo(torch.float32).max)
+        got, want = codec.roundtrip(x), _formula_roundtrip(codec, x)
+        assert torch.equal(got, want), f"{codec} {dtype}: {x[got != want].tolist()}"
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "bf16"])
+@pytest.mark.parametrize("wide", [torch.float32, torch.float64])
+def test_widening_a_payload_is_the_cast_bitwise(fmt, wide):
+    """Every bit pattern of the format (nan and inf included) widens to the cast's bits."""
+    from revckpt.approx.number_formats import FORMATS, widen
+
+    dtype = FORMATS[fmt].dtype
+    ints = {1: torch.uint8, 2: torch.int16}[FORMATS[fmt].itemsize]
+    lo, hi = torch.iinfo(ints).min, torch.iinfo(ints).max
+    every = torch.arange(lo, hi + 1, dtype=torch.int64).to(ints).view(dtype).reshape(-1, 16)
+    as_int = {torch.float32: torch.int32, torch.float64: torch.int64}[wide]
+    for payload in (every, every.t(), every[:, ::3], every[0, 0]):
+        got = widen(payload, wide)
+        assert got.shape == payload.shape and got.dtype == wide
+        assert torch.equal(got.view(as_int), payload.to(wide).view(as_int))
