@@ -326,3 +326,14 @@ def test_bench_profile_spread_quick(tmp_path):
     from revckpt.schedule import probe
 
     assert probe._STRETCHES == 2  # the variants leave it as it ships
+
+
+def test_bench_compress_quick(tmp_path):
+    out = tmp_path / "c.json"
+    result = load("bench_compress").main(["--quick", "--repeats", "1", "--out", str(out)])
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert len(rows) == len(result["rows"]) == 5
+    store, bf16, e4m3 = rows["store"], rows["compress bf16"], rows["compress e4m3"]
+    assert e4m3["held_after_forward_bytes"] < bf16["held_after_forward_bytes"]
+    assert bf16["held_after_forward_bytes"] < store["held_after_forward_bytes"]
+    assert store["gradient_error"] < 1e-5 < bf16["gradient_error"] < e4m3["gradient_error"]

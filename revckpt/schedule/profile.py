@@ -133,7 +133,9 @@ def profile(
     each keeps against what recomputing it costs), the solver then choosing one per block.
     ``compress``: the formats to price for compressed saved activations
     (:func:`revckpt.approx.compress_saved`; default none: each costs one more run of every
-    block to measure its error, and on a CPU its codec time makes it slower than recomputing).
+    block to measure its error; on the GPT-like chain on one CPU thread every block compressed
+    in bf16 took 1.23x a stored step against checkpointing's 1.48x, in e4m3 1.92x:
+    ``benchmarks/bench_compress.py``).
     ``repeats``: timing rounds of a block timed on its own (what the in-chain rounds did not
     reach). ``rounds``: how many times the in-chain timing steps run (each round adds two
     steps, or three for six strategies, rotated; more rounds average out a noisy machine, see
