@@ -647,6 +647,72 @@ def test_a_kept_output_changed_in_place_that_no_recompute_reads_is_plain_autogra
     _assert_close(_step(_build("selective", blocks), x), _step(_build("plain", blocks), x))
 
 
+class _ShiftedProjection(nn.Module):
+    """A bias-free Linear on a 3-D input is ``mm`` then ``_unsafe_view``, whose version counter
+    is not the ``mm`` output's: the in-place add changes the kept ``mm`` output unseen by
+    torch's version check (torch's own selective checkpoint gives wrong gradients here)."""
+
+    def __init__(self, bias: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        y.add_(1.0)
+        return y.sin()
+
+
+class _BiasedScores(nn.Module):
+    """T5's attention scores: ``matmul`` of two 3-D projections (``bmm`` then
+    ``_unsafe_view``), then ``scores += bias`` in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(D, D), nn.Linear(D, D)
+        self.bias = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = torch.matmul(self.q(x), self.k(x).transpose(-1, -2))
+        scores += self.bias
+        return scores.softmax(-1)
+
+
+@pytest.mark.parametrize(
+    ("block", "op"), [(_ShiftedProjection, r"aten\.mm"), (_BiasedScores, r"aten\.bmm")]
+)
+@pytest.mark.parametrize("policy", ["matmul", "matmul+attention"])
+def test_a_kept_output_changed_through_an_alias_raises(block, op, policy):
+    """Before, these gave gradients 4.2 and 0.50 away from autograd's (max abs, float64),
+    silently."""
+    torch.manual_seed(0)
+    model = block().double()
+    x = torch.randn(2, 4, D, dtype=torch.float64, requires_grad=True)
+    y = revckpt.checkpoint(model, x, strategy=f"selective:{policy}")
+    with pytest.raises(revckpt.ModifiedInputError, match=rf"keeps the output of {op}"):
+        y.mul(torch.randn_like(y)).sum().backward()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_writes_that_no_kept_output_overlaps_are_plain_autograds(bias):
+    """A bias-free (or biased) Linear's output scaled out of place, then changed in place: the
+    kept ``mm`` output is not touched, and nothing is raised."""
+
+    class _Scaled(_ShiftedProjection):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x) * 2.0
+            y.add_(1.0)
+            return y.sin()
+
+    torch.manual_seed(0)
+    model = _Scaled(bias).double()
+    x = torch.randn(2, 4, D, dtype=torch.float64, requires_grad=True)
+    ct = torch.randn(2, 4, D, dtype=torch.float64)
+    expected = torch.autograd.grad((model(x) * ct).sum(), [x, *model.parameters()])
+    y = revckpt.checkpoint(model, x, strategy="selective:matmul")
+    got = torch.autograd.grad((y * ct).sum(), [x, *model.parameters()])
+    _assert_equal(list(got), list(expected))
+
+
 def test_inference_tensors_and_containers_given_to_a_block():
     """An inference-mode mask has no version counter (it is not checked); a tensor in a list
     the block is given, changed in place, is named."""

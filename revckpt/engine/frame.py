@@ -29,6 +29,7 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 from .._determinism import ValueLog
 from ..errors import DoubleBackwardError, ModifiedInputError
 from ..replay import ForwardState
+from .kept import guard
 from .rerun import check_versions, input_versions
 
 __all__ = ["FRAME", "Entered", "FrameCall", "device_context", "frame_usable", "run_checkpoint"]
@@ -78,6 +79,8 @@ class FrameCall:
         self.preserve_rng_state = preserve_rng_state
         self.values = ValueLog(label) if check_values else None
         self.sac = context_fn() if context_fn is not None else None
+        if self.sac is not None:
+            guard(self.sac[0])  # writes through aliases torch's version check misses
         self.state: ForwardState | None = None
         self.device_context: Any = None
         self.recomputed = False
