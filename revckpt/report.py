@@ -37,7 +37,7 @@ from ._report_plots import plot_errors, plot_memory_time
 from ._step_memory import StepMemory, measure_peak, measure_step
 from .errors import InvalidArgumentError, InvalidInputTypeError
 from .measure import gradient_error, time_ratios
-from .measure.state import preserved
+from .measure.state import cut_from_graph, preserved
 from .schedule import Plan, apply
 
 __all__ = ["PlanMeasurement", "Report", "StepMemory", "measure_peak", "measure_step", "report"]
@@ -277,7 +277,7 @@ def report(
     """
     named = _named(blocks)
     names = _check_plans(named, plans)
-    kw = dict(kwargs or {})
+    kw = cut_from_graph(kwargs or {})
     plain = _BlocksInOrder(named)
     models: dict[str, nn.Module] = {STORE_ALL: plain}
     for p in plans:

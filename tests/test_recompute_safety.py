@@ -732,6 +732,36 @@ def test_inference_tensors_and_containers_given_to_a_block():
         revckpt.checkpoint(scales_the_second, [x, x.clone()])
 
 
+class _Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + mask  # not saved by autograd: plain autograd takes it
+
+
+@pytest.mark.parametrize("strategy", ["checkpoint", "selective", "approx:bf16", "offload"])
+def test_an_inference_mode_keyword_tensor_is_used_as_it_is(strategy):
+    """Approx and offload nodes save their keyword tensors; an inference tensor cannot be
+    saved (torch raised 'Inference tensors cannot be saved for backward'): it is kept as given."""
+    torch.manual_seed(0)
+    block = _Masked().double()
+    with torch.inference_mode():
+        mask = torch.rand(D, dtype=torch.float64)
+    x = torch.randn(ROWS, D, dtype=torch.float64, requires_grad=True)
+    expected = torch.autograd.grad(block(x, mask=mask).sum(), [x, *block.parameters()])
+    strat = {"approx:bf16": Approx(store="bf16"), "selective": "selective:matmul"}.get(
+        strategy, strategy
+    )
+    y = revckpt.checkpoint(block, x, mask=mask, strategy=strat)
+    got = torch.autograd.grad(y.sum(), [x, *block.parameters()])
+    if strategy == "approx:bf16":  # the input went through bf16
+        torch.testing.assert_close(list(got), list(expected), rtol=1e-2, atol=1e-2)
+    else:
+        _assert_equal(list(got), list(expected))
+
+
 def test_a_reversible_branch_that_changes_a_keyword_tensor_raises():
     class _Shifts(nn.Module):
         def __init__(self) -> None:

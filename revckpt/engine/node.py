@@ -121,7 +121,10 @@ class _RecomputeNode(torch.autograd.Function):
         out = first_forward(ctx.state, call.label, call.fn, *call.args(tensors), **call.kwargs)
         saved, ctx.recipe = call.keep.keep(tensors, call.label)
         ctx.leaves = [t.is_floating_point() for t in tensors]
-        ctx.kw_names = [k for k, v in call.kwargs.items() if isinstance(v, torch.Tensor)]
+        # an inference tensor cannot be saved (nor changed in place outside inference mode):
+        # it stays in the call's keywords as it is
+        kw = call.kwargs
+        ctx.kw_names = [k for k, v in kw.items() if torch.is_tensor(v) and not v.is_inference()]
         ctx.kw_start = len(saved)
         saved += [call.kwargs[k] for k in ctx.kw_names]
         ctx.save_for_backward(*saved)

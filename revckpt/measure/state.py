@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["preserved"]
+__all__ = ["cut_from_graph", "preserved"]
 
 
 @contextlib.contextmanager
@@ -51,3 +52,14 @@ def preserved(
         with torch.no_grad():
             for b, value in buffers:
                 b.copy_(value)
+
+
+def cut_from_graph(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` (keyword arguments of blocks about to be measured) with every tensor that
+    requires grad replaced by a detached leaf that requires grad (the same storage): the
+    measuring steps' backward passes stop there instead of running into the caller's graph (a
+    non-leaf one would be backpropagated through twice) or accumulating into its leaves."""
+    return {
+        k: v.detach().requires_grad_(True) if isinstance(v, torch.Tensor) and v.requires_grad else v
+        for k, v in values.items()
+    }

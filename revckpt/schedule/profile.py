@@ -35,7 +35,7 @@ from .._deprecation import warn_deprecated
 from .._numbers import mib
 from ..checkpoint import canonical_policy
 from ..errors import InvalidArgumentError, InvalidInputTypeError
-from ..measure.state import preserved
+from ..measure.state import cut_from_graph, preserved
 from .block_profile import profile_block
 from .costs import BlockCost
 from .profiling import AUTO, DEFAULT_POLICIES, Progress, _ProfilingJob
@@ -151,7 +151,7 @@ def profile(
     ``progress(done, total)``: called as the work advances (a progress bar).
     """
     # over 60 lines for its signature and docstring: every option of the profiler, explained
-    kwargs = _block_kwargs(kwargs, block_kwargs)
+    kwargs = cut_from_graph(_block_kwargs(kwargs, block_kwargs))
     chain = list(blocks)
     offload, policies = _checked_options(
         chain,

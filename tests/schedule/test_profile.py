@@ -178,6 +178,25 @@ def test_profile_and_verify_leave_the_callers_gradients_alone():
     assert bias.grad is before and torch.equal(before, torch.ones(8)) and x.grad is None
 
 
+def test_a_keyword_tensor_made_by_the_callers_graph_is_left_to_it():
+    """A non-leaf keyword tensor that requires grad: the measuring steps used to backpropagate
+    into the caller's graph (then fail: 'backward through the graph a second time') and fill
+    its leaf's .grad. They stop at the keyword now; the caller's graph still works after."""
+    from revckpt.schedule import solve, verify
+
+    torch.manual_seed(0)
+    chain = [_Shifted() for _ in range(3)]
+    x = torch.randn(4, 8)
+    leaf = torch.randn(8, requires_grad=True)
+    bias = leaf * 2.0
+    prof = profile(chain, x, kwargs={"bias": bias}, repeats=1)
+    plan = solve(prof, memory_budget="95%")
+    verify(chain, x, plan, prof, kwargs={"bias": bias}, repeats=1, warmup=0)
+    assert leaf.grad is None
+    bias.sum().backward()  # the caller's own backward through its graph
+    assert torch.equal(leaf.grad, torch.full((8,), 2.0))
+
+
 def test_a_block_that_changes_its_input_in_place_is_named_and_the_input_left_alone():
     chain = [nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8)]
     x = torch.randn(4, 8)
