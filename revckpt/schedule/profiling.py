@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from ..engine.rerun import any_changed, input_versions
 from ..strategy import Strategy
@@ -257,8 +258,11 @@ def _inputs(
     chain: Sequence[nn.Module], x: torch.Tensor, kwargs: dict[str, Any]
 ) -> list[torch.Tensor]:
     """Every block's input in the chain (detached); raises for a block that changes its input
-    in place (:func:`~.block_runs.changes_its_input`)."""
-    inputs, h = [], x.detach().clone()  # the caller's, unchanged whatever the blocks do
+    in place (:func:`~.block_runs.changes_its_input`), before any other run of the blocks: on
+    copies of the input and keyword tensors, so the caller's are unchanged whatever the blocks
+    do."""
+    inputs, h = [], x.detach().clone()
+    kwargs = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), kwargs)
     with torch.no_grad():
         for i, block in enumerate(chain):
             inputs.append(h)
