@@ -692,6 +692,30 @@ def test_a_kept_output_changed_through_an_alias_raises(block, op, policy):
         y.mul(torch.randn_like(y)).sum().backward()
 
 
+def test_a_kept_output_changed_through_the_blocks_output_raises():
+    """The block returns a bias-free Linear's output (``_unsafe_view`` of the kept ``mm``) and
+    GELU of it; its caller then adds into the first in place. Plain autograd raises (GELU saved
+    it); revckpt used to recompute GELU's input from the changed ``mm`` output (gradients 2.6
+    away, silently)."""
+
+    class _Both(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(D, D, bias=False)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            y = self.lin(x)
+            return y, torch.nn.functional.gelu(y)
+
+    torch.manual_seed(0)
+    model = _Both().double()
+    x = torch.randn(2, 4, D, dtype=torch.float64, requires_grad=True)
+    y, z = revckpt.checkpoint(model, x, strategy="selective:matmul")
+    y.add_(1.0)
+    with pytest.raises(revckpt.ModifiedInputError, match=r"through the block's output"):
+        z.mul(torch.randn_like(z)).sum().backward()
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_writes_that_no_kept_output_overlaps_are_plain_autograds(bias):
     """A bias-free (or biased) Linear's output scaled out of place, then changed in place: the

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 from .._determinism import ValueLog
 from ..errors import DoubleBackwardError, ModifiedInputError
 from ..replay import ForwardState
-from .kept import guard
+from .kept import Watched, bump_if_changed, guard, watch
 from .rerun import check_versions, input_versions
 
 __all__ = ["FRAME", "Entered", "FrameCall", "device_context", "frame_usable", "run_checkpoint"]
@@ -57,6 +57,7 @@ class FrameCall:
         "sac",
         "state",
         "values",
+        "watched",
     )
 
     def __init__(
@@ -84,6 +85,7 @@ class FrameCall:
         self.state: ForwardState | None = None
         self.device_context: Any = None
         self.recomputed = False
+        self.watched: Watched = []  # outputs that alias kept ones (selective): engine.kept
 
     def forward_contexts(self) -> list[contextlib.AbstractContextManager[Any]]:
         """Capture the forward's state; the contexts the forward runs in (the first one
@@ -110,6 +112,9 @@ class FrameCall:
                 "policy=None (plain checkpoint: supports both), or keep the block stored"
             )
         self.recomputed = True
+        if self.sac is not None:  # an output aliasing a kept one, changed since the forward
+            bump_if_changed(self.sac[0], self.watched)
+            self.watched = []
         exact_draws = self.sac is None  # a policy may keep a random op's output
         contexts = [self.state.replay(label=self.label, exact_draws=exact_draws)]
         if self.sac is not None:
@@ -131,11 +136,12 @@ class FrameCall:
                     raise
                 op = _reading(e) or "an operation"
                 raise ModifiedInputError(
-                    f"{self.label}: its selective policy keeps the output of {op}, which the "
-                    "block then changes in place (e.g. nn.ReLU(inplace=True) after a Linear), so "
-                    "its backward would use the changed value. Make that operation out of place "
-                    f"(inplace=False), use a policy that does not keep {op}, or checkpoint the "
-                    "block"
+                    f"{self.label}: its selective policy keeps the output of {op}, which was "
+                    "then changed in place, directly or through a reshape of it (by the block, "
+                    "e.g. nn.ReLU(inplace=True) after a Linear, or through the block's output "
+                    "after it returned), so its backward would use the changed value. Make "
+                    f"that change out of place (inplace=False), use a policy that does not keep "
+                    f"{op}, or checkpoint the block"
                 ) from e
 
 
@@ -315,6 +321,8 @@ def run_checkpoint(call: FrameCall, args: tuple[Any, ...], determinism_check: st
     versions = input_versions(args, call.kwargs)
     out = _run_checkpoint(call, args, determinism_check)
     check_versions(versions, call.label)
+    if call.sac is not None:
+        call.watched = watch(call.sac[0], out)
     return out
 
 

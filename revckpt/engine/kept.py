@@ -13,8 +13,12 @@ schema marks the argument written), the kept outputs whose memory it overlaps ge
 counter bumped (``torch.autograd.graph.increment_version``), so that torch's check raises where
 the recompute reads them, and only there, as for a change through the tensor itself. Writes into
 tensors nothing kept overlaps cost a lookup of the operation's schema (cached per operation).
-Not covered: a change made after the block returned, through an output of the block that is
-such an alias. Under ``torch.compile`` (fake tensors) nothing is checked.
+A change made after the block returned, through an output of the block that is such an alias
+(the block ends with that ``Linear``, and its caller adds into the output in place), is caught
+by :func:`watch`: such outputs are held as views (their memory is the kept output's, held
+anyway) with their versions, and :func:`bump_if_changed`, at the start of the recompute, bumps
+the kept output under any that changed. Under ``torch.compile`` (fake tensors) nothing is
+checked.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["guard"]
+__all__ = ["bump_if_changed", "guard", "watch"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -103,7 +107,36 @@ def _bump_overwritten(
     written = [_extent(t) for t in _written_tensors(func, args, kwargs)]
     if not written:
         return
+    _bump(storage, written)
+
+
+def _bump(storage: Any, written: list[tuple[int, int, int]]) -> None:
+    """Bump the version of every kept output whose memory overlaps one of ``written``."""
     for val in _kept(storage):
         mine = _extent(val)
         if any(_overlaps(mine, w) for w in written):
             torch.autograd.graph.increment_version(val)
+
+
+Watched = list[tuple[torch.Tensor, int]]
+
+
+def watch(mode: Any, out: Any) -> Watched:
+    """The outputs of a selective block (``out``, any structure) whose memory overlaps an output
+    ``mode`` (the forward's caching mode) kept, as views, with their versions."""
+    storage = getattr(mode, "storage", None)
+    if not isinstance(storage, dict) or torch.compiler.is_compiling():
+        return []
+    outs = [t for t in tree_leaves(out) if type(t) in _PLAIN and t.numel()]
+    if not outs:
+        return []
+    kept = [_extent(v) for v in _kept(storage)]
+    return [(t.view_as(t), t._version) for t in outs if any(_overlaps(_extent(t), k) for k in kept)]
+
+
+def bump_if_changed(mode: Any, watched: Watched) -> None:
+    """Before a recompute reads ``mode``'s cache: bump the kept outputs under every watched
+    output changed since the forward (see :func:`watch`)."""
+    changed = [_extent(t) for t, version in watched if t._version != version]
+    if changed:
+        _bump(mode.storage, changed)
