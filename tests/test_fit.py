@@ -430,8 +430,11 @@ def test_an_example_that_requires_grad_is_left_as_it_was() -> None:
 def test_bad_input_is_one_clear_error() -> None:
     case = _case("nanogpt")
     model, example = case.make_model(), case.make_example(2, 16)
-    with pytest.raises(revckpt.InvalidArgumentError, match="no repeated blocks"):
+    with pytest.raises(revckpt.InvalidArgumentError, match=r"no repeated blocks.*blocks="):
         revckpt.fit(_Flat(), torch.randn(2, 4), memory_budget=0.5)
+    # convert's option is module_filter_fn (it said blocks=, which convert has not)
+    with pytest.raises(revckpt.InvalidArgumentError, match=r"with module_filter_fn='attr"):
+        revckpt.convert(_Flat(), "checkpoint")
     with pytest.raises(revckpt.InvalidArgumentError, match="has no submodule 'layers'"):
         revckpt.fit(model, example, memory_budget=0.5, blocks="transformer.layers")
     with pytest.raises(revckpt.InvalidArgumentError, match="cannot run the example"):

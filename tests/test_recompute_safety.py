@@ -716,6 +716,93 @@ def test_a_kept_output_changed_through_the_blocks_output_raises():
         z.mul(torch.randn_like(z)).sum().backward()
 
 
+def _masked_scores(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """XLM / Flaubert attention: 4-D scores (``bmm`` then ``_unsafe_view``) masked in place."""
+    b, t, _ = x.shape
+    q = m.q(x).view(b, t, 2, D // 2).transpose(1, 2)
+    k = m.k(x).view(b, t, 2, D // 2).transpose(1, 2)
+    scores = q @ k.transpose(-1, -2)
+    scores.masked_fill_(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    return (scores.softmax(-1) @ q).transpose(1, 2).reshape(b, t, D)
+
+
+def _relu_in_place(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m.k(torch.relu_(m.q(x)))  # a bias-free Linear's output, then ReLU(inplace=True)
+
+
+def _unsqueezed(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    y = m.q(x)
+    y.unsqueeze_(0)  # metadata only
+    return y.sin() * m.k(x)
+
+
+def _read_then_masked(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    scores = m.q(x) @ m.k(x).transpose(-1, -2)
+    first = scores.exp()  # reads the kept bmm output before the write below
+    scores.masked_fill_(torch.ones(4, 4, dtype=torch.bool).triu(1), 0.0)
+    return first * scores.sin()
+
+
+class _Pair(nn.Module):
+    def __init__(self, forward) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
+        self.run = forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(self, x)
+
+
+@pytest.mark.parametrize("forward", [_masked_scores, _relu_in_place, _unsqueezed])
+def test_writes_the_recompute_makes_again_exactly_are_plain_autograds(forward):
+    """A first write into a kept output nothing has read, by an operation that gives the same
+    result applied twice (masked_fill_, relu_), and writes of metadata only: the recompute reads
+    the written value and writes it again, so gradients are exact (torch's own selective
+    checkpoint too) and nothing is raised."""
+    torch.manual_seed(0)
+    model = _Pair(forward).double()
+    x = torch.randn(2, 4, D, dtype=torch.float64, requires_grad=True)
+    ct = torch.randn_like(forward(model, x.detach()))
+    expected = torch.autograd.grad((forward(model, x) * ct).sum(), [x, *model.parameters()])
+    for policy in ("matmul", "matmul+attention"):
+        y = revckpt.checkpoint(model, x, strategy=f"selective:{policy}")
+        got = torch.autograd.grad((y * ct).sum(), [x, *model.parameters()])
+        _assert_equal(list(got), list(expected))
+
+
+def test_an_idempotent_write_after_a_read_raises():
+    """The kept scores are read (exp) before masked_fill_ changes them: the recompute's exp
+    would read the masked values."""
+    torch.manual_seed(0)
+    model = _Pair(_read_then_masked).double()
+    x = torch.randn(2, 4, D, dtype=torch.float64, requires_grad=True)
+    y = revckpt.checkpoint(model, x, strategy="selective:matmul")
+    with pytest.raises(revckpt.ModifiedInputError, match=r"keeps the output of aten\.bmm"):
+        y.mul(torch.randn_like(y)).sum().backward()
+
+
+def test_in_place_operations_on_sparse_tensors_inside_a_selective_block():
+    """The guard looks at strided tensors only (a sparse one has no storage to compare)."""
+
+    class _Sparse(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(D, D)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            idx = torch.tensor([[0, 1], [1, 2]])
+            sp = torch.sparse_coo_tensor(idx, torch.ones(2, dtype=x.dtype), (D, D))
+            sp.mul_(2.0)
+            return self.lin(x) @ sp.to_dense()
+
+    torch.manual_seed(0)
+    model = _Sparse().double()
+    x = torch.randn(ROWS, D, dtype=torch.float64, requires_grad=True)
+    expected = torch.autograd.grad(model(x).sum(), [x, *model.parameters()])
+    y = revckpt.checkpoint(model, x, strategy="selective:matmul")
+    _assert_equal(list(torch.autograd.grad(y.sum(), [x, *model.parameters()])), list(expected))
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_writes_that_no_kept_output_overlaps_are_plain_autograds(bias):
     """A bias-free (or biased) Linear's output scaled out of place, then changed in place: the

@@ -53,16 +53,25 @@ _LOOKED_UP = (torch.float8_e4m3fn,)
 
 @functools.lru_cache(maxsize=16)
 def _byte_values(dtype: torch.dtype, wide: torch.dtype) -> torch.Tensor:
-    """The 256 values of a one-byte format in ``wide``, by bit pattern (torch's own cast)."""
-    return torch.arange(256, dtype=torch.uint8).view(dtype).to(wide)
+    """The 256 values of a one-byte format in ``wide``, by bit pattern (torch's own cast), on
+    the CPU whatever the default device."""
+    return torch.arange(256, dtype=torch.uint8, device="cpu").view(dtype).to(wide)
+
+
+_CHUNK = 1 << 20  # elements looked up at a time: the int32 indices stay below 4 MiB
 
 
 def widen(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``payload.to(dtype)`` (``dtype`` wider), a new tensor, bitwise the same. On the CPU an
-    e4m3 payload is looked up in a table of its 256 values: torch's e4m3 to float32 cast runs
-    there about 4.2x slower than the lookup (398 against 95 us for 131k elements, one
-    thread)."""
-    if payload.device.type != "cpu" or payload.dtype not in _LOOKED_UP:
-        return payload.to(dtype)
-    bits = payload.view(torch.uint8).reshape(-1).int()
-    return _byte_values(payload.dtype, dtype).index_select(0, bits).reshape(payload.shape)
+    """``payload.to(dtype)`` (``dtype`` wider), a new tensor, bitwise the same. On the CPU a
+    contiguous e4m3 payload is looked up in a table of its 256 values, a chunk at a time:
+    torch's e4m3 to float32 cast runs there about 4.2x slower than the lookup (398 against 95
+    us for 131k elements, one thread)."""
+    cpu = payload.device.type == "cpu"
+    if not cpu or payload.dtype not in _LOOKED_UP or not payload.is_contiguous():
+        return payload.to(dtype)  # (a strided payload keeps its strides, as the cast does)
+    table = _byte_values(payload.dtype, dtype)
+    bits = payload.view(torch.uint8).reshape(-1)
+    out = torch.empty(bits.shape, dtype=dtype, device=payload.device)
+    for a in range(0, bits.numel(), _CHUNK):
+        torch.index_select(table, 0, bits[a : a + _CHUNK].int(), out=out[a : a + _CHUNK])
+    return out.reshape(payload.shape)

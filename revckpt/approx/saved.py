@@ -17,14 +17,17 @@ and re-runs the forward, it costs no forward (an encode per saved tensor and a d
 backward) and keeps more bytes (every saved activation, at 1 or 2 bytes per element instead
 of 4).
 
-What is compressed: floating-point saved tensors with at least ``min_numel`` elements whose
-dtype is wider than the format (a bf16 tensor, e.g. a matmul input under bf16 autocast, is not
-"compressed" to bf16; fp8 compresses bf16 and float16 ones). Kept as they are: parameters and
-every other leaf that requires grad (or a view of one: autograd keeps its storage alive anyway,
-so a copy would add memory), integer and boolean tensors (dropout masks, indices), small
-tensors (normalisation statistics, log-sum-exps), expanded (stride-0) views, which a codec would
-materialise, tensor subclasses, and tensors that do not require grad and hold inf or nan (the
-additive ``-inf`` mask attention makes from a boolean one). An activation that requires grad and
+What is compressed: floating-point activations that require grad, with at least ``min_numel``
+elements, whose dtype is wider than the format (a bf16 tensor, e.g. a matmul input under bf16
+autocast, is not "compressed" to bf16; fp8 compresses bf16 and float16 ones). Kept as they are:
+tensors that do not require grad (attention masks and position biases, an input without grad:
+constants, often one tensor shared by every layer, which a copy per layer would cost more than;
+and a mask's ``finfo.min`` or ``-inf`` would set an fp8 row's scale so that every bias value in
+the row decodes to 0: on a Hugging Face Falcon layer with ALiBi, 8692 of 9264 unmasked entries),
+parameters and every other leaf that requires grad (or a view of one: autograd keeps its
+storage alive anyway, so a copy would add memory), integer and boolean tensors (dropout masks,
+indices), small tensors (normalisation statistics, log-sum-exps), expanded (stride-0) views,
+which a codec would materialise, and tensor subclasses. An activation that requires grad and
 holds inf or nan raises :class:`~revckpt.approx.NonFiniteInputError`: the model overflowed.
 
 A tensor saved by several operations in one call (the same view of the same storage, at the same
@@ -48,7 +51,6 @@ uses (the decoded copy lives from its first use in backward to its last).
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import weakref
 from collections.abc import Callable
@@ -107,7 +109,6 @@ class _SavedCodec:
 
     def __init__(self, codec: Codec, min_numel: int, label: str) -> None:
         self.codec = codec
-        self.constants = _checked_at_encode(codec)
         self.min_numel = min_numel
         self.label = label
         self.width = codec.spec.itemsize
@@ -121,6 +122,8 @@ class _SavedCodec:
             return False
         if t.element_size() <= self.width:
             return False  # not wider than the format: nothing to gain
+        if not t.requires_grad:
+            return False  # a constant: a mask, a position bias, an input without grad
         base = t if t._base is None else t._base
         if base.requires_grad and base.is_leaf:
             return False  # a parameter or a leaf input (or a view of one): alive anyway
@@ -152,8 +155,6 @@ class _SavedCodec:
             entry.uses += 1
         else:
             encoded = self._encode(source)
-            if encoded is None:
-                return t.detach()
             entry = _Packed(encoded, _dense_stride(source))
             self.seen[key] = (weakref.ref(storage), entry)
         if source is t:
@@ -161,13 +162,11 @@ class _SavedCodec:
         offset = t.storage_offset() - source.storage_offset()
         return _View(entry, tuple(t.shape), tuple(t.stride()), offset)
 
-    def _encode(self, t: torch.Tensor) -> Encoded | None:
-        """``t`` encoded; ``None`` for a constant with non-finite values, kept exact."""
+    def _encode(self, t: torch.Tensor) -> Encoded:
+        """``t`` (an activation that requires grad) encoded."""
         try:
-            return (self.codec if t.requires_grad else self.constants).encode(t)
+            return self.codec.encode(t)
         except NonFiniteInputError:
-            if not t.requires_grad:
-                return None  # a mask or constant (SDPA's -inf mask from a boolean one)
             bad = int((~torch.isfinite(t)).sum())
             raise NonFiniteInputError(
                 f"compress_saved(store={self.codec.format!r}) in {self.label}: an activation "
@@ -233,12 +232,6 @@ def _build_codec(
 
 
 _cached_codec = functools.lru_cache(maxsize=64)(_build_codec)
-
-
-@functools.lru_cache(maxsize=64)
-def _checked_at_encode(codec: Codec) -> Codec:
-    """``codec`` checking at encode, for constants (masks), told apart there and kept exact."""
-    return dataclasses.replace(codec, defer_checks=False)
 
 
 def _check_min_numel(min_numel: Any) -> None:

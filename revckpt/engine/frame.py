@@ -48,6 +48,7 @@ class FrameCall:
     __slots__ = (
         "device_context",
         "fn",
+        "kept",
         "kwargs",
         "label",
         "modules",
@@ -80,8 +81,8 @@ class FrameCall:
         self.preserve_rng_state = preserve_rng_state
         self.values = ValueLog(label) if check_values else None
         self.sac = context_fn() if context_fn is not None else None
-        if self.sac is not None:
-            guard(self.sac[0])  # writes through aliases torch's version check misses
+        # writes through aliases torch's version check misses (engine.kept)
+        self.kept = guard(self.sac[0]) if self.sac is not None else None
         self.state: ForwardState | None = None
         self.device_context: Any = None
         self.recomputed = False
@@ -112,9 +113,8 @@ class FrameCall:
                 "policy=None (plain checkpoint: supports both), or keep the block stored"
             )
         self.recomputed = True
-        if self.sac is not None:  # an output aliasing a kept one, changed since the forward
-            bump_if_changed(self.sac[0], self.watched)
-            self.watched = []
+        bump_if_changed(self.kept, self.watched)  # an output aliasing a kept one, changed
+        self.watched = []
         exact_draws = self.sac is None  # a policy may keep a random op's output
         contexts = [self.state.replay(label=self.label, exact_draws=exact_draws)]
         if self.sac is not None:
@@ -321,8 +321,7 @@ def run_checkpoint(call: FrameCall, args: tuple[Any, ...], determinism_check: st
     versions = input_versions(args, call.kwargs)
     out = _run_checkpoint(call, args, determinism_check)
     check_versions(versions, call.label)
-    if call.sac is not None:
-        call.watched = watch(call.sac[0], out)
+    call.watched = watch(call.kept, out)
     return out
 
 

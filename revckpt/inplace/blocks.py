@@ -25,19 +25,22 @@ __all__ = ["Blocks", "find_blocks", "model_digest"]
 Blocks = str | Callable[[nn.Module, str], bool] | None
 
 
-def find_blocks(model: nn.Module, blocks: Blocks = None) -> list[tuple[str, nn.Module]]:
-    """The model's blocks as ``(fully qualified name, module)`` pairs, in module order."""
+def find_blocks(
+    model: nn.Module, blocks: Blocks = None, *, option: str = "blocks"
+) -> list[tuple[str, nn.Module]]:
+    """The model's blocks as ``(fully qualified name, module)`` pairs, in module order;
+    ``option``: the caller's name for ``blocks``, in the messages."""
     if not isinstance(model, nn.Module):
         raise InvalidInputTypeError(f"expected an nn.Module, got {type(model).__name__}")
     if blocks is None:
-        found = _repeated(model)
+        found = _repeated(model, option)
     elif isinstance(blocks, str):
         found = _at_path(model, blocks)
     elif callable(blocks):
         found = _filtered(model, blocks)
     else:
         raise InvalidInputTypeError(
-            f"blocks= takes an attribute path such as 'model.layers' or a function "
+            f"{option}= takes an attribute path such as 'model.layers' or a function "
             f"(module, fqn) -> bool, got {type(blocks).__name__}"
         )
     _check_disjoint(found)
@@ -65,7 +68,7 @@ def _runs(name: str, container: nn.Module) -> list[list[tuple[str, nn.Module]]]:
     return runs
 
 
-def _repeated(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def _repeated(model: nn.Module, option: str) -> list[tuple[str, nn.Module]]:
     by_class: dict[type, list[tuple[str, nn.Module]]] = {}
     for name, container in _containers(model):
         for run in _runs(name, container):
@@ -76,7 +79,7 @@ def _repeated(model: nn.Module) -> list[tuple[str, nn.Module]]:
         raise InvalidArgumentError(
             f"{type(model).__name__} has no repeated blocks (no two or more consecutive "
             "modules of one class with parameters in an nn.ModuleList or nn.Sequential); name "
-            "them with blocks='attribute.path' or blocks=lambda module, fqn: ..."
+            f"them with {option}='attribute.path' or {option}=lambda module, fqn: ..."
         )
 
     def rank(kind: type) -> tuple[int, int]:

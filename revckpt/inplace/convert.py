@@ -37,7 +37,7 @@ def convert(
     run = runner_for(strategy)
     refuse_reversible(model, "convert")  # restore would undo make_reversible
     restore(model)  # a model is converted once: what was installed before goes
-    found = find_blocks(model, module_filter_fn)
+    found = find_blocks(model, module_filter_fn, option="module_filter_fn")
     chosen = found[::every]
     for fqn, block in chosen:
         install(block, Planned(fqn, str(Strategy.parse(strategy)), run))

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 __all__ = ["cut_from_graph", "preserved"]
 
@@ -56,10 +57,12 @@ def preserved(
 
 def cut_from_graph(values: Mapping[str, Any]) -> dict[str, Any]:
     """``values`` (keyword arguments of blocks about to be measured) with every tensor that
-    requires grad replaced by a detached leaf that requires grad (the same storage): the
-    measuring steps' backward passes stop there instead of running into the caller's graph (a
-    non-leaf one would be backpropagated through twice) or accumulating into its leaves."""
-    return {
-        k: v.detach().requires_grad_(True) if isinstance(v, torch.Tensor) and v.requires_grad else v
-        for k, v in values.items()
-    }
+    requires grad, inside lists, tuples and dicts too, replaced by a detached leaf that requires
+    grad (the same storage): the measuring steps' backward passes stop there instead of running
+    into the caller's graph (a non-leaf one would be backpropagated through twice) or
+    accumulating into its leaves."""
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().requires_grad_(True) if t.requires_grad else t
+
+    return {k: tree_map_only(torch.Tensor, cut, v) for k, v in values.items()}

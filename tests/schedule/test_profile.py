@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from revckpt import InvalidArgumentError
+from revckpt import InvalidArgumentError, InvalidInputTypeError
 from revckpt.approx import Approx, estimate_error
 from revckpt.models import gpt_like, mlp_chain, revnet_like
 from revckpt.schedule import Segment, evaluate, profile
@@ -195,6 +195,22 @@ def test_a_keyword_tensor_made_by_the_callers_graph_is_left_to_it():
     assert leaf.grad is None
     bias.sum().backward()  # the caller's own backward through its graph
     assert torch.equal(leaf.grad, torch.full((8,), 2.0))
+    leaf.grad = None
+    pair = (leaf * 2.0, leaf * 3.0)  # inside a tuple: a clear error, the caller's graph intact
+    with pytest.raises(InvalidInputTypeError, match="inside a tuple"):
+        profile([_Paired() for _ in range(2)], x, kwargs={"bias": pair}, repeats=1)
+    assert leaf.grad is None
+    sum(pair).sum().backward()
+    assert torch.equal(leaf.grad, torch.full((8,), 5.0))
+
+
+class _Paired(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, *, bias):
+        return self.lin(x) + bias[0] * bias[1]
 
 
 def test_a_block_that_changes_its_input_in_place_is_named_and_the_input_left_alone():
