@@ -127,7 +127,12 @@ class Compressed(Keep):
         # per tensor: None if kept exactly, else (dtype, scaled, (index, label): for an error)
         recipe: list[tuple[torch.dtype, bool, tuple[int, str]] | None] = []
         for i, t in enumerate(tensors):
-            if codec is None or not t.is_floating_point():
+            # kept exactly: integers, and a further argument without grad (a mask or a
+            # position bias passed positionally, as Hugging Face layers get them under eager
+            # attention: their finfo.min would set an fp8 row's scale so that every bias value
+            # in the row decodes to 0); the block input (argument 0) goes through the codec
+            constant = i > 0 and not t.requires_grad
+            if codec is None or not t.is_floating_point() or constant:
                 recipe.append(None)
                 saved.append(t)
                 continue

@@ -236,12 +236,44 @@ def test_positional_mask_with_inf_gets_a_keyword_hint():
     def fn(x, mask):
         return x + mask
 
-    mask = torch.zeros(2, 8)
-    mask[0, 0] = float("-inf")
+    mask = torch.zeros(2, 8, requires_grad=True)  # an argument that requires grad is compressed
+    with torch.no_grad():
+        mask[0, 0] = float("-inf")
     with pytest.raises(InvalidArgumentError, match="belongs in a keyword argument"):
         revckpt.checkpoint(
             fn, torch.randn(2, 8, requires_grad=True), mask, strategy=Approx(store="e4m3")
         )
+
+
+def test_a_positional_mask_without_grad_is_kept_exactly():
+    """A further positional argument without grad (a mask with a bias, finfo.min where masked,
+    as Hugging Face layers get it under eager attention) is kept exactly, as a keyword one is:
+    one fp8 scale per row set by finfo.min decoded every bias value in the row to 0."""
+
+    class _Scores(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x, mask):
+            return (self.lin(x) @ self.lin(x).transpose(-1, -2) + mask).softmax(-1) @ x
+
+    torch.manual_seed(0)
+    fn = _Scores().double()
+    lin = fn.lin
+
+    bias = -torch.rand(64, 64, dtype=torch.float64)
+    above = torch.ones(64, 64, dtype=torch.bool).triu(1)
+    mask = bias.masked_fill(above, torch.finfo(bias.dtype).min)
+    x = torch.randn(64, 16, dtype=torch.float64, requires_grad=True)
+    params = [x, *lin.parameters()]
+
+    def grads(*args, **kwargs):
+        y = revckpt.checkpoint(fn, *args, strategy=Approx(store="e4m3"), **kwargs)
+        return torch.autograd.grad(y.sum(), params)
+
+    by_keyword = grads(x, mask=mask)
+    assert all(torch.equal(a, b) for a, b in zip(grads(x, mask), by_keyword, strict=True))
 
 
 def test_complex_input_rejected():
