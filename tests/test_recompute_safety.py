@@ -873,6 +873,33 @@ def test_an_inference_mode_keyword_tensor_is_used_as_it_is(strategy):
         _assert_equal(list(got), list(expected))
 
 
+@pytest.mark.parametrize("strategy", ["approx:bf16", "offload"])
+@pytest.mark.parametrize("as_keyword", [True, False])
+def test_a_kept_mask_changed_after_the_forward_is_named(strategy, as_keyword):
+    """Approx and offload nodes keep a keyword tensor (and a further positional one without
+    grad) exactly; changed in place before backward, torch raised its bare version error."""
+
+    class _Add(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(D, D)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) + mask
+
+    block = _Add().double()
+    x = torch.randn(ROWS, D, dtype=torch.float64, requires_grad=True)
+    mask = torch.zeros(D, dtype=torch.float64)
+    strat = Approx(store="bf16") if strategy == "approx:bf16" else strategy
+    if as_keyword:
+        y = revckpt.checkpoint(block, x, mask=mask, strategy=strat)
+    else:
+        y = revckpt.checkpoint(block, x, mask, strategy=strat)
+    mask.add_(1.0)
+    with pytest.raises(revckpt.ModifiedInputError, match=r"(changed|modified) in place"):
+        y.sum().backward()
+
+
 def test_a_reversible_branch_that_changes_a_keyword_tensor_raises():
     class _Shifts(nn.Module):
         def __init__(self) -> None:

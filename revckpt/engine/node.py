@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..errors import InvalidArgumentError, InvalidInputTypeError
+from ..errors import InvalidArgumentError, InvalidInputTypeError, ModifiedInputError
 from ..replay import ForwardState
 from .autograd import differentiable_once, grad_keywords, module_targets, modules_of
 from .rerun import Rerun, first_forward, output_grads
@@ -136,7 +136,7 @@ class _RecomputeNode(torch.autograd.Function):
     @differentiable_once("an approximate-recompute or offloaded block")
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         call: _BlockCall = ctx.call
-        saved = ctx.saved_tensors
+        saved = _saved(ctx, call.label)
         rebuilt = call.keep.rebuild(saved[: ctx.kw_start], ctx.recipe)
         args_in = [
             t.detach().requires_grad_(True) if leaf else t
@@ -168,6 +168,22 @@ class _RecomputeNode(torch.autograd.Function):
             arg_grads.append(result[i] if leaf else None)
             i += leaf
         return (None, *arg_grads, *result[len(leaves) :])
+
+
+def _saved(ctx: Any, label: str) -> tuple[torch.Tensor, ...]:
+    """The node's saved tensors; a tensor the block was given exactly (a keyword, a further
+    argument without grad, an exact boundary) changed in place since the forward is named."""
+    try:
+        return ctx.saved_tensors
+    except RuntimeError as e:
+        if "modified by an inplace operation" not in str(e):
+            raise
+        raise ModifiedInputError(
+            f"{label}: a tensor it was given (an argument or keyword it keeps exactly, e.g. an "
+            "attention mask) was changed in place between its forward and its backward, so its "
+            "recompute would run on other values. Change a copy (mask = mask.clone()) or make "
+            "the change after backward"
+        ) from e
 
 
 class _OutSpec:
