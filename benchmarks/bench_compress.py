@@ -12,7 +12,8 @@ Per variant: the whole step's peak and the bytes held after the forward
 (``revckpt.MemoryMeter`` around forward and backward, the output's gradient made beforehand),
 the time of the step against the stored one (``revckpt.time_ratios``: interleaved, rotated
 rounds, median and IQR; one CPU thread), and the relative error of all parameter gradients
-together against a float64 copy of the chain run plainly.
+together against a float64 copy of the chain run plainly (``revckpt.measure.gradient_error``,
+its seeded random projection of the output as the loss).
 
 Run ``python benchmarks/bench_compress.py`` (``--quick``: small chain, few rounds); prints a
 table and writes ``benchmarks/results/bench_compress.json``.
@@ -33,6 +34,7 @@ from torch import nn
 import revckpt
 from revckpt import MemoryMeter, time_ratios
 from revckpt.approx import compress_saved
+from revckpt.measure import gradient_error as measure_gradient_error
 from revckpt.measure import keep_freed_memory
 from revckpt.models import gpt_like
 
@@ -68,22 +70,29 @@ def run(
     return held
 
 
+class _Chain(nn.Module):
+    """The chain run block by block through ``call`` (for ``revckpt.measure.gradient_error``)."""
+
+    def __init__(self, chain: nn.Sequential, call: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.chain, self.call = chain, call
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h.to(next(self.chain.parameters()).dtype)  # the float64 reference takes float64
+        for block in self.chain:
+            h = self.call(block, h)
+        return h
+
+
 def gradient_error(
-    chain: nn.Sequential,
-    x: torch.Tensor,
-    grad: torch.Tensor,
-    call: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+    chain: nn.Sequential, x: torch.Tensor, call: Callable[..., torch.Tensor]
 ) -> float:
-    """``||g - g64|| / ||g64||`` over every parameter gradient of ``chain``."""
-    ref = copy.deepcopy(chain).double()
-    for model in (chain, ref):
-        model.zero_grad(set_to_none=True)
-    run(chain, x, grad, call)
-    run(ref, x.double(), grad.double(), lambda block, h: block(h))
-    got = torch.cat([p.grad.double().reshape(-1) for p in chain.parameters()])
-    want = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+    """``||g - g64|| / ||g64||`` over every parameter gradient of ``chain`` run through
+    ``call``, against a float64 copy run plainly (``revckpt.measure.gradient_error``)."""
+    reference = _Chain(copy.deepcopy(chain).double(), variants()["store"])
+    err = measure_gradient_error(_Chain(chain, call), reference, x)
     chain.zero_grad(set_to_none=True)
-    return float((got - want).norm() / want.norm())
+    return err.overall.rel_l2
 
 
 def measure(chain: nn.Sequential, x: torch.Tensor, repeats: int) -> list[dict[str, Any]]:
@@ -99,7 +108,7 @@ def measure(chain: nn.Sequential, x: torch.Tensor, repeats: int) -> list[dict[st
                 "variant": name,
                 "peak_bytes": meter.peak_bytes,
                 "held_after_forward_bytes": held,
-                "gradient_error": gradient_error(chain, x, grad, call),
+                "gradient_error": gradient_error(chain, x, call),
             }
         )
     steps = {name: (lambda call=call: run(chain, x, grad, call)) for name, call in calls.items()}

@@ -134,7 +134,7 @@ def profile(
     ``compress``: the formats to price for compressed saved activations
     (:func:`revckpt.approx.compress_saved`; default none: each costs one more run of every
     block to measure its error; on the GPT-like chain on one CPU thread every block compressed
-    in bf16 took 1.23x a stored step against checkpointing's 1.48x, in e4m3 1.92x:
+    in bf16 took 1.29x a stored step against checkpointing's 1.51x, in e4m3 1.98x:
     ``benchmarks/bench_compress.py``).
     ``repeats``: timing rounds of a block timed on its own (what the in-chain rounds did not
     reach). ``rounds``: how many times the in-chain timing steps run (each round adds two
