@@ -50,8 +50,12 @@ or three blocks than from a run of 24 (two exploratory runs), and the plans the 
 strategy over stretches of blocks. ``rounds`` repeats the strategy steps, rotated.
 
 Before the first timed step, each strategy not yet run in this process runs once untimed
-on a prefix of the chain (:func:`warm_up`, two blocks per strategy): a strategy's first run
-in a process is slow, and the step that times it would charge that to the strategy.
+(:func:`warm_up`): a strategy's first run in a process is slow, and the step that times it would
+charge that to the strategy. It runs on the cheapest block that can run it (the chained part on
+the cheapest two adjacent blocks), from that block's input: what is cold then is the strategy's
+code, not the kernels of a shape (the memory metering ran every distinct block in every mode
+before). On a prefix of the chain, two blocks per strategy, it cost the RevNet-like model a step
+(0.8-1.0 of one), whose first blocks are its dearest.
 
 Per group (identical blocks) a strategy's extra time is the median over its samples; a group
 no part reached gets the median ratio of extra time to stored forward time over the blocks
@@ -215,6 +219,7 @@ def probe_chain(
     rounds: int = 1,
     warm: bool = True,
     stored: list[tuple[float, float]] | None = None,
+    inputs: Sequence[torch.Tensor] | None = None,
     clock: Clock = time.perf_counter,
 ) -> InChain:
     """Time the chain's step stored, then every strategy on contiguous parts, ``parts`` per
@@ -224,7 +229,9 @@ def probe_chain(
     one-block strategies it can run with, ``"store"`` first; ``grad``: the chain output's
     gradient; ``warm``: the caches and allocator are warm (a stored step ran just before), or
     one untimed stored step runs first; ``stored``: the stored step's times, timed by the
-    caller (:func:`timed_step`, every block a segment of its own), then none is run here."""
+    caller (:func:`timed_step`, every block a segment of its own), then none is run here;
+    ``inputs``: every block's input, for the warm-up (:func:`warm_up`; default: a no-grad
+    forward of the chain makes them where a strategy needs one)."""
     n = len(chain)
     stored_segments = [Segment(i, i + 1, STORE) for i in range(n)]
     stored_steps = 0 if stored is not None else 1 if warm else 2
@@ -238,7 +245,10 @@ def probe_chain(
         parts = max(2, -(-len(kinds) // 2)) + 1
     per = max(1, parts - 1)  # kinds per step, beside the stored reference part
     steps = [kinds[a : a + per] for a in range(0, len(kinds), per)]
-    warmed = warm_up(chain, x, kwargs, kinds, options)
+    if inputs is None and any((x.device.type, k) not in _WARM for k in kinds):
+        inputs = _block_inputs(chain, x, kwargs)
+    seconds = [f + b for f, b in stored]
+    warmed = warm_up(chain, inputs, kwargs, kinds, options, seconds) if inputs else 0.0
     run = functools.partial(timed_step, chain, x=x, grad=grad, kwargs=kwargs, clock=clock)
     ran = _rounds(run, steps, rounds, n, options)
     again = not any(seg.strategy == STORE for segments, _ in ran for seg in segments)
@@ -270,26 +280,53 @@ _WARM: set[tuple[str, str]] = set()
 
 def warm_up(
     chain: Sequence[nn.Module],
-    x: torch.Tensor,
+    inputs: Sequence[torch.Tensor],
     kwargs: dict[str, Any],
     kinds: Sequence[str],
     options: Sequence[Sequence[str]],
+    seconds: Sequence[float],
 ) -> float:
-    """Run each of ``kinds`` not yet run in this process once, untimed, on a prefix of the
-    chain (two blocks per kind; forward, then backward from the prefix's output); returns the
-    fraction of a step it ran (the prefix's share of the blocks)."""
-    todo = [k for k in kinds if (x.device.type, k) not in _WARM]
+    """Run each of ``kinds`` not yet run in this process once, untimed: on the block with the
+    fewest ``seconds`` (its stored step's) among those that can run it (``options``), the
+    chained part as one checkpoint segment over the cheapest two adjacent blocks, forward from
+    the block's input (``inputs[i]``), then backward from its output. Returns the fraction of
+    a step it ran (the blocks' seconds over the chain's)."""
+    todo = [k for k in kinds if (inputs[0].device.type, k) not in _WARM]
     if not todo:
         return 0.0
-    m = min(len(chain), 2 * len(todo))
-    segments = _segments(_parts(m, todo), options[:m])
-    h = x.detach().requires_grad_(x.is_floating_point())
-    for strategy, run in segment_runs(chain[:m], segments):
-        h = run_segment(strategy, run, h, kwargs)
-    if h.requires_grad:
-        torch.autograd.backward(h, torch.ones_like(h))
-    _WARM.update((x.device.type, k) for k in todo)
-    return m / len(chain)
+    n, ran = len(chain), 0.0
+    for kind in todo:
+        if kind == CHAINED:
+            if n < 2:
+                continue
+            i = min(range(n - 1), key=lambda i: seconds[i] + seconds[i + 1])
+            segment = Segment(i, i + 2, CHECKPOINT)
+        else:
+            able = [i for i in range(n) if kind in options[i]]
+            if not able:
+                continue
+            i = min(able, key=lambda i: seconds[i])
+            segment = Segment(i, i + 1, kind)
+        ((strategy, run),) = segment_runs(chain, [segment])
+        x = inputs[i]
+        h = run_segment(strategy, run, x.detach().requires_grad_(x.is_floating_point()), kwargs)
+        if h.requires_grad:
+            torch.autograd.backward(h, torch.ones_like(h))
+        ran += sum(seconds[segment.start : segment.stop])
+    _WARM.update((inputs[0].device.type, k) for k in todo)
+    return ran / max(sum(seconds), 1e-12)
+
+
+def _block_inputs(
+    chain: Sequence[nn.Module], x: torch.Tensor, kwargs: dict[str, Any]
+) -> list[torch.Tensor]:
+    """Every block's input, from a forward of the chain without grad."""
+    inputs, h = [], x.detach()
+    with torch.no_grad():
+        for block in chain:
+            inputs.append(h)
+            h = block(h, **kwargs)
+    return inputs
 
 
 def _rounds(

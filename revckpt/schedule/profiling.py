@@ -117,7 +117,15 @@ class _ProfilingJob:
             inputs = weights.inputs
         del record  # what nothing prices (every block's output gradient) goes
         probed = probe_chain(
-            chain, self.x, grad, kw, groups, options, rounds=self.rounds, stored=stored
+            chain,
+            self.x,
+            grad,
+            kw,
+            groups,
+            options,
+            rounds=self.rounds,
+            stored=stored,
+            inputs=inputs,
         )
         tick()
         errors, roundtrips = {}, {g: {} for g in reps}  # the codecs' round trips, timed

@@ -90,27 +90,53 @@ def test_probe_recovers_each_groups_costs_exactly():
         assert overhead == pytest.approx({"checkpoint": f, "approx:bf16": f})
         assert chained == pytest.approx(f)
     # the stored step, then checkpoint | approx, then chained; and the warm-up of the three
-    # on the first six of the twelve blocks
-    assert got.rounds == 3.5
+    # on the cheapest blocks (checkpoint and approx on block 0, chained on blocks 0 and 1)
+    assert got.rounds == pytest.approx(3 + 12 / 78)
 
 
-def test_each_strategy_warms_up_once_per_process_untimed():
+def test_each_strategy_warms_up_once_per_process_on_its_cheapest_block_untimed():
     clock = FakeClock()
-    chain = _chain(clock, [(1.0, 2.0)] * 10)
-    x, kinds = torch.randn(4, 8), ["checkpoint", "approx:bf16", CHAINED]
+    costs = [(2.0, 2.0)] * 3 + [(1.0, 1.0)] * 2 + [(3.0, 3.0)] * 5
+    chain = _chain(clock, costs)
+    seconds = [f + b for f, b in costs]
+    inputs = [torch.randn(4, 8) for _ in chain]
+    options = [OPTIONS] * 10
+    options[3] = ["store", "checkpoint"]  # block 3 cannot run approx
+    kinds = ["checkpoint", "approx:bf16", CHAINED]
     ran = []
     for b in chain:
         b.register_forward_pre_hook(lambda m, i: ran.append(m))
-    assert warm_up(chain, x, {}, kinds, [OPTIONS] * 10) == 0.6  # two blocks per kind
-    # a prefix of the chain: each block's forward, and the recomputes of the recomputing ones
-    assert {id(m) for m in ran} == {id(b) for b in chain[:6]}
-    assert len(ran) == 6 + 6
+    # checkpoint on block 3, approx on block 4, the chained segment over blocks 3 and 4
+    assert warm_up(chain, inputs, {}, kinds, options, seconds) == pytest.approx(8 / 46)
+    # each block's forward and its recompute, under each of the three
+    assert sorted(id(m) for m in ran) == sorted([id(chain[3])] * 4 + [id(chain[4])] * 4)
     ran.clear()
-    assert warm_up(chain, x, {}, kinds, [OPTIONS] * 10) == 0.0  # warm: nothing runs
+    assert warm_up(chain, inputs, {}, kinds, options, seconds) == 0.0  # warm: nothing runs
     assert ran == []
-    assert warm_up(chain, x, {}, ["checkpoint", "selective:matmul"], [OPTIONS] * 10) == 0.2
-    # the new kind alone, on blocks 0 and 1 (checkpointed: they cannot run the policy)
-    assert sorted(id(m) for m in ran) == sorted([id(chain[0]), id(chain[1])] * 2)
+    options = [
+        ["store", "checkpoint", "selective:matmul"] if i == 7 else o for i, o in enumerate(options)
+    ]
+    got = warm_up(chain, inputs, {}, ["checkpoint", "selective:matmul"], options, seconds)
+    assert got == pytest.approx(6 / 46)  # the new kind alone, on the one block that runs it
+    assert sorted(id(m) for m in ran) == [id(chain[7])] * 2
+
+
+def test_the_probe_makes_the_warm_ups_inputs_where_none_are_given():
+    clock = FakeClock()
+    chain = _chain(clock, [(1.0, 1.0)] * 4 + [(0.5, 0.5)] * 2)
+    seen = []
+    chain[4].register_forward_pre_hook(lambda m, i: seen.append(i[0].detach().clone()))
+    x = torch.randn(4, 8)
+    got = probe_chain(chain, x, torch.ones(4, 8), {}, [0] * 4 + [4] * 2, [OPTIONS] * 6, clock=clock)
+    with torch.no_grad():
+        expected = x
+        for b in chain[:4]:
+            expected = b(expected)
+    # block 4 (the cheapest) ran its warm-up from its input in the chain: checkpoint and approx
+    # on it, chained over blocks 4 and 5, 4 of the step's 10 seconds; a stored step, two
+    # strategy steps
+    assert got.rounds == pytest.approx(3.4)
+    assert torch.equal(seen[1], expected)  # after the stored step's forward: the warm-up's
 
 
 def test_a_group_no_part_reached_gets_the_ratio_of_the_others():
