@@ -27,7 +27,7 @@ from ..measure.timing import wall_time
 from .cost_records import ApproxCost, CompressCost
 from .sensitivities import Exact
 
-__all__ = ["CodecErrors", "error_fields"]
+__all__ = ["CodecErrors", "error_fields", "perturbations"]
 
 
 @dataclass(frozen=True)
@@ -202,20 +202,37 @@ def codec_errors(
     """Measured, per codec (see :class:`CodecErrors` and :func:`error_fields`)."""
     exact_in, exact_par, exact_y, exact_x = map(_Against, run.exact_figures(x))
     errors = CodecErrors({}, {}, {}, {})
-    made: list[torch.Tensor] = []
     for name in codecs:
-        codec = Approx(store=name).codec
-        assert codec is not None
-        seconds = wall_time(lambda codec=codec: made.append(codec.roundtrip(x)))
-        if roundtrips is not None:
-            roundtrips.setdefault(name, []).append(seconds)
-        got_in, got_par, got_y, got_x = run.grads(made.pop())
+        got_in, got_par, got_y, got_x = run.grads(_roundtrip(name, x, roundtrips))
         errors.parameters[name] = exact_par(got_par)
         errors.input_gradient[name] = exact_in(got_in)
         moved = exact_x(got_x)
         errors.perturbation[name] = moved
         errors.amplification[name] = exact_y(got_y) / moved if moved > 0 else 1.0
     return errors
+
+
+def _roundtrip(
+    name: str, x: torch.Tensor, roundtrips: dict[str, list[float]] | None
+) -> torch.Tensor:
+    """``x`` through codec ``name`` and back; its seconds appended to ``roundtrips[name]``."""
+    codec = Approx(store=name).codec
+    assert codec is not None
+    made: list[torch.Tensor] = []
+    seconds = wall_time(lambda: made.append(codec.roundtrip(x)))
+    if roundtrips is not None:
+        roundtrips.setdefault(name, []).append(seconds)
+    return made.pop()
+
+
+def perturbations(
+    x: torch.Tensor, codecs: Sequence[str], roundtrips: dict[str, list[float]] | None = None
+) -> dict[str, float]:
+    """Per codec, how far it moves ``x`` (relative), in the working precision: the
+    ``perturbation`` :func:`codec_errors` measures, without running the block."""
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    exact = _Against(x.detach().to(work).reshape(-1))
+    return {c: exact(_roundtrip(c, x, roundtrips).detach().to(work).reshape(-1)) for c in codecs}
 
 
 def compress_errors(

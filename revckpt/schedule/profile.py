@@ -117,6 +117,7 @@ def profile(
     device: str | torch.device | None = None,
     offload: bool | None = None,
     compiled: bool = False,
+    error_stride: int = 4,
     progress: Progress | None = None,
     **block_kwargs: Any,
 ) -> Profile:
@@ -148,6 +149,10 @@ def profile(
     group's block compiled per strategy, its bytes metered with the allocator meter and its
     times measured compiled, :mod:`.compiled`): store, checkpoint and the selective
     ``policies`` only, for a plan the caller runs as ``torch.compile(apply(blocks, plan))``.
+    ``error_stride``: within a group of identical blocks, the codec errors (``codecs`` and
+    ``compress``) run on every ``error_stride``-th block and its last, and are interpolated
+    between (:mod:`.error_samples`: each block's own input perturbation still measured);
+    ``1`` runs every block (each run is a forward and backward of the block per codec).
     ``progress(done, total)``: called as the work advances (a progress bar).
     """
     # over 60 lines for its signature and docstring: every option of the profiler, explained
@@ -163,6 +168,10 @@ def profile(
         compress=compress,
         policies=policies,
     )
+    if isinstance(error_stride, bool) or not isinstance(error_stride, int) or error_stride < 1:
+        raise InvalidArgumentError(
+            f"error_stride={error_stride!r}: pass an int >= 1 (1 measures every block's errors)"
+        )
     names = (
         tuple(n for n, _ in blocks.named_children())
         if isinstance(blocks, nn.Sequential)
@@ -180,6 +189,7 @@ def profile(
         device or x.device,
         kwargs,
         compiled,
+        error_stride,
     )
     rng_devices = [x.device] if x.device.type == "cuda" else []
     # leave the model and the caller's tensors as they were: gradients, running statistics, RNG

@@ -16,13 +16,14 @@ from torch.utils._pytree import tree_map_only
 
 from ..engine.rerun import any_changed, input_versions
 from ..strategy import Strategy
-from .block_errors import error_fields
+from .block_errors import error_fields, perturbations
 from .block_memory import memory_costs
 from .block_profile import one_block_strategies
 from .block_runs import changes_its_input, check_output
 from .block_time import block_times, codec_seconds, derived_codecs
 from .compiled import compiled_costs
 from .costs import CHECKPOINT, SELECTIVE, STORE, BlockCost, Segment
+from .error_samples import interpolated, neighbours, sampled
 from .ops import op_choices
 from .probe import InChain, probe_chain, timed_step
 from .sensitivities import Sensitivities, StepRecord, projection
@@ -74,6 +75,7 @@ class _ProfilingJob:
     device: Any
     kwargs: dict[str, Any]
     compiled: bool = False
+    error_stride: int = 1  # codec errors run on every error_stride-th block of a group
 
     def run(self, *, offload: bool, progress: Progress | None) -> list[BlockCost]:
         chain, kw = self.chain, self.kwargs
@@ -129,10 +131,19 @@ class _ProfilingJob:
         )
         tick()
         errors, roundtrips = {}, {g: {} for g in reps}  # the codecs' round trips, timed
+        run_on = sampled(groups, errors_needed, self.error_stride)
         for i in errors_needed:
             g = groups[i]
-            errors[i] = self._errors(chain[i], inputs[i], weights, i, memory[g], roundtrips[g])
+            if i in run_on:
+                errors[i] = self._errors(chain[i], inputs[i], weights, i, memory[g], roundtrips[g])
             tick()
+        for i in errors_needed:
+            if i not in run_on:
+                lo, hi, t = neighbours(i, groups, run_on)
+                codecs_run = list(errors[lo].get("approx", {}))
+                moved = perturbations(inputs[i], codecs_run, roundtrips[groups[i]])
+                errors[i] = interpolated(errors[lo], errors[hi], t, moved)
+                errors[i]["grad_norms"] = weights.norms(i)
         costs = []
         for g in reps:
             times = self._times(g, memory[g], inputs[g], options[g], probed, roundtrips[g])
