@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib
 import itertools
 import logging
 import math
@@ -1025,7 +1026,8 @@ def test_the_error_profile_reuses_the_chains_exact_gradients(from_trace: bool) -
     ]
     codecs = ("bf16", "e4m3")
     try:
-        profile = profile_in_situ(model, traced, codecs=codecs, policies=())
+        # every block's errors run (error_stride=1), as this test compares each with its own
+        profile = profile_in_situ(model, traced, codecs=codecs, policies=(), error_stride=1)
     finally:
         for h in hooks:
             h.remove()
@@ -1188,3 +1190,39 @@ def test_the_infeasible_message_names_no_negative_bytes():
         revckpt.fit(model, torch.randn(64, 256), memory_budget="20%", loss_fn=_mean)
     assert "peaks inside the blocks: 0 B the step holds outside them" in str(caught.value)
     assert "-" not in str(caught.value).split("by the cost model")[1].split("(what")[0]
+
+
+def test_fit_runs_the_codec_errors_of_every_error_stride_th_block(monkeypatch) -> None:
+    """With an error budget, fit's profile runs the codec errors of every ``error_stride``-th
+    block of a group and its last (``revckpt.schedule.error_samples``), the others
+    interpolated; ``error_stride=1`` runs every block."""
+    fit_module = importlib.import_module("revckpt.inplace.fit")
+    measure = importlib.import_module("revckpt.inplace.measure")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 16), *[_Residual(16) for _ in range(9)], nn.Linear(16, 1))
+    x = torch.randn(32, 3)
+    ran = []
+    original = measure.block_errors
+    monkeypatch.setattr(
+        measure, "block_errors", lambda unit, *a: ran.append(a[-2]) or original(unit, *a)
+    )
+
+    def errors(stride):
+        ran.clear()
+        fitted = fit_module._fit(model, x, memory_budget=0.8, error_budget=1e-2,
+                                 loss_fn=lambda out: out.sum(), error_stride=stride)  # fmt: skip
+        revckpt.restore(model)
+        got = [(b.approx["bf16"].param_grad_error, b.approx["bf16"].perturbation)
+               for b in fitted.profile.blocks]  # fmt: skip
+        return got, list(ran)
+
+    every, ran_every = errors(1)
+    strided, ran_strided = errors(4)
+    # the first block's errors come with its group's profile; then every block / 4 and 8
+    assert ran_every == list(range(1, 9))
+    assert ran_strided == [4, 8]
+    for i, ((param, moved), (got, got_moved)) in enumerate(zip(every, strided, strict=True)):
+        assert got_moved == moved
+        assert got == (param if i in (0, 4, 8) else pytest.approx(param, rel=0.25)), i
+    with pytest.raises(revckpt.InvalidArgumentError, match="error_stride"):
+        revckpt.fit(model, x, memory_budget=0.8, loss_fn=lambda out: out.sum(), error_stride=0)

@@ -93,6 +93,7 @@ def fit(
     progress: Callable[[int, int], None] | None = None,
     segment_blocks: int | None = None,
     verify: bool = False,
+    error_stride: int = 4,
 ) -> Plan:
     """Make the model's training step fit ``memory_budget``, in place, and return the plan.
 
@@ -117,6 +118,10 @@ def fit(
         plan: a plan saved by :meth:`Plan.to_json` (a path or JSON text) or a :class:`Plan` to
             apply instead of solving, after checking it was made for this model.
         repeats: timing repeats of the profile (median).
+        error_stride: with codecs to price (``error_budget > 0``), their gradient errors run
+            on every ``error_stride``-th block of a group of blocks of the same costs and its
+            last, interpolated between (each block's own input perturbation is measured);
+            1 runs every block (one forward and backward of the block per codec).
         progress: called as ``progress(done, total)`` while the blocks are profiled (the
             CLI draws a progress bar with it).
         segment_blocks: the most blocks one checkpoint segment may span (default: any). Pass
@@ -148,7 +153,15 @@ def fit(
                              strategies=strategies, blocks=blocks, plan=plan, loss_fn=loss_fn,
                              repeats=repeats)  # fmt: skip
     options = _FitOptions(
-        error_budget, loss_fn, strategies, blocks, plan, repeats, progress, segment_blocks
+        error_budget,
+        loss_fn,
+        strategies,
+        blocks,
+        plan,
+        repeats,
+        progress,
+        segment_blocks,
+        error_stride,
     )
     if verify:
         from .verify import fit_verified  # it builds on this module
@@ -169,6 +182,7 @@ class _FitOptions:
     repeats: int = 3
     progress: Callable[[int, int], None] | None = None
     segment_blocks: int | None = None
+    error_stride: int = 4
 
 
 @dataclass(frozen=True)
@@ -268,6 +282,11 @@ def _checked(model: nn.Module, memory_budget: Any, o: _FitOptions) -> list[str]:
         or segment_blocks < 1
     ):
         raise InvalidArgumentError(f"segment_blocks={segment_blocks!r}: pass None or an int >= 1")
+    stride = o.error_stride
+    if not isinstance(stride, int) or isinstance(stride, bool) or stride < 1:
+        raise InvalidArgumentError(
+            f"error_stride={stride!r}: pass an int >= 1 (1 measures every block's errors)"
+        )
     return chosen
 
 
@@ -325,6 +344,7 @@ def _profile(model: nn.Module, traced: Any, chosen: list[str], o: _FitOptions) -
         policies=[argument_of(s) for s in chosen if kind_of(s) == "selective"],
         compress=[argument_of(s) for s in chosen if kind_of(s) == "compress"],
         repeats=o.repeats,
+        error_stride=o.error_stride,
         progress=o.progress,
     )
 

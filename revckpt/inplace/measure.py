@@ -19,10 +19,11 @@ import torch
 from torch import nn
 
 from ..measure.state import preserved
-from ..schedule.block_errors import error_fields
+from ..schedule.block_errors import error_fields, perturbations
 from ..schedule.block_memory import saves_input
 from ..schedule.block_profile import profile_block
 from ..schedule.costs import BlockCost
+from ..schedule.error_samples import interpolated, neighbours, sampled
 from ..schedule.profile import Profile
 from ..schedule.sensitivities import sensitivities
 from .calls import Key, hidden_of, replaced, run_with
@@ -135,10 +136,14 @@ def profile_in_situ(
     policies: Sequence[str] = ("matmul+attention",),
     compress: Sequence[str] = (),
     repeats: int = 3,
+    error_stride: int = 4,
     progress: Callable[[int, int], None] | None = None,
 ) -> Profile:
     """The :class:`~revckpt.schedule.Profile` of the traced blocks, with the whole step's
-    costs outside them (``step``), so that plans solved on it predict the whole step."""
+    costs outside them (``step``), so that plans solved on it predict the whole step.
+    ``error_stride``: the codec errors run on every ``error_stride``-th block of a group of
+    blocks of the same costs and its last, interpolated between
+    (:mod:`revckpt.schedule.error_samples`)."""
     units = [InSitu(c) for c in trace.calls]
     inputs = [c.input.detach() for c in trace.calls]
     device = inputs[0].device
@@ -153,8 +158,11 @@ def profile_in_situ(
                 inputs = list(weights.inputs)
         costs: list[BlockCost] = []
         reuse: dict[Any, BlockCost] = {}
+        keys = [_same_costs_key(c) for c in trace.calls]
+        groups = [keys.index(k) for k in keys]
+        run_on = sampled(groups, range(len(units)) if priced else (), error_stride)
         for i, (unit, x) in enumerate(zip(units, inputs, strict=True)):
-            key = _same_costs_key(trace.calls[i])
+            key = keys[i]
             if progress is not None:
                 progress(i, len(units))
             cost = reuse.get(key)
@@ -174,12 +182,16 @@ def profile_in_situ(
                     capture=False,  # fit plans no offload or reversible segment
                     exact=weights.exact[i] if chain_exact else None,
                 )
-            elif priced:  # bytes and times shared; the errors are this block's own
+            elif i in run_on:  # bytes and times shared; the errors are this block's own
                 own = block_errors(unit, x, cost, weights, i, chain_exact)
                 cost = dataclasses.replace(cost, **own)
-            if priced:
-                cost = _weighted(cost, weights, i)
             costs.append(cost)
+        if priced:
+            costs = [
+                _weighted(c if i in run_on else _interpolated(costs, i, groups, run_on, inputs[i]),
+                          weights, i)
+                for i, c in enumerate(costs)
+            ]  # fmt: skip
         if progress is not None:
             progress(len(units), len(units))
         costs = _with_inputs_kept(trace, units, inputs, costs)
@@ -241,6 +253,21 @@ def _step_outside(step: Any, costs: list[BlockCost]) -> Any:
         # the last block saved it (its own backward frees it, counted in its transient)
         step = dataclasses.replace(step, backward_held=step.backward_held - costs[-1].output_bytes)
     return step
+
+
+def _interpolated(
+    costs: Sequence[BlockCost], i: int, groups: Sequence[int], run_on: set[int], x: torch.Tensor
+) -> BlockCost:
+    """Block ``i``'s cost with its codec errors interpolated between the run blocks of its
+    group around it (:mod:`revckpt.schedule.error_samples`), its own input ``x`` perturbed."""
+    lo, hi, t = neighbours(i, groups, run_on)
+    own = interpolated(_errors_of(costs[lo]), _errors_of(costs[hi]), t,
+                       perturbations(x, list(costs[lo].approx)))  # fmt: skip
+    return dataclasses.replace(costs[i], **own)
+
+
+def _errors_of(cost: BlockCost) -> dict[str, Any]:
+    return {k: v for k, v in (("approx", cost.approx), ("compress", cost.compress)) if v}
 
 
 def _weighted(cost: BlockCost, weights: Any, i: int) -> BlockCost:
