@@ -23,6 +23,7 @@ from torch import nn
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..schedule.budget import UNKNOWN_PEAK, parse_budget
 from ..schedule.costs import peak_phases, strategy_names
+from ..schedule.error_samples import checked_stride
 from ..schedule.plan import Plan
 from ..schedule.profile import Profile
 from ..schedule.solver import solve
@@ -93,7 +94,7 @@ def fit(
     progress: Callable[[int, int], None] | None = None,
     segment_blocks: int | None = None,
     verify: bool = False,
-    error_stride: int = 4,
+    error_stride: int = 1,
 ) -> Plan:
     """Make the model's training step fit ``memory_budget``, in place, and return the plan.
 
@@ -118,10 +119,12 @@ def fit(
         plan: a plan saved by :meth:`Plan.to_json` (a path or JSON text) or a :class:`Plan` to
             apply instead of solving, after checking it was made for this model.
         repeats: timing repeats of the profile (median).
-        error_stride: with codecs to price (``error_budget > 0``), their gradient errors run
-            on every ``error_stride``-th block of a group of blocks of the same costs and its
-            last, interpolated between (each block's own input perturbation is measured);
-            1 runs every block (one forward and backward of the block per codec).
+        error_stride: with codecs to price (``error_budget > 0``): ``1`` (default) measures
+            their gradient errors on every block, one forward and backward of the block per
+            codec; ``k > 1`` on every ``k``-th block of a group of blocks of the same costs
+            and its last, interpolated between (:mod:`revckpt.schedule.error_samples`):
+            cheaper, and right only where the errors move slowly from block to block (a
+            trained model's layers can read errors several times too low).
         progress: called as ``progress(done, total)`` while the blocks are profiled (the
             CLI draws a progress bar with it).
         segment_blocks: the most blocks one checkpoint segment may span (default: any). Pass
@@ -147,6 +150,7 @@ def fit(
     rank applies rank 0's plan; the budget is per rank.
     """
     # over 60 lines for its docstring alone: the front door's contract, kept whole
+    checked_stride(error_stride)  # also where a reversible stack ignores it (no codec errors)
     converted = stack_of(model)
     if converted is not None:
         return fit_converted(model, converted, example, memory_budget=memory_budget,
@@ -182,7 +186,7 @@ class _FitOptions:
     repeats: int = 3
     progress: Callable[[int, int], None] | None = None
     segment_blocks: int | None = None
-    error_stride: int = 4
+    error_stride: int = 1
 
 
 @dataclass(frozen=True)
@@ -282,11 +286,7 @@ def _checked(model: nn.Module, memory_budget: Any, o: _FitOptions) -> list[str]:
         or segment_blocks < 1
     ):
         raise InvalidArgumentError(f"segment_blocks={segment_blocks!r}: pass None or an int >= 1")
-    stride = o.error_stride
-    if not isinstance(stride, int) or isinstance(stride, bool) or stride < 1:
-        raise InvalidArgumentError(
-            f"error_stride={stride!r}: pass an int >= 1 (1 measures every block's errors)"
-        )
+    checked_stride(o.error_stride)
     return chosen
 
 

@@ -23,7 +23,7 @@ from ..schedule.block_errors import error_fields, perturbations
 from ..schedule.block_memory import saves_input
 from ..schedule.block_profile import profile_block
 from ..schedule.costs import BlockCost
-from ..schedule.error_samples import interpolated, neighbours, sampled
+from ..schedule.error_samples import Unestimated, checked_stride, interpolated, neighbours, sampled
 from ..schedule.profile import Profile
 from ..schedule.sensitivities import sensitivities
 from .calls import Key, hidden_of, replaced, run_with
@@ -136,14 +136,15 @@ def profile_in_situ(
     policies: Sequence[str] = ("matmul+attention",),
     compress: Sequence[str] = (),
     repeats: int = 3,
-    error_stride: int = 4,
+    error_stride: int = 1,
     progress: Callable[[int, int], None] | None = None,
 ) -> Profile:
     """The :class:`~revckpt.schedule.Profile` of the traced blocks, with the whole step's
     costs outside them (``step``), so that plans solved on it predict the whole step.
-    ``error_stride``: the codec errors run on every ``error_stride``-th block of a group of
-    blocks of the same costs and its last, interpolated between
-    (:mod:`revckpt.schedule.error_samples`)."""
+    ``error_stride``: as :func:`revckpt.schedule.profile`'s (``k > 1``: the codec errors run on
+    every ``k``-th block of a group of blocks of the same costs and its last, interpolated
+    between: :mod:`revckpt.schedule.error_samples`)."""
+    error_stride = checked_stride(error_stride)
     units = [InSitu(c) for c in trace.calls]
     inputs = [c.input.detach() for c in trace.calls]
     device = inputs[0].device
@@ -187,11 +188,13 @@ def profile_in_situ(
                 cost = dataclasses.replace(cost, **own)
             costs.append(cost)
         if priced:
-            costs = [
-                _weighted(c if i in run_on else _interpolated(costs, i, groups, run_on, inputs[i]),
-                          weights, i)
-                for i, c in enumerate(costs)
-            ]  # fmt: skip
+            for i in sorted(set(range(len(units))) - run_on):
+                try:
+                    costs[i] = _interpolated(costs, i, groups, run_on, inputs[i])
+                except Unestimated:  # no neighbour's ratio applies: the block runs
+                    own = block_errors(units[i], inputs[i], costs[i], weights, i, chain_exact)
+                    costs[i] = dataclasses.replace(costs[i], **own)
+            costs = [_weighted(c, weights, i) for i, c in enumerate(costs)]
         if progress is not None:
             progress(len(units), len(units))
         costs = _with_inputs_kept(trace, units, inputs, costs)

@@ -1,32 +1,49 @@
-"""Which blocks of a group of identical blocks run their codec errors, and the figures of the
-others, interpolated.
+"""Codec errors run on some blocks of a group of identical blocks and interpolated for the
+others: an opt-in approximation (``profile(..., error_stride=k)``, ``fit(..., error_stride=k)``;
+the default, ``1``, runs every block).
 
 A block's codec errors (:mod:`.block_errors`) cost one run of the block forward and backward
-per codec: every block of the chain once per default codec was 2.1-2.6 training steps of a
+per codec: every block of the chain once per default codec is 2.1-2.6 training steps of a
 profile, its largest part after the in-chain timing (``benchmarks/bench_profile_cost.py``).
-Identical blocks in a row see inputs of the same kind, and their errors move slowly along the
-chain: so within a group only every ``stride``-th block and the last run (:func:`sampled`);
-a block between two of them gets their figures interpolated by its place in the chain
-(:func:`interpolated`). What drives a codec's error most, how far it moves the block's input,
-is still measured on every block (a round trip of its input, no run): a parameter or input
-gradient error is the interpolated *error per unit of perturbation* times the block's own
-perturbation, so a block whose input the codec moves more than its neighbours' (an outlier
-feature, a wider range) reads a larger error.
+With ``error_stride=k`` only every ``k``-th block of a group and its last run
+(:func:`sampled`); a block between two of them gets their *error per unit of input
+perturbation*, interpolated by its place in the chain, times its own perturbation (a round
+trip of its input through the codec, measured on every block), and their amplification
+interpolated (:func:`interpolated`). A block whose neighbours' inputs the codec does not move
+takes the ratio of the one that it moves; where neither does and its own input moves, no
+ratio exists and the block runs.
 
-Interpolated against measured, every block run (exploratory, stride 4, one profile each): the
-GPT-like model (24 blocks, one group) read a median 1.00 of the measured per-block errors
-(0.94-1.06), an HF Llama of 12 layers 1.00 (0.98-1.04), the RevNet-like model's ReLU
-convolutions 1.05 (0.59-1.33 for bf16, whose error moves from one such block to the next
-by that much; e4m3 0.92-1.13). ``profile(..., error_stride=1)`` runs every block.
+Where it holds and where it does not (``error_stride=4`` against ``1``, exploratory, one
+profile each): per-block errors read a median 1.00 of their own runs on the random-weight
+GPT-like model (0.94-1.06) and a 12-layer HF Llama (0.98-1.04), 1.05 on the RevNet-like
+model (0.59-1.33: its bf16 error moves that much between neighbouring ReLU blocks). A group
+is identical in structure, not in weights: a session-23 review read plans' errors 5 to 25
+times too low where one block's weights were 10x its neighbours' or the weights grew 1.3x per
+block (small residual MLPs and an HF GPT-2 with one layer scaled: a plan predicted at 1.2e-3
+measured 1.7), so ``solve`` kept plans over their error budget that every-block errors
+reject. Trained models differ from layer to layer: leave the default unless the blocks'
+errors are known to move slowly along the chain.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["interpolated", "neighbours", "sampled"]
+from ..errors import InvalidArgumentError
+
+__all__ = ["Unestimated", "checked_stride", "interpolated", "neighbours", "sampled"]
+
+
+def checked_stride(value: object) -> int:
+    """``error_stride`` as an int >= 1; else an :class:`~revckpt.InvalidArgumentError`."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1:
+        return int(value)
+    raise InvalidArgumentError(
+        f"error_stride={value!r}: pass an int >= 1 (1, the default, measures every block's errors)"
+    )
 
 
 def sampled(groups: Sequence[int], candidates: Sequence[int], stride: int) -> set[int]:
@@ -58,17 +75,26 @@ def _lerp(a: float | None, b: float | None, t: float) -> float | None:
     return (1.0 - t) * a + t * b
 
 
+class Unestimated(Exception):
+    """No neighbour's error per unit of perturbation applies: the block must run."""
+
+
 def _per_perturbation(
     a: float | None, b: float | None, pa: float | None, pb: float | None, t: float, p: float
 ) -> float | None:
     """An error at perturbation ``p``: the interpolated error per unit of perturbation of
-    ``a`` (at ``pa``) and ``b`` (at ``pb``) times ``p``; plain interpolation where either
-    moved nothing."""
+    ``a`` (at ``pa``) and ``b`` (at ``pb``) times ``p``; where one neighbour's input did not
+    move, the other's ratio; where neither did, ``0`` if ``p`` is ``0`` (the codec leaves the
+    input as it is), else :class:`Unestimated`."""
     if a is None or b is None:
         return None
-    if not pa or not pb:
-        return _lerp(a, b, t)
-    return (1.0 - t) * a / pa * p + t * b / pb * p
+    if pa and pb:
+        return (1.0 - t) * a / pa * p + t * b / pb * p
+    if pa or pb:
+        return (a / pa if pa else b / pb) * p  # type: ignore[operator]
+    if not p:
+        return 0.0
+    raise Unestimated
 
 
 def interpolated(
@@ -76,7 +102,8 @@ def interpolated(
 ) -> dict[str, Any]:
     """The ``approx`` and ``compress`` error fields of a block at ``t`` between two run blocks
     (their fields ``lo`` and ``hi``, as :func:`~.block_errors.error_fields` gives them), the
-    codecs moving its input by ``moved`` (:func:`~.block_errors.perturbations`)."""
+    codecs moving its input by ``moved`` (:func:`~.block_errors.perturbations`). Raises
+    :class:`Unestimated` where the block must run instead."""
     out: dict[str, Any] = {}
     if "approx" in lo:
         approx = {}

@@ -38,6 +38,7 @@ from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..measure.state import cut_from_graph, preserved
 from .block_profile import profile_block
 from .costs import BlockCost
+from .error_samples import checked_stride
 from .profiling import AUTO, DEFAULT_POLICIES, Progress, _ProfilingJob
 from .step import StepCosts
 
@@ -117,7 +118,7 @@ def profile(
     device: str | torch.device | None = None,
     offload: bool | None = None,
     compiled: bool = False,
-    error_stride: int = 4,
+    error_stride: int = 1,
     progress: Progress | None = None,
     **block_kwargs: Any,
 ) -> Profile:
@@ -149,10 +150,12 @@ def profile(
     group's block compiled per strategy, its bytes metered with the allocator meter and its
     times measured compiled, :mod:`.compiled`): store, checkpoint and the selective
     ``policies`` only, for a plan the caller runs as ``torch.compile(apply(blocks, plan))``.
-    ``error_stride``: within a group of identical blocks, the codec errors (``codecs`` and
-    ``compress``) run on every ``error_stride``-th block and its last, and are interpolated
-    between (:mod:`.error_samples`: each block's own input perturbation still measured);
-    ``1`` runs every block (each run is a forward and backward of the block per codec).
+    ``error_stride``: ``1`` (default) measures the codec errors (``codecs`` and ``compress``)
+    on every block, one forward and backward of the block per codec; ``k > 1`` runs them on
+    every ``k``-th block of a group of identical blocks and its last and interpolates between
+    (:mod:`.error_samples`): cheaper, and right only where the errors move slowly along the
+    chain; blocks whose weights differ (a trained model's) can read errors several times too
+    low, and plans then break their error budget.
     ``progress(done, total)``: called as the work advances (a progress bar).
     """
     # over 60 lines for its signature and docstring: every option of the profiler, explained
@@ -168,10 +171,7 @@ def profile(
         compress=compress,
         policies=policies,
     )
-    if isinstance(error_stride, bool) or not isinstance(error_stride, int) or error_stride < 1:
-        raise InvalidArgumentError(
-            f"error_stride={error_stride!r}: pass an int >= 1 (1 measures every block's errors)"
-        )
+    error_stride = checked_stride(error_stride)
     names = (
         tuple(n for n, _ in blocks.named_children())
         if isinstance(blocks, nn.Sequential)
