@@ -9,8 +9,10 @@ profiles), and the table gives the first profile of the process (it also warms e
 up, ``revckpt/schedule/probe.py``) and the median and interquartile range of the rest, with
 their wall seconds.
 
-Run ``python benchmarks/bench_profile_cost.py`` (``--quick``: small models, two rounds); prints
-a table and writes ``benchmarks/results/bench_profile_cost.json``.
+Run ``python benchmarks/bench_profile_cost.py`` (``--quick``: small models, two rounds;
+``--error-stride k``: ``profile(..., error_stride=k)``, the codec errors run on every ``k``-th
+block of a group and interpolated between); prints a table and writes
+``benchmarks/results/bench_profile_cost.json``.
 """
 
 from __future__ import annotations
@@ -38,12 +40,14 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
-def profile_costs(chain: torch.nn.Sequential, x: torch.Tensor, rounds: int) -> dict[str, Any]:
+def profile_costs(
+    chain: torch.nn.Sequential, x: torch.Tensor, rounds: int, error_stride: int = 1
+) -> dict[str, Any]:
     """``rounds`` profiles of ``chain`` on ``x``: each one's cost in steps and wall seconds."""
     steps, seconds = [], []
     for _ in range(rounds):
         start = time.perf_counter()
-        prof = profile(chain, x)
+        prof = profile(chain, x, error_stride=error_stride)
         seconds.append(time.perf_counter() - start)
         steps.append(prof.cost_in_steps)
     later = steps[1:] or steps
@@ -76,16 +80,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small models, two rounds")
     parser.add_argument("--rounds", type=int, default=None, help="profiles per model (9)")
+    parser.add_argument(
+        "--error-stride",
+        type=int,
+        default=1,
+        help="profile(..., error_stride=): codec errors on every k-th block of a group "
+        "(default 1, profile's: every block)",
+    )
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     rounds = args.rounds or (2 if args.quick else 9)
     torch.set_num_threads(1)
     revckpt.measure.keep_freed_memory()
     built = models(args.quick)
-    rows = {name: profile_costs(chain, x, rounds) for name, (chain, x) in built.items()}
+    stride = args.error_stride
+    rows = {name: profile_costs(chain, x, rounds, stride) for name, (chain, x) in built.items()}
+    command = "python benchmarks/bench_profile_cost.py" + (" --quick" if args.quick else "")
     result = {
         "benchmark": "bench_profile_cost",
-        "command": "python benchmarks/bench_profile_cost.py" + (" --quick" if args.quick else ""),
+        "command": command + (f" --error-stride {stride}" if stride != 1 else ""),
+        "error_stride": stride,
         "environment": environment(),
         "rounds": rounds,
         "threads": 1,
