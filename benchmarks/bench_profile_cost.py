@@ -3,11 +3,12 @@
 
 A profile's cost is its wall time over the stored chain's training step, which it times itself
 (``Profile.cost_in_steps``). That step moves by about 20% from one profile to the next on a
-shared machine, so one profile says little: each model is profiled ``--rounds`` times in one
-process (one thread, after ``revckpt.measure.keep_freed_memory()``, as ``bench_schedule.py``
-profiles), and the table gives the first profile of the process (it also warms each strategy
-up, ``revckpt/schedule/probe.py``) and the median and interquartile range of the rest, with
-their wall seconds.
+shared machine, so one profile says little: each model is profiled ``--rounds`` times in a
+process of its own (one thread, after ``revckpt.measure.keep_freed_memory()``, as
+``bench_schedule.py`` profiles; ``--in-process``: every model in this one process, each
+model's first profile then coming after the models before it), and the table gives the first
+profile of the process (it also warms each strategy up, ``revckpt/schedule/probe.py``) and the
+median and interquartile range of the rest, with their wall seconds.
 
 Run ``python benchmarks/bench_profile_cost.py`` (``--quick``: small models, two rounds;
 ``--error-stride k``: ``profile(..., error_stride=k)``, the codec errors run on every ``k``-th
@@ -18,7 +19,10 @@ block of a group and interpolated between); prints a table and writes
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -62,6 +66,17 @@ def profile_costs(
     }
 
 
+def _in_own_process(name: str, rounds: int, stride: int, quick: bool) -> dict[str, Any]:
+    """``name``'s row from a fresh process (this script with ``--model``): its first profile
+    is then the first of a process, as a user's is, not one after other models' profiles."""
+    argv = [sys.executable, __file__, "--model", name, "--rounds", str(rounds)]
+    argv += ["--error-stride", str(stride)] + (["--quick"] if quick else [])
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"profiling {name} in its own process failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def table(rows: dict[str, dict[str, Any]]) -> str:
     lines = [
         "| model | first profile (steps) | later profiles: median (IQR) steps | median seconds |",
@@ -87,19 +102,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="profile(..., error_stride=): codec errors on every k-th block of a group "
         "(default 1, profile's: every block)",
     )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="profile every model in this one process (default: each in a fresh one)",
+    )
+    parser.add_argument("--model", default=None, help=argparse.SUPPRESS)  # one model's row
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     rounds = args.rounds or (2 if args.quick else 9)
     torch.set_num_threads(1)
     revckpt.measure.keep_freed_memory()
-    built = models(args.quick)
     stride = args.error_stride
-    rows = {name: profile_costs(chain, x, rounds, stride) for name, (chain, x) in built.items()}
+    if args.model is not None:  # one model, in this process: its row as JSON, last line
+        chain, x = models(args.quick)[args.model]
+        print(json.dumps(profile_costs(chain, x, rounds, stride)))
+        return {}
+    built = models(args.quick)
+    names = list(built)
+    if args.in_process:
+        rows = {n: profile_costs(*built[n], rounds, stride) for n in names}
+    else:
+        del built
+        rows = {n: _in_own_process(n, rounds, stride, args.quick) for n in names}
     command = "python benchmarks/bench_profile_cost.py" + (" --quick" if args.quick else "")
+    command += (f" --error-stride {stride}" if stride != 1 else "") + (
+        " --in-process" if args.in_process else ""
+    )
     result = {
         "benchmark": "bench_profile_cost",
-        "command": command + (f" --error-stride {stride}" if stride != 1 else ""),
+        "command": command,
         "error_stride": stride,
+        "own_process_per_model": not args.in_process,
         "environment": environment(),
         "rounds": rounds,
         "threads": 1,
