@@ -1226,3 +1226,41 @@ def test_fit_runs_the_codec_errors_of_every_error_stride_th_block(monkeypatch) -
         assert got == (param if i in (0, 4, 8) else pytest.approx(param, rel=0.25)), i
     with pytest.raises(revckpt.InvalidArgumentError, match="error_stride"):
         revckpt.fit(model, x, memory_budget=0.8, loss_fn=lambda out: out.sum(), error_stride=0)
+
+
+def _measured_row(name, peak, error, predicted):
+    from revckpt.report import PlanMeasurement
+
+    return PlanMeasurement(
+        name=name,
+        strategies=("approx:bf16",) if predicted else ("checkpoint",),
+        measured_peak_bytes=peak,
+        measured_retained_bytes=0,
+        predicted_peak_bytes=peak,
+        memory_budget_bytes=None,
+        time_ratio=1.2,
+        time_ratio_iqr=(1.2, 1.2),
+        predicted_overhead=0.2,
+        gradient_error=error,
+        predicted_error=predicted,
+    )
+
+
+def test_verification_that_refuses_on_the_error_budget_says_so() -> None:
+    from revckpt.inplace.verify import _none_fits
+
+    rows = [
+        _measured_row("store-all", 4000, 0.0, 0.0),
+        _measured_row("checkpoint every block", 2000, 0.0, 0.0),
+        _measured_row("optimal", 1500, 0.0116, 0.0067),  # a ReLU block read low (HF OPT)
+    ]
+    err = _none_fits(rows, 1750, 0.01)
+    # the plan within the memory budget failed on its error: the message says that, and the
+    # smallest budget an exact plan measured
+    assert "over the error budget" in str(err) and "0.0116" in str(err) and "0.0067" in str(err)
+    assert "Raise error_budget to at least 0.0116" in str(err)
+    assert "plan=" not in str(err)
+    assert err.smallest_budget_bytes == 2000
+    err = _none_fits(rows, 1000, 0.01)  # nothing within the memory budget: the least peak
+    assert "over the error budget" not in str(err)
+    assert err.smallest_budget_bytes == 2000 and "'checkpoint every block'" in str(err)

@@ -209,13 +209,31 @@ def _row(
 def _none_fits(
     rows: list[PlanMeasurement], budget: int, error_budget: float
 ) -> InfeasibleBudgetError:
-    least = min(rows, key=lambda r: r.measured_peak_bytes)
+    """The error for no measured plan fitting both budgets: naming the error budget where
+    plans measured within the memory budget and only their gradient errors were over it, else
+    the least measured peak of the plans within the error budget."""
+    within_error = [r for r in rows if r.within_error(error_budget)]
+    least = min(within_error or rows, key=lambda r: r.measured_peak_bytes)
+    over = [r for r in rows if r.measured_peak_bytes <= budget and not r.within_error(error_budget)]
+    if over:
+        closest = min(over, key=lambda r: r.gradient_error)
+        return InfeasibleBudgetError(
+            f"no plan measured in the training step fits the memory budget of "
+            f"{human_bytes(budget)} ({budget:,} bytes) within the error budget "
+            f"{error_budget:g}: {len(over)} measured within the memory budget, but over the "
+            f"error budget (the least, {closest.name!r}, measured a gradient error of "
+            f"{closest.gradient_error:.3g} where {closest.predicted_error:.3g} was predicted). "
+            f"Raise error_budget to at least {closest.gradient_error:.3g}, or memory_budget to "
+            f"{human_bytes(least.measured_peak_bytes)} ({least.measured_peak_bytes:,} bytes), "
+            f"{least.name!r}'s measured peak",
+            smallest_budget_bytes=least.measured_peak_bytes,
+        )
     return InfeasibleBudgetError(
         f"no plan measured in the training step fits the memory budget of "
         f"{human_bytes(budget)} ({budget:,} bytes) within the error budget "
         f"{error_budget:g}: the least measured peak was {least.name!r}'s "
-        f"{human_bytes(least.measured_peak_bytes)} ({least.measured_peak_bytes:,} bytes). "
-        "Raise memory_budget to at least that, or fit without plan= to solve for this budget",
+        f"{human_bytes(least.measured_peak_bytes)} ({least.measured_peak_bytes:,} bytes); "
+        "raise memory_budget to at least that",
         smallest_budget_bytes=least.measured_peak_bytes,
     )
 
