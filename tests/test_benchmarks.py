@@ -337,3 +337,15 @@ def test_bench_compress_quick(tmp_path):
     assert e4m3["held_after_forward_bytes"] < bf16["held_after_forward_bytes"]
     assert bf16["held_after_forward_bytes"] < store["held_after_forward_bytes"]
     assert store["gradient_error"] < 1e-5 < bf16["gradient_error"] < e4m3["gradient_error"]
+
+
+def test_bench_error_hf_quick(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "e.json"
+    result = load("bench_error_hf").main(["--quick", "--out", str(out)])
+    assert json.loads(out.read_text())["benchmark"] == "bench_error_hf"
+    for fits in result["models"].values():
+        (row,) = fits
+        # a plan with the codec, its error predicted and measured against float64
+        assert row["approx_segments"] >= 1
+        assert row["predicted_error"] > 0 and row["measured_error"] > 0
