@@ -246,6 +246,7 @@ def _cures(problem: _Problem, smallest: int, store_peak: int, slots: int) -> lis
     boundaries (any error) and, where no block is invertible, reversible blocks."""
     cures: list[str] = []
     blocks = problem.blocks
+    given = smallest  # the smallest budget with the strategies and error budget given
     available = strategy_names(blocks)
     exact = [s for s in available if not approximate(s)]
     left_out = [s for s in exact if s not in problem.strategies]
@@ -259,6 +260,21 @@ def _cures(problem: _Problem, smallest: int, store_peak: int, slots: int) -> lis
                 f"a plan then fits {human_bytes(peak)} ({peak:,} bytes)"
             )
             smallest = peak
+    restricted = set(problem.strategies) != set(available)
+    if restricted and any(approximate(s) for s in problem.strategies):
+        # the strategies given, without the error budget's bound (with every strategy
+        # allowed, the approx cure below names the error budget)
+        unbound = _Problem.of(
+            blocks, problem.strategies, math.inf, problem.error_slots, problem.step
+        )
+        peak, segments = _least_peak(unbound, store_peak, slots)
+        error = unbound.evaluate(segments).error
+        if peak < given and error > problem.error_budget:
+            cures.append(
+                f"raise error_budget to {error * 1.001:.3g}: with the strategies given, a plan "
+                f"with a predicted gradient error of {error:.2g} fits {human_bytes(peak)} "
+                f"({peak:,} bytes); the error budget {problem.error_budget:g} rules it out"
+            )
     if len(available) > len(exact):
         anything = _Problem.of(blocks, available, math.inf, problem.error_slots, problem.step)
         peak, segments = _least_peak(anything, store_peak, slots)

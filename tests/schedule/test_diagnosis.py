@@ -88,3 +88,16 @@ def test_an_error_budget_that_already_allows_approx_names_the_strategies_not_the
     cured = _bytes_after(message, "allow ['approx:e4m3']")
     plan = solve(prof, memory_budget=cured, error_budget=1.0)  # the cure works
     assert "approx:e4m3" in plan.strategies and plan.predicted_peak_bytes <= cured
+
+
+def test_strategies_given_with_approx_name_the_error_budget_that_rules_it_out():
+    # strategies=["store", "approx:e4m3"] and an error budget below e4m3's: the cure is the
+    # error budget (the message named only strategies left out), and it works
+    torch.manual_seed(0)
+    prof = profile(mlp_chain(8, 128, 32), torch.randn(64, 128), repeats=1, codecs=("e4m3",))
+    message = _refusal(prof, error_budget=1e-6, strategies=["store", "approx:e4m3"])
+    assert "raise error_budget to" in message, message
+    cured = _bytes_after(message, "with the strategies given, a plan")
+    error = float(re.search(r"raise error_budget to ([0-9.e+-]+):", message).group(1))
+    plan = solve(prof, memory_budget=cured, error_budget=error, strategies=["store", "approx:e4m3"])
+    assert plan.predicted_peak_bytes <= cured and "approx:e4m3" in plan.strategies
