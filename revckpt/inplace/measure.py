@@ -23,7 +23,7 @@ from ..schedule.block_errors import error_fields, perturbations
 from ..schedule.block_memory import saves_input
 from ..schedule.block_profile import profile_block
 from ..schedule.costs import BlockCost
-from ..schedule.error_samples import Unestimated, checked_stride, interpolated, neighbours, sampled
+from ..schedule.error_samples import checked_stride, sampled_errors
 from ..schedule.profile import Profile
 from ..schedule.sensitivities import sensitivities
 from .calls import Key, hidden_of, replaced, run_with
@@ -160,8 +160,7 @@ def profile_in_situ(
         costs: list[BlockCost] = []
         reuse: dict[Any, BlockCost] = {}
         keys = [_same_costs_key(c) for c in trace.calls]
-        groups = [keys.index(k) for k in keys]
-        run_on = sampled(groups, range(len(units)) if priced else (), error_stride)
+        groups = [keys.index(k) for k in keys]  # a group: its first block's index
         for i, (unit, x) in enumerate(zip(units, inputs, strict=True)):
             key = keys[i]
             if progress is not None:
@@ -183,18 +182,22 @@ def profile_in_situ(
                     capture=False,  # fit plans no offload or reversible segment
                     exact=weights.exact[i] if chain_exact else None,
                 )
-            elif i in run_on:  # bytes and times shared; the errors are this block's own
-                own = block_errors(unit, x, cost, weights, i, chain_exact)
-                cost = dataclasses.replace(cost, **own)
-            costs.append(cost)
+            costs.append(cost)  # bytes and times shared; the errors are each block's own
         if priced:
-            for i in sorted(set(range(len(units))) - run_on):
-                try:
-                    costs[i] = _interpolated(costs, i, groups, run_on, inputs[i])
-                except Unestimated:  # no neighbour's ratio applies: the block runs
-                    own = block_errors(units[i], inputs[i], costs[i], weights, i, chain_exact)
-                    costs[i] = dataclasses.replace(costs[i], **own)
-            costs = [_weighted(c, weights, i) for i, c in enumerate(costs)]
+
+            def run(i: int) -> dict[str, Any]:
+                if groups[i] == i:  # its group's profile measured them
+                    return _errors_of(costs[i])
+                return block_errors(units[i], inputs[i], costs[i], weights, i, chain_exact)
+
+            def moved(i: int, codecs: list[str]) -> dict[str, float]:
+                return perturbations(inputs[i], codecs)
+
+            errors = sampled_errors(range(len(units)), groups, error_stride, run, moved)
+            costs = [
+                _weighted(dataclasses.replace(c, **errors[i]), weights, i)
+                for i, c in enumerate(costs)
+            ]
         if progress is not None:
             progress(len(units), len(units))
         costs = _with_inputs_kept(trace, units, inputs, costs)
@@ -256,17 +259,6 @@ def _step_outside(step: Any, costs: list[BlockCost]) -> Any:
         # the last block saved it (its own backward frees it, counted in its transient)
         step = dataclasses.replace(step, backward_held=step.backward_held - costs[-1].output_bytes)
     return step
-
-
-def _interpolated(
-    costs: Sequence[BlockCost], i: int, groups: Sequence[int], run_on: set[int], x: torch.Tensor
-) -> BlockCost:
-    """Block ``i``'s cost with its codec errors interpolated between the run blocks of its
-    group around it (:mod:`revckpt.schedule.error_samples`), its own input ``x`` perturbed."""
-    lo, hi, t = neighbours(i, groups, run_on)
-    own = interpolated(_errors_of(costs[lo]), _errors_of(costs[hi]), t,
-                       perturbations(x, list(costs[lo].approx)))  # fmt: skip
-    return dataclasses.replace(costs[i], **own)
 
 
 def _errors_of(cost: BlockCost) -> dict[str, Any]:

@@ -29,12 +29,19 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["Unestimated", "checked_stride", "interpolated", "neighbours", "sampled"]
+__all__ = [
+    "Unestimated",
+    "checked_stride",
+    "interpolated",
+    "neighbours",
+    "sampled",
+    "sampled_errors",
+]
 
 
 def checked_stride(value: object) -> int:
@@ -132,3 +139,34 @@ def interpolated(
             for c, a in lo["compress"].items()
         }
     return out
+
+
+def sampled_errors(
+    needed: Sequence[int],
+    groups: Sequence[int],
+    stride: int,
+    run: Callable[[int], dict[str, Any]],
+    moved: Callable[[int, list[str]], dict[str, float]],
+    tick: Callable[[], None] | None = None,
+) -> dict[int, dict[str, Any]]:
+    """The error fields of the ``needed`` blocks: ``run(i)`` (block ``i``'s measured
+    ``approx`` and ``compress`` fields) on those :func:`sampled` picks, every block with
+    ``stride=1``; for the others :func:`interpolated` with ``moved(i, codecs)`` (how far each
+    codec moves block ``i``'s input), or ``run(i)`` where no neighbour's ratio applies.
+    ``tick()`` after each block of the first pass (a progress bar)."""
+    run_on = sampled(groups, needed, stride)
+    errors: dict[int, dict[str, Any]] = {}
+    for i in needed:
+        if i in run_on:
+            errors[i] = run(i)
+        if tick is not None:
+            tick()
+    for i in sorted(set(needed) - run_on):
+        lo, hi, t = neighbours(i, groups, run_on)
+        try:
+            errors[i] = interpolated(
+                errors[lo], errors[hi], t, moved(i, list(errors[lo].get("approx", {})))
+            )
+        except Unestimated:  # no neighbour's ratio applies: the block runs
+            errors[i] = run(i)
+    return errors

@@ -54,8 +54,8 @@ Before the first timed step, each strategy not yet run in this process runs once
 charge that to the strategy. It runs on the cheapest block that can run it (the chained part on
 the cheapest two adjacent blocks), from that block's input: what is cold then is the strategy's
 code, not the kernels of a shape (the memory metering ran every distinct block in every mode
-before). On a prefix of the chain, two blocks per strategy, it cost the RevNet-like model a step
-(0.8-1.0 of one), whose first blocks are its dearest.
+before). On a prefix of the chain, two blocks per strategy, it cost the RevNet-like model's first
+profile 1.01 steps (a per-part timer), its first blocks being its dearest; now 0.13-0.15.
 
 Per group (identical blocks) a strategy's extra time is the median over its samples; a group
 no part reached gets the median ratio of extra time to stored forward time over the blocks

@@ -23,7 +23,7 @@ from .block_runs import changes_its_input, check_output
 from .block_time import block_times, codec_seconds, derived_codecs
 from .compiled import compiled_costs
 from .costs import CHECKPOINT, SELECTIVE, STORE, BlockCost, Segment
-from .error_samples import Unestimated, interpolated, neighbours, sampled
+from .error_samples import sampled_errors
 from .ops import op_choices
 from .probe import InChain, probe_chain, timed_step
 from .sensitivities import Sensitivities, StepRecord, projection
@@ -131,7 +131,17 @@ class _ProfilingJob:
         )
         tick()
         roundtrips: dict[int, dict[str, list[float]]] = {g: {} for g in reps}  # timed
-        errors = self._all_errors(inputs, groups, errors_needed, weights, memory, roundtrips, tick)
+
+        def run(i: int) -> dict[str, Any]:
+            g = groups[i]
+            return self._errors(chain[i], inputs[i], weights, i, memory[g], roundtrips[g])
+
+        def moved(i: int, codecs: list[str]) -> dict[str, float]:
+            return perturbations(inputs[i], codecs, roundtrips[groups[i]])
+
+        errors = sampled_errors(errors_needed, groups, self.error_stride, run, moved, tick)
+        for i, fields in errors.items():
+            fields["grad_norms"] = weights.norms(i)
         costs = []
         for g in reps:
             times = self._times(g, memory[g], inputs[g], options[g], probed, roundtrips[g])
@@ -139,41 +149,6 @@ class _ProfilingJob:
         for i in range(len(chain)):
             costs.append(BlockCost(**{**memory[groups[i]].fields, **errors.get(i, {})}))
         return costs
-
-    def _all_errors(
-        self,
-        inputs: list[torch.Tensor],
-        groups: list[int],
-        needed: list[int],
-        weights: Any,
-        memory: dict[int, Any],
-        roundtrips: dict[int, dict[str, list[float]]],
-        tick: Any,
-    ) -> dict[int, dict[str, Any]]:
-        """The error fields of the ``needed`` blocks: run on those :func:`sampled` picks (all
-        with ``error_stride=1``), interpolated for the others where a neighbour's ratio
-        applies (:mod:`.error_samples`), else run too."""
-
-        def run(i: int) -> dict[str, Any]:
-            g = groups[i]
-            return self._errors(self.chain[i], inputs[i], weights, i, memory[g], roundtrips[g])
-
-        run_on = sampled(groups, needed, self.error_stride)
-        errors = {}
-        for i in needed:
-            if i in run_on:
-                errors[i] = run(i)
-            tick()
-        for i in sorted(set(needed) - run_on):
-            lo, hi, t = neighbours(i, groups, run_on)
-            codecs = list(errors[lo].get("approx", {}))
-            moved = perturbations(inputs[i], codecs, roundtrips[groups[i]])
-            try:
-                errors[i] = interpolated(errors[lo], errors[hi], t, moved)
-                errors[i]["grad_norms"] = weights.norms(i)
-            except Unestimated:  # no neighbour's ratio applies: the block runs
-                errors[i] = run(i)
-        return errors
 
     def _stored_step(
         self, params: list[nn.Parameter], record: StepRecord, priced: bool
@@ -225,14 +200,11 @@ class _ProfilingJob:
         memory: Any,
         roundtrips: dict[str, list[float]],
     ) -> dict[str, Any]:
-        """The error fields of block ``i`` (input ``x``): per codec for approx and compress,
-        and the weights of the chain's error model; each codec's round trip timed into
-        ``roundtrips``."""
+        """The error fields of block ``i`` (input ``x``): per codec for approx and compress;
+        each codec's round trip timed into ``roundtrips``."""
         fields = memory.fields
         args = (weights.cotangents[i], self.kwargs, weights.exact[i], roundtrips)
-        out = error_fields(block, x, fields["approx"], fields["compress"], *args)
-        out["grad_norms"] = weights.norms(i)
-        return out
+        return error_fields(block, x, fields["approx"], fields["compress"], *args)
 
     def _times(
         self,
