@@ -177,10 +177,9 @@ def _error_slots(value: float, up: bool) -> int:
     return math.ceil(value - 1e-12) if up else math.floor(value + 1e-12)
 
 
-def _tables(inst: Instance, fill: float) -> list[np.ndarray]:
-    """One table per position ``0..L``, indexed by (what may follow, kept slots, error slots)."""
-    shape = (3, inst.budget + 1, inst.error_budget + 1)
-    return [np.full(shape, fill) for _ in range(inst.length + 1)]
+def _table(inst: Instance, fill: float) -> np.ndarray:
+    """One table of a position and a follow state, indexed by (kept slots, error slots)."""
+    return np.full((inst.budget + 1, inst.error_budget + 1), fill)
 
 
 def _transitions(inst: Instance, reached: list[set[int]]) -> Iterator[tuple[int, int, int]]:
@@ -198,13 +197,15 @@ def _transitions(inst: Instance, reached: list[set[int]]) -> Iterator[tuple[int,
                     yield j, idx, f
 
 
-def _backtrack(inst: Instance, parent: list[np.ndarray], final: np.ndarray) -> list[Segment]:
-    """The segments of the best plan ending in the cell of ``final`` with the lowest value."""
-    flag, p, e = np.unravel_index(int(np.argmin(final)), final.shape)
+def _backtrack(
+    inst: Instance, parent: list[dict[int, np.ndarray]], flag: int, p: int, e: int
+) -> list[Segment]:
+    """The segments of the best plan ending in follow state ``flag`` with ``p`` kept slots
+    and ``e`` error slots."""
     segments = []
     k = inst.length
     while k > 0:
-        idx, f = divmod(int(parent[k][flag, p, e]), 3)
+        idx, f = divmod(int(parent[k][flag][p, e]), 3)
         j, _, s, kept, _, err, _ = inst.candidates[idx]
         segments.append(Segment(j, k, s))
         k, flag, p, e = j, f, p - kept, e - err
@@ -216,9 +217,13 @@ def _run(inst: Instance, *, peak: bool) -> tuple[list[Segment], float] | None:
     """The programme minimising the total time (``peak=False``) or the quantised peak, and
     the best plan's value; ``None`` if no plan fits."""
     n, budget, ne = inst.length, inst.budget, inst.error_budget
-    best = _tables(inst, np.inf)
-    parent = [np.full(best[0].shape, -1, dtype=np.int64) for _ in range(n + 1)]
-    best[0][0, 0, 0] = 0.0
+    # per position, a table per follow state reached there, made when first reached (most
+    # positions reach one of the three); a parent cell is read only where its value is finite,
+    # which its transition wrote, so parents start unset
+    best: list[dict[int, np.ndarray]] = [{} for _ in range(n + 1)]
+    parent: list[dict[int, np.ndarray]] = [{} for _ in range(n + 1)]
+    best[0][0] = _table(inst, np.inf)
+    best[0][0][0, 0] = 0.0
     reached: list[set[int]] = [{0}] + [set() for _ in range(n)]
     for j, idx, f in _transitions(inst, reached):
         _, k, _, kept, work, err, time = inst.candidates[idx]
@@ -226,30 +231,39 @@ def _run(inst: Instance, *, peak: bool) -> tuple[list[Segment], float] | None:
         cols = ne - err + 1
         if rows <= 0 or cols <= 0:
             continue
-        here = best[j][f, :rows, :cols]
+        here = best[j][f][:rows, :cols]
         if peak:
             cand = np.maximum(here, (np.arange(rows, dtype=float) + work)[:, None])
         else:
             cand = here + time
         flag = inst.limits[idx] if inst.limits else 0
-        target = best[k][flag, kept : kept + rows, err:]
+        if flag not in best[k]:
+            best[k][flag] = _table(inst, np.inf)
+            parent[k][flag] = np.empty(best[k][flag].shape, dtype=np.int64)
+        target = best[k][flag][kept : kept + rows, err:]
         cand = cand[: target.shape[0]]  # P' = P + K within the table
         better = cand < target
         if not better.any():
             continue
         target[better] = cand[better]
         reached[k].add(flag)
-        parent[k][flag, kept : kept + rows, err:][better] = idx * 3 + f
-    final = best[n]
-    level = np.arange(budget + 1, dtype=float)[None, :, None]  # kept slots at the chain's end
-    if peak:  # the head runs on top of what the chain keeps
-        final = np.maximum(final, level + inst.tail)
-        final[:, max(0, budget - inst.tail + 1) :, :] = np.inf
-    else:
-        final = np.where(level + inst.tail <= budget, final, np.inf)
-    if not np.isfinite(final).any():
+        parent[k][flag][kept : kept + rows, err:][better] = idx * 3 + f
+    level = np.arange(budget + 1, dtype=float)[:, None]  # kept slots at the chain's end
+    ends = []  # per follow state reached at the end, in order: its best cell and value
+    for flag in sorted(best[n]):
+        final = best[n][flag]
+        if peak:  # the head runs on top of what the chain keeps
+            final = np.maximum(final, level + inst.tail)
+            final[max(0, budget - inst.tail + 1) :, :] = np.inf
+        else:
+            final = np.where(level + inst.tail <= budget, final, np.inf)
+        cell = np.unravel_index(int(np.argmin(final)), final.shape)
+        ends.append((float(final[cell]), flag, cell))
+    ends = [end for end in ends if math.isfinite(end[0])]
+    if not ends:
         return None
-    return _backtrack(inst, parent, final), float(final.min())
+    value, flag, (p, e) = min(ends, key=lambda end: end[0])  # the first state of least value
+    return _backtrack(inst, parent, flag, int(p), int(e)), value
 
 
 def solve_segments(inst: Instance) -> tuple[list[Segment], float] | None:
