@@ -10,6 +10,12 @@ model's first profile then coming after the models before it), and the table giv
 profile of the process (it also warms each strategy up, ``revckpt/schedule/probe.py``) and the
 median and interquartile range of the rest, with their wall seconds.
 
+A second figure divides each profile's wall time by a training step as a user's loop runs
+it, timed right after the profile: forward, a loss, backward, an AdamW step and
+``zero_grad()`` (the median of five, after one untimed step). The profile's own stored step
+is the chain's forward and backward alone, the time model's unit; the user's step adds the
+loss and the optimizer, which the user pays in every step too.
+
 Run ``python benchmarks/bench_profile_cost.py`` (``--quick``: small models, two rounds;
 ``--error-stride k``: ``profile(..., error_stride=k)``, the codec errors run on every ``k``-th
 block of a group and interpolated between); prints a table and writes
@@ -32,9 +38,11 @@ from _common import environment, write_json  # benchmarks/_common.py
 from bench_schedule import models
 
 import revckpt
+from revckpt.measure.timing import wall_time
 from revckpt.schedule import profile
 
 OUT = Path(__file__).parent / "results" / "bench_profile_cost.json"
+USER_STEPS = 5  # training steps timed after each profile
 
 
 def _quartiles(values: list[float]) -> tuple[float, float, float]:
@@ -44,18 +52,40 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
+def _user_step(chain: torch.nn.Sequential, x: torch.Tensor) -> Any:
+    """A training step as a user's loop runs it: forward, loss (mean square of the output),
+    backward, an AdamW step and ``zero_grad()``."""
+    opt = torch.optim.AdamW(chain.parameters(), lr=1e-5)
+
+    def step() -> None:
+        loss = chain(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
 def profile_costs(
     chain: torch.nn.Sequential, x: torch.Tensor, rounds: int, error_stride: int = 1
 ) -> dict[str, Any]:
-    """``rounds`` profiles of ``chain`` on ``x``: each one's cost in steps and wall seconds."""
-    steps, seconds = [], []
+    """``rounds`` profiles of ``chain`` on ``x``: each one's cost in steps and wall seconds;
+    after each, ``USER_STEPS`` training steps as a user runs them (:func:`_user_step`, one
+    untimed first), and the profile's cost in those (over their median)."""
+    steps, seconds, user_steps, user_seconds = [], [], [], []
+    user = _user_step(chain, x)
     for _ in range(rounds):
         start = time.perf_counter()
         prof = profile(chain, x, error_stride=error_stride)
         seconds.append(time.perf_counter() - start)
         steps.append(prof.cost_in_steps)
-    later = steps[1:] or steps
+        user()  # untimed: the first one makes AdamW's state
+        pace = statistics.median(wall_time(user) for _ in range(USER_STEPS))
+        user_seconds.append(pace)
+        user_steps.append(seconds[-1] / pace)
+    later, later_user = steps[1:] or steps, user_steps[1:] or user_steps
     q1, median, q3 = _quartiles(later)
+    u1, user_median, u3 = _quartiles(later_user)
     return {
         "steps": steps,
         "seconds": seconds,
@@ -63,6 +93,11 @@ def profile_costs(
         "median_steps": median,
         "iqr_steps": (q1, q3),
         "median_seconds": statistics.median(seconds[1:] or seconds),
+        "user_step_seconds": user_seconds,
+        "user_steps": user_steps,
+        "first_user_steps": user_steps[0],
+        "median_user_steps": user_median,
+        "iqr_user_steps": (u1, u3),
     }
 
 
@@ -79,14 +114,17 @@ def _in_own_process(name: str, rounds: int, stride: int, quick: bool) -> dict[st
 
 def table(rows: dict[str, dict[str, Any]]) -> str:
     lines = [
-        "| model | first profile (steps) | later profiles: median (IQR) steps | median seconds |",
-        "|---|---|---|---|",
+        "| model | first profile: own stored steps / user steps | later profiles: own stored "
+        "steps, median (IQR) | later: user steps, median (IQR) | median seconds |",
+        "|---|---|---|---|---|",
     ]
     for name, r in rows.items():
         q1, q3 = r["iqr_steps"]
+        u1, u3 = r["iqr_user_steps"]
         lines.append(
-            f"| {name} | {r['first_steps']:.1f} | {r['median_steps']:.1f} ({q1:.1f}-{q3:.1f}) "
-            f"| {r['median_seconds']:.2f} |"
+            f"| {name} | {r['first_steps']:.1f} / {r['first_user_steps']:.1f} | "
+            f"{r['median_steps']:.1f} ({q1:.1f}-{q3:.1f}) | "
+            f"{r['median_user_steps']:.1f} ({u1:.1f}-{u3:.1f}) | {r['median_seconds']:.2f} |"
         )
     return "\n".join(lines)
 

@@ -295,6 +295,11 @@ def test_bench_profile_cost_quick(tmp_path):
     for row in result["models"].values():
         assert len(row["steps"]) == 2 and all(s > 0 for s in row["steps"])
         assert row["iqr_steps"][0] <= row["median_steps"] <= row["iqr_steps"][1]
+        assert len(row["user_steps"]) == 2 and all(s > 0 for s in row["user_steps"])
+        for seconds, pace, steps in zip(
+            row["seconds"], row["user_step_seconds"], row["user_steps"], strict=True
+        ):
+            assert steps == pytest.approx(seconds / pace)
 
 
 def test_bench_models_time_model_summary_and_saved_tables(tmp_path, capsys):
