@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,8 +25,7 @@ from torch import nn
 
 from ..approx import Approx, compress_saved
 from ..checkpoint import checkpoint
-from ..measure import time_ratios
-from ..measure.timing import wall_time
+from ..measure.timing import Clock, wall_time
 from ..strategy import argument_of, kind_of
 from .block_memory import activation
 from .costs import APPROX, CHECKPOINT, COMPRESS, OFFLOAD, REVERSIBLE, SELECTIVE, STORE
@@ -79,17 +79,21 @@ def block_times(
     *,
     reversible: nn.Module | None = None,
     warmup: int = 1,
+    clock: Clock = time.perf_counter,
 ) -> BlockTimes:
     """Forward and backward seconds of ``block`` stored, and each of ``strategies``' extra
     seconds of a step of the block alone (``leaf``: its input; ``grad_out``: its output's
     gradient), from ``repeats`` rotated rounds after ``warmup`` untimed ones (0 where every
-    step has just run, as after its memory profile)."""
+    step has just run, as after its memory profile): per strategy the median over rounds of
+    its step's time over the stored step's in the same round, less one, times the stored
+    step's median time. A selective policy that took ``SLOWER`` times checkpoint's time or
+    more in a round is not timed again (see :data:`SLOWER`)."""
 
     forwards: list[float] = []  # the stored step's forward, timed inside it
 
     def stored() -> None:
         out: list[torch.Tensor] = []
-        forwards.append(wall_time(lambda: out.append(block(leaf, **kwargs))))
+        forwards.append(wall_time(lambda: out.append(block(leaf, **kwargs)), clock=clock))
         out.pop().backward(grad_out)
 
     steps: dict[str, Callable[[], Any]] = {STORE: stored}
@@ -97,12 +101,46 @@ def block_times(
         run = _runner(s, block, leaf, kwargs, reversible)
         if run is not None:
             steps[s] = functools.partial(_step, run, grad_out)
-    ratios = time_ratios(steps, baseline=STORE, repeats=repeats, warmup=warmup)
-    fb = ratios[STORE].baseline_seconds
+    times = _rounds(steps, repeats, warmup, clock)
+    base = times[STORE]
+    fb = statistics.median(base)
     f = min(statistics.median(forwards[warmup:]), fb)
-    overhead = {s: max(0.0, (r.ratio - 1.0) * fb) for s, r in ratios.items() if s != STORE}
+    overhead = {}
+    for s, t in times.items():
+        if s != STORE:  # the rounds it ran in: the first len(t)
+            ratio = statistics.median(c / max(b, 1e-12) for c, b in zip(t, base, strict=False))
+            overhead[s] = max(0.0, (ratio - 1.0) * fb)
     leaf.grad = None
     return f, fb - f, overhead
+
+
+# A selective step that takes this many times the checkpoint step's time in a round is timed
+# no more: a selective block keeps its input and more where a checkpointed one keeps its input
+# alone, so where it is also slower it is dominated (the solver prefers checkpoint on that
+# block), and more rounds would only refine the time of a choice the plans do not make
+SLOWER = 1.15
+
+
+def _rounds(
+    steps: dict[str, Callable[[], Any]], repeats: int, warmup: int, clock: Clock
+) -> dict[str, list[float]]:
+    """Each step's seconds per round: ``repeats`` rounds of every step once, the order
+    rotated by one per round (as :func:`revckpt.time_ratios`), after ``warmup`` untimed
+    ones; a selective step :data:`SLOWER` than checkpoint's in a round runs in no later one
+    (its list then stops there)."""
+    for _ in range(warmup):
+        for run in steps.values():
+            run()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    active = list(steps)
+    for i in range(repeats):
+        shift = i % len(active)
+        for name in active[shift:] + active[:shift]:
+            times[name].append(wall_time(steps[name], clock=clock))
+        if CHECKPOINT in times:
+            ckpt = times[CHECKPOINT][-1]
+            active = [n for n in active if kind_of(n) != SELECTIVE or times[n][-1] < SLOWER * ckpt]
+    return times
 
 
 def _runner(

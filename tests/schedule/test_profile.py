@@ -271,3 +271,40 @@ def test_a_block_that_changes_a_keyword_tensor_in_place_is_named():
     with pytest.raises(InvalidArgumentError, match=r"block 1 \(_Shifts\) changes a tensor"):
         profile(chain, torch.randn(4, 8), kwargs={"bias": bias}, repeats=1)
     assert torch.equal(bias, torch.zeros(8))  # found on a copy: the caller's is as it was
+
+
+def test_a_selective_step_slower_than_checkpoint_is_timed_no_more():
+    from revckpt.schedule.block_time import SLOWER, _rounds
+
+    now = [0.0]
+
+    def clock():
+        return now[0]
+
+    def taking(seconds):
+        def run():
+            now[0] += seconds
+
+        return run
+
+    ran = {"store": 1.0, "checkpoint": 1.5, "selective:slow": 1.6 * SLOWER, "selective:ok": 1.6}
+    steps = {name: taking(s) for name, s in ran.items()}
+    times = _rounds(steps, 3, 0, clock)
+    assert times["selective:slow"] == [pytest.approx(1.6 * SLOWER)]  # one round, then no more
+    assert len(times["selective:ok"]) == 3 and len(times["checkpoint"]) == 3
+    assert times["store"] == [pytest.approx(1.0)] * 3
+
+
+def test_block_times_prices_a_selective_policy_from_its_rounds():
+    from revckpt.schedule.block_time import block_times
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    leaf = torch.randn(32, 16, requires_grad=True)
+    grad = torch.randn(32, 16)
+    f, b, extra = block_times(
+        block, leaf, grad, ["checkpoint", "selective:matmul"], {}, 3, warmup=0
+    )
+    assert f > 0 and b > 0
+    assert set(extra) == {"checkpoint", "selective:matmul"}
+    assert all(v >= 0 for v in extra.values())
