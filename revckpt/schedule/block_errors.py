@@ -92,8 +92,12 @@ class _Runner:
                 torch.set_rng_state(self.exact.rng[0])
                 for state in self.exact.rng[1]:
                     torch.cuda.set_rng_state(state, z.device)
-            else:
-                torch.manual_seed(self.seed)  # the same dropout masks for every run
+            else:  # the same dropout masks for every run
+                # the generators this run can draw from (only those: torch.manual_seed also
+                # queues a seed for every lazy device module, formatting a stack trace each)
+                torch.default_generator.manual_seed(self.seed)
+                if devices:
+                    torch.cuda.default_generators[z.device.index].manual_seed(self.seed)
             if wrap is None:
                 y = self.model(leaf, **self.kwargs)
             else:  # an activation, as inside a model (a leaf is never compressed)
