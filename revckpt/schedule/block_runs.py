@@ -152,6 +152,14 @@ def _metered_modes(
     metered = _Metered({}, {}, {}, {})
     for mode in modes:
         lean = mode not in PLAIN_MODES and kind_of(mode) in _REPLAY_ONLY
+        if lean and metered.rng.get(CHECKPOINT) == 0:
+            # an approx forward is checkpoint's with the input encoded (accounted): where
+            # checkpoint's keeps no replay state, neither does it, and its lean step would
+            # end with its forward, giving 0 (see _REPLAY_ONLY)
+            metered.rng[mode] = 0
+            if backward:
+                metered.late[mode] = 0
+            continue
         try:
             step = _metered_step(
                 runs, mode, grad_out, accounted.get(mode, 0), device, backward, grads_new, lean

@@ -162,3 +162,34 @@ def test_the_capture_step_is_left_out_only_where_no_segment_reads_it():
     leaf = u.detach().clone().requires_grad_()
     got = memory_costs(unit, leaf, (), (), "cpu", {}, capture=False).fields
     assert got["backward_capture_peak_bytes"] > 0
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: (gpt_like(1, 32, 2)[0], torch.randn(2, 16, 32)),
+        lambda: (gpt_like(1, 32, 2, dropout=0.1)[0], torch.randn(2, 16, 32)),  # draws at random
+        lambda: (revnet_like((1,), (8,))[1], torch.randn(4, 8, 8, 8)),  # a reversible unit
+        lambda: (revnet_like((1,), (8,))[0], torch.randn(4, 3, 8, 8)),  # convolution, BatchNorm
+        lambda: (nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.2), nn.GELU()), torch.randn(8, 16)),
+    ],
+    ids=["gpt", "gpt-dropout", "revnet-unit", "revnet-stem", "mlp-dropout"],
+)
+@pytest.mark.parametrize("codec", ["bf16", "e4m3"])
+def test_an_approx_step_keeps_replay_state_exactly_where_checkpoint_does(make, codec):
+    # memory_costs leaves out an approx mode's metered step where checkpoint's keeps no replay
+    # state (block_runs._metered_modes): both run the same forward, approx with its input
+    # encoded besides (accounted). Where checkpoint keeps some, approx's is metered
+    torch.manual_seed(0)
+    block, x = make()
+    leaf = x.detach().clone().requires_grad_()
+    runs = _Runs(block, leaf, [leaf, *block.parameters()], {}, None)
+    grad_out = torch.randn_like(block(x))
+    accounted = Approx(store=codec).codec.encode(x).nbytes
+    ckpt = _metered_step(runs, "checkpoint", grad_out, 0, "cpu", True, False)
+    approx = _metered_step(runs, f"approx:{codec}", grad_out, accounted, "cpu", True, False)
+    assert (ckpt.kept > 0) == (approx.kept > 0)
+    with torch.no_grad():
+        y = block(x)
+    replay = _fields(block, x, output=y).fields["replay"][f"approx:{codec}"]
+    assert replay.kept_bytes == max(0, approx.kept)
