@@ -87,7 +87,10 @@ def block_times(
     step has just run, as after its memory profile): per strategy the median over rounds of
     its step's time over the stored step's in the same round, less one, times the stored
     step's median time. A selective policy that took ``SLOWER`` times checkpoint's time or
-    more in a round is not timed again (see :data:`SLOWER`)."""
+    more in a round is not timed again (see :data:`SLOWER`); its ratio is then taken against
+    checkpoint's steps in the rounds it ran, times checkpoint's ratio over every round, so
+    that it stays above checkpoint's (one round's stored step, read alone, can be an outlier
+    that makes a step look cheap)."""
 
     forwards: list[float] = []  # the stored step's forward, timed inside it
 
@@ -102,16 +105,26 @@ def block_times(
         if run is not None:
             steps[s] = functools.partial(_step, run, grad_out)
     times = _rounds(steps, repeats, warmup, clock)
-    base = times[STORE]
-    fb = statistics.median(base)
+    fb = statistics.median(times[STORE])
     f = min(statistics.median(forwards[warmup:]), fb)
-    overhead = {}
-    for s, t in times.items():
-        if s != STORE:  # the rounds it ran in: the first len(t)
-            ratio = statistics.median(c / max(b, 1e-12) for c, b in zip(t, base, strict=False))
-            overhead[s] = max(0.0, (ratio - 1.0) * fb)
     leaf.grad = None
-    return f, fb - f, overhead
+    return f, fb - f, {s: max(0.0, (r - 1.0) * fb) for s, r in _ratios(times).items()}
+
+
+def _ratios(times: dict[str, list[float]]) -> dict[str, float]:
+    """Per strategy but store, its time over the stored step's (see :func:`block_times`)."""
+    base = times[STORE]
+    ratios = {s: _ratio(t, base) for s, t in times.items() if s != STORE}
+    for s, t in times.items():
+        if len(t) < len(base):  # timed no more, slower than checkpoint: priced against it
+            ratios[s] = _ratio(t, times[CHECKPOINT]) * ratios[CHECKPOINT]
+    return ratios
+
+
+def _ratio(times: list[float], base: list[float]) -> float:
+    """The median over the rounds ``times`` has (the first ``len(times)``) of its time over
+    ``base``'s in the same round."""
+    return statistics.median(c / max(b, 1e-12) for c, b in zip(times, base, strict=False))
 
 
 # A selective step that takes this many times the checkpoint step's time in a round is timed

@@ -308,3 +308,20 @@ def test_block_times_prices_a_selective_policy_from_its_rounds():
     assert f > 0 and b > 0
     assert set(extra) == {"checkpoint", "selective:matmul"}
     assert all(v >= 0 for v in extra.values())
+
+
+def test_a_selective_step_timed_no_more_stays_priced_above_checkpoint():
+    # its one round's stored step was slow (an outlier): read against it alone, selective's
+    # step looked cheaper than checkpoint's three-round median, and fit chose it for a plan
+    # predicted at half its measured overhead (HF GPT-2 of tests/zoo.py)
+    from revckpt.schedule.block_time import _ratios
+
+    times = {
+        "store": [6.5, 4.4, 4.3],
+        "checkpoint": [6.6, 7.8, 8.4],
+        "selective:matmul+attention": [8.6],  # 1.30x checkpoint's step in its round
+    }
+    ratios = _ratios(times)
+    assert ratios["checkpoint"] == pytest.approx(7.8 / 4.4)
+    assert ratios["selective:matmul+attention"] == pytest.approx(8.6 / 6.6 * 7.8 / 4.4)
+    assert ratios["selective:matmul+attention"] > ratios["checkpoint"]
