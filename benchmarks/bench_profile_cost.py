@@ -25,6 +25,7 @@ block of a group and interpolated between); prints a table and writes
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import subprocess
@@ -54,11 +55,13 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
 
 def _user_step(chain: torch.nn.Sequential, x: torch.Tensor) -> Any:
     """A training step as a user's loop runs it: forward, loss (mean square of the output),
-    backward, an AdamW step and ``zero_grad()``."""
-    opt = torch.optim.AdamW(chain.parameters(), lr=1e-5)
+    backward, an AdamW step and ``zero_grad()``; on a copy of the chain, which the profiles
+    never see (they profile the chain as it was built)."""
+    model = copy.deepcopy(chain)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
     def step() -> None:
-        loss = chain(x).float().pow(2).mean()
+        loss = model(x).float().pow(2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -93,11 +93,7 @@ class _Runner:
                 for state in self.exact.rng[1]:
                     torch.cuda.set_rng_state(state, z.device)
             else:  # the same dropout masks for every run
-                # the generators this run can draw from (only those: torch.manual_seed also
-                # queues a seed for every lazy device module, formatting a stack trace each)
-                torch.default_generator.manual_seed(self.seed)
-                if devices:
-                    torch.cuda.default_generators[z.device.index].manual_seed(self.seed)
+                _seed(z.device, self.seed)
             if wrap is None:
                 y = self.model(leaf, **self.kwargs)
             else:  # an activation, as inside a model (a leaf is never compressed)
@@ -113,6 +109,20 @@ class _Runner:
             e = self.exact
             return e.input_grad, e.param_grad, e.output, x.detach().reshape(-1)
         return self.grads(x)
+
+
+def _seed(device: torch.device, seed: int) -> None:
+    """Seed the generators a run on ``device`` draws from: the CPU's, and on CUDA the
+    device's (``torch.manual_seed`` also queues a seed for every lazy device module,
+    formatting a stack trace each time); on other devices every generator, as
+    ``torch.manual_seed`` does."""
+    if device.type == "cpu":
+        torch.default_generator.manual_seed(seed)
+    elif device.type == "cuda":
+        torch.default_generator.manual_seed(seed)
+        torch.cuda.default_generators[device.index].manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
 
 
 def error_fields(

@@ -87,7 +87,7 @@ def block_times(
     step has just run, as after its memory profile): per strategy the median over rounds of
     its step's time over the stored step's in the same round, less one, times the stored
     step's median time. A selective policy that took ``SLOWER`` times checkpoint's time or
-    more in a round is not timed again (see :data:`SLOWER`); its ratio is then taken against
+    more in two rounds is not timed again (see :data:`SLOWER`); its ratio is then taken against
     checkpoint's steps in the rounds it ran, times checkpoint's ratio over every round, so
     that it stays above checkpoint's (one round's stored step, read alone, can be an outlier
     that makes a step look cheap)."""
@@ -134,13 +134,24 @@ def _ratio(times: list[float], base: list[float]) -> float:
 SLOWER = 1.15
 
 
+_DECIDED = 2  # rounds that must each find a selective step SLOWER before it is timed no more
+
+
+def _slower(times: list[float], checkpoint: list[float]) -> bool:
+    """Whether each of the last :data:`_DECIDED` rounds timed the step :data:`SLOWER` than
+    checkpoint's (on one round's evidence, ordinary noise drops a step as fast as checkpoint,
+    or faster, and prices it high)."""
+    pairs = list(zip(times, checkpoint, strict=False))[-_DECIDED:]
+    return len(pairs) == _DECIDED and all(t >= SLOWER * c for t, c in pairs)
+
+
 def _rounds(
     steps: dict[str, Callable[[], Any]], repeats: int, warmup: int, clock: Clock
 ) -> dict[str, list[float]]:
     """Each step's seconds per round: ``repeats`` rounds of every step once, the order
     rotated by one per round (as :func:`revckpt.time_ratios`), after ``warmup`` untimed
-    ones; a selective step :data:`SLOWER` than checkpoint's in a round runs in no later one
-    (its list then stops there)."""
+    ones; a selective step :data:`SLOWER` than checkpoint's in each of :data:`_DECIDED`
+    rounds runs in no later one (its list then stops there)."""
     for _ in range(warmup):
         for run in steps.values():
             run()
@@ -150,9 +161,9 @@ def _rounds(
         shift = i % len(active)
         for name in active[shift:] + active[:shift]:
             times[name].append(wall_time(steps[name], clock=clock))
-        if CHECKPOINT in times:
-            ckpt = times[CHECKPOINT][-1]
-            active = [n for n in active if kind_of(n) != SELECTIVE or times[n][-1] < SLOWER * ckpt]
+        if CHECKPOINT in times and i + 1 >= _DECIDED:
+            ckpt = times[CHECKPOINT]
+            active = [n for n in active if kind_of(n) != SELECTIVE or not _slower(times[n], ckpt)]
     return times
 
 

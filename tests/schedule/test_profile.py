@@ -281,17 +281,25 @@ def test_a_selective_step_slower_than_checkpoint_is_timed_no_more():
     def clock():
         return now[0]
 
-    def taking(seconds):
+    def taking(*seconds):  # per round
+        calls = iter(seconds)
+
         def run():
-            now[0] += seconds
+            now[0] += next(calls)
 
         return run
 
-    ran = {"store": 1.0, "checkpoint": 1.5, "selective:slow": 1.6 * SLOWER, "selective:ok": 1.6}
-    steps = {name: taking(s) for name, s in ran.items()}
+    slow = 1.6 * SLOWER
+    steps = {
+        "store": taking(1.0, 1.0, 1.0),
+        "checkpoint": taking(1.5, 1.5, 1.5),
+        "selective:slow": taking(slow, slow, slow),
+        "selective:once": taking(slow, 1.6, 1.6),  # slower in one round only: timed on
+        "selective:ok": taking(1.6, 1.6, 1.6),
+    }
     times = _rounds(steps, 3, 0, clock)
-    assert times["selective:slow"] == [pytest.approx(1.6 * SLOWER)]  # one round, then no more
-    assert len(times["selective:ok"]) == 3 and len(times["checkpoint"]) == 3
+    assert times["selective:slow"] == [pytest.approx(slow)] * 2  # two rounds, then no more
+    assert len(times["selective:once"]) == len(times["selective:ok"]) == 3
     assert times["store"] == [pytest.approx(1.0)] * 3
 
 
@@ -325,3 +333,16 @@ def test_a_selective_step_timed_no_more_stays_priced_above_checkpoint():
     assert ratios["checkpoint"] == pytest.approx(7.8 / 4.4)
     assert ratios["selective:matmul+attention"] == pytest.approx(8.6 / 6.6 * 7.8 / 4.4)
     assert ratios["selective:matmul+attention"] > ratios["checkpoint"]
+
+
+def test_codec_error_runs_draw_the_exact_runs_dropout_masks():
+    # without the chain's recorded draws (exact=None) every run is seeded alike: a block with
+    # dropout then reads the codec's error, not that of other masks (about 1 if they differed)
+    from revckpt.schedule.block_errors import error_fields
+    from revckpt.schedule.cost_records import ApproxCost
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Dropout(0.5), nn.Linear(32, 32), nn.Dropout(0.5))
+    x = torch.randn(16, 32)
+    got = error_fields(block, x, {"bf16": ApproxCost(1, 1)}, {}, None, {})["approx"]["bf16"]
+    assert 0 < got.param_grad_error < 1e-2 and got.input_grad_error < 1e-2
