@@ -127,13 +127,12 @@ def _ratio(times: list[float], base: list[float]) -> float:
     return statistics.median(c / max(b, 1e-12) for c, b in zip(times, base, strict=False))
 
 
-# A selective step that takes this many times the checkpoint step's time in a round is timed
-# no more: a selective block keeps its input and more where a checkpointed one keeps its input
-# alone, so where it is also slower it is dominated (the solver prefers checkpoint on that
-# block), and more rounds would only refine the time of a choice the plans do not make
+# A selective step that takes this many times the checkpoint step's time in each of _DECIDED
+# rounds is timed no more: a selective block keeps its input and more where a checkpointed one
+# keeps its input alone, so where it is also slower it is dominated (the solver prefers
+# checkpoint on that block), and more rounds would only refine the time of a choice the plans
+# do not make
 SLOWER = 1.15
-
-
 _DECIDED = 2  # rounds that must each find a selective step SLOWER before it is timed no more
 
 
