@@ -8,6 +8,8 @@ the built-ins keeps working.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "CheckpointMismatchError",
     "DoubleBackwardError",
@@ -34,11 +36,18 @@ class InvalidArgumentError(RevckptError, ValueError):
 
 
 class InfeasibleBudgetError(InvalidArgumentError):
-    """No plan fits the memory budget; ``smallest_budget_bytes`` is the smallest that does."""
+    """No plan fits the memory budget; ``smallest_budget_bytes`` is the smallest that does.
+
+    ``plan``: where :func:`revckpt.fit` raises it, the plan of least peak it found and
+    measured at that smallest budget (a :class:`revckpt.schedule.Plan`; ``None`` from
+    :func:`revckpt.schedule.solve`). ``revckpt.fit(model, batch,
+    memory_budget=err.smallest_budget_bytes, plan=err.plan)`` installs it without profiling
+    the model again."""
 
     # the ways to lower that smallest budget which the message suggests, one a string (the
     # solver sets them where it found any)
     fixes: tuple[str, ...] = ()
+    plan: Any = None
 
     def __init__(self, message: str, *, smallest_budget_bytes: int) -> None:
         super().__init__(message)

@@ -1264,3 +1264,30 @@ def test_verification_that_refuses_on_the_error_budget_says_so() -> None:
     err = _none_fits(rows, 1000, 0.01)  # nothing within the memory budget: the least peak
     assert "over the error budget" not in str(err)
     assert err.smallest_budget_bytes == 2000 and "'checkpoint every block'" in str(err)
+
+
+def test_an_infeasible_fit_hands_back_the_plan_it_measured_at_the_smallest_budget(
+    monkeypatch,
+) -> None:
+    # fit at the smallest budget named, with plan=err.plan, installs the least-peak plan the
+    # failed fit measured there, without profiling the model again
+    case = _case("gpt2")
+    model, example = case.make_model(), case.make_example(*PLANNED["gpt2"])
+    with pytest.raises(revckpt.InfeasibleBudgetError) as info:
+        revckpt.fit(model, example, memory_budget="5%", loss_fn=case.loss_fn)
+    err = info.value
+    assert "plan=err.plan" in str(err)
+    assert isinstance(err.plan, revckpt.schedule.Plan)
+    assert err.plan.predicted_peak_bytes <= err.smallest_budget_bytes
+    assert planned(model.transformer.h[0]) is None  # the failed fit left the model plain
+    fit_module = importlib.import_module("revckpt.inplace.fit")
+
+    def no_profile(*args, **kwargs):
+        raise AssertionError("profiled again")
+
+    monkeypatch.setattr(fit_module, "profile_in_situ", no_profile)
+    plan = revckpt.fit(
+        model, example, memory_budget=err.smallest_budget_bytes, plan=err.plan, loss_fn=case.loss_fn
+    )
+    assert plan.segments == err.plan.segments
+    assert _measured_step(model, example, case.loss_fn) <= err.smallest_budget_bytes

@@ -58,7 +58,13 @@ def _within_budget(
             # budget may not find again; the least-peak plan it finds there
             least = max(err.smallest_budget_bytes, smallest.predicted_peak_bytes)
             where = _where(phases(smallest)) if phases is not None else ""
-            raise _infeasible(err, budget, least, store_peak, where) from None
+            infeasible = _infeasible(err, budget, least, store_peak, where)
+            # the least-peak plan, measured within that smallest budget: a fit at it with
+            # plan= installs it without profiling again
+            infeasible.plan = dataclasses.replace(
+                smallest, memory_budget_bytes=least, store_all_peak_bytes=store_peak
+            )
+            raise infeasible from None
         if plan.predicted_peak_bytes <= budget:
             return dataclasses.replace(
                 plan, memory_budget_bytes=budget, store_all_peak_bytes=store_peak
@@ -81,8 +87,10 @@ def _infeasible(
         f"no plan fits a memory budget of {human_bytes(budget)} ({budget:,} bytes) for the "
         f"whole training step: the smallest budget a plan fits is {human_bytes(smallest)} "
         f"({smallest:,} bytes, {smallest / store_peak:.1%} of the step with every block "
-        f"stored, as measured on the example){where}. Raise the budget to at least that, or "
-        "use a smaller batch" + (f"; or lower that smallest budget: {cures}" if cures else ""),
+        f"stored, as measured on the example){where}. Raise the budget to at least that "
+        "(fit(..., memory_budget=err.smallest_budget_bytes, plan=err.plan) installs the plan "
+        "measured there without profiling again), or use a smaller batch"
+        + (f"; or lower that smallest budget: {cures}" if cures else ""),
         smallest_budget_bytes=smallest,
     )
     infeasible.fixes = err.fixes
