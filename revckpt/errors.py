@@ -38,9 +38,10 @@ class InvalidArgumentError(RevckptError, ValueError):
 class InfeasibleBudgetError(InvalidArgumentError):
     """No plan fits the memory budget; ``smallest_budget_bytes`` is the smallest that does.
 
-    ``plan``: where :func:`revckpt.fit` raises it, the plan of least peak it found and
-    measured at that smallest budget (a :class:`revckpt.schedule.Plan`; ``None`` from
-    :func:`revckpt.schedule.solve`). ``revckpt.fit(model, batch,
+    ``plan``: where :func:`revckpt.fit` raises it after solving (its message then says so),
+    the plan of least peak it found and measured at that smallest budget (a
+    :class:`revckpt.schedule.Plan`); ``None`` elsewhere (:func:`revckpt.schedule.solve`,
+    ``fit(..., verify=True)``, a reversible stack's fit). ``revckpt.fit(model, batch,
     memory_budget=err.smallest_budget_bytes, plan=err.plan)`` installs it without profiling
     the model again."""
 
