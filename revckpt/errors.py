@@ -41,7 +41,8 @@ class InfeasibleBudgetError(InvalidArgumentError):
     ``plan``: where :func:`revckpt.fit` raises it after solving (its message then says so),
     the plan of least peak it found and measured at that smallest budget (a
     :class:`revckpt.schedule.Plan`); ``None`` elsewhere (:func:`revckpt.schedule.solve`,
-    ``fit(..., verify=True)``, a reversible stack's fit). ``revckpt.fit(model, batch,
+    ``fit(..., verify=True)`` where no recipe it measured fits, a reversible stack's fit).
+    ``revckpt.fit(model, batch,
     memory_budget=err.smallest_budget_bytes, plan=err.plan)`` installs it without profiling
     the model again."""
 
