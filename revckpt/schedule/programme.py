@@ -150,14 +150,17 @@ def quantise(
     if budget_bytes <= 0:
         return Instance(len(blocks), tuple(strategies), (), 0, 0, (), 1)  # nothing fits
     slot = budget_bytes / slots
-    err_slot = error_budget**2 / error_slots if error_budget > 0 else 0.0
+    # an infinite error budget (what the least-peak searches for a cure ask) bounds nothing:
+    # no error dimension then, rather than error slots every candidate fills with 0
+    bounded = 0 < error_budget < math.inf
+    err_slot = error_budget**2 / error_slots if bounded else 0.0
     bounds = late_bounds(blocks, strategies) if up else [0] * (len(blocks) + 1)
     cands, limits = [], []
     for c in candidates(blocks, strategies) if found is None else found:
         (j, k, s), cost = (c.segment.start, c.segment.stop, c.segment.strategy), c.cost
-        if cost.error > 0 and err_slot == 0:
+        if cost.error > 0 and error_budget <= 0:
             continue  # no error budget: approx is not allowed
-        e = _error_slots(cost.error**2 / err_slot, up) if cost.error > 0 else 0
+        e = _error_slots(cost.error**2 / err_slot, up) if cost.error > 0 and bounded else 0
         work = max(cost.work, cost.backward_work + bounds[k])
         kept_slots, work_slots = slots_of(cost.kept, slot, up=up), slots_of(work, slot, up=up)
         cands.append((j, k, s, kept_slots, work_slots, e, cost.time))
@@ -168,7 +171,7 @@ def quantise(
         candidates=tuple(cands),
         limits=tuple(limits),
         budget=slots,
-        error_budget=error_slots if err_slot > 0 else 0,
+        error_budget=error_slots if bounded else 0,
         tail=0 if step is None else slots_of(step.head, slot, up=up),
     )
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InfeasibleBudgetError, InvalidArgumentError, InvalidInputTypeError
@@ -103,6 +103,9 @@ class _Problem:
     found: tuple[Candidate, ...]
     asked: tuple[str, ...]
     step: StepCosts | None = None
+    # per strategy, its candidate segments: shared by the problems one solve searches (those
+    # of an infeasible budget's cures differ only in strategies and error budget)
+    pool: dict[str, list[Candidate]] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(
@@ -112,10 +115,21 @@ class _Problem:
         error_budget: float,
         es: int,
         step: StepCosts | None = None,
+        pool: dict[str, list[Candidate]] | None = None,
     ) -> _Problem:
         usable = tuple(s for s in chosen if error_budget > 0 or not approximate(s))
-        found = tuple(candidates(blocks, usable, step))
-        return cls(blocks, usable, error_budget, es, found, tuple(chosen), step)
+        pool = {} if pool is None else pool
+        for s in usable:
+            if s not in pool:
+                pool[s] = candidates(blocks, [s], step)
+        found = tuple(c for s in usable for c in pool[s])  # as candidates(blocks, usable, step)
+        return cls(blocks, usable, error_budget, es, found, tuple(chosen), step, pool)
+
+    def like(self, chosen: Sequence[str], error_budget: float) -> _Problem:
+        """The same chain with other strategies and error budget (its candidates shared)."""
+        return _Problem.of(
+            self.blocks, chosen, error_budget, self.error_slots, self.step, self.pool
+        )
 
     def evaluate(self, segments: Sequence[Segment]) -> Any:
         return evaluate(self.blocks, segments, step=self.step)
@@ -158,7 +172,7 @@ class _Problem:
         if self.step is not None:
             figures += [self.step.held, self.step.head]
         step = math.gcd(*figures) or 1
-        cols = self.error_slots + 1 if self.error_budget > 0 else 1
+        cols = self.error_slots + 1 if 0 < self.error_budget < math.inf else 1
         cap = _MAX_CELLS // (3 * (len(self.blocks) + 1) * cols)
         exact = budget // step
         fine = (exact * step, exact) if exact <= cap else (budget, cap)
@@ -251,7 +265,7 @@ def _cures(problem: _Problem, smallest: int, store_peak: int, slots: int) -> lis
     exact = [s for s in available if not approximate(s)]
     left_out = [s for s in exact if s not in problem.strategies]
     if left_out:
-        wider = _Problem.of(blocks, exact, problem.error_budget, problem.error_slots, problem.step)
+        wider = problem.like(exact, problem.error_budget)
         peak, segments = _least_peak(wider, store_peak, slots)
         if peak < smallest:
             used = sorted({s.strategy for s in segments} & set(left_out))
@@ -264,9 +278,7 @@ def _cures(problem: _Problem, smallest: int, store_peak: int, slots: int) -> lis
     if restricted and any(approximate(s) for s in problem.strategies):
         # the strategies given, without the error budget's bound (with every strategy
         # allowed, the approx cure below names the error budget)
-        unbound = _Problem.of(
-            blocks, problem.strategies, math.inf, problem.error_slots, problem.step
-        )
+        unbound = problem.like(problem.strategies, math.inf)
         peak, segments = _least_peak(unbound, store_peak, slots)
         error = unbound.evaluate(segments).error
         if peak < given and error > problem.error_budget:
@@ -276,7 +288,7 @@ def _cures(problem: _Problem, smallest: int, store_peak: int, slots: int) -> lis
                 f"({peak:,} bytes); the error budget {problem.error_budget:g} rules it out"
             )
     if len(available) > len(exact):
-        anything = _Problem.of(blocks, available, math.inf, problem.error_slots, problem.step)
+        anything = problem.like(available, math.inf)
         peak, segments = _least_peak(anything, store_peak, slots)
         error = anything.evaluate(segments).error
         used = sorted({s.strategy for s in segments} - set(problem.asked))
