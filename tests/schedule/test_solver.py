@@ -135,6 +135,23 @@ def test_dynamic_programme_equals_brute_force(blocks, fraction, error_budget, sl
         assert result[1] == pytest.approx(expected, abs=1e-9)
 
 
+@settings(max_examples=60)
+@given(blocks=block_costs(), fraction=st.floats(0.05, 1.0), slots=st.sampled_from([20, 100]))
+def test_an_unbounded_error_budget_has_no_error_dimension(blocks, fraction, slots):
+    """The least-peak searches for an infeasible budget's cures ask an infinite error
+    budget: one error column then (not ``error_slots + 1`` columns every candidate fills with
+    0), approx segments allowed, and the programme still equals the brute force."""
+    inst = _instance(blocks, fraction, math.inf, slots)
+    assert inst.error_budget == 0
+    approx = [c for c in inst.candidates if c[2].startswith("approx:")]
+    assert approx and all(c[5] == 0 for c in approx)
+    result = solve_segments(inst)
+    expected = brute_force(inst, saved_outputs(blocks), selective_kept(blocks))
+    assert (result is None) == (expected is None)
+    if result is not None:
+        assert result[1] == pytest.approx(expected, abs=1e-9)
+
+
 @settings(max_examples=50)
 @given(
     blocks=block_costs(max_len=12),
