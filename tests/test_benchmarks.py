@@ -302,6 +302,19 @@ def test_bench_profile_cost_quick(tmp_path):
             assert steps == pytest.approx(seconds / pace)
 
 
+def test_bench_fit_depth_quick(tmp_path, capsys):
+    out = tmp_path / "depth.json"
+    result = load("bench_fit_depth").main(["--quick", "--rounds", "1", "--out", str(out)])
+    assert json.loads(out.read_text())["benchmark"] == "bench_fit_depth"
+    assert [(r["model"], r["layers"]) for r in result["rows"]] == [("gpt2", 2), ("gpt2", 4)]
+    for row in result["rows"]:
+        assert [f["error_budget"] for f in row["fits"]] == [0.0, 1e-2]
+        for f in row["fits"]:
+            assert f["fit_steps"] == pytest.approx(f["fit_seconds"] / f["plain_step_seconds"])
+            assert f["within_budget"] and f["measured_over_predicted"] <= 1.0
+    assert "| gpt2 | 4 |" in capsys.readouterr().out
+
+
 def test_bench_models_time_model_summary_and_saved_tables(tmp_path, capsys):
     bench = load("bench_models")
     rows = [  # predicted overheads against measured ratios: within 15% / 0.03, or not

@@ -29,6 +29,7 @@ fast path, equal to the training forward only to round-off, about 1e-6).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -132,12 +133,12 @@ def _causal_example(*, padded: bool) -> Callable[..., dict[str, torch.Tensor]]:
     return make_example
 
 
-def _gpt2() -> nn.Module:
+def _gpt2(layers: int = 4) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
         n_embd=64,
-        n_layer=4,
+        n_layer=layers,
         n_head=4,
         n_positions=64,
         vocab_size=VOCAB,
@@ -155,7 +156,7 @@ def _gpt2() -> nn.Module:
     return model
 
 
-def _llama_like(kind: str) -> Callable[[], nn.Module]:
+def _llama_like(kind: str, layers: int = 4) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         import transformers
 
@@ -166,7 +167,7 @@ def _llama_like(kind: str) -> Callable[[], nn.Module]:
         config = config_cls(
             hidden_size=64,
             intermediate_size=128,
-            num_hidden_layers=4,
+            num_hidden_layers=layers,
             num_attention_heads=4,
             num_key_value_heads=2,
             vocab_size=VOCAB,
@@ -467,3 +468,16 @@ CASES: dict[str, Case] = {
 }
 
 HF_CASES = frozenset({"gpt2", "llama", "qwen2", "bert"})
+
+
+def deeper(name: str, layers: int) -> Callable[[], nn.Module]:
+    """The zoo's ``"gpt2"``, ``"llama"`` or ``"qwen2"`` with ``layers`` decoder layers (the zoo's
+    own have 4), seeded as the zoo seeds its models; the case's example and loss apply."""
+    builds = {
+        "gpt2": functools.partial(_gpt2, layers),
+        "llama": _llama_like("llama", layers),
+        "qwen2": _llama_like("qwen2", layers),
+    }
+    if name not in builds:
+        raise ValueError(f"deeper({name!r}): one of {sorted(builds)}")
+    return _seeded(builds[name])
