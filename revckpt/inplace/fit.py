@@ -13,6 +13,7 @@ model's forward stay as they were. ``convert`` installs one strategy without pro
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,25 +25,27 @@ from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..schedule.budget import UNKNOWN_PEAK, parse_budget
 from ..schedule.costs import peak_phases, strategy_names
 from ..schedule.error_samples import checked_stride
+from ..schedule.kinds import approximate
 from ..schedule.plan import Plan
 from ..schedule.profile import Profile
 from ..schedule.solver import solve
 from ..strategy import Strategy, StrategyLike, argument_of, kind_of
 from .blocks import Blocks, find_blocks, model_digest
-from .confirm import _within_budget
+from .confirm import _within_budget, _within_error
 from .convert import convert, restore
 from .fit_stack import fit_converted
 from .install import Planned, install, is_fsdp, planned
 from .measure import profile_in_situ
 from .reversible import refuse_reversible, stack_of
 from .runners import runner_for, segment_runners
-from .step import LossFn, measure_step
+from .step import LossFn, Reference, measure_step, measured_gradients
 from .trace import Recorder, trace
 
 __all__ = ["convert", "fit", "restore"]
 
 _EXACT = ("store", "checkpoint", "selective:matmul+attention")
 _CODECS = ("bf16", "e4m3")
+_ERROR_SEED = 0  # the generator state the store-all and plan steps compared for the error run from
 _T = TypeVar("_T")
 
 
@@ -230,7 +233,11 @@ def _fit(
         if saved is not None and not profiled:
             return _fit_saved(saved, found, memory_budget, tuple(chosen), o.error_budget)
         priced = any(kind_of(s) in ("approx", "compress") for s in chosen)  # errors measured
-        traced = trace(model, example, o.loss_fn, found, _recorder_slot(found), gradients=priced)
+        seed = _ERROR_SEED if priced and o.error_budget > 0 else None  # plans' errors measured
+        slot = _recorder_slot(found)
+        traced = trace(
+            model, example, o.loss_fn, found, slot, gradients=priced, reference_seed=seed
+        )
         if o.segment_blocks is not None:
             step = dataclasses.replace(traced.step, max_span=o.segment_blocks)
             traced = dataclasses.replace(traced, step=step)
@@ -244,21 +251,26 @@ def _fit(
             result = saved
         else:
 
-            def checked(budget: Any) -> tuple[Plan, int]:
+            def checked(budget: Any, error_budget: float) -> tuple[Plan, int]:
                 found_plan = solve(
-                    profile, memory_budget=budget, error_budget=o.error_budget, strategies=chosen
+                    profile, memory_budget=budget, error_budget=error_budget, strategies=chosen
                 )
                 found_plan = dataclasses.replace(
                     found_plan, block_shapes=shapes, model_digest=model_digest(model)
                 )
-                return _measured(found_plan, model, example, o.loss_fn, found, keys)
+                return _measured(
+                    found_plan, model, example, o.loss_fn, found, keys, traced.reference
+                )
 
             def phases(plan: Plan) -> dict[str, dict[str, int]]:
                 assert profile.step is not None
                 return peak_phases(profile.blocks, plan.segments, profile.step)
 
-            within = _within_budget(checked, memory_budget, traced.store_peak, phases)
-            result = _agreed(within)
+            def within(error_budget: float) -> Plan:
+                at = functools.partial(checked, error_budget=error_budget)
+                return _within_budget(at, memory_budget, traced.store_peak, phases)
+
+            result = _agreed(_within_error(within, o.error_budget))
         _apply(result, found, keys)
         seen = (profile, traced.store_peak, shapes)
         return Fitted(result, found, keys, tuple(chosen), o.error_budget, budget, *seen)
@@ -356,11 +368,22 @@ def _measured(
     loss_fn: LossFn,
     found: list[tuple[str, nn.Module]],
     keys: Sequence[Any],
+    reference: Reference | None = None,
 ) -> tuple[Plan, int]:
-    """``plan`` installed and checked in one metered step: the plan, its prediction raised to
-    what the step measured, and by how much the cost model was short."""
+    """``plan`` installed and checked in one metered step: the plan, its predictions raised to
+    what the step measured, and by how much the cost model was short of the peak. With a
+    :class:`Reference` (the store-all step's gradients), a plan with approximate segments runs
+    its step from the reference's generator state and its gradient error is measured too."""
     _apply(plan, found, keys)
-    measured = measure_step(model, example, loss_fn)
+    if reference is not None and any(approximate(s) for s in plan.strategies):
+        measured, grads = measured_gradients(
+            model, example, loss_fn, seed=reference.seed, params=reference.params
+        )
+        error = reference.error_of(grads)
+        if error > plan.predicted_error:
+            plan = dataclasses.replace(plan, predicted_error=error)
+    else:
+        measured = measure_step(model, example, loss_fn)
     if measured <= plan.predicted_peak_bytes:
         return plan, 0
     short = measured - plan.predicted_peak_bytes

@@ -5,17 +5,31 @@ measured (:func:`measure_step`)."""
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from .._numbers import relative
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..measure import MemoryMeter
 from ..measure.state import preserved
 
-__all__ = ["LossFn", "left_as_found", "loss_of", "measure_step", "run_step", "split_example"]
+__all__ = [
+    "LossFn",
+    "Reference",
+    "block_parameters",
+    "gradient_copies",
+    "left_as_found",
+    "loss_of",
+    "measure_step",
+    "measured_gradients",
+    "run_step",
+    "split_example",
+]
 
 LossFn = Callable[[Any], torch.Tensor] | None
 
@@ -94,3 +108,60 @@ def measure_step(model: nn.Module, example: Any, loss_fn: LossFn) -> int:
     with left_as_found(model), MemoryMeter(device) as meter:
         run_step(model, example, loss_fn)
     return meter.peak_bytes
+
+
+def block_parameters(blocks: list[tuple[str, nn.Module]]) -> tuple[nn.Parameter, ...]:
+    """The parameters of the planned blocks that take a gradient, each once."""
+    seen: dict[int, nn.Parameter] = {}
+    for _, block in blocks:
+        for p in block.parameters():
+            if p.requires_grad:
+                seen.setdefault(id(p), p)
+    return tuple(seen.values())
+
+
+Gradients = tuple[torch.Tensor | None, ...]
+
+
+def gradient_copies(params: tuple[nn.Parameter, ...]) -> Gradients:
+    """Copies of the gradients of ``params`` (``None`` where a parameter has none)."""
+    return tuple(None if p.grad is None else p.grad.detach().clone() for p in params)
+
+
+def measured_gradients(
+    model: nn.Module, example: Any, loss_fn: LossFn, *, seed: int, params: tuple[nn.Parameter, ...]
+) -> tuple[int, Gradients]:
+    """:func:`measure_step` from the generator state ``seed`` (the same dropout masks as any
+    other step from it), and copies of the gradients of ``params`` it made (taken outside the
+    meter); the model and the generators are left as they were."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    with left_as_found(model):
+        torch.manual_seed(seed)
+        with MemoryMeter(device) as meter:
+            run_step(model, example, loss_fn)
+        grads = gradient_copies(params)
+    return meter.peak_bytes, grads
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The store-all step's gradients of the planned blocks' parameters, from the generator
+    state ``seed``: what :func:`revckpt.fit` measures an approx plan's gradient error against
+    (the error budget's figure: the relative L2 error of the planned blocks' parameter
+    gradients, all together)."""
+
+    seed: int
+    params: tuple[nn.Parameter, ...]
+    grads: Gradients
+
+    def error_of(self, grads: Gradients) -> float:
+        """The relative L2 error of ``grads`` (of :attr:`params`, from a step from
+        :attr:`seed`) against these."""
+        num = den = 0.0
+        for g, r in zip(grads, self.grads, strict=True):
+            if r is None:
+                continue
+            r64 = r.double()
+            den += float(r64.norm() ** 2)
+            num += float(((g.double() if g is not None else 0) - r64).norm() ** 2)
+        return relative(math.sqrt(num), math.sqrt(den))

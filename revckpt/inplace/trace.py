@@ -35,7 +35,16 @@ from ..schedule.sensitivities import (
 )
 from ..schedule.step import StepCosts
 from .calls import Key, carried_key, get, hidden_of
-from .step import LossFn, left_as_found, loss_of, run_step, split_example
+from .step import (
+    LossFn,
+    Reference,
+    block_parameters,
+    gradient_copies,
+    left_as_found,
+    loss_of,
+    run_step,
+    split_example,
+)
 
 __all__ = ["Call", "Recorder", "Trace", "trace"]
 
@@ -71,6 +80,7 @@ class Trace:
     store_peak: int
     gradients: Sensitivities | None = None
     input_held: tuple[bool, ...] = ()
+    reference: Reference | None = None  # the metered step's block gradients, where asked for
 
 
 class Recorder:
@@ -102,6 +112,7 @@ def trace(
     recorder_slot: Callable[[Recorder | None], None],
     *,
     gradients: bool = False,
+    reference_seed: int | None = None,
 ) -> Trace:
     """Run the step twice (see the module docstring) with every block stored; ``recorder_slot``
     installs a :class:`Recorder` on the blocks' forwards (and removes it with ``None``).
@@ -110,7 +121,9 @@ def trace(
     (:func:`~revckpt.schedule.sensitivities.chain_sensitivities`, sparing the profile a run of
     the chain); where the blocks do not form a chain, of the model's loss
     (:func:`~revckpt.schedule.sensitivities.step_sensitivities`), as the error model cannot run
-    such blocks one after the other."""
+    such blocks one after the other. ``reference_seed``: the metered step runs from this
+    generator state and the trace keeps its gradients of the blocks' parameters
+    (:class:`~revckpt.inplace.step.Reference`), to measure approx plans' errors against."""
     names = [fqn for fqn, _ in blocks]
     recorder = Recorder(blocks)
     calls: list[Call] = []
@@ -156,11 +169,13 @@ def trace(
         calls = [_detached(c) for c in calls]  # the first run's graph goes
         recorder.counts = [0] * len(names)
         with _runnable():
-            step, peak = _metered(model, example, loss_fn, recorder, calls, chained)
+            step, peak, reference = _metered(
+                model, example, loss_fn, recorder, calls, chained, reference_seed, blocks
+            )
         _check_calls(recorder.counts, names, names)  # a backward may run blocks again
     finally:
         recorder_slot(None)
-    return Trace(tuple(calls), chained, step, peak, weights, held)
+    return Trace(tuple(calls), chained, step, peak, weights, held, reference)
 
 
 def _state_at(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -278,54 +293,73 @@ def _metered(
     recorder: Recorder,
     calls: list[Call],
     chained: bool,
-) -> tuple[StepCosts, int]:
+    seed: int | None,
+    blocks: list[tuple[str, nn.Module]],
+) -> tuple[StepCosts, int, Reference | None]:
     """The store-all step metered, with a mark at every phase boundary (bytes, and the time,
     for the chain's share of the step's time: the meter slows every operation alike, so the
-    share is that of the plain step to a few percent)."""
+    share is that of the plain step to a few percent); from the generator state ``seed``
+    where given, with the blocks' parameter gradients it made (:class:`Reference`)."""
     last = len(calls) - 1
     marks: dict[str, int] = {}
     times: dict[str, float] = {}
     handles: list[Any] = []  # the hooks, removed after the step (x0 may be the caller's leaf)
     device = calls[0].input.device
     # the model's state is saved and put back outside the meter (it is not the step's)
-    with left_as_found(model), MemoryMeter(device) as meter:
+    with left_as_found(model), _seeded(seed):
+        with MemoryMeter(device) as meter:
 
-        def mark(name: str) -> None:
-            times[name] = _now(device)
-            marks[name] = meter.live_bytes
-            marks[name + "_peak"] = meter.phase_peak_bytes
-            meter.reset_peak()
+            def mark(name: str) -> None:
+                times[name] = _now(device)
+                marks[name] = meter.live_bytes
+                marks[name + "_peak"] = meter.phase_peak_bytes
+                meter.reset_peak()
 
-        def on_event(what: str, i: int, payload: Any) -> None:
-            if what == "enter" and i == 0:
-                mark("chain_start")
-                x0 = get(*payload, calls[0].key)
-                if isinstance(x0, torch.Tensor) and x0.requires_grad:
-                    handles.append(x0.register_hook(lambda g: mark("chain_done")))
-            elif what == "exit" and i == last:
-                mark("chain_end")
-                out = hidden_of(payload[2], calls[-1].fqn)
-                if out.requires_grad:
-                    handles.append(out.register_hook(lambda g: mark("head_done")))
+            def on_event(what: str, i: int, payload: Any) -> None:
+                if what == "enter" and i == 0:
+                    mark("chain_start")
+                    x0 = get(*payload, calls[0].key)
+                    if isinstance(x0, torch.Tensor) and x0.requires_grad:
+                        handles.append(x0.register_hook(lambda g: mark("chain_done")))
+                elif what == "exit" and i == last:
+                    mark("chain_end")
+                    out = hidden_of(payload[2], calls[-1].fqn)
+                    if out.requires_grad:
+                        handles.append(out.register_hook(lambda g: mark("head_done")))
 
-        recorder.hooks.append(on_event)
-        times["start"] = _now(device)
-        try:
-            run_step(model, example, loss_fn)
-        finally:
-            recorder.hooks.clear()
-            for handle in handles:
-                handle.remove()
-        times["end"] = _now(device)
-        if "chain_done" not in marks:  # nothing before the chain to backpropagate into
-            mark("chain_done")
+            recorder.hooks.append(on_event)
+            times["start"] = _now(device)
+            try:
+                run_step(model, example, loss_fn)
+            finally:
+                recorder.hooks.clear()
+                for handle in handles:
+                    handle.remove()
+            times["end"] = _now(device)
+            if "chain_done" not in marks:  # nothing before the chain to backpropagate into
+                mark("chain_done")
+        # outside the meter, before the model's gradients are put back: not in the peak
+        reference = None if seed is None else _reference(seed, blocks)
     if "head_done" not in marks:
         raise InvalidArgumentError(
             f"no gradient reached the output of the last block ({calls[-1].fqn}): the loss does "
             "not depend on it; pick the blocks the loss goes through"
         )
     step = _step_costs(calls, marks, times, meter.stats.since_reset_peak_bytes, chained)
-    return step, meter.peak_bytes
+    return step, meter.peak_bytes, reference
+
+
+def _reference(seed: int, blocks: list[tuple[str, nn.Module]]) -> Reference:
+    params = block_parameters(blocks)
+    return Reference(seed, params, gradient_copies(params))
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None) -> Iterator[None]:
+    """The generators seeded with ``seed`` (inside :func:`left_as_found`, which puts them back)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    yield
 
 
 def _step_costs(
