@@ -1366,3 +1366,8 @@ def test_within_error_solves_again_for_a_smaller_predicted_error() -> None:
     assert all(b < a for a, b in itertools.pairwise(asked[:-1]))  # each tighter (by 0.9 at least)
     within, asked = plans(0.0)  # an exact plan: as it is
     assert _within_error(within, 1e-2).predicted_error == 0.0 and asked == [1e-2]
+    # the error model put the first plan at 6e-3, measured 2e-2: below what the model said of
+    # it, in the ratio measured, so that the next solve leaves that plan out
+    within, asked = plans(2e-2, 1e-3)
+    assert _within_error(within, 1e-2, modelled=lambda plan: 6e-3).predicted_error == 1e-3
+    assert asked == pytest.approx([1e-2, 3e-3])

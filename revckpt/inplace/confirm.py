@@ -140,16 +140,26 @@ def _where(phases: dict[str, dict[str, int]]) -> str:
 _TIGHTER = 3  # solves for a smaller predicted error before the exact strategies alone
 
 
-def _within_error(within: Callable[[float], Plan], error_budget: float) -> Plan:
+def _within_error(
+    within: Callable[[float], Plan],
+    error_budget: float,
+    modelled: Callable[[Plan], float] | None = None,
+) -> Plan:
     """The plan ``within(e)`` solves and confirms for the predicted error budget ``e``, first
     at ``error_budget``. Its ``predicted_error`` is at least what its step measured (the check
     step of an approx plan measures it): where that is over ``error_budget`` (the error model
     reads some blocks low: ReLU kinks a codec's rounding moves), it is solved again for a
-    predicted error smaller in the ratio measured, up to :data:`_TIGHTER` times, then with the
-    exact strategies alone (error 0). An infeasible budget raises as it would; after a
-    tightening its message says why the plans had to be exact or nearly so, and the least-peak
-    plan it hands back was measured within ``error_budget`` too."""
+    predicted error below that plan's modelled one (``modelled(plan)``; default: the budget
+    searched at) in the ratio measured, up to :data:`_TIGHTER` times, then with the exact
+    strategies alone (error 0). An infeasible budget raises as it would; after a tightening
+    its message says why the plans had to be exact or nearly so, and the least-peak plan it
+    hands back was measured within ``error_budget`` too."""
     target, seen = error_budget, 0.0
+
+    def tighter(plan: Plan) -> float:
+        model = target if modelled is None else min(target, modelled(plan))
+        return model * min(0.9, error_budget / plan.predicted_error)
+
     for attempt in range(_TIGHTER + 2):
         last = attempt == _TIGHTER + 1
         try:
@@ -158,13 +168,13 @@ def _within_error(within: Callable[[float], Plan], error_budget: float) -> Plan:
             over = err.plan is not None and err.plan.predicted_error > _slack(error_budget)
             if over and not last:  # its least-peak plan measured over: tighter there too
                 seen = max(seen, err.plan.predicted_error)
-                target *= min(0.9, error_budget / err.plan.predicted_error)
+                target = tighter(err.plan)
                 continue
             raise _said(err, error_budget, seen) if seen else err from None
         if plan.predicted_error <= _slack(error_budget):
             return plan
         seen = max(seen, plan.predicted_error)
-        target *= min(0.9, error_budget / plan.predicted_error)
+        target = tighter(plan)
     raise AssertionError("unreachable: the exact strategies measure no error")  # pragma: no cover
 
 

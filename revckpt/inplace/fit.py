@@ -23,7 +23,7 @@ from torch import nn
 
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..schedule.budget import UNKNOWN_PEAK, parse_budget
-from ..schedule.costs import peak_phases, strategy_names
+from ..schedule.costs import evaluate, peak_phases, strategy_names
 from ..schedule.error_samples import checked_stride
 from ..schedule.kinds import approximate
 from ..schedule.plan import Plan
@@ -113,8 +113,11 @@ def fit(
             that already exist): what :class:`~revckpt.MemoryMeter` measures around the step.
             Gradients that are ``None`` before the step (``optimizer.zero_grad()``) count in
             it, and the plan assumes they are.
-        error_budget: the largest predicted relative gradient error (0: exact strategies
-            only; above 0, approx boundaries in bf16 or fp8 may be chosen).
+        error_budget: the largest relative gradient error of the planned blocks' parameter
+            gradients, all together (0: exact strategies only; above 0, approx boundaries in
+            bf16 or fp8 may be chosen). The check step of a plan with approx boundaries also
+            measures its error against the store-all step on ``example``; where that is over
+            the budget, ``fit`` plans again for a smaller predicted error.
         strategies: the strategies a plan may use (default: store, checkpoint and
             selective recompute; plus approx codecs when ``error_budget > 0``).
         blocks: the blocks to plan: an attribute path (``"model.layers"``) or a function
@@ -270,7 +273,10 @@ def _fit(
                 at = functools.partial(checked, error_budget=error_budget)
                 return _within_budget(at, memory_budget, traced.store_peak, phases)
 
-            result = _agreed(_within_error(within, o.error_budget))
+            def modelled(plan: Plan) -> float:  # the error model's figure, not the measured
+                return evaluate(profile.blocks, plan.segments, step=profile.step).error
+
+            result = _agreed(_within_error(within, o.error_budget, modelled))
         _apply(result, found, keys)
         seen = (profile, traced.store_peak, shapes)
         return Fitted(result, found, keys, tuple(chosen), o.error_budget, budget, *seen)

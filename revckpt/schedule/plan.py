@@ -60,7 +60,9 @@ class Plan:
 
     ``predicted_peak_bytes``: forward+backward peak of live tensor bytes; ``predicted_overhead``:
     recompute time over the plain chain's forward+backward time; ``predicted_error``: summed
-    estimated relative gradient error of the approx segments. ``name`` says where the plan came
+    estimated relative gradient error of the approx segments (from :func:`revckpt.fit`, at
+    least what its check step measured, as ``predicted_peak_bytes`` is). ``name`` says where
+    the plan came
     from (``"optimal"``, ``"per-block"``, ``"sqrt"``, ``"every-4"``, ``"greedy"``, ...).
     """
 
