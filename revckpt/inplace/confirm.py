@@ -183,12 +183,18 @@ def _slack(error_budget: float) -> float:
 
 
 def _said(err: InfeasibleBudgetError, error_budget: float, seen: float) -> InfeasibleBudgetError:
-    """``err`` with why the plans searched were held below the error budget."""
+    """``err`` with why the plans searched were held below the error budget, and without the
+    cures that name an error budget (those of the search held below it, not the caller's)."""
+    text = str(err)
+    marker = "; or lower that smallest budget: "
+    kept = tuple(f for f in err.fixes if "error_budget" not in f and "error budget" not in f)
+    if marker in text:
+        text = text[: text.index(marker)] + (marker + "; or ".join(kept) if kept else "")
     said = InfeasibleBudgetError(
-        f"{err} (plans the error model put within error_budget={error_budget:g} measured a "
+        f"{text} (plans the error model put within error_budget={error_budget:g} measured a "
         f"gradient error of up to {seen:.3g} in fit's check step, so the plans searched here "
         "had a smaller predicted error)",
         smallest_budget_bytes=err.smallest_budget_bytes,
     )
-    said.fixes, said.plan = err.fixes, err.plan
+    said.fixes, said.plan = kept, err.plan
     return said

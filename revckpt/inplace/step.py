@@ -28,6 +28,7 @@ __all__ = [
     "measure_step",
     "measured_gradients",
     "run_step",
+    "seed_step",
     "split_example",
 ]
 
@@ -91,14 +92,28 @@ def run_step(model: nn.Module, example: Any, loss_fn: LossFn) -> torch.Tensor:
     return loss.detach()
 
 
+def _cuda_devices(model: nn.Module) -> list[torch.device]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return sorted({p.device for p in params if p.device.type == "cuda"}, key=str)
+
+
 @contextlib.contextmanager
 def left_as_found(model: nn.Module) -> Iterator[None]:
     params = [p for p in model.parameters() if p.requires_grad]
-    devices = sorted({p.device for p in params if p.device.type == "cuda"}, key=str)
-    with torch.random.fork_rng(devices=devices), preserved(model):
+    with torch.random.fork_rng(devices=_cuda_devices(model)), preserved(model):
         for p in params:  # the step creates them, as after zero_grad()
             p.grad = None
         yield
+
+
+def seed_step(model: nn.Module, seed: int) -> None:
+    """Seed the generators :func:`left_as_found` puts back (the CPU's and those of the CUDA
+    devices the model's parameters are on), so that two steps from ``seed`` draw the same
+    dropout masks; call it inside :func:`left_as_found`. Other devices' generators are left
+    alone (``torch.manual_seed`` would change them for good)."""
+    torch.random.default_generator.manual_seed(seed)
+    for device in _cuda_devices(model):
+        torch.cuda.default_generators[device.index or 0].manual_seed(seed)
 
 
 def measure_step(model: nn.Module, example: Any, loss_fn: LossFn) -> int:
@@ -136,7 +151,7 @@ def measured_gradients(
     meter); the model and the generators are left as they were."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     with left_as_found(model):
-        torch.manual_seed(seed)
+        seed_step(model, seed)
         with MemoryMeter(device) as meter:
             run_step(model, example, loss_fn)
         grads = gradient_copies(params)

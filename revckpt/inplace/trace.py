@@ -43,6 +43,7 @@ from .step import (
     left_as_found,
     loss_of,
     run_step,
+    seed_step,
     split_example,
 )
 
@@ -306,7 +307,9 @@ def _metered(
     handles: list[Any] = []  # the hooks, removed after the step (x0 may be the caller's leaf)
     device = calls[0].input.device
     # the model's state is saved and put back outside the meter (it is not the step's)
-    with left_as_found(model), _seeded(seed):
+    with left_as_found(model):
+        if seed is not None:
+            seed_step(model, seed)
         with MemoryMeter(device) as meter:
 
             def mark(name: str) -> None:
@@ -352,14 +355,6 @@ def _metered(
 def _reference(seed: int, blocks: list[tuple[str, nn.Module]]) -> Reference:
     params = block_parameters(blocks)
     return Reference(seed, params, gradient_copies(params))
-
-
-@contextlib.contextmanager
-def _seeded(seed: int | None) -> Iterator[None]:
-    """The generators seeded with ``seed`` (inside :func:`left_as_found`, which puts them back)."""
-    if seed is not None:
-        torch.manual_seed(seed)
-    yield
 
 
 def _step_costs(
