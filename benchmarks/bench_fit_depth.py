@@ -11,10 +11,10 @@ For each model and depth, two fits of a fresh model each at ``memory_budget="50%
 (``error_budget=0``) and with ``error_budget=1e-2`` (where a budget is infeasible, the fit at
 the error's smallest budget is timed as well and both are reported). Each fit's wall time is
 given in the model's plain training steps (forward, loss, backward; median of the plain steps
-timed just before and just after the fit) and in a user's steps (the same plus an AdamW step
-and ``zero_grad()``, timed alternately with the plain ones); one thread. After the fit, one
-step with ``MemoryMeter("cpu")`` around it: measured over predicted peak and whether it is
-within the budget.
+timed just before and just after the fit, the plan then undone) and in a user's steps (the same
+plus an AdamW step and ``zero_grad()``, timed alternately with the plain ones); one thread.
+After the fit, one step with ``MemoryMeter("cpu")`` around it: measured over predicted peak and
+whether it is within the budget.
 
 Run ``python benchmarks/bench_fit_depth.py`` (about five minutes on 2 CPU cores; ``--quick``
 for a smoke run); prints a Markdown table and writes ``benchmarks/results/bench_fit_depth.json``.
@@ -96,11 +96,12 @@ def _fit_once(name: str, layers: int, example: Any, error: float, rounds: int) -
             model, example, memory_budget=err.smallest_budget_bytes, error_budget=error
         )
     fit_seconds = time.perf_counter() - start
+    with MemoryMeter("cpu") as meter:
+        plain()
+    revckpt.restore(model)  # the steps after the fit are plain ones too
     after = _timed(plain, user, rounds)
     step = statistics.median(before[0] + after[0])
     user_step = statistics.median(before[1] + after[1])
-    with MemoryMeter("cpu") as meter:
-        plain()
     out.update(
         fit_seconds=fit_seconds,
         plain_step_seconds=step,

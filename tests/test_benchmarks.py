@@ -362,8 +362,9 @@ def test_bench_error_hf_quick(tmp_path):
     out = tmp_path / "e.json"
     result = load("bench_error_hf").main(["--quick", "--out", str(out)])
     assert json.loads(out.read_text())["benchmark"] == "bench_error_hf"
-    for fits in result["models"].values():
+    for name, fits in result["models"].items():
         (row,) = fits
-        # a plan with the codec, its error predicted and measured against float64
-        assert row["approx_segments"] >= 1
-        assert row["predicted_error"] > 0 and row["measured_error"] > 0
+        assert not row["over_budget"]  # fit's check step keeps OPT's ReLU blocks within it
+        if name == "gpt2":  # a plan with the codec, its error predicted and measured
+            assert row["approx_segments"] >= 1
+            assert row["predicted_error"] > 0 and row["measured_error"] > 0

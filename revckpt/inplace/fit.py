@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,7 @@ from .install import Planned, install, is_fsdp, planned
 from .measure import profile_in_situ
 from .reversible import refuse_reversible, stack_of
 from .runners import runner_for, segment_runners
-from .step import LossFn, Reference, measure_step, measured_gradients
+from .step import LossFn, Reference, block_parameters, measure_step, measured_gradients
 from .trace import Recorder, trace
 
 __all__ = ["convert", "fit", "restore"]
@@ -236,7 +237,8 @@ def _fit(
         if saved is not None and not profiled:
             return _fit_saved(saved, found, memory_budget, tuple(chosen), o.error_budget)
         priced = any(kind_of(s) in ("approx", "compress") for s in chosen)  # errors measured
-        seed = _ERROR_SEED if priced and o.error_budget > 0 else None  # plans' errors measured
+        checked_error = priced and o.error_budget > 0 and _seedable(found)
+        seed = _ERROR_SEED if checked_error else None  # approx plans' errors measured
         slot = _recorder_slot(found)
         traced = trace(
             model, example, o.loss_fn, found, slot, gradients=priced, reference_seed=seed
@@ -283,6 +285,15 @@ def _fit(
     except BaseException:
         restore(model)
         raise
+
+
+def _seedable(found: list[tuple[str, nn.Module]]) -> bool:
+    """Whether the planned blocks have trainable parameters, all on the CPU or CUDA devices:
+    the generators two steps are seeded alike on (:func:`~revckpt.inplace.step.seed_step`), so
+    that an approx plan's error is measured against the same dropout masks. Elsewhere (MPS,
+    XPU) and where no block parameter takes a gradient, the plan's error is the model's."""
+    params = block_parameters(found)
+    return bool(params) and all(p.device.type in ("cpu", "cuda") for p in params)
 
 
 def _checked(model: nn.Module, memory_budget: Any, o: _FitOptions) -> list[str]:
@@ -386,8 +397,8 @@ def _measured(
             model, example, loss_fn, seed=reference.seed, params=reference.params
         )
         error = reference.error_of(grads)
-        if error > plan.predicted_error:
-            plan = dataclasses.replace(plan, predicted_error=error)
+        if not error <= plan.predicted_error:  # nan (a non-finite gradient) reads as infinite
+            plan = dataclasses.replace(plan, predicted_error=error if error > 0 else math.inf)
     else:
         measured = measure_step(model, example, loss_fn)
     if measured <= plan.predicted_peak_bytes:
