@@ -38,6 +38,7 @@ from .costs import (
     Segment,
     chain_totals,
     evaluate,
+    segment_cost,
     strategy_names,
 )
 from .kinds import KINDS, approximate
@@ -281,9 +282,10 @@ def _cures(problem: _Problem, smallest: int, store_peak: int, slots: int) -> lis
         unbound = problem.like(problem.strategies, math.inf)
         peak, segments = _least_peak(unbound, store_peak, slots)
         error = unbound.evaluate(segments).error
-        if peak < given and error > problem.error_budget:
+        needed = _error_budget_for(unbound, segments)
+        if peak < given and error > problem.error_budget and needed is not None:
             cures.append(
-                f"raise error_budget to {error * 1.001:.3g}: with the strategies given, a plan "
+                f"raise error_budget to {needed:.3g}: with the strategies given, a plan "
                 f"with a predicted gradient error of {error:.2g} fits {human_bytes(peak)} "
                 f"({peak:,} bytes); the error budget {problem.error_budget:g} rules it out"
             )
@@ -292,11 +294,12 @@ def _cures(problem: _Problem, smallest: int, store_peak: int, slots: int) -> lis
         peak, segments = _least_peak(anything, store_peak, slots)
         error = anything.evaluate(segments).error
         used = sorted({s.strategy for s in segments} - set(problem.asked))
-        if peak < smallest and error > problem.error_budget:
+        needed = _error_budget_for(anything, segments)
+        if peak < smallest and error > problem.error_budget and needed is not None:
             cures.append(
                 f"allow approx boundaries: a plan with a predicted gradient error of "
                 f"{error:.2g} fits {human_bytes(peak)} ({peak:,} bytes; pass "
-                f"error_budget={error * 1.001:.3g}"
+                f"error_budget={needed:.3g}"
                 + (f" and strategies including {used}" if used else "")
                 + ")"
             )
@@ -312,6 +315,28 @@ def _cures(problem: _Problem, smallest: int, store_peak: int, slots: int) -> lis
             "keeps nothing for backward)"
         )
     return cures
+
+
+def _error_budget_for(problem: _Problem, segments: Sequence[Segment]) -> float | None:
+    """The least error budget (to the three significant digits a message gives, rounded up)
+    at which the programme, counting each approx segment's squared error in whole slots of
+    ``budget^2 / error_slots`` rounded up, has room for ``segments``' errors; ``None`` where
+    they are more segments than slots (no error budget holds them)."""
+    costs = [segment_cost(problem.blocks, seg, problem.step) for seg in segments]
+    squares = [c.error**2 for c in costs if c.error > 0]
+    n = problem.error_slots
+    if not squares or len(squares) >= n:
+        return None if squares else 0.0
+
+    def room(budget: float) -> bool:
+        return sum(math.ceil(e * n / budget**2 - 1e-12) for e in squares) <= n
+
+    low, high = math.sqrt(sum(squares)), math.sqrt(sum(squares) * n / (n - len(squares)))
+    for _ in range(60):  # room(high) holds: k slots more than the sum at most
+        mid = (low + high) / 2
+        low, high = (low, mid) if room(mid) else (mid, high)
+    unit = 10 ** (math.floor(math.log10(high * 1.001)) - 2)
+    return math.ceil(high * 1.001 / unit) * unit
 
 
 def _infeasible(
