@@ -1391,3 +1391,27 @@ def test_the_error_check_draws_the_reference_steps_dropout_masks() -> None:
     assert torch.equal(torch.get_rng_state(), state)
     assert any(s.strategy == "approx:bf16" for s in plan.segments), plan.segments
     assert 0 < plan.predicted_error <= 2e-2
+
+
+def test_verify_measures_the_error_budgets_figure_as_fits_check_does() -> None:
+    # the planned blocks' parameter gradients against store-all's, from one seed: a hand-made
+    # plan with one bf16 block reads in verify what a plain copy's step says of those blocks
+    # (all the parameters, as before, read lower: the head and embedding are exact under approx)
+    case = _case("nanogpt")
+    example = case.make_example(*PLANNED["nanogpt"])
+    model = case.make_model()
+    plain = copy.deepcopy(model)
+    hand_made = _hand_made(model, example, case.loss_fn, "approx:bf16")
+    found = fit_verified(
+        model, example, memory_budget=1.0, error_budget=1.0, loss_fn=case.loss_fn,
+        plan=hand_made, rounds=1,
+    )  # fmt: skip
+    measured = found.report.row("hand-made").gradient_error
+    revckpt.fit(model, example, memory_budget=1.0, loss_fn=case.loss_fn, plan=hand_made)
+    for m in (model, plain):
+        _measured_step(m, example, case.loss_fn)
+    blocks = [n for n, _ in plain.named_parameters() if n.startswith("transformer.h.")]
+    got, want = dict(model.named_parameters()), dict(plain.named_parameters())
+    num = sum(float((got[n].grad - want[n].grad).double().norm() ** 2) for n in blocks)
+    den = sum(float(want[n].grad.double().norm() ** 2) for n in blocks)
+    assert measured == pytest.approx(math.sqrt(num / den), rel=1e-6)

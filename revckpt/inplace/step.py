@@ -19,6 +19,7 @@ from ..measure import MemoryMeter
 from ..measure.state import preserved
 
 __all__ = [
+    "Gradients",
     "LossFn",
     "Reference",
     "block_parameters",

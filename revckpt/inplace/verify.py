@@ -15,8 +15,10 @@ turn, and measured in the step ``fit`` plans for (``example`` and ``loss_fn``):
   copy, no allocation), so it happens before each timed step, outside the clock; deep copies
   of the model, one per plan, would hold the parameters once per plan and time cold copies;
 * **gradient error** (plans with an approx segment only; exact strategies give store-all's
-  gradients bitwise): the relative L2 error of all parameter gradients against the store-all
-  step's, both run from the same seed.
+  gradients bitwise): the relative L2 error of the planned blocks' parameter gradients against
+  the store-all step's, both run from the same seed: the error budget's figure, which fit's own
+  check step measures too (the head's and embedding's gradients, exact under approx, are not
+  in it).
 
 The choice is :func:`revckpt.schedule.verify._fastest_that_fits` (the one chain verification
 makes): no measured plan that fits both budgets beats the winner on both measured peak and
@@ -27,13 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from typing import Any
 
-import torch
 from torch import nn
 
-from .._numbers import relative
 from ..errors import InfeasibleBudgetError, InvalidArgumentError
 from ..measure.timing import _summary, wall_time
 from ..report import PlanMeasurement, Report
@@ -44,7 +43,17 @@ from ..schedule.solver import baseline, make_plan
 from ..schedule.verify import STORE_ALL, Verified, _fastest_that_fits, _key
 from ..strategy import argument_of, kind_of
 from .fit import Fitted, _agreed, _apply, _fit, model_digest, restore
-from .step import LossFn, left_as_found, measure_step, run_step
+from .step import (
+    Gradients,
+    LossFn,
+    Reference,
+    block_parameters,
+    gradient_copies,
+    left_as_found,
+    measure_step,
+    run_step,
+    seed_step,
+)
 
 __all__ = ["fit_verified"]
 
@@ -303,33 +312,28 @@ class _InStep:
         return times
 
     def errors(self, seed: int) -> dict[str, float]:
-        """The relative L2 error of all parameter gradients against store-all's, from the
-        same seed, of every plan with an approx segment; 0 for the others (exact)."""
+        """The relative L2 error of the planned blocks' parameter gradients against
+        store-all's, from the same seed, of every plan with an approx segment; 0 for the
+        others (exact)."""
         plans = self.plans
         approx = [n for n, p in plans.items() if any(kind_of(s) == "approx" for s in p.strategies)]
         errors = dict.fromkeys(plans, 0.0)
         if not approx:
             return errors
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = block_parameters(self.fitted.found)
 
-        def gradients(name: str) -> list[torch.Tensor | None]:
+        def gradients(name: str) -> Gradients:
             self.install(name)
             for p in params:
                 p.grad = None
-            torch.manual_seed(seed)
+            seed_step(self.model, seed)
             self.step()
-            return [None if p.grad is None else p.grad.detach().clone() for p in params]
+            return gradient_copies(params)
 
         with left_as_found(self.model):
-            reference = gradients(STORE_ALL)
+            reference = Reference(seed, params, gradients(STORE_ALL))
             for name in approx:
-                num = den = 0.0
-                for g, r in zip(gradients(name), reference, strict=True):
-                    if r is None:
-                        continue
-                    den += float(r.double().norm() ** 2)
-                    num += float((g.double() - r.double()).norm() ** 2) if g is not None else 0.0
-                errors[name] = relative(math.sqrt(num), math.sqrt(den))
+                errors[name] = reference.error_of(gradients(name))
         return errors
 
 
