@@ -267,6 +267,47 @@ def time_model(
     }
 
 
+def retest(first: Any, again: Any, plans: list[Plan], base: int) -> dict[str, Any]:
+    """The measurement's own noise: every plan measured a second time, the same way, after
+    the first, scored as if the second measurement were the first's prediction (the
+    time model's figures; a time model cannot be scored better than this from one run)."""
+    one = {r.name: r for r in first.rows}
+    two = {r.name: r for r in again.rows}
+    records = []
+    for plan in plans:
+        measured, repeat = one[plan.name].time_ratio - 1.0, two[plan.name].time_ratio - 1.0
+        miss = abs(repeat - measured)
+        records.append(
+            {
+                "plan": plan.name,
+                "memory_fraction": one[plan.name].measured_peak_bytes / base,
+                "measured_overhead": measured,
+                "remeasured_overhead": repeat,
+                "relative_error": miss / measured if measured > 0 else None,
+                "within_15pct_or_0.03": miss <= max(0.15 * abs(measured), 0.03),
+            }
+        )
+    spanning = [r for r in records if 0.1 <= r["memory_fraction"] <= 0.9]
+    errs = sorted(r["relative_error"] for r in records if r["relative_error"] is not None)
+
+    def rho(rs: list[dict]) -> float | None:
+        if len(rs) < 3:
+            return None
+        return _spearman(
+            [r["measured_overhead"] for r in rs], [r["remeasured_overhead"] for r in rs]
+        )
+
+    return {
+        "plans": records,
+        "within": sum(r["within_15pct_or_0.03"] for r in records),
+        "spearman": rho(records),
+        "spearman_10_to_90pct": rho(spanning),
+        "plans_10_to_90pct": len(spanning),
+        "median_relative_error": errs[len(errs) // 2] if errs else None,
+        "worst_relative_error": errs[-1] if errs else None,
+    }
+
+
 def _labels(records: list[dict]) -> dict[str, str]:
     """Per plan, the first method (and budget) that produced it."""
     labels: dict[str, str] = {}
@@ -283,6 +324,11 @@ def run_model(name: str, chain: Any, x: torch.Tensor, args: argparse.Namespace) 
     store_peak = baseline(prof, "store").predicted_peak_bytes
     plans, records = plans_for(prof, store_peak, args.error_budget)
     rep = report(chain, x, plans, repeats=args.repeats, chosen=None)
+    again = (
+        report(chain, x, plans, repeats=args.repeats, chosen=None, errors=False)
+        if args.retest
+        else None
+    )
     rows = {r.name: r for r in rep.rows}
     base = rep.store_all_peak_bytes
     out_records = []
@@ -332,6 +378,7 @@ def run_model(name: str, chain: Any, x: torch.Tensor, args: argparse.Namespace) 
         "profile_cost_steps": [prof.cost_in_steps, second.cost_in_steps],
         "profile_threads": prof.threads,
         "time_model": time_model(rep, plans, second, base, _labels(records)),
+        "retest": None if again is None else retest(rep, again, plans, base),
         "input_shape": list(x.shape),
         "blocks": len(prof.blocks),
         "store_all_measured_peak_bytes": base,
@@ -406,6 +453,17 @@ def tables(result: dict) -> str:
             f"{tm['within']}/{len(tm['plans'])} within 15% (or 0.03); the two profiles' "
             f"predictions at most {tm['profiles_apart_worst']:.1%} apart"
         )
+        rt = m.get("retest")
+        if rt is not None:
+            out.append(
+                f"retest (every plan measured again, the second measurement scored as the "
+                f"first's prediction): {rt['within']}/{len(rt['plans'])} within 15% (or 0.03); "
+                f"Spearman {_cell(rt['spearman'], '.3f')} "
+                f"({_cell(rt['spearman_10_to_90pct'], '.3f')} over the "
+                f"{rt['plans_10_to_90pct']} at 10-90%); relative error median "
+                f"{_cell(rt['median_relative_error'], '.1%')}, worst "
+                f"{_cell(rt['worst_relative_error'], '.1%')}"
+            )
         out.append(
             "| plan | memory | measured overhead (IQR) | predicted | second profile | error |"
         )
@@ -432,6 +490,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--profile-rounds", type=int, default=1, help="profile(..., rounds=): in-chain steps"
     )
     parser.add_argument("--error-budget", type=float, default=0.01)
+    parser.add_argument(
+        "--retest",
+        action="store_true",
+        help="measure every plan a second time and score the second measurement as a "
+        "prediction of the first: the ceiling the measurement's own noise sets",
+    )
     parser.add_argument(
         "--glibc-defaults",
         action="store_true",

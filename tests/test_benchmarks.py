@@ -91,6 +91,32 @@ def test_bench_schedule_quick(tmp_path):
         assert (out.parent / model["plot"]).stat().st_size > 10_000
 
 
+def test_bench_schedule_retest_scores_a_second_measurement_as_a_prediction():
+    from types import SimpleNamespace
+
+    retest = load("bench_schedule").retest
+
+    def rep(ratios):
+        return SimpleNamespace(
+            rows=[
+                SimpleNamespace(name=n, time_ratio=r, measured_peak_bytes=b)
+                for n, (r, b) in ratios.items()
+            ]
+        )
+
+    plans = [SimpleNamespace(name=n) for n in ("a", "b", "c", "d")]
+    first = {"a": (1.50, 20), "b": (1.40, 40), "c": (1.20, 60), "d": (1.02, 95)}
+    same = retest(rep(first), rep(first), plans, base=100)
+    assert same["within"] == 4 and same["spearman"] == 1.0 and same["worst_relative_error"] == 0
+    # b measured 20% lower the second time (out of 15%); d off by 0.02 (within 0.03)
+    again = {"a": (1.50, 20), "b": (1.32, 40), "c": (1.20, 60), "d": (1.04, 95)}
+    moved = retest(rep(first), rep(again), plans, base=100)
+    assert [r["within_15pct_or_0.03"] for r in moved["plans"]] == [True, False, True, True]
+    assert moved["worst_relative_error"] == pytest.approx(1.0)  # d: 0.02 against 0.02
+    assert moved["plans_10_to_90pct"] == 3  # d keeps 95% of store-all
+    assert moved["spearman"] == 1.0  # the order held
+
+
 def test_gpu_check_smoke_mode_on_cpu(tmp_path):
     out = str(tmp_path / "g.json")
     result = load("gpu_check").main(["--smoke", "--repeats", "1", "--out", out])
