@@ -32,6 +32,9 @@ blocks in the process, as CUDA's caching allocator does; see ``benchmarks/bench_
 for what glibc's default of handing them back does to step times); ``--glibc-defaults`` leaves
 malloc alone.
 
+``--retest`` measures every plan a second time and scores that measurement as a prediction of
+the first: the ceiling the measurement's own noise sets for the time model's figures.
+
 Run ``python benchmarks/bench_schedule.py`` (about 5 minutes on 2 CPU cores); prints the tables
 and writes ``benchmarks/results/bench_schedule.json`` and one PNG plot per model.
 """
