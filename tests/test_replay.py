@@ -158,3 +158,78 @@ def test_generator_states_compare_as_torch_equal_does():
     ]
     for a, b in cases:
         assert _same_state(a, b) == torch.equal(a, b)
+
+
+class _CountedCalls:
+    """Counts the Python calls made while it is active (``sys.setprofile``)."""
+
+    def __enter__(self) -> "_CountedCalls":
+        import sys
+
+        self.calls = 0
+
+        def tracer(frame, event, arg):
+            if event in ("call", "c_call"):
+                self.calls += 1
+
+        self._sys = sys
+        sys.setprofile(tracer)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._sys.setprofile(None)
+
+
+def _bn_block() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Dropout(0.2), nn.Linear(6, 6))
+
+
+def _checkpointed_step(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    from revckpt import checkpoint
+
+    h = x.detach().requires_grad_()
+    checkpoint(block, h).pow(2).sum().backward()
+    return h.grad
+
+
+def test_learn_first_call_makes_the_first_recomputed_call_a_steady_one():
+    from revckpt.replay import learn_first_call
+
+    x = torch.randn(8, 6)
+    learned, fresh = _bn_block(), _bn_block()
+    stats = {k: v.clone() for k, v in learned.state_dict().items()}
+    with torch.no_grad():
+        out = learn_first_call((learned,), lambda: learned(x))
+    # the forward ran (train mode: batch statistics), its running statistics left as they were
+    assert out.shape == (8, 6)
+    for k, v in learned.state_dict().items():
+        assert torch.equal(v, stats[k]), k
+    # a checkpointed step of the learned block takes the path of a later step, not a first
+    _checkpointed_step(fresh, x)  # fresh: a first call (learns), then steady
+    with _CountedCalls() as steady:
+        _checkpointed_step(fresh, x)
+    with _CountedCalls() as after_learning:
+        _checkpointed_step(learned, x)
+    with _CountedCalls() as first:
+        _checkpointed_step(_bn_block(), x)
+    assert after_learning.calls == steady.calls < first.calls
+
+
+def test_learn_first_call_leaves_gradients_and_draws_as_plain_autograd():
+    from revckpt.replay import learn_first_call
+
+    x = torch.randn(8, 6)
+    block, plain = _bn_block(), _bn_block()
+    with torch.no_grad():
+        learn_first_call((block,), lambda: block(x))
+    torch.manual_seed(1)
+    got = _checkpointed_step(block, x)
+    torch.manual_seed(1)
+    h = x.detach().requires_grad_()
+    plain(h).pow(2).sum().backward()
+    assert torch.equal(got, h.grad)  # the same dropout mask, replayed
+    for a, b in zip(block.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    for k, v in block.state_dict().items():  # running statistics updated once, as plain's
+        assert torch.equal(v, plain.state_dict()[k]), k
