@@ -170,7 +170,7 @@ def pretrain_table(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def finetune_table(rows: list[dict[str, Any]], check: dict[str, Any]) -> str:
+def finetune_table(rows: list[dict[str, Any]], check: dict[str, Any] | None) -> str:
     lines = [
         "| variant | trainable params | start held-out loss | start logits: relative diff "
         "(max abs) | best lr | held-out loss (best lr) | held-out loss per lr |",
@@ -185,6 +185,8 @@ def finetune_table(rows: list[dict[str, Any]], check: dict[str, Any]) -> str:
             f"{r['best_lr']:g}{edge} | "
             f"{r['final_heldout_loss']:.4f} | {per_lr} |"
         )
+    if check is None:
+        return "\n".join(lines)
     lines.append(
         f"\n{check['variant']}: not trained in the sweep (exact recompute); after "
         f"{check['steps']} steps at lr {check['lr']:g} its parameters differ from full FT's by "

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 import pathlib
 import statistics
 import sys
@@ -292,6 +293,30 @@ def test_bench_finetune_quick(tmp_path, capsys):
     assert "| variant | trainable params |" in printed and "| depth | variant |" in printed
     # a second run reuses the saved pretrained model
     assert load("bench_finetune").main(args)["pretraining"]["cached"]
+
+
+def test_finetune_ranks_quick(tmp_path):
+    out = tmp_path / "ranks.json"
+    result = load("finetune_ranks").main(
+        ["--quick", "--adapter-ranks", "8", "32", "--lora-ranks", "2", "--out", str(out)]
+    )
+    assert json.loads(out.read_text())["benchmark"] == "finetune_ranks"
+    rows = {r["variant"]: r for r in result["finetune"]}
+    assert list(rows) == [
+        "full FT",
+        "reversible layer_f, adapters r=8",
+        "reversible layer_f, adapters r=32",
+        "LoRA r=2",
+    ]
+    small = rows["reversible layer_f, adapters r=8"]
+    large = rows["reversible layer_f, adapters r=32"]
+    assert large["trainable_params"] == 4 * small["trainable_params"]
+    # adapters start within make_reversible's scale of the pretrained model; LoRA exactly there
+    assert 0 < small["start_relative_logit_diff"] < 1e-2
+    assert rows["LoRA r=2"]["start_relative_logit_diff"] == 0
+    for r in rows.values():
+        assert math.isfinite(r["final_heldout_loss"])
+        assert r["final_heldout_loss"] < r["start_heldout_loss"]
 
 
 def test_finetune_start_is_linear_in_the_scale_and_auto_meets_it(tmp_path):
