@@ -45,6 +45,7 @@ import argparse
 import contextlib
 import dataclasses
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -272,8 +273,9 @@ def time_model(
 
 def retest(first: Any, again: Any, plans: list[Plan], base: int) -> dict[str, Any]:
     """The measurement's own noise: every plan measured a second time, the same way, after
-    the first, scored as if the second measurement were the first's prediction (the
-    time model's figures; a time model cannot be scored better than this from one run)."""
+    the first (and its gradient-error pass), scored as if the second measurement were the
+    first's prediction, with the time model's figures. Not a bound on a time model: two
+    independent measurements differ by about sqrt(2) times what one differs from the truth."""
     one = {r.name: r for r in first.rows}
     two = {r.name: r for r in again.rows}
     records = []
@@ -514,7 +516,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "benchmark": "bench_schedule",
-        "command": "python benchmarks/bench_schedule.py",
+        "command": " ".join(["python benchmarks/bench_schedule.py", *(argv or sys.argv[1:])]),
+        "repeats": args.repeats,
         "environment": environment(),
         "keep_freed_memory": kept,
         "profile_rounds": args.profile_rounds,

@@ -384,8 +384,10 @@ def learn_first_call(modules: tuple[nn.Module, ...], forward: Callable[[], Any])
     one-block checkpointing 1.1x high. Normalisation layers run frozen meanwhile (their running
     statistics are left as they were, as in a recompute)."""
     state = ForwardState.capture(modules=modules)
+    norms = None if state.modules is None else state.modules.norms()
+    learn = _LearnNorms(state.modules) if norms is None else swapped_statistics(norms)
     try:
-        with _LearnNorms(state.modules):
+        with learn:
             out = forward()
     finally:
         state.forward_finished()

@@ -233,3 +233,20 @@ def test_learn_first_call_leaves_gradients_and_draws_as_plain_autograd():
         assert torch.equal(a.grad, b.grad)
     for k, v in block.state_dict().items():  # running statistics updated once, as plain's
         assert torch.equal(v, plain.state_dict()[k]), k
+
+
+def test_learn_first_call_again_freezes_the_learnt_statistics_without_hooks():
+    from revckpt.replay import learn_first_call
+
+    x = torch.randn(8, 6)
+    block = _bn_block()
+    stats = {k: v.clone() for k, v in block.state_dict().items()}
+    with torch.no_grad():
+        learn_first_call((block,), lambda: block(x))
+        with _CountedCalls() as again:
+            learn_first_call((block,), lambda: block(x))
+        with _CountedCalls() as first:
+            learn_first_call((_bn_block(),), lambda: block(x))
+    for k, v in block.state_dict().items():
+        assert torch.equal(v, stats[k]), k
+    assert again.calls < first.calls
