@@ -48,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -369,29 +368,6 @@ class _LearnNorms:
         finished = exc[0] is None or issubclass(exc[0], _STOPPED)
         if finished and self._installed and self._modules is not None:
             self._modules.learn_norms(self._ran)
-
-
-def learn_first_call(modules: tuple[nn.Module, ...], forward: Callable[[], Any]) -> Any:
-    """Run ``forward`` (a call of ``modules``, under ``torch.no_grad()`` or not) as a
-    recomputed block's first forward and first recompute would see it, and return its output.
-
-    What revckpt learns about a block on its first call (its modules' layout, whether its
-    forward draws random numbers, which buffers it writes, which normalisation layers it calls)
-    is then known, so that the block's first recomputed call costs what its later ones do.
-    A profiler that times one recomputed call per block (``schedule.profile``) would otherwise
-    time the learning: measured, the first checkpointed call of a transformer block cost
-    about 1.15x the later ones' extra time, and a process's first profile of a chain read
-    one-block checkpointing 1.1x high. Normalisation layers run frozen meanwhile (their running
-    statistics are left as they were, as in a recompute)."""
-    state = ForwardState.capture(modules=modules)
-    norms = None if state.modules is None else state.modules.norms()
-    learn = _LearnNorms(state.modules) if norms is None else swapped_statistics(norms)
-    try:
-        with learn:
-            out = forward()
-    finally:
-        state.forward_finished()
-    return out
 
 
 class _ReplayDepth(threading.local):

@@ -4,7 +4,6 @@ block."""
 
 from __future__ import annotations
 
-import functools
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -16,7 +15,6 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from ..engine.rerun import any_changed, input_versions
-from ..replay import learn_first_call
 from ..strategy import Strategy
 from .block_errors import error_fields, perturbations
 from .block_memory import memory_costs
@@ -283,10 +281,7 @@ def _inputs(
         for i, block in enumerate(chain):
             inputs.append(h)
             versions = input_versions((h,), kwargs)
-            # as a recomputed block's first call, so that the timed steps' first recomputed
-            # call of each block does not time what revckpt learns on a first call
-            out = learn_first_call((block,), functools.partial(block, h, **kwargs))
-            h = check_output(block, out).detach()
+            h = check_output(block, block(h, **kwargs)).detach()
             if any_changed(versions):
                 raise changes_its_input(str(i), block)
     return inputs
