@@ -255,16 +255,21 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse(argv)
-    torch.set_num_threads(1)
-    start = time.perf_counter()
+def pretrained_and_task(args: argparse.Namespace) -> tuple[GPT, Language, list[Batch]]:
+    """The pretrained model (cached), task 2 and its held-out batches."""
     pretrained = pretrain(
         args.depth, args.width, args.pretrain_steps, 0, heads=args.heads, context=args.context,
         vocab=args.vocab, cache_dir=args.cache_dir,
     )  # fmt: skip
     _, task2 = tasks(args.vocab)
-    heldout = task2.batches(args.batch, args.context, HELDOUT_SEED, 4)
+    return pretrained, task2, task2.batches(args.batch, args.context, HELDOUT_SEED, 4)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse(argv)
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    pretrained, task2, heldout = pretrained_and_task(args)
     kw = dict(steps=args.steps, lrs=args.lrs, batch=args.batch)
     rows = sweep(finetune_variants(args.lora_rank), pretrained, task2, heldout, **kw)
     check = checkpoint_matches(

@@ -26,9 +26,8 @@ from typing import Any
 import torch
 from _common import environment, write_json  # benchmarks/_common.py
 from _finetune_model import GPT
-from _finetune_train import HELDOUT_SEED, pretrain, tasks
 from _finetune_variants import BASELINE, Variant, full_finetune, lora
-from bench_finetune import finetune_table, parse, sweep
+from bench_finetune import finetune_table, parse, pretrained_and_task, sweep
 
 import revckpt
 
@@ -64,12 +63,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(["--quick"] if own.quick else [])  # bench_finetune's sizes and sweep
     torch.set_num_threads(1)
     start = time.perf_counter()
-    pretrained = pretrain(
-        args.depth, args.width, args.pretrain_steps, 0, heads=args.heads, context=args.context,
-        vocab=args.vocab, cache_dir=args.cache_dir,
-    )  # fmt: skip
-    _, task2 = tasks(args.vocab)
-    heldout = task2.batches(args.batch, args.context, HELDOUT_SEED, 4)
+    pretrained, task2, heldout = pretrained_and_task(args)
     rows = sweep(
         variants(own.adapter_ranks, own.lora_ranks),
         pretrained,
