@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from .errors import ModifiedParameterError, ReplayError
 
-__all__ = ["ModuleState", "submodules"]
+__all__ = ["ModuleState", "copy_bytes", "submodules"]
 
 _PLAIN = (bool, int, float, str, type(None))
 _STATS = frozenset(("running_mean", "running_var", "num_batches_tracked"))
@@ -163,6 +163,24 @@ def _read_stats(m: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
             b = m._buffers.get(name)
             if b is not None:
                 yield name, b
+
+
+def copy_bytes(root: nn.Module) -> int:
+    """Bytes of the copies a captured forward of ``root`` keeps for its recompute
+    (:class:`ModuleState`): the buffers its forward was seen writing (every buffer it may read,
+    where no forward of it was captured yet) and the running statistics its eval-mode
+    normalisation layers read. One per block, however many blocks one recompute node runs."""
+    layout, modules = layout_and_modules(root)
+    total = 0
+    for m in modules:
+        if m._buffers:
+            known = _WRITES.get(m)
+            for name, b in _tracked_buffers(m):
+                if known is None or name in known:
+                    total += b.numel() * b.element_size()
+    for i in layout.norm_slots:
+        total += sum(b.numel() * b.element_size() for _, b in _read_stats(modules[i]))
+    return total
 
 
 def _label(m: nn.Module, name: str, t: torch.Tensor) -> str:

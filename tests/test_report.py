@@ -16,7 +16,10 @@ from revckpt.schedule import Segment, apply, baseline, make_plan, profile, solve
 
 
 def _plans(prof):
+    n = len(prof.blocks)
     plans = [baseline(prof, name) for name in ("per-block", "sqrt", "every-2")]
+    # a stored and checkpointed mix whatever the solver picks (its picks follow the timings)
+    plans.append(make_plan(prof, [Segment(0, n // 2, "store"), Segment(n // 2, n, "checkpoint")]))
     for fraction in (0.75, 0.5, 0.3):
         for error_budget in (0.0, 0.02):
             with contextlib.suppress(InvalidArgumentError):  # below what any plan reaches
@@ -38,8 +41,6 @@ def test_measured_peak_within_five_percent_of_prediction_and_budget(make):
     chain, x = make()
     prof = profile(chain, x, repeats=1)
     plans = _plans(prof)
-    used = {s for p in plans for s in p.strategies}
-    assert {"checkpoint", "store"} <= used
     for plan in plans:
         peak = measure_peak(apply(chain, plan), x)
         ratio = peak / plan.predicted_peak_bytes

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
+from .._module_state import copy_bytes
 from .._numbers import tensor_bytes
 from ..approx import Approx
 from ..checkpoint import checkpoint, parse_policy
@@ -251,7 +252,7 @@ def memory_costs(
         "saved_bytes": saved,
         "forward_peak_bytes": forward_peak,
         **_alone_fields(runs, modes, metered, device, offload),
-        **modes.transient_fields(metered),
+        **modes.transient_fields(metered, copy_bytes(block)),
         "param_bytes": sum(tensor_bytes(p) for p in params),
         "approx": {c: ApproxCost(n, encode_peaks[c]) for c, n in approx_bytes.items()},
         "compress": {
@@ -315,9 +316,10 @@ class _Modes:
             modes.append(OFFLOAD)
         return cls(modes, selective, approx, formats)
 
-    def transient_fields(self, metered: _Metered) -> dict[str, Any]:
+    def transient_fields(self, metered: _Metered, copies: int) -> dict[str, Any]:
         """The fields of the metered steps: backward transients per mode, replay state (per
-        recomputing mode, what it keeps and what outlives its backward, in metering order)."""
+        recomputing mode, what it keeps and what outlives its backward, in metering order;
+        ``copies``: the block's copies of module state, :func:`copy_bytes`, part of it)."""
         transients = metered.transient
         return {
             "backward_peak_bytes": transients["accumulate"],
@@ -325,7 +327,7 @@ class _Modes:
             "checkpoint_peak_bytes": transients["checkpoint"],
             "reversible_peak_bytes": transients.get("reversible"),
             "replay": {
-                m: ReplayCost(metered.rng.get(m), metered.late.get(m))
+                m: ReplayCost(metered.rng.get(m), metered.late.get(m), copies)
                 for m in dict.fromkeys([*metered.late, *metered.rng])
             },
         }

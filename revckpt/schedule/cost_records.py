@@ -97,6 +97,10 @@ class ReplayCost:
     #: what of them stays alive after the block's backward, until the step ends; ``None``:
     #: not measured (the block had no backward to meter)
     late_bytes: int | None = None
+    #: of them, the copies of module state (buffers the forward writes, eval-mode
+    #: normalisation statistics): one per block, where the generator states are one per
+    #: recompute node, so a node of several blocks keeps every block's copies
+    module_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,9 @@ generator state for its replay, ``r`` bytes, measured per block and strategy
 (``BlockCost.replay``, :class:`ReplayCost`'s ``kept_bytes``): one state per node, so once per
 checkpoint or approx segment (the largest block's) and per block of a reversible or offload
 segment (each block, or each branch, its own node; these count in their forward from the
-start, an upper bound). ``r`` is kept from the forward and alive through the segment's
+start, an upper bound). Of ``r``, the copies of module state a node keeps for its recompute
+(buffers the forward writes, eval-mode normalisation statistics: ``module_bytes``) are one
+per block, so a checkpoint or approx segment counts every block's. ``r`` is kept from the forward and alive through the segment's
 backward; ``l`` bytes of it (``late_bytes``, measured: today approx, offload and reversible
 nodes hold theirs as long as the step's graph lives) stay alive to the end of the step, so
 they are alive in the backward of every earlier segment too.
@@ -241,11 +243,20 @@ def _backward_held(blocks: Sequence[BlockCost], step: StepCosts | None) -> int:
 def _replay_bytes(part: Sequence[BlockCost], strategy: str, *, late: bool) -> int:
     """``r`` (or ``l`` with ``late``) of a segment: one replay state per recomputed node, so
     the sum over the blocks of reversible and offload segments (a node per block, or per
-    branch), the largest block's otherwise (one node for the whole segment)."""
+    branch); for one node over the whole segment, the largest block's generator states and
+    every block's copies of module state (``ReplayCost.module_bytes``)."""
     per_block = [_replay_of(b, strategy, late) for b in part]
     if strategy == REVERSIBLE and not late:  # and the stack's invertibility-check samples
         return sum(per_block) + part[0].reversible_check_bytes
-    return sum(per_block) if strategy in (REVERSIBLE, OFFLOAD) else max(per_block)
+    if strategy in (REVERSIBLE, OFFLOAD):
+        return sum(per_block)
+    copies = [min(f, _module_of(b, strategy)) for b, f in zip(part, per_block, strict=True)]
+    return max(f - c for f, c in zip(per_block, copies, strict=True)) + sum(copies)
+
+
+def _module_of(b: BlockCost, strategy: str) -> int:
+    replay = b.replay.get(strategy)
+    return 0 if replay is None else replay.module_bytes
 
 
 def _replay_of(b: BlockCost, strategy: str, late: bool) -> int:

@@ -97,3 +97,39 @@ def test_replay_state_is_measured_per_strategy_and_kept_once_per_segment():
     ]:
         seen = make_plan(drawing, segments).predicted_peak_bytes
         assert seen - make_plan(blind, segments).predicted_peak_bytes == states * state, segments
+
+
+class _Averaged(nn.Module):
+    """A block whose forward writes a large buffer (a running average) besides BatchNorm's."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.lin, self.bn = nn.Linear(d, d), nn.BatchNorm1d(d)
+        self.register_buffer("average", torch.zeros(2048, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.average.mul_(0.9).add_(0.1 * x.detach().mean(0))
+        return torch.tanh(self.bn(self.lin(x))) + self.average[0]
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_segment_of_several_blocks_keeps_every_blocks_copies_of_module_state(mode):
+    """A recompute node keeps one generator state but a copy of each block's written buffers
+    (and eval-mode normalisation statistics): a checkpoint segment over four such blocks
+    measured 3.43x its prediction (train) and 1.0085x (eval) when both were counted once."""
+    torch.manual_seed(0)
+    chain = nn.Sequential(*(_Averaged() for _ in range(4)))
+    chain.train(mode == "train")
+    x = torch.randn(32, 16)
+    prof = profile(chain, x, codecs=("e4m3",), policies=())
+    copies = prof.blocks[1].replay["checkpoint"].module_bytes
+    assert copies == (2048 * 16 * 4 if mode == "train" else 2 * 16 * 4)
+    for segments in (
+        [Segment(0, 4, "checkpoint")],
+        [Segment(0, 2, "approx:e4m3"), Segment(2, 4, "checkpoint")],
+        [Segment(0, 1, "store"), Segment(1, 3, "checkpoint"), Segment(3, 4, "store")],
+    ):
+        plan = make_plan(prof, segments)
+        measured = measure_peak(apply(chain, plan), x)
+        assert measured == plan.predicted_peak_bytes, (segments, measured)
