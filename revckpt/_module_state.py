@@ -81,7 +81,15 @@ class _Layout:
     and normalisation layers are kept as positions in the module list, so that one pass over
     the references (:meth:`alive`) serves a whole capture."""
 
-    __slots__ = ("__weakref__", "_modules", "attr_slots", "closed", "norm_slots", "signature")
+    __slots__ = (
+        "__weakref__",
+        "_modules",
+        "attr_slots",
+        "checked",
+        "closed",
+        "norm_slots",
+        "signature",
+    )
 
     def __init__(self, root: nn.Module) -> None:
         modules = _walk((root,))
@@ -89,8 +97,14 @@ class _Layout:
         self.signature = _signature(modules)
         self.norm_slots = tuple(i for i, m in enumerate(modules) if isinstance(m, _NormBase))
         self.closed: bool | None = None
+        # whether the attributes were scanned again after a forward (see ModuleState)
+        self.checked = False
         # (position of the module, its plain attributes' names, a getter of their values)
         self.attr_slots: list[tuple[int, tuple[str, ...], Any]] = []
+        self.scan_attributes(modules)
+
+    def scan_attributes(self, modules: list[nn.Module]) -> None:
+        self.attr_slots = []
         for i, m in enumerate(modules):
             keys = tuple(k for k, v in m.__dict__.items() if k[0] != "_" and type(v) in _PLAIN)
             if keys:
@@ -199,8 +213,10 @@ class ModuleState:
     """Attributes, parameter and buffer versions of the modules one forward calls."""
 
     __slots__ = (
+        "_absent",
         "_attrs",
         "_before",
+        "_fresh",
         "_frozen",
         "_layouts",
         "_modules",
@@ -242,6 +258,10 @@ class ModuleState:
                     table[key] = b.clone()
         self._frozen: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
         self._unseen: list[str] = []
+        # layouts scanned before any forward of theirs finished: a forward may create plain
+        # attributes (a counter set on the first call), which the recompute must not find
+        self._fresh = [(layout, modules) for layout, modules in found if not layout.checked]
+        self._absent: list[tuple[dict[str, Any], str]] = []
 
     @torch.compiler.disable
     def forward_finished(self) -> None:
@@ -250,6 +270,8 @@ class ModuleState:
         frozen = self._frozen
         if self._before:
             self._buffers_finished()
+        if self._fresh:
+            self._attributes_finished()
         for m in self._modules:
             table = m._parameters
             for name, p in table.items():
@@ -270,6 +292,19 @@ class ModuleState:
         for m in {m for m, *_ in self._before}:
             _WRITES[m] = _WRITES.get(m, frozenset()) | written.get(m, set())
         self._before = []
+
+    def _attributes_finished(self) -> None:
+        """The plain attributes the forward created (absent when it started: the recompute
+        runs without them), and each fresh layout scanned again to include them."""
+        for layout, modules in self._fresh:
+            had = {i: set(keys) for i, keys, _ in layout.attr_slots}
+            for i, m in enumerate(modules):
+                for k, v in m.__dict__.items():
+                    if k[0] != "_" and type(v) in _PLAIN and k not in had.get(i, ()):
+                        self._absent.append((m.__dict__, k))
+            layout.scan_attributes(modules)
+            layout.checked = True
+        self._fresh = []
 
     def norms(self) -> tuple[nn.Module, ...] | None:
         """The normalisation layers a recompute of these modules calls, once a recompute of the
@@ -329,6 +364,10 @@ class ModuleState:
                 if now is not v and v is not _MISSING:
                     undo.append((d, k, now))
                     d[k] = v
+        for d, k in self._absent:  # created by the forward: the recompute starts without
+            now = d.pop(k, _MISSING)
+            if now is not _MISSING:
+                undo.append((d, k, now))
         if self._old or self._stats:
             with _disable_current_modes(), torch.no_grad():
                 for (m, name), old in (*self._old.items(), *self._stats.items()):

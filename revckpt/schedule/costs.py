@@ -76,13 +76,13 @@ block). A recomputed segment whose forward draws random numbers (dropout) also k
 generator state for its replay, ``r`` bytes, measured per block and strategy
 (``BlockCost.replay``, :class:`ReplayCost`'s ``kept_bytes``): one state per node, so once per
 checkpoint or approx segment (the largest block's) and per block of a reversible or offload
-segment (each block, or each branch, its own node; these count in their forward from the
-start, an upper bound). Of ``r``, the copies of module state a node keeps for its recompute
-(buffers the forward writes, eval-mode normalisation statistics: ``module_bytes``) are one
-per block, so a checkpoint or approx segment counts every block's. ``r`` is kept from the forward and alive through the segment's
-backward; ``l`` bytes of it (``late_bytes``, measured: today approx, offload and reversible
-nodes hold theirs as long as the step's graph lives) stay alive to the end of the step, so
-they are alive in the backward of every earlier segment too.
+segment (each block, or each branch, its own node; these count in their forward from the start,
+an upper bound). Of ``r``, the copies of module state a node keeps for its recompute (buffers
+the forward writes, eval-mode normalisation statistics: ``module_bytes``) are one per block, so
+a checkpoint or approx segment counts every block's. ``r`` is kept from the forward and alive
+through the segment's backward; ``l`` bytes of it (``late_bytes``, measured: today approx,
+offload and reversible nodes hold theirs as long as the step's graph lives) stay alive to the
+end of the step, so they are alive in the backward of every earlier segment too.
 
 Every segment's peak is ``P + W`` with ``W`` independent of what comes before it, so without
 ``l`` the peak of a plan is ``max_p (P_p + W_p)``: this decomposition is what makes an exact
