@@ -29,7 +29,8 @@ three kinds of state must match:
 * **Module state** (:mod:`revckpt._module_state`): parameters and buffers changed in place
   between forward and backward raise :class:`~revckpt.ModifiedParameterError` (as plain
   autograd's version check does); ``train()`` / ``eval()`` and other plain module attributes
-  changed meanwhile are set back to the forward's values for the recompute; buffers the forward
+  changed meanwhile are set back to the forward's values for the recompute (and one the
+  forward itself created on a block's first call is absent in it again); buffers the forward
   itself writes (``spectral_norm``, an EMA) are recomputed from their value before the forward
   and keep the value one forward left.
 * **Threads.** The global CPU generator is shared by every thread. A forward that keeps RNG
