@@ -317,13 +317,17 @@ def warn_if_threads_differ(threads: int | None) -> None:
 
 
 def segment_runs(chain: Sequence[nn.Module], segments: Sequence[Segment]) -> list[tuple[str, Any]]:
-    """Per segment, its strategy and what runs it: its blocks, or for a reversible segment the
+    """Per segment, its strategy and what runs it: its blocks (an ``nn.Sequential`` sharing
+    them, not registered by the caller), or for a reversible segment the
     :class:`~revckpt.layers.ReversibleSequential` of their branches (sharing their modules)."""
     runs: list[tuple[str, Any]] = []
     for seg in segments:
         part = list(chain[seg.start : seg.stop])
         if seg.strategy != REVERSIBLE:
-            runs.append((seg.strategy, part))
+            # one container per segment, kept by the caller: its recompute node's per-module
+            # caches (layouts, parameters) then hold from step to step (a list made a new
+            # segment module, walked again, on every call)
+            runs.append((seg.strategy, nn.Sequential(*part)))
             continue
         if not all(isinstance(b, ReversibleUnit) for b in part):
             raise InvalidArgumentError(

@@ -105,3 +105,31 @@ def test_bad_plans_and_inputs():
     with pytest.raises(InvalidArgumentError, match="not a revckpt plan"):
         Plan.from_dict({"segments": []})
     assert Segment(0, 1, "store") == Segment(0, 1, "store")
+
+
+def test_an_applied_plan_walks_its_segments_modules_once_not_every_step(monkeypatch):
+    """Each multi-block segment of an applied plan is one recompute node over one container:
+    built per call (a list of blocks), its layout was walked again in every step."""
+    import revckpt._module_state as module_state
+    from revckpt.models import gpt_like
+    from revckpt.schedule import Segment, apply, make_plan, profile
+
+    torch.manual_seed(0)
+    chain, x = gpt_like(4, 32, 2), torch.randn(2, 16, 32)
+    prof = profile(chain, x, codecs=("e4m3",), policies=())
+    built = [0]
+    real = module_state._Layout
+
+    class Layout(real):
+        def __init__(self, root):
+            built[0] += 1
+            super().__init__(root)
+
+    monkeypatch.setattr(module_state, "_Layout", Layout)
+    segments = [Segment(0, 2, "approx:e4m3"), Segment(2, 4, "checkpoint")]
+    model = apply(chain, make_plan(prof, segments))
+    model(x).pow(2).mean().backward()  # the first step learns
+    built[0] = 0
+    for _ in range(3):
+        model(x).pow(2).mean().backward()
+    assert built[0] == 0
