@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -106,7 +106,7 @@ class _Layout:
     def scan_attributes(self, modules: list[nn.Module]) -> None:
         self.attr_slots = []
         for i, m in enumerate(modules):
-            keys = tuple(k for k, v in m.__dict__.items() if k[0] != "_" and type(v) in _PLAIN)
+            keys = _plain_keys(m)
             if keys:
                 self.attr_slots.append((i, keys, operator.itemgetter(*keys)))
 
@@ -127,6 +127,11 @@ class _Layout:
         if None in modules or _signature(modules) != self.signature:
             return None
         return modules  # type: ignore[return-value]
+
+
+def _plain_keys(m: nn.Module) -> tuple[str, ...]:
+    """The names of ``m``'s plain attributes (public, of a plain type), which replay sets back."""
+    return tuple(k for k, v in m.__dict__.items() if k[0] != "_" and type(v) in _PLAIN)
 
 
 def _signature(modules: list[Any]) -> list[int]:
@@ -179,22 +184,31 @@ def _read_stats(m: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
                 yield name, b
 
 
-def copy_bytes(root: nn.Module) -> int:
-    """Bytes of the copies a captured forward of ``root`` keeps for its recompute
-    (:class:`ModuleState`): the buffers its forward was seen writing (every buffer it may read,
-    where no forward of it was captured yet) and the running statistics its eval-mode
-    normalisation layers read. One per block, however many blocks one recompute node runs."""
-    layout, modules = layout_and_modules(root)
-    total = 0
+def _to_copy(
+    modules: Iterable[nn.Module], norms: Iterable[nn.Module]
+) -> Iterator[tuple[bool, nn.Module, str, torch.Tensor]]:
+    """What a captured forward copies for its recompute, as ``(statistic, module, name,
+    buffer)``: the buffers of ``modules`` the forward was seen writing (every buffer it may
+    read, where no forward of the module was captured yet), and the running statistics the
+    eval-mode layers among ``norms`` read."""
     for m in modules:
         if m._buffers:
             known = _WRITES.get(m)
             for name, b in _tracked_buffers(m):
                 if known is None or name in known:
-                    total += b.numel() * b.element_size()
-    for i in layout.norm_slots:
-        total += sum(b.numel() * b.element_size() for _, b in _read_stats(modules[i]))
-    return total
+                    yield False, m, name, b
+    for m in norms:
+        for name, b in _read_stats(m):
+            yield True, m, name, b
+
+
+def copy_bytes(root: nn.Module) -> int:
+    """Bytes of the copies a captured forward of ``root`` keeps for its recompute
+    (:class:`ModuleState`, :func:`_to_copy`). One per block, however many blocks one recompute
+    node runs."""
+    layout, modules = layout_and_modules(root)
+    norms = [modules[i] for i in layout.norm_slots]
+    return sum(b.numel() * b.element_size() for *_, b in _to_copy(modules, norms))
 
 
 def _label(m: nn.Module, name: str, t: torch.Tensor) -> str:
@@ -247,11 +261,9 @@ class ModuleState:
         self._stats: dict[tuple[nn.Module, str], torch.Tensor] = {}
         norms = [mods[i] for i in layouts[0].norm_slots] if len(found) == 1 else mods
         copies = [
-            (self._old, (m, name), b)
-            for m, name, b, _ in self._before
-            if (known := _WRITES.get(m)) is None or name in known
+            (self._stats if stat else self._old, (m, name), b)
+            for stat, m, name, b in _to_copy(mods, norms)
         ]
-        copies += [(self._stats, (m, name), b) for m in norms for name, b in _read_stats(m)]
         if copies:  # (a no_grad context costs more than the rest of a capture)
             with torch.no_grad():
                 for table, key, b in copies:
@@ -299,9 +311,7 @@ class ModuleState:
         for layout, modules in self._fresh:
             had = {i: set(keys) for i, keys, _ in layout.attr_slots}
             for i, m in enumerate(modules):
-                for k, v in m.__dict__.items():
-                    if k[0] != "_" and type(v) in _PLAIN and k not in had.get(i, ()):
-                        self._absent.append((m.__dict__, k))
+                self._absent += [(m.__dict__, k) for k in _plain_keys(m) if k not in had.get(i, ())]
             layout.scan_attributes(modules)
             layout.checked = True
         self._fresh = []
