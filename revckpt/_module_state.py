@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from .errors import ModifiedParameterError, ReplayError
 
-__all__ = ["ModuleState", "copy_bytes", "submodules"]
+__all__ = ["ModuleState", "copy_bytes", "layout_learnt", "submodules"]
 
 _PLAIN = (bool, int, float, str, type(None))
 _STATS = frozenset(("running_mean", "running_var", "num_batches_tracked"))
@@ -151,6 +151,19 @@ def layout_and_modules(root: nn.Module) -> tuple[_Layout, list[nn.Module]]:
         modules = layout.modules
     assert layout is not None
     return layout, modules
+
+
+def layout_learnt(root: nn.Module) -> bool:
+    """Whether ``root``'s layout is scanned (none of its submodules added, removed or replaced
+    since), a captured forward of it finished (its attributes scanned again, the buffers it
+    writes recorded) and a recompute of it was seen (which normalisation layers it calls)."""
+    layout = _LAYOUTS.get(root)
+    return (
+        layout is not None
+        and layout.checked
+        and layout.closed is not None
+        and layout.alive() is not None
+    )
 
 
 def submodules(root: nn.Module) -> list[nn.Module]:

@@ -57,7 +57,7 @@ from torch import nn
 
 from ._autocast import AutocastState, autocast_device_types
 from ._devices import devices_of, get_rng, set_rng
-from ._module_state import ModuleState
+from ._module_state import ModuleState, layout_learnt
 from ._running_stats import freeze_called, freeze_running_stats, swapped_statistics
 from .errors import ReplayError
 
@@ -67,6 +67,7 @@ __all__ = [
     "devices_of",
     "freeze_running_stats",
     "is_replaying",
+    "learnt",
 ]
 
 
@@ -88,6 +89,15 @@ def _known_draws(modules: tuple[nn.Module, ...]) -> bool | None:
         return None
     seen = [_DRAWS.get(m) for m in modules]
     return True if True in seen else (None if None in seen else False)
+
+
+def learnt(block: nn.Module) -> bool:
+    """Whether revckpt knows what it learns about ``block`` on its first captured forward and
+    first recompute (as the single root of a capture: its modules' layout, whether its forward
+    draws random numbers, which buffers it writes, which normalisation layers its recompute
+    calls). Until then a recomputed call of the block also does the learning, and costs more
+    than its later calls (:func:`revckpt.engine.rerun.rehearse`)."""
+    return _DRAWS.get(block) is not None and layout_learnt(block)
 
 
 def _lock_for(what: str, *, drawing: bool) -> bool:
@@ -127,13 +137,15 @@ class ForwardState:
         state = ForwardState.capture(inputs, module, modules=(module,))  # before the forward
         try:
             out = module(*inputs)
-        finally:
-            state.forward_finished()        # drops RNG state the forward did not use
+        except BaseException:
+            state.forward_finished(completed=False)  # releases the lock, records nothing
+            raise
+        state.forward_finished()        # drops RNG state the forward did not use
         ...
         with state.replay(label="block 3"):  # during backward
             out_again = module(*inputs)      # same masks, autocast, modes; stats frozen
 
-    ``forward_finished`` must run however the forward ends (it releases the RNG lock).
+    ``forward_finished`` must run however the forward ends: it releases the RNG lock.
     ``preserve_rng_state=False`` skips RNG capture entirely (then a recompute with dropout draws
     new masks, as with ``torch.utils.checkpoint(preserve_rng_state=False)``).
     """
@@ -204,10 +216,16 @@ class ForwardState:
         state._locked = locked
         return state
 
-    def forward_finished(self) -> None:
+    def forward_finished(self, *, completed: bool = True) -> None:
         """Forget generator states that the forward did not advance (replay needs none of
-        them), record the module state the forward left, and release the RNG lock."""
+        them), record the module state the forward left, and release the RNG lock.
+        ``completed=False`` (the forward raised): release the lock and record nothing, so that
+        what a partial forward did (the buffers it wrote so far, whether it drew random
+        numbers, the attributes it made) is not taken for what the block's forward does."""
         try:
+            if not completed:
+                self._rng.clear()
+                return
             for device in list(self._rng):
                 before, now = self._rng[device], get_rng(device)
                 if _same_state(before, now):

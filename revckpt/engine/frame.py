@@ -158,7 +158,8 @@ def _reading(error: BaseException) -> str | None:
 
 
 class _Finished:
-    """Exits by recording what the forward left (:meth:`ForwardState.forward_finished`)."""
+    """Exits by recording what the forward left (:meth:`ForwardState.forward_finished`;
+    nothing when it raised)."""
 
     __slots__ = ("state",)
 
@@ -169,7 +170,7 @@ class _Finished:
         pass
 
     def __exit__(self, *exc: Any) -> None:
-        self.state.forward_finished()
+        self.state.forward_finished(completed=exc[0] is None)
 
 
 class Entered:

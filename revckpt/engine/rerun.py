@@ -35,6 +35,7 @@ __all__ = [
     "first_forward",
     "input_versions",
     "output_grads",
+    "rehearse",
 ]
 
 
@@ -43,16 +44,36 @@ def first_forward(
 ) -> Any:
     """``fn(*args, **kwargs)`` (the block ``label`` names) as a node's first forward: grad
     mode on, nothing kept for backward; ``state.forward_finished()`` runs however it ends (it
-    releases the RNG lock). A forward that changes a tensor it was given in place raises
-    :class:`~revckpt.ModifiedInputError` (see :func:`changed_in_place`)."""
+    releases the RNG lock; it records nothing when the forward raised). A forward that
+    changes a tensor it was given in place raises :class:`~revckpt.ModifiedInputError` (see
+    :func:`changed_in_place`)."""
     versions = input_versions(args, kwargs)
     try:
         with forward_as_plain():
             out = fn(*args, **kwargs)
-    finally:
-        state.forward_finished()
+    except BaseException:
+        state.forward_finished(completed=False)
+        raise
+    state.forward_finished()
     check_versions(versions, label)
     return out
+
+
+def rehearse(block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any], *, label: str) -> None:
+    """Run ``block`` on ``x`` as a recomputing strategy's first call of it and that call's
+    recompute run it: a captured :func:`first_forward`, then its replay, both with grad mode on
+    and nothing kept, the outputs dropped. What revckpt learns about a block on those two runs
+    (:func:`revckpt.replay.learnt`) is then known, so that the block's next recomputed call
+    costs what its later ones do (a profiler timing one recomputed call per block would time
+    the learning: measured, about 1.1x a transformer block's later extra time, most of it the
+    global module hooks of a first recompute). Like a real first forward it updates running
+    statistics and buffers the block writes once (the recompute leaves them as they are), and
+    it is meant to run after a plain forward with grad (a buffer the block registers on its
+    first call exists then). Nothing is learnt from a run that raises."""
+    state = ForwardState.capture((x,), kwargs, block, modules=(block,))
+    first_forward(state, label, block, x, **kwargs)
+    with state.replay(label=label), forward_as_plain():
+        block(x, **kwargs)
 
 
 def input_versions(args: Sequence[Any], kwargs: dict[str, Any]) -> list[tuple[torch.Tensor, int]]:

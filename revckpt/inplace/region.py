@@ -152,8 +152,10 @@ class Region:
         try:
             with torch.autograd.graph.saved_tensors_hooks(run.pack, _Run.unpack):
                 out = fn(*args, **kwargs)
-        finally:
-            state.forward_finished()
+        except BaseException:
+            state.forward_finished(completed=False)
+            raise
+        state.forward_finished()
         record.packed = run.count - start
         run.last_output = hidden_of(out, self.labels[position])
         if position == self.size - 1:

@@ -144,8 +144,10 @@ def record_forward(
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
                 y = block(leaf, **kwargs)
-        finally:
-            state.forward_finished()
+        except BaseException:
+            state.forward_finished(completed=False)
+            raise
+        state.forward_finished()
         if not isinstance(y, torch.Tensor):
             raise InvalidInputTypeError(
                 f"op_costs handles blocks returning one tensor; {type(block).__name__} returned "

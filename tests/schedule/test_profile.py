@@ -346,3 +346,45 @@ def test_codec_error_runs_draw_the_exact_runs_dropout_masks():
     x = torch.randn(16, 32)
     got = error_fields(block, x, {"bf16": ApproxCost(1, 1)}, {}, None, {})["approx"]["bf16"]
     assert 0 < got.param_grad_error < 1e-2 and got.input_grad_error < 1e-2
+
+
+def test_a_first_profile_times_no_first_call_learning(monkeypatch):
+    """The in-chain timing steps time each block's recomputed call once; what revckpt learns on
+    a block's first call (its layout, the normalisation layers it calls: global module hooks)
+    must not fall in them, or a process's first profile reads one-block checkpointing high
+    (1.1x, the second profile of a process not): it is learnt before, with grad
+    (``profiling._rehearse``)."""
+    import revckpt._module_state as module_state
+    import revckpt.replay as replay
+    from revckpt.schedule import probe
+
+    monkeypatch.setattr(probe, "_WARM", set())  # a fresh process
+    timing = [False]
+    learnt = {"layouts": 0, "norm hooks": 0}
+    real_step, real_layout = probe.timed_step, module_state._Layout
+    real_hooks = replay.freeze_called
+
+    def step(*args, **kwargs):
+        timing[0] = kwargs.get("record") is None  # the strategy steps, not the recorded one
+        try:
+            return real_step(*args, **kwargs)
+        finally:
+            timing[0] = False
+
+    class Layout(real_layout):
+        def __init__(self, root):
+            learnt["layouts"] += timing[0]
+            super().__init__(root)
+
+    def hooks(ran):
+        learnt["norm hooks"] += timing[0]
+        return real_hooks(ran)
+
+    monkeypatch.setattr(probe, "timed_step", step)
+    monkeypatch.setattr(module_state, "_Layout", Layout)
+    monkeypatch.setattr(replay, "freeze_called", hooks)
+    torch.manual_seed(0)
+    chain = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)) for _ in range(12)))
+    profile(chain, torch.randn(16, 8), codecs=())
+    assert learnt == {"layouts": 0, "norm hooks": 0}
+    assert all(replay.learnt(b) for b in chain)
