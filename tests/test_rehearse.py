@@ -1,6 +1,6 @@
-"""``engine.rerun.rehearse``: a block's first recomputed call and recompute run ahead of time,
-so that its next recomputed call costs what later ones do, with nothing else changed; and a
-forward that raises teaches nothing (``ForwardState.forward_finished(completed=False)``)."""
+"""``engine.rehearsal.Rehearsal``: a block's first recomputed call and recompute run ahead of
+time, so that its next recomputed call costs what later ones do, with nothing else changed;
+and a forward that raises teaches nothing (``ForwardState.forward_finished(completed=False)``)."""
 
 import sys
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from revckpt import checkpoint
-from revckpt.engine.rerun import rehearse
+from revckpt.engine.rehearsal import Rehearsal
 from revckpt.replay import learnt
 
 
@@ -48,6 +48,15 @@ def _plain_step(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return h.grad
 
 
+def rehearse(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A plain forward of ``block`` with grad, rehearsed; its output."""
+    rehearsal = Rehearsal({})
+    with rehearsal.forward(block, x, "the block"):
+        out = block(x)
+    rehearsal.recompute()
+    return out
+
+
 def _same_state(a: nn.Module, b: nn.Module) -> None:
     for (k, v), w in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         assert torch.equal(v, w), k
@@ -60,7 +69,7 @@ def test_rehearse_makes_the_next_recomputed_call_a_steady_one():
     x = torch.randn(8, 6)
     rehearsed, fresh = _bn_block(), _bn_block()
     assert not learnt(rehearsed)
-    rehearse(rehearsed, x.requires_grad_(), {}, label="the block")
+    rehearse(rehearsed, x.requires_grad_())
     assert learnt(rehearsed)
     _checkpointed_step(fresh, x)  # a first call (learns), then steady
     with _CountedCalls() as steady:
@@ -78,7 +87,7 @@ def test_rehearse_is_one_forward_for_the_models_state_and_changes_no_gradient():
     x = torch.randn(8, 6)
     block, plain = _bn_block(), _bn_block()
     torch.manual_seed(1)
-    rehearse(block, x.detach().requires_grad_(), {}, label="the block")
+    rehearse(block, x.detach().requires_grad_())
     after_block = torch.rand(3)
     torch.manual_seed(1)
     plain(x.detach().requires_grad_())
@@ -122,7 +131,7 @@ def test_what_a_block_does_only_with_grad_is_learnt_by_rehearse():
     block, plain = _grad_only(), _grad_only()
     with torch.no_grad():
         block(x), plain(x)
-    rehearse(block, x.detach().requires_grad_(), {}, label="the block")
+    rehearse(block, x.detach().requires_grad_())
     plain(x.detach().requires_grad_())
     for _ in range(2):
         got = _checkpointed_step(block, x)
@@ -163,7 +172,7 @@ def test_a_forward_that_raises_records_nothing_of_what_the_block_does(first):
         if first == "checkpoint":
             checkpoint(block, x.detach().requires_grad_())
         else:
-            rehearse(block, x.detach().requires_grad_(), {}, label="the block")
+            rehearse(block, x.detach().requires_grad_())
     with pytest.raises(RuntimeError, match="simulated"):
         plain(x)
     got = _checkpointed_step(block, x)

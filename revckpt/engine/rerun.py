@@ -35,7 +35,6 @@ __all__ = [
     "first_forward",
     "input_versions",
     "output_grads",
-    "rehearse",
 ]
 
 
@@ -57,23 +56,6 @@ def first_forward(
     state.forward_finished()
     check_versions(versions, label)
     return out
-
-
-def rehearse(block: nn.Module, x: torch.Tensor, kwargs: dict[str, Any], *, label: str) -> None:
-    """Run ``block`` on ``x`` as a recomputing strategy's first call of it and that call's
-    recompute run it: a captured :func:`first_forward`, then its replay, both with grad mode on
-    and nothing kept, the outputs dropped. What revckpt learns about a block on those two runs
-    (:func:`revckpt.replay.learnt`) is then known, so that the block's next recomputed call
-    costs what its later ones do (a profiler timing one recomputed call per block would time
-    the learning: measured, about 1.1x a transformer block's later extra time, most of it the
-    global module hooks of a first recompute). Like a real first forward it updates running
-    statistics and buffers the block writes once (the recompute leaves them as they are), and
-    it is meant to run after a plain forward with grad (a buffer the block registers on its
-    first call exists then). Nothing is learnt from a run that raises."""
-    state = ForwardState.capture((x,), kwargs, block, modules=(block,))
-    first_forward(state, label, block, x, **kwargs)
-    with state.replay(label=label), forward_as_plain():
-        block(x, **kwargs)
 
 
 def input_versions(args: Sequence[Any], kwargs: dict[str, Any]) -> list[tuple[torch.Tensor, int]]:

@@ -64,6 +64,7 @@ that were reached (recomputing costs in proportion to the forward).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 import time
@@ -74,6 +75,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..engine.rehearsal import Rehearsal
 from ..measure.timing import Clock
 from .costs import CHECKPOINT, STORE, Segment
 from .plan import run_segment, segment_runs
@@ -112,13 +114,18 @@ def timed_step(
     *,
     clock: Clock = time.perf_counter,
     record: StepRecord | None = None,
+    rehearsal: Rehearsal | None = None,
 ) -> list[tuple[float, float]]:
     """One training step of ``chain`` run as ``segments``; per segment its forward and
     backward seconds on ``clock``. ``grad``: the output's gradient, or what makes it from
     the output. ``record``: a stored step (one block per segment) also records, outside the
-    clock's spans, what the error model needs (:class:`~.sensitivities.StepRecord`)."""
+    clock's spans, what the error model needs (:class:`~.sensitivities.StepRecord`);
+    ``rehearsal``: a stored step's forwards are also captured, outside the clock's spans,
+    as first calls of a recomputing strategy (:class:`~revckpt.engine.rehearsal.Rehearsal`;
+    the caller replays them after)."""
     runs = segment_runs(chain, segments)
-    assert record is None or all(s.strategy == STORE and s.stop == s.start + 1 for s in segments)
+    stored = all(s.strategy == STORE and s.stop == s.start + 1 for s in segments)
+    assert stored or (record is None and rehearsal is None)
     leaf = x.detach().requires_grad_(x.is_floating_point())
     n = len(runs)
     marks: list[float | None] = [None] * (n + 1)  # when each boundary's gradient is ready
@@ -136,9 +143,11 @@ def timed_step(
     for p, (strategy, run) in enumerate(runs):
         if record is not None:
             record.entered(h)
-        start = _now(clock, x.device)
-        h = run_segment(strategy, run, h, kwargs)
-        forward.append(_now(clock, x.device) - start)
+        learning = _PLAIN if rehearsal is None else rehearsal.forward(run[0], h, f"blocks[{p}]")
+        with learning:
+            start = _now(clock, x.device)
+            h = run_segment(strategy, run, h, kwargs)
+            forward.append(_now(clock, x.device) - start)
         if record is not None:
             record.left(run[0], h)
         if p < n - 1 and h.requires_grad:
@@ -159,6 +168,9 @@ def timed_step(
     done = [m for m in marks if m is not None]
     assert len(done) == n + 1
     return [(forward[p], max(0.0, done[p] - done[p + 1])) for p in range(n)]
+
+
+_PLAIN = contextlib.nullcontext()
 
 
 def _parts(n: int, strategies: Sequence[str]) -> list[tuple[int, int, str]]:

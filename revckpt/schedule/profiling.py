@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from ..engine.rerun import any_changed, input_versions, rehearse
-from ..replay import learnt
+from ..engine.rehearsal import Rehearsal
+from ..engine.rerun import any_changed, input_versions
 from ..strategy import Strategy
 from .block_errors import error_fields, perturbations
 from .block_memory import memory_costs
@@ -119,7 +119,6 @@ class _ProfilingJob:
         if weights is not None:  # the inputs of the step the error model's figures come from
             inputs = weights.inputs
         del record  # what nothing prices (every block's output gradient) goes
-        _rehearse(chain, inputs, kw)
         probed = probe_chain(
             chain,
             self.x,
@@ -158,10 +157,25 @@ class _ProfilingJob:
         """The chain's step with every block stored, timed (the probe's stored step), its
         output's gradient the error model's :func:`~.sensitivities.projection`, recording
         what the error model needs (``record``); its times and, where errors are ``priced``,
-        the error model's :class:`~.sensitivities.Sensitivities`."""
+        the error model's :class:`~.sensitivities.Sensitivities`. Each block revckpt has not
+        learnt yet (the metered ones have been) is rehearsed as a recomputed block's first
+        call (:class:`~revckpt.engine.rehearsal.Rehearsal`: its forward here captured, then
+        replayed once): the strategy steps after it time one recomputed call per block,
+        which was otherwise each block's first in a process's first profile of a chain, and
+        read one-block checkpointing about 1.1x high. Costs a forward of each such block."""
         stored = [Segment(i, i + 1, STORE) for i in range(len(self.chain))]
+        rehearsal = Rehearsal(self.kwargs)
         with record.watching(params):
-            times = timed_step(self.chain, stored, self.x, projection, self.kwargs, record=record)
+            times = timed_step(
+                self.chain,
+                stored,
+                self.x,
+                projection,
+                self.kwargs,
+                record=record,
+                rehearsal=rehearsal,
+            )
+        rehearsal.recompute()
         return times, record.sensitivities(self.chain) if priced else None
 
     def _compiled(self, memory: dict[int, Any], groups: list[int], tick: Any) -> list[BlockCost]:
@@ -268,26 +282,6 @@ class _Ticker:
         self.done += 1
         if self.progress is not None:
             self.progress(min(self.done, self.total), self.total)
-
-
-def _rehearse(
-    chain: Sequence[nn.Module], inputs: Sequence[torch.Tensor], kwargs: dict[str, Any]
-) -> None:
-    """Every block revckpt has not learnt yet (:func:`~revckpt.replay.learnt`; the metered
-    ones have been) run once as a recomputed block's first call and recompute
-    (:func:`~revckpt.engine.rerun.rehearse`), after the stored step (each block's first
-    forward with grad) and before the timed strategy steps: they time one recomputed call per
-    block, which was otherwise each block's first in a process's first profile of a chain, and
-    read one-block checkpointing about 1.1x high. Costs two forwards of each such block."""
-    for i, block in enumerate(chain):
-        if not learnt(block):
-            x = inputs[i]
-            rehearse(
-                block,
-                x.detach().requires_grad_(x.is_floating_point()),
-                kwargs,
-                label=f"blocks[{i}]",
-            )
 
 
 def _inputs(
