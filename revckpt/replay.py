@@ -67,7 +67,6 @@ __all__ = [
     "devices_of",
     "freeze_running_stats",
     "is_replaying",
-    "learnt",
 ]
 
 
@@ -96,7 +95,7 @@ def learnt(block: nn.Module) -> bool:
     first recompute (as the single root of a capture: its modules' layout, whether its forward
     draws random numbers, which buffers it writes, which normalisation layers its recompute
     calls). Until then a recomputed call of the block also does the learning, and costs more
-    than its later calls (:func:`revckpt.engine.rerun.rehearse`)."""
+    than its later calls (:class:`revckpt.engine.rehearsal.Rehearsal`)."""
     return _DRAWS.get(block) is not None and layout_learnt(block)
 
 

@@ -353,6 +353,20 @@ def test_bench_profile_cost_quick(tmp_path):
             assert steps == pytest.approx(seconds / pace)
 
 
+def test_bench_step_context_quick(tmp_path, capsys):
+    out = tmp_path / "context.json"
+    result = load("bench_step_context").main(["--quick", "--out", str(out)])
+    assert json.loads(out.read_text())["benchmark"] == "bench_step_context"
+    assert "| GPT-like |" in capsys.readouterr().out
+    layouts = load("bench_step_context")._layouts(7, 2)
+    assert layouts["alternating"] == ["checkpoint"] * 2 + ["store"] * 2 + ["checkpoint"] * 2 + [
+        "store"
+    ]
+    for row in result["models"].values():
+        assert row["profile_extra_over_forward"] > 0 and row["checkpoint_step_extra_over_forward"]
+        assert row["checkpointed_blocks_alternating_over_all_checkpoint"] > 0
+
+
 def test_bench_fit_depth_quick(tmp_path, capsys):
     out = tmp_path / "depth.json"
     result = load("bench_fit_depth").main(["--quick", "--rounds", "1", "--out", str(out)])
