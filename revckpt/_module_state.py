@@ -25,7 +25,8 @@ module state, and must leave the state as one forward left it:
   under a recompute strategy: all its buffers are copied for that call and the copies of the
   untouched ones are dropped when it ends. A buffer written for the first time on a later call
   has no copy of its old value, and that call's replay raises :class:`~revckpt.ReplayError`
-  (the next calls copy it).
+  (the next calls copy it). A buffer the first forward registers is absent in its recompute,
+  as it was when the forward started, and copied by the next calls.
 
 Cost per forward: one walk over the modules, their plain attributes and the versions of their
 tensors; memory: nothing, but copies of buffers that the forward writes.
@@ -248,6 +249,7 @@ class ModuleState:
         "_layouts",
         "_modules",
         "_old",
+        "_registered",
         "_stats",
         "_unseen",
     )
@@ -287,6 +289,13 @@ class ModuleState:
         # attributes (a counter set on the first call), which the recompute must not find
         self._fresh = [(layout, modules) for layout, modules in found if not layout.checked]
         self._absent: list[tuple[dict[str, Any], str]] = []
+        # each fresh layout's modules with the buffers they have before the forward (one may
+        # register a buffer on its first call: the recompute must start without it too)
+        self._registered = [
+            (m, frozenset(n for n, _ in _tracked_buffers(m)))
+            for _, modules in self._fresh
+            for m in modules
+        ]
 
     @torch.compiler.disable
     def forward_finished(self) -> None:
@@ -302,6 +311,18 @@ class ModuleState:
             for name, p in table.items():
                 if p is not None:
                     frozen.append((table, name, p, p._version))
+
+    @torch.compiler.disable
+    def forward_failed(self) -> None:
+        """The forward raised: record nothing of what it did (the buffers it wrote so far are
+        not all it writes), but scan again the attributes of layouts no forward finished yet,
+        so that an attribute it made counts as there before the next forward, as it is."""
+        for layout, modules in self._fresh:
+            layout.scan_attributes(modules)
+            layout.checked = True
+        self._fresh = []
+        self._before = []
+        self._registered = []
 
     def _buffers_finished(self) -> None:
         written: dict[nn.Module, set[str]] = {}
@@ -319,8 +340,15 @@ class ModuleState:
         self._before = []
 
     def _attributes_finished(self) -> None:
-        """The plain attributes the forward created (absent when it started: the recompute
-        runs without them), and each fresh layout scanned again to include them."""
+        """The plain attributes and buffers the forward created (absent when it started: the
+        recompute runs without them; a buffer it registered is one it writes, copied by the
+        next captures), and each fresh layout scanned again to include them."""
+        for m, before in self._registered:
+            new = {n for n, _ in _tracked_buffers(m)} - before
+            if new:
+                self._absent += [(m._buffers, n) for n in new]
+                _WRITES[m] = _WRITES.get(m, frozenset()) | new
+        self._registered = []
         for layout, modules in self._fresh:
             had = {i: set(keys) for i, keys, _ in layout.attr_slots}
             for i, m in enumerate(modules):

@@ -224,6 +224,8 @@ class ForwardState:
         try:
             if not completed:
                 self._rng.clear()
+                if self.modules is not None:
+                    self.modules.forward_failed()
                 return
             for device in list(self._rng):
                 before, now = self._rng[device], get_rng(device)

@@ -50,10 +50,8 @@ def _plain_step(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def rehearse(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A plain forward of ``block`` with grad, rehearsed; its output."""
-    rehearsal = Rehearsal({})
-    with rehearsal.forward(block, x, "the block"):
+    with Rehearsal({}).forward(block, x, "the block"):
         out = block(x)
-    rehearsal.recompute()
     return out
 
 
@@ -178,3 +176,97 @@ def test_a_forward_that_raises_records_nothing_of_what_the_block_does(first):
     got = _checkpointed_step(block, x)
     assert torch.equal(got, _plain_step(plain, x))
     _same_state(block, plain)
+
+
+class _CountsCalls(nn.Module):
+    """Makes a call counter on its first call, which raises; later calls scale by it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 1:
+            raise RuntimeError("first call: out of memory (simulated)")
+        return torch.tanh(self.linear(x) * self.calls)
+
+
+def test_an_attribute_a_failed_forward_made_is_there_for_the_next_calls_recompute():
+    """The failed call made ``calls``; the next forward found it (1) and counted to 2. Its
+    recompute must start from 1 too, not without the attribute (found by review: the next
+    forward took it for one it made itself, and the recompute computed with 1)."""
+    torch.manual_seed(0)
+    block, plain = _CountsCalls(), _CountsCalls()
+    plain.load_state_dict(block.state_dict())
+    x = torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match="simulated"):
+        checkpoint(block, x.detach().requires_grad_())
+    with pytest.raises(RuntimeError, match="simulated"):
+        plain(x)
+    for _ in range(2):
+        assert torch.equal(_checkpointed_step(block, x), _plain_step(plain, x))
+        _same_state(block, plain)
+        assert block.calls == plain.calls
+
+
+class _RegistersWithGrad(nn.Module):
+    """Registers a running buffer on its first call with grad, then updates it each call with
+    grad, and adds it to its output; has another buffer from the start."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.register_buffer("scale", torch.ones(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x) * self.scale
+        if torch.is_grad_enabled():
+            if "track" not in self._buffers:
+                self.register_buffer("track", torch.zeros(6))
+            with torch.no_grad():
+                self.track.mul_(0.5).add_(h.mean(0))
+            h = h * self.track
+        return h
+
+
+@pytest.mark.parametrize("first", ["checkpoint", "rehearse"])
+def test_a_buffer_the_first_captured_forward_registers_is_absent_in_its_recompute(first):
+    """The recompute starts as the forward did, without the buffer (else it would update the
+    real one a second time and compute with it), and the next calls copy it (before: the
+    rehearsal recorded the block as not writing it, and the next recompute raised)."""
+    torch.manual_seed(0)
+    block, plain = _RegistersWithGrad(), _RegistersWithGrad()
+    plain.load_state_dict(block.state_dict())
+    x = torch.randn(8, 6)
+    if first == "checkpoint":
+        assert torch.equal(_checkpointed_step(block, x), _plain_step(plain, x))
+    else:
+        rehearse(block, x.detach().requires_grad_())
+        plain(x.detach().requires_grad_())
+    for _ in range(2):
+        _same_state(block, plain)
+        assert torch.equal(_checkpointed_step(block, x), _plain_step(plain, x))
+    _same_state(block, plain)
+
+
+def test_a_profile_of_a_model_whose_backward_steps_its_optimizer_runs():
+    """Optimizer steps fused into backward (``register_post_accumulate_grad_hook``) change
+    parameters during the stored step's backward: each block's rehearsal replays right after
+    its forward, as a recompute runs before its block's backward (replayed after the step,
+    they raised ModifiedParameterError; found by review)."""
+    from revckpt.models import gpt_like
+    from revckpt.schedule import profile
+
+    torch.manual_seed(0)
+    model = gpt_like(depth=3, dim=16, heads=2)
+    optimisers = {p: torch.optim.SGD([p], lr=1e-3) for p in model.parameters()}
+
+    def step(p: torch.Tensor) -> None:
+        optimisers[p].step()
+        optimisers[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    prof = profile(model, torch.randn(2, 8, 16), codecs=(), policies=(), repeats=1)
+    assert len(prof.blocks) == 3 and all(learnt(b) for b in model)

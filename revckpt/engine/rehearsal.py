@@ -9,7 +9,7 @@ calls' extra time, most of it the global module hooks that find the normalisatio
 first recompute calls. A profiler timing one recomputed call per block times that learning
 unless it was done before: :class:`Rehearsal` does it, in a forward the caller runs itself
 with grad (a profiler's stored step: no forward of its own) and one replay of each block
-afterwards (a forward with grad, nothing kept).
+right after it (a forward with grad, nothing kept).
 
 It learns in a forward with grad, after a first plain forward of the block (a buffer the
 block registers on its first call exists then), because a block may take another path
@@ -32,50 +32,45 @@ __all__ = ["Rehearsal"]
 
 
 class Rehearsal:
-    """The blocks of a step the caller runs, captured where revckpt has not learnt them yet
-    (:meth:`forward`), then each replayed once (:meth:`recompute`). Its forwards update
-    running statistics and buffers as the caller's forwards do anyway; the replays leave them
-    as they are."""
+    """The blocks of a step the caller runs, each captured where revckpt has not learnt it
+    yet and replayed once right after its forward (:meth:`forward`), as a recompute would run
+    it before the block's backward (so before anything the backward changes: an optimizer
+    step fused into it, a buffer a gradient hook writes). Its forwards update running
+    statistics and buffers as the caller's forwards do anyway; the replays leave them as they
+    are."""
 
     def __init__(self, kwargs: dict[str, Any]) -> None:
         self._kwargs = kwargs
-        self._done: list[tuple[ForwardState, nn.Module, torch.Tensor, str]] = []
 
     def forward(self, block: nn.Module, x: torch.Tensor, label: str) -> _Captured:
-        """The context to run ``block``'s forward on ``x`` in (with grad, as the caller's step
-        runs it; the context captures before its body and records after it, so a clock inside
-        times the forward alone)."""
-        return _Captured(self, block, x, label)
-
-    def recompute(self) -> None:
-        """Replay each captured forward once, with grad, nothing kept (the normalisation
-        layers its recompute calls are learnt)."""
-        done, self._done = self._done, []
-        for state, block, x, label in done:
-            with state.replay(label=label), forward_as_plain():
-                block(x.requires_grad_(x.is_floating_point()), **self._kwargs)
+        """The context to run ``block``'s forward on ``x`` in, with grad as the caller's step
+        runs it: it captures before its body, and after it records what the forward left and
+        replays it (nothing when the body raised), so a clock inside times the forward
+        alone."""
+        return _Captured(self._kwargs, block, x, label)
 
 
 class _Captured:
-    __slots__ = ("_block", "_label", "_rehearsal", "_state", "_x")
+    __slots__ = ("_block", "_kwargs", "_label", "_state", "_x")
 
-    def __init__(self, rehearsal: Rehearsal, block: nn.Module, x: torch.Tensor, label: str):
-        self._rehearsal, self._block, self._x, self._label = rehearsal, block, x, label
+    def __init__(self, kwargs: dict[str, Any], block: nn.Module, x: torch.Tensor, label: str):
+        self._kwargs, self._block, self._x, self._label = kwargs, block, x, label
         self._state: ForwardState | None = None
 
     def __enter__(self) -> None:
         if not learnt(self._block):
-            kwargs = self._rehearsal._kwargs
             self._state = ForwardState.capture(
-                (self._x,), kwargs, self._block, modules=(self._block,)
+                (self._x,), self._kwargs, self._block, modules=(self._block,)
             )
 
     def __exit__(self, *exc: Any) -> None:
         state = self._state
         if state is None:
             return
-        completed = exc[0] is None
-        state.forward_finished(completed=completed)
-        if completed:
-            entry = (state, self._block, self._x.detach(), self._label)
-            self._rehearsal._done.append(entry)
+        self._state = None
+        state.forward_finished(completed=exc[0] is None)
+        if exc[0] is not None:
+            return
+        x = self._x.detach().requires_grad_(self._x.is_floating_point())
+        with state.replay(label=self._label), forward_as_plain():
+            self._block(x, **self._kwargs)

@@ -121,8 +121,8 @@ def timed_step(
     the output. ``record``: a stored step (one block per segment) also records, outside the
     clock's spans, what the error model needs (:class:`~.sensitivities.StepRecord`);
     ``rehearsal``: a stored step's forwards are also captured, outside the clock's spans,
-    as first calls of a recomputing strategy (:class:`~revckpt.engine.rehearsal.Rehearsal`;
-    the caller replays them after)."""
+    as first calls of a recomputing strategy and replayed
+    (:class:`~revckpt.engine.rehearsal.Rehearsal`)."""
     runs = segment_runs(chain, segments)
     stored = all(s.strategy == STORE and s.stop == s.start + 1 for s in segments)
     assert stored or (record is None and rehearsal is None)

@@ -160,9 +160,10 @@ class _ProfilingJob:
         the error model's :class:`~.sensitivities.Sensitivities`. Each block revckpt has not
         learnt yet (the metered ones have been) is rehearsed as a recomputed block's first
         call (:class:`~revckpt.engine.rehearsal.Rehearsal`: its forward here captured, then
-        replayed once): the strategy steps after it time one recomputed call per block,
-        which was otherwise each block's first in a process's first profile of a chain, and
-        read one-block checkpointing about 1.1x high. Costs a forward of each such block."""
+        replayed once right after it): the strategy steps after it time one recomputed call
+        per block, which was otherwise each block's first in a process's first profile of a
+        chain, and read one-block checkpointing about 1.1x high. Costs a forward of each such
+        block."""
         stored = [Segment(i, i + 1, STORE) for i in range(len(self.chain))]
         rehearsal = Rehearsal(self.kwargs)
         with record.watching(params):
@@ -175,7 +176,6 @@ class _ProfilingJob:
                 record=record,
                 rehearsal=rehearsal,
             )
-        rehearsal.recompute()
         return times, record.sensitivities(self.chain) if priced else None
 
     def _compiled(self, memory: dict[int, Any], groups: list[int], tick: Any) -> list[BlockCost]:
