@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from .._module_state import _plain_keys
+
 __all__ = ["cut_from_graph", "preserved"]
 
 
@@ -21,11 +23,18 @@ def preserved(
     tensors: Iterable[torch.Tensor] = (),
 ) -> Iterator[None]:
     """Within this context the modules may be run forward and backward freely: on exit every
-    buffer (BatchNorm running statistics, counters) gets its value back, and, with ``grads``,
-    every trainable parameter its ``.grad`` (the same tensor object, or ``None``). ``tensors``
-    (the modules' inputs): those that require grad have no ``.grad`` within the context, and
-    get theirs back on exit."""
+    buffer (BatchNorm running statistics, counters) gets its value back, in the tensor the
+    module held (one a forward rebound, ``self.ema = 0.9 * self.ema + ...``, is put back; one a
+    forward registered is removed), every plain public attribute (a call counter) its value
+    (one a forward made is removed), and, with ``grads``, every trainable parameter its
+    ``.grad`` (the same tensor object, or ``None``). ``tensors`` (the modules' inputs): those
+    that require grad have no ``.grad`` within the context, and get theirs back on exit.
+    Modules the given ones reach only through plain attributes (a list of modules) are not
+    seen."""
     mods = [modules] if isinstance(modules, nn.Module) else list(modules)
+    every = list({id(s): s for m in mods for s in m.modules()}.values())
+    registered = [(s, dict(s._buffers)) for s in every]
+    attributes = [(s, {k: s.__dict__[k] for k in _plain_keys(s)}) for s in every]
     seen: set[int] = set()
     params, buffers = [], []
     for m in mods:
@@ -50,9 +59,28 @@ def preserved(
                 p.grad = g
         for t, g in zip(inputs, input_grads, strict=True):
             t.grad = g
+        _restore_modules(registered, attributes)
         with torch.no_grad():
             for b, value in buffers:
                 b.copy_(value)
+
+
+def _restore_modules(
+    registered: list[tuple[nn.Module, dict[str, Any]]],
+    attributes: list[tuple[nn.Module, dict[str, Any]]],
+) -> None:
+    """Each module's buffer table and plain public attributes as they were (the tensors
+    themselves, not their values: the caller copies those back)."""
+    for s, table in registered:
+        now = s._buffers
+        if now.keys() != table.keys() or any(now[k] is not v for k, v in table.items()):
+            now.clear()
+            now.update(table)
+    for s, values in attributes:
+        for k in _plain_keys(s):
+            if k not in values:
+                del s.__dict__[k]
+        s.__dict__.update(values)
 
 
 def cut_from_graph(values: Mapping[str, Any]) -> dict[str, Any]:

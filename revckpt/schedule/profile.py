@@ -18,7 +18,8 @@ Identical blocks (same class, structure, parameter shapes, input shape: a *group
 metered once and time their strategies together; only the codec errors are per block (they
 depend on each block's input and weights). Backward is measured in steady state: parameter
 gradients already exist, as from the second training step on. The model's gradients,
-buffers (BatchNorm statistics) and RNG state are left as they were.
+buffers (BatchNorm statistics; the tensors its modules hold, and their values), plain
+attributes and RNG state are left as they were (:func:`revckpt.measure.preserved`).
 """
 
 from __future__ import annotations

@@ -28,6 +28,43 @@ def test_profile_leaves_statistics_gradients_and_rng_alone():
     assert len(prof.blocks) == len(chain)
 
 
+class _Stateful(nn.Module):
+    """A forward that rebinds a buffer (an EMA written as ``self.ema = ...``), registers one
+    on its first call with grad, and counts its calls in a plain attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        self.ema = 0.9 * self.ema + 0.1 * h.detach().mean(0)
+        if torch.is_grad_enabled() and "seen" not in self._buffers:
+            self.register_buffer("seen", torch.ones(()))
+        self.calls = getattr(self, "calls", 0) + 1
+        return torch.tanh(h)
+
+
+def test_profile_leaves_rebound_and_registered_buffers_and_attributes_alone():
+    """Found by session 27's review (older than it): a rebound buffer kept the profile's
+    updates (its old tensor got the old value back, the module held a new one), a buffer and
+    an attribute the profile's forwards made stayed; training after a profile then differed
+    from training without one."""
+    torch.manual_seed(0)
+    chain = nn.Sequential(*(_Stateful() for _ in range(4)))
+    chain[1].calls = 7
+    buffers = [dict(b._buffers) for b in chain]
+    values = [{k: v.clone() for k, v in b._buffers.items()} for b in chain]
+    profile(chain, torch.randn(4, 8), codecs=(), policies=(), repeats=1)
+    for block, table, before in zip(chain, buffers, values, strict=True):
+        assert block._buffers.keys() == table.keys()
+        for k, v in table.items():
+            assert block._buffers[k] is v and torch.equal(v, before[k]), k
+    assert chain[1].calls == 7
+    assert not any(hasattr(b, "calls") for i, b in enumerate(chain) if i != 1)
+
+
 def test_estimate_error_leaves_batchnorm_statistics_alone():
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.GELU())
