@@ -11,11 +11,11 @@ unless it was done before: :class:`Rehearsal` does it, in a forward the caller r
 with grad (a profiler's stored step: no forward of its own) and one replay of each block
 right after it (a forward with grad, nothing kept).
 
-It learns in a forward with grad, after a first plain forward of the block (a buffer the
-block registers on its first call exists then), because a block may take another path
-without grad (a normalisation layer or a buffer written only with grad: learnt from a
-no-grad pass, the layer's statistics would then be updated twice per step, or the buffer's
-recompute would raise). A forward or replay that raises teaches nothing.
+It learns in a forward with grad, because a block may take another path without grad (a
+normalisation layer or a buffer written only with grad: learnt from a no-grad pass, the
+layer's statistics would then be updated twice per step, or the buffer's recompute would
+raise). A buffer the captured forward registers is absent in its replay, as in any first
+recompute (:mod:`revckpt._module_state`). A forward or replay that raises teaches nothing.
 """
 
 from __future__ import annotations
