@@ -29,20 +29,20 @@ def preserved(
     (one a forward made is removed), and, with ``grads``, every trainable parameter its
     ``.grad`` (the same tensor object, or ``None``). ``tensors`` (the modules' inputs): those
     that require grad have no ``.grad`` within the context, and get theirs back on exit.
-    Modules the given ones reach only through plain attributes (a list of modules) are not
+    Modules the given ones hold in a plain list, tuple or dict attribute (not registered,
+    e.g. ``self.shared = [norm]``) count as theirs; modules reached through globals are not
     seen."""
-    mods = [modules] if isinstance(modules, nn.Module) else list(modules)
-    every = list({id(s): s for m in mods for s in m.modules()}.values())
+    every = _reached([modules] if isinstance(modules, nn.Module) else list(modules))
     registered = [(s, dict(s._buffers)) for s in every]
     attributes = [(s, {k: s.__dict__[k] for k in _plain_keys(s)}) for s in every]
     seen: set[int] = set()
     params, buffers = [], []
-    for m in mods:
-        for p in m.parameters():
+    for m in every:
+        for p in m.parameters(recurse=False):
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 params.append(p)
-        for b in m.buffers():
+        for b in m.buffers(recurse=False):
             if id(b) not in seen:
                 seen.add(id(b))
                 buffers.append((b, b.detach().clone()))
@@ -63,6 +63,23 @@ def preserved(
         with torch.no_grad():
             for b, value in buffers:
                 b.copy_(value)
+
+
+def _reached(roots: list[nn.Module]) -> list[nn.Module]:
+    """``roots``, their submodules and the modules any of them holds in a plain list, tuple or
+    dict attribute (and their submodules), each once."""
+    found: dict[int, nn.Module] = {}
+    todo = list(roots)
+    while todo:
+        for s in todo.pop().modules():
+            if id(s) in found:
+                continue
+            found[id(s)] = s
+            for v in s.__dict__.values():
+                if isinstance(v, (list, tuple, dict)):
+                    items = v.values() if isinstance(v, dict) else v
+                    todo += [c for c in items if isinstance(c, nn.Module)]
+    return list(found.values())
 
 
 def _restore_modules(

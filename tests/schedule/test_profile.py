@@ -65,6 +65,32 @@ def test_profile_leaves_rebound_and_registered_buffers_and_attributes_alone():
     assert not any(hasattr(b, "calls") for i, b in enumerate(chain) if i != 1)
 
 
+class _Foreign(nn.Module):
+    """Calls a normalisation layer it holds in a plain list (not registered: not in its
+    ``state_dict``), as a shared or teacher module is often held."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.shared = [norm]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared[0](self.linear(x))
+
+
+def test_profile_leaves_a_module_held_in_a_plain_list_alone():
+    """Its running statistics moved with every forward of the profile (found by session 27's
+    review, older than it)."""
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(8)
+    chain = nn.Sequential(*(_Foreign(norm) for _ in range(3)))
+    before = {k: v.clone() for k, v in norm.state_dict().items()}
+    profile(chain, torch.randn(4, 8), codecs=(), policies=(), repeats=1)
+    for k, v in norm.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(p.grad is None for p in norm.parameters())
+
+
 def test_estimate_error_leaves_batchnorm_statistics_alone():
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.GELU())
