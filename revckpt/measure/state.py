@@ -34,7 +34,7 @@ def preserved(
     seen."""
     every = _reached([modules] if isinstance(modules, nn.Module) else list(modules))
     registered = [(s, dict(s._buffers)) for s in every]
-    attributes = [(s, {k: s.__dict__[k] for k in _plain_keys(s)}) for s in every]
+    attributes = [(s, type(s), {k: s.__dict__[k] for k in _plain_keys(s)}) for s in every]
     seen: set[int] = set()
     params, buffers = [], []
     for m in every:
@@ -84,16 +84,20 @@ def _reached(roots: list[nn.Module]) -> list[nn.Module]:
 
 def _restore_modules(
     registered: list[tuple[nn.Module, dict[str, Any]]],
-    attributes: list[tuple[nn.Module, dict[str, Any]]],
+    attributes: list[tuple[nn.Module, type, dict[str, Any]]],
 ) -> None:
     """Each module's buffer table and plain public attributes as they were (the tensors
-    themselves, not their values: the caller copies those back)."""
+    themselves, not their values: the caller copies those back); not the attributes of a
+    module whose class changed (a lazy module's first forward made it another one, with its
+    sizes set for good)."""
     for s, table in registered:
         now = s._buffers
         if now.keys() != table.keys() or any(now[k] is not v for k, v in table.items()):
             now.clear()
             now.update(table)
-    for s, values in attributes:
+    for s, cls, values in attributes:
+        if type(s) is not cls:
+            continue
         for k in _plain_keys(s):
             if k not in values:
                 del s.__dict__[k]
