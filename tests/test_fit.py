@@ -24,7 +24,7 @@ import revckpt
 from revckpt import InvalidArgumentError, MemoryMeter
 from revckpt.inplace.install import planned
 from revckpt.inplace.verify import fit_verified
-from revckpt.schedule import Segment, Verified
+from revckpt.schedule import Plan, Segment, Verified
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -1345,6 +1345,7 @@ def test_a_fit_held_to_the_error_budget_says_why_where_no_plan_is_left() -> None
     assert "raise error_budget" not in str(err) and "approx boundaries:" not in str(err)
     assert not any("error" in fix for fix in err.fixes)
     assert err.plan is not None and err.plan.predicted_error <= 1e-2
+    assert err.plan.error_budget == 1e-2  # the caller's, not the tighter one searched at
 
 
 def test_within_error_solves_again_for_a_smaller_predicted_error() -> None:
@@ -1374,6 +1375,21 @@ def test_within_error_solves_again_for_a_smaller_predicted_error() -> None:
     within, asked = plans(2e-2, 1e-3)
     assert _within_error(within, 1e-2, modelled=lambda plan: 6e-3).predicted_error == 1e-3
     assert asked == pytest.approx([1e-2, 3e-3])
+
+
+def test_a_plan_solved_again_for_a_tighter_error_says_the_callers_budget() -> None:
+    from revckpt.inplace.confirm import _within_error
+    from revckpt.models import mlp_chain
+    from revckpt.schedule import baseline, profile
+
+    store = baseline(profile(mlp_chain(2, 8), torch.randn(4, 8), codecs=(), repeats=1), "store")
+    queue = [2e-2, 5e-3]
+
+    def within(error_budget: float) -> Plan:
+        return dataclasses.replace(store, error_budget=error_budget, predicted_error=queue.pop(0))
+
+    plan = _within_error(within, 1e-2)
+    assert plan.predicted_error == 5e-3 and plan.error_budget == 1e-2
 
 
 def test_the_error_check_draws_the_reference_steps_dropout_masks() -> None:

@@ -172,10 +172,16 @@ def _within_error(
                 continue
             raise _said(err, error_budget, seen) if seen else err from None
         if plan.predicted_error <= _slack(error_budget):
-            return plan
+            return _as_asked(plan, error_budget)
         seen = max(seen, plan.predicted_error)
         target = tighter(plan)
     raise AssertionError("unreachable: the exact strategies measure no error")  # pragma: no cover
+
+
+def _as_asked(plan: Any, error_budget: float) -> Any:
+    """``plan`` with the caller's error budget: one solved again for a tighter one said that
+    one (a user who asked for 1e-2 read ``budget 0.00792`` in the plan)."""
+    return dataclasses.replace(plan, error_budget=error_budget) if isinstance(plan, Plan) else plan
 
 
 def _slack(error_budget: float) -> float:
@@ -196,5 +202,5 @@ def _said(err: InfeasibleBudgetError, error_budget: float, seen: float) -> Infea
         "had a smaller predicted error)",
         smallest_budget_bytes=err.smallest_budget_bytes,
     )
-    said.fixes, said.plan = kept, err.plan
+    said.fixes, said.plan = kept, _as_asked(err.plan, error_budget)
     return said
