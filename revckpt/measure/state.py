@@ -10,8 +10,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from .._module_state import _plain_keys
-
 __all__ = ["cut_from_graph", "preserved"]
 
 
@@ -63,6 +61,15 @@ def preserved(
         with torch.no_grad():
             for b, value in buffers:
                 b.copy_(value)
+
+
+# A module's plain attributes: public, of a plain type (the rule replay's module state uses,
+# revckpt._module_state._plain_keys; measure imports nothing of revckpt but its errors).
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain_keys(m: nn.Module) -> list[str]:
+    return [k for k, v in m.__dict__.items() if k[0] != "_" and type(v) in _PLAIN]
 
 
 def _reached(roots: list[nn.Module]) -> list[nn.Module]:
