@@ -353,6 +353,19 @@ def test_bench_profile_cost_quick(tmp_path):
             assert steps == pytest.approx(seconds / pace)
 
 
+def test_bench_first_profile_quick(tmp_path, capsys):
+    out = tmp_path / "first.json"
+    result = load("bench_first_profile").main(["--quick", "--out", str(out)])
+    assert json.loads(out.read_text())["benchmark"] == "bench_first_profile"
+    assert [r["variant"] for r in result["runs"]] == ["rehearsed", "not rehearsed"]
+    for per_model in result["summary"].values():
+        assert set(per_model) == {"GPT-like", "HF Llama"}
+        for row in per_model.values():
+            assert row["processes"] == 1 and row["first_over_next"] > 0
+            assert row["first_cost_steps"] > 0 and row["later_cost_steps"] > 0
+    assert "| rehearsed | GPT-like |" in capsys.readouterr().out
+
+
 def test_bench_step_context_quick(tmp_path, capsys):
     out = tmp_path / "context.json"
     result = load("bench_step_context").main(["--quick", "--out", str(out)])
