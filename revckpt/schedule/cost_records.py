@@ -162,6 +162,7 @@ class BlockCost:
     input_kept: bool = True
     input_held: bool = False
     chained_s: float | None = None
+    stacked_s: float | None = None
     approx: Mapping[str, ApproxCost] = field(default_factory=dict)
     selective: Mapping[str, SelectiveCost] = field(default_factory=dict)
     compress: Mapping[str, CompressCost] = field(default_factory=dict)

@@ -49,6 +49,15 @@ blocks: on the GPT-like model a block's checkpoint overhead read 5-15% higher fr
 or three blocks than from a run of 24 (two exploratory runs), and the plans the solver makes run a
 strategy over stretches of blocks. ``rounds`` repeats the strategy steps, rotated.
 
+A reversible part runs as plans run reversible segments, as stacks: each run of blocks that can
+be reversible as a stack of its first block alone (what a stack of one costs, its own call
+included) and a stack of the others (what a block adds inside a longer stack). Timed as stacks
+of one, as before, the RevNet-like model's reversible plans read 1.11-1.17x their measured time
+(``benchmarks/results/bench_schedule_retest_rehearsal3.json``): a block cost about 1.4 times as
+much as a stack of its own (3.7 ms against 2.6 on the first stage, a step with eight stacks of
+one against one of eight). A strategy that no stretch reached on a group is priced from the
+groups it reached (:func:`~.probe_times.filled`).
+
 Before the first timed step, each strategy not yet run in this process runs once untimed
 (:func:`warm_up`): a strategy's first run in a process is slow, and the step that times it would
 charge that to the strategy. It runs on the cheapest block that can run it (the chained part on
@@ -77,7 +86,7 @@ from torch import nn
 
 from ..engine.rehearsal import Rehearsal
 from ..measure.timing import Clock
-from .costs import CHECKPOINT, STORE, Segment
+from .costs import CHECKPOINT, REVERSIBLE, STORE, Segment
 from .plan import run_segment, segment_runs
 from .probe_times import StoredTimes, Timed, chained_extras, overheads, strategy_order
 from .sensitivities import StepRecord
@@ -89,13 +98,15 @@ __all__ = ["CHAINED", "InChain", "probe_chain", "timed_step", "warm_up"]
 class InChain:
     """Per block (the figures of its group): stored forward and backward seconds, the extra
     seconds of each strategy run on the block as a segment of its own, and the extra seconds
-    it adds inside a longer checkpoint segment (``None``: not measured); ``rounds``: whole
-    steps run (a warm-up on part of the chain counts as its share of a step)."""
+    it adds inside a longer checkpoint segment and inside a longer reversible stack, not
+    first in either (``None``: not measured); ``rounds``: whole steps run (a warm-up on part
+    of the chain counts as its share of a step)."""
 
     forward_s: tuple[float, ...]
     backward_s: tuple[float, ...]
     overhead_s: tuple[dict[str, float], ...]
     chained_s: tuple[float | None, ...]
+    stacked_s: tuple[float | None, ...]
     rounds: float
 
 
@@ -210,9 +221,33 @@ def _segments(parts: list[tuple[int, int, str]], options: Sequence[Sequence[str]
             for a in range(start, stop, _SPAN):
                 segments.append(Segment(a, min(stop, a + _SPAN), CHECKPOINT))
             continue
+        if strategy == REVERSIBLE:
+            segments += _stacks(start, stop, options)
+            continue
         for i in range(start, stop):  # a block that cannot run it is checkpointed instead
             own = strategy if strategy in options[i] else CHECKPOINT
             segments.append(Segment(i, i + 1, own))
+    return segments
+
+
+def _stacks(start: int, stop: int, options: Sequence[Sequence[str]]) -> list[Segment]:
+    """A reversible part: each run of blocks that can run reversible as a stack of its
+    first block alone (what a stack of one costs) and a stack of the others (what a block
+    adds inside a longer stack, as plans run it); a block that cannot, checkpointed."""
+    segments = []
+    i = start
+    while i < stop:
+        if REVERSIBLE not in options[i]:
+            segments.append(Segment(i, i + 1, CHECKPOINT))
+            i += 1
+            continue
+        j = i + 1
+        while j < stop and REVERSIBLE in options[j]:
+            j += 1
+        segments.append(Segment(i, i + 1, REVERSIBLE))
+        if j > i + 1:
+            segments.append(Segment(i + 1, j, REVERSIBLE))
+        i = j
     return segments
 
 
@@ -270,12 +305,14 @@ def probe_chain(
     samples, spans = times.extras(ran)
     extra = {key: max(0.0, statistics.median(v)) for key, v in samples.items()}
     overhead = overheads(groups, options, extra, times.fwd)
-    chained = chained_extras(spans, groups, overhead, times.fwd)
+    chained = chained_extras(spans, groups, overhead, times.fwd, CHECKPOINT)
+    stacked = chained_extras(spans, groups, overhead, times.fwd, REVERSIBLE)
     return InChain(
         forward_s=tuple(times.fwd[g] for g in groups),
         backward_s=tuple(times.bwd[g] for g in groups),
         overhead_s=tuple(overhead),
         chained_s=tuple(chained[i] for i in range(n)),
+        stacked_s=tuple(stacked[i] for i in range(n)),
         rounds=stored_steps + rounds * len(steps) + again + warmed,
     )
 

@@ -269,6 +269,7 @@ class _ProfilingJob:
             "backward_s": b,
             "strategy_overhead_s": overhead,
             "chained_s": chained,
+            "stacked_s": probed.stacked_s[g],
         }
 
 

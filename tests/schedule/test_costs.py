@@ -73,3 +73,29 @@ def test_segments_must_cover_the_chain_in_order(blocks):
         evaluate(blocks, [Segment(0, 2, "store")])
     with pytest.raises(InvalidArgumentError):
         evaluate(blocks, [Segment(0, 2, "store"), Segment(1, 4, "store")])
+
+
+def test_a_reversible_stack_costs_its_first_block_alone_and_the_others_inside():
+    from dataclasses import replace
+
+    from revckpt.schedule.costs import BlockCost
+
+    def block(head: float, inside: float | None) -> BlockCost:
+        return BlockCost(
+            forward_s=1.0,
+            backward_s=2.0,
+            input_bytes=8,
+            output_bytes=8,
+            saved_bytes=8,
+            forward_peak_bytes=8,
+            forward_peak_nograd_bytes=8,
+            backward_peak_bytes=8,
+            invertible=True,
+            strategy_overhead_s={"reversible": head},
+            stacked_s=inside,
+        )
+
+    part = [block(5.0, 2.0), block(6.0, 3.0), block(7.0, None)]
+    # the first block's stack of one, then inside: measured, else its stack of one
+    assert segment_cost(part, Segment(0, 3, "reversible")).time == pytest.approx(5 + 3 + 7)
+    assert segment_cost([replace(part[0], stacked_s=None)], Segment(0, 1, "reversible")).time == 5

@@ -339,3 +339,85 @@ def test_groups_timed_in_steps_of_different_paces_share_one_unit(monkeypatch):
     for f, overhead, chained in zip(got.forward_s, got.overhead_s, got.chained_s, strict=True):
         assert overhead == pytest.approx({"checkpoint": f, "approx:bf16": f})
         assert chained == pytest.approx(f)
+
+
+def test_a_reversible_part_runs_a_stack_of_one_and_a_stack_of_the_rest():
+    """What a stack of one block costs (its own call included), and what a block adds inside
+    a longer stack, as plans run reversible segments; a block that cannot is checkpointed."""
+    rev = [*OPTIONS, "reversible"]
+    options = [rev, rev, rev, OPTIONS, rev, rev, OPTIONS, rev]
+    segs = _segments([(0, 8, "reversible")], options)
+    assert [(s.start, s.stop, s.strategy) for s in segs] == [
+        (0, 1, "reversible"),
+        (1, 3, "reversible"),
+        (3, 4, "checkpoint"),
+        (4, 5, "reversible"),
+        (5, 6, "reversible"),  # a rest of one block: a stack of one again
+        (6, 7, "checkpoint"),
+        (7, 8, "reversible"),
+    ]
+
+
+class _Branch(nn.Module):
+    """A branch whose every call (forward, rebuild or recompute) advances the clock."""
+
+    def __init__(self, clock: FakeClock, seconds: float, width: int) -> None:
+        super().__init__()
+        self.clock, self.seconds = clock, seconds
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        self.clock.tick(self.seconds)
+        return self.lin(x)
+
+
+def test_a_reversible_stack_is_priced_its_first_block_alone_and_each_block_inside(monkeypatch):
+    """A stack's own call costs once per stack (here 5 s of fake time per call): the probe
+    prices a stack of one at that plus a block's work and a block inside a longer stack at
+    its work alone, and a plan's stack of six is predicted at the time its step takes."""
+    from revckpt.layers import ReversibleBlock, ReversibleSequential, ReversibleUnit
+    from revckpt.schedule.costs import BlockCost, evaluate
+
+    clock = FakeClock()
+    stack_call = ReversibleSequential.forward
+
+    def costly(self, *args, **kwargs):
+        clock.tick(5.0)
+        return stack_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(ReversibleSequential, "forward", costly)
+    chain = [
+        ReversibleUnit(ReversibleBlock(_Branch(clock, 1.0, 4), _Branch(clock, 1.0, 4)))
+        for _ in range(18)
+    ]
+    x = torch.randn(2, 8)
+    options = [["store", "checkpoint", "reversible"]] * 18
+    got = probe_chain(chain, x, torch.ones(2, 8), {}, [0] * 18, options, clock=clock)
+    head, inside = got.overhead_s[0]["reversible"], got.stacked_s[0]
+    assert head == pytest.approx(inside + 5.0)
+    blocks = [
+        BlockCost(
+            forward_s=f,
+            backward_s=b,
+            input_bytes=0,
+            output_bytes=0,
+            saved_bytes=0,
+            forward_peak_bytes=0,
+            forward_peak_nograd_bytes=0,
+            backward_peak_bytes=0,
+            invertible=True,
+            strategy_overhead_s=o,
+            stacked_s=s,
+        )
+        for f, b, o, s in zip(
+            got.forward_s, got.backward_s, got.overhead_s, got.stacked_s, strict=True
+        )
+    ]
+    plan = [Segment(0, 6, "reversible"), *(Segment(i, i + 1, "store") for i in range(6, 18))]
+    stored = [Segment(i, i + 1, "store") for i in range(18)]
+    seconds = []
+    for segments in (stored, plan):
+        start = clock.now
+        timed_step(chain, segments, x, torch.ones(2, 8), {}, clock=clock)
+        seconds.append(clock.now - start)
+    assert evaluate(blocks, plan).overhead_s == pytest.approx(seconds[1] - seconds[0])
