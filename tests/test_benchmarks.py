@@ -446,3 +446,15 @@ def test_bench_error_hf_quick(tmp_path):
         if name == "gpt2":  # a plan with the codec, its error predicted and measured
             assert row["approx_segments"] >= 1
             assert row["predicted_error"] > 0 and row["measured_error"] > 0
+
+
+def test_bench_segment_length_quick(tmp_path, capsys):
+    out = tmp_path / "segments.json"
+    result = load("bench_segment_length").main(["--quick", "--out", str(out)])
+    assert json.loads(out.read_text())["benchmark"] == "bench_segment_length"
+    assert load("bench_segment_length").lengths(24) == [1, 2, 3, 4, 6, 8, 12, 24]
+    assert load("bench_segment_length").lengths(5) == [1, 2, 3, 4, 5]
+    for row in result["models"].values():
+        assert [r["blocks_per_segment"] for r in row["rows"]][0] == 1
+        assert all(r["predicted_overhead"] > 0 for r in row["rows"])
+    assert "| GPT-like | 1 |" in capsys.readouterr().out
