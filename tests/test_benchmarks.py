@@ -455,6 +455,6 @@ def test_bench_segment_length_quick(tmp_path, capsys):
     assert load("bench_segment_length").lengths(24) == [1, 2, 3, 4, 6, 8, 12, 24]
     assert load("bench_segment_length").lengths(5) == [1, 2, 3, 4, 5]
     for row in result["models"].values():
-        assert [r["blocks_per_segment"] for r in row["rows"]][0] == 1
+        assert row["rows"][0]["blocks_per_segment"] == 1
         assert all(r["predicted_overhead"] > 0 for r in row["rows"])
     assert "| GPT-like | 1 |" in capsys.readouterr().out

@@ -134,7 +134,9 @@ class BlockCost:
     whatever the plan (an approx segment starting here keeps its compressed copy beside it);
     ``chained_s``: the extra seconds the block adds when it is recomputed inside a longer
     checkpoint or approx segment, not first in it (its recompute without a node of its own;
-    ``None``: its forward time is assumed). Per strategy, the measurements of its own:
+    ``None``: its forward time is assumed); ``stacked_s``: the same inside a longer reversible
+    stack (its rebuild and recompute without a stack of its own; ``None``: its one-block
+    reversible time is assumed). Per strategy, the measurements of its own:
     ``approx[c]`` (:class:`ApproxCost`, per codec), ``selective[p]`` (:class:`SelectiveCost`,
     per policy), ``compress[c]`` (:class:`CompressCost`, per codec), ``offload``
     (:class:`OffloadCost`; ``None``: offload not profiled), ``replay[s]``

@@ -67,8 +67,9 @@ before). On a prefix of the chain, two blocks per strategy, it cost the RevNet-l
 profile 1.01 steps (a per-part timer), its first blocks being its dearest; now 0.13-0.15.
 
 Per group (identical blocks) a strategy's extra time is the median over its samples; a group
-no part reached gets the median ratio of extra time to stored forward time over the blocks
-that were reached (recomputing costs in proportion to the forward).
+no part of the strategy reached gets checkpoint's extra time on it times the strategy's median
+ratio to checkpoint's over the groups that ran both, or else the median ratio of extra time to
+stored forward time over the groups that were reached (:func:`~.probe_times.filled`).
 """
 
 from __future__ import annotations
@@ -214,7 +215,14 @@ _SPAN = 4  # blocks per checkpoint segment of the chained part
 _STRETCHES = 2  # times each step's parts are laid along the chain
 
 
-def _segments(parts: list[tuple[int, int, str]], options: Sequence[Sequence[str]]) -> list[Segment]:
+def _segments(
+    parts: list[tuple[int, int, str]],
+    options: Sequence[Sequence[str]],
+    stack_keys: Sequence[Any] | None = None,
+) -> list[Segment]:
+    """The segments of one strategy step; ``stack_keys[i]``: what adjacent blocks must share
+    to run in one reversible stack (their ``split_dim``; default: all share)."""
+    keys = stack_keys if stack_keys is not None else [None] * (parts[-1][1] if parts else 0)
     segments = []
     for start, stop, strategy in parts:
         if strategy == CHAINED:
@@ -222,7 +230,7 @@ def _segments(parts: list[tuple[int, int, str]], options: Sequence[Sequence[str]
                 segments.append(Segment(a, min(stop, a + _SPAN), CHECKPOINT))
             continue
         if strategy == REVERSIBLE:
-            segments += _stacks(start, stop, options)
+            segments += _stacks(start, stop, options, keys)
             continue
         for i in range(start, stop):  # a block that cannot run it is checkpointed instead
             own = strategy if strategy in options[i] else CHECKPOINT
@@ -230,10 +238,13 @@ def _segments(parts: list[tuple[int, int, str]], options: Sequence[Sequence[str]
     return segments
 
 
-def _stacks(start: int, stop: int, options: Sequence[Sequence[str]]) -> list[Segment]:
-    """A reversible part: each run of blocks that can run reversible as a stack of its
-    first block alone (what a stack of one costs) and a stack of the others (what a block
-    adds inside a longer stack, as plans run it); a block that cannot, checkpointed."""
+def _stacks(
+    start: int, stop: int, options: Sequence[Sequence[str]], keys: Sequence[Any]
+) -> list[Segment]:
+    """A reversible part: each run of blocks that can run reversible and share their stack
+    key (``keys``) as a stack of its first block alone (what a stack of one costs) and a
+    stack of the others (what a block adds inside a longer stack, as plans run it); a block
+    that cannot, checkpointed."""
     segments = []
     i = start
     while i < stop:
@@ -242,7 +253,7 @@ def _stacks(start: int, stop: int, options: Sequence[Sequence[str]]) -> list[Seg
             i += 1
             continue
         j = i + 1
-        while j < stop and REVERSIBLE in options[j]:
+        while j < stop and REVERSIBLE in options[j] and keys[j] == keys[i]:
             j += 1
         segments.append(Segment(i, i + 1, REVERSIBLE))
         if j > i + 1:
@@ -272,7 +283,8 @@ def probe_chain(
     """Time the chain's step stored, then every strategy on contiguous parts, ``parts`` per
     step with the stored reference part (default: as few as make two steps, at least
     thirds), ``rounds`` times with the parts rotated (see the module docstring).
-    ``groups[i]``: block ``i``'s group (identical blocks share one); ``options[i]``: the
+    ``groups[i]``: block ``i``'s group (identical blocks share one, named by its first block's
+    index); ``options[i]``: the
     one-block strategies it can run with, ``"store"`` first; ``grad``: the chain output's
     gradient; ``warm``: the caches and allocator are warm (a stored step ran just before), or
     one untimed stored step runs first; ``stored``: the stored step's times, timed by the
@@ -297,7 +309,8 @@ def probe_chain(
     seconds = [f + b for f, b in stored]
     warmed = warm_up(chain, inputs, kwargs, kinds, options, seconds) if inputs else 0.0
     run = functools.partial(timed_step, chain, x=x, grad=grad, kwargs=kwargs, clock=clock)
-    ran = _rounds(run, steps, rounds, n, options)
+    keys = [getattr(block, "split_dim", None) for block in chain]  # units of one stack share it
+    ran = _rounds(run, steps, rounds, n, options, keys)
     again = not any(seg.strategy == STORE for segments, _ in ran for seg in segments)
     if again:  # too short for a reference: a stored step after the others, warmer than the first
         ran.append((stored_segments, run(stored_segments)))
@@ -384,6 +397,7 @@ def _rounds(
     rounds: int,
     n: int,
     options: Sequence[Sequence[str]],
+    stack_keys: Sequence[Any],
 ) -> Timed:
     """The strategy steps, ``rounds`` times with their kinds rotated (``run(segments)`` times
     one step): each step's segments and their (forward, backward) seconds."""
@@ -393,6 +407,7 @@ def _rounds(
             rotated = (
                 kinds_of_step[r % len(kinds_of_step) :] + kinds_of_step[: r % len(kinds_of_step)]
             )
-            segments = _segments(_parts(n, _step_layout(n, rotated, j + r)), options)
+            parts = _parts(n, _step_layout(n, rotated, j + r))
+            segments = _segments(parts, options, stack_keys)
             ran.append((segments, run(segments)))
     return ran

@@ -1,6 +1,7 @@
 """What the chain profiler's timed steps say (:mod:`.probe`): each step's pace and each
 group's stored times fitted over the reference blocks (:class:`StoredTimes`), each strategy's
-extra seconds per block, and what a block adds inside a longer checkpoint segment."""
+extra seconds per block (measured, or priced from the groups that were: :func:`filled`), and
+what a block adds inside a longer checkpoint segment or reversible stack."""
 
 from __future__ import annotations
 
@@ -167,16 +168,17 @@ def filled(
     ``s``'s extra to the stored forward, times ``g``'s forward (``None``: ``s`` measured
     nowhere). A recompute's cost is not in proportion to the forward alone (small blocks
     pay more per forward second for the calls around it): on the RevNet-like model a
-    one-block reversible stack on the first stage, reached by no stretch, measured 4.6 ms
-    (a step with four of them against storing), was priced 6.7 ms from its forward and 4.7
-    ms from its checkpoint time."""
-    ckpt = extra.get((g, CHECKPOINT))
+    one-block reversible stack on the first stage, reached by no stretch, measured about 4.7
+    ms (a step with four of them against storing), was priced 6.7 ms from its forward and
+    4.6 ms from its checkpoint time. A checkpoint extra of 0 (a median clamped at 0) prices
+    nothing from it."""
+    ckpt = extra.get((g, CHECKPOINT), 0.0)
     pairs = [
         v / extra[(h, CHECKPOINT)]
         for (h, t), v in extra.items()
         if t == s and extra.get((h, CHECKPOINT), 0.0) > 0
     ]
-    if ckpt is not None and s != CHECKPOINT and pairs:
+    if ckpt > 0 and s != CHECKPOINT and pairs:  # a checkpoint extra clamped to 0 says nothing
         return ckpt * statistics.median(pairs)
     ratio = ratios(extra, fwd).get(s)
     return None if ratio is None else ratio * fwd[g]
@@ -232,7 +234,7 @@ def chained_extras(
         for i in rest:
             samples[groups[i]].append((extra - head) * fwd[groups[i]] / total_f)
     per_group = {g: max(0.0, statistics.median(v)) for g, v in samples.items()}
-    own = {g: overhead[g].get(strategy) for g in set(groups)}  # a group: its first block
+    own = {g: overhead[groups.index(g)].get(strategy) for g in set(groups)}  # its first block's
     ratios = [per_group[g] / own[g] for g in per_group if own[g]]
     ratio = statistics.median(ratios) if ratios else None
     out: list[float | None] = []

@@ -421,3 +421,26 @@ def test_a_reversible_stack_is_priced_its_first_block_alone_and_each_block_insid
         timed_step(chain, segments, x, torch.ones(2, 8), {}, clock=clock)
         seconds.append(clock.now - start)
     assert evaluate(blocks, plan).overhead_s == pytest.approx(seconds[1] - seconds[0])
+
+
+def test_a_stack_in_the_probe_holds_only_blocks_that_share_their_split_dim():
+    """``segment_runs`` refuses a reversible segment of units split along different dims:
+    the probe's stacks end where the key changes (a chain the profile timed before)."""
+    rev = [*OPTIONS, "reversible"]
+    segs = _segments([(0, 6, "reversible")], [rev] * 6, [1, 1, 1, -1, -1, 1])
+    assert [(s.start, s.stop) for s in segs] == [(0, 1), (1, 3), (3, 4), (4, 5), (5, 6)]
+
+
+def test_a_chain_of_units_split_along_different_dims_profiles_and_plans():
+    from revckpt.layers import ReversibleUnit, reversible_mlp_block
+    from revckpt.schedule import apply, profile, solve
+
+    torch.manual_seed(0)
+    chain = nn.Sequential(
+        *(ReversibleUnit(reversible_mlp_block(8, 16), split_dim=(1, -1)[i % 2]) for i in range(8))
+    )
+    prof = profile(chain, torch.randn(4, 16), repeats=1, policies=(), codecs=())
+    plan = solve(prof, memory_budget=0.5, strategies=["store", "checkpoint"])
+    x = torch.randn(4, 16, requires_grad=True)
+    apply(chain, plan)(x).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()

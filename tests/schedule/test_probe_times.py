@@ -47,3 +47,18 @@ def test_inside_a_longer_segment_only_its_own_strategys_spans_count_and_fill_by_
     assert got == pytest.approx([3.0, 2.0, 2.0, 2.0])
     none = chained_extras(spans[:1], [0, 1, 1, 1], [{}, *overhead[1:]], fwd, "reversible")
     assert none[0] is None  # group 0 cannot run it
+
+
+def test_a_checkpoint_extra_of_zero_prices_nothing_from_it():
+    """A median clamped at 0 on the group would price every unreached strategy free."""
+    extra = {(0, "checkpoint"): 0.0, (1, "checkpoint"): 2.0, (1, "reversible"): 3.0}
+    fwd = {0: 2.0, 1: 1.0}
+    assert filled(extra, fwd, 0, "reversible") == pytest.approx(6.0)  # the forward ratio
+
+
+def test_groups_are_found_by_their_first_block_whatever_their_labels():
+    overhead = [{"reversible": 6.0}, {"reversible": 6.0}] + [{"reversible": 4.0}] * 3
+    spans = [(Segment(2, 5, "reversible"), 8.0)]
+    fwd = {"a": 10.0, "b": 1.0}
+    got = chained_extras(spans, ["a", "a", "b", "b", "b"], overhead, fwd, "reversible")
+    assert got == pytest.approx([3.0, 3.0, 2.0, 2.0, 2.0])
