@@ -136,7 +136,9 @@ class BlockCost:
     checkpoint or approx segment, not first in it (its recompute without a node of its own;
     ``None``: its forward time is assumed); ``stacked_s``: the same inside a longer reversible
     stack (its rebuild and recompute without a stack of its own; ``None``: its one-block
-    reversible time is assumed). Per strategy, the measurements of its own:
+    reversible time is assumed); ``split_dim``: the dim a reversible unit splits its input
+    along (``None``: not a unit), which the units of one reversible segment share. Per
+    strategy, the measurements of its own:
     ``approx[c]`` (:class:`ApproxCost`, per codec), ``selective[p]`` (:class:`SelectiveCost`,
     per policy), ``compress[c]`` (:class:`CompressCost`, per codec), ``offload``
     (:class:`OffloadCost`; ``None``: offload not profiled), ``replay[s]``
@@ -165,6 +167,7 @@ class BlockCost:
     input_held: bool = False
     chained_s: float | None = None
     stacked_s: float | None = None
+    split_dim: int | None = None
     approx: Mapping[str, ApproxCost] = field(default_factory=dict)
     selective: Mapping[str, SelectiveCost] = field(default_factory=dict)
     compress: Mapping[str, CompressCost] = field(default_factory=dict)

@@ -242,6 +242,13 @@ def _check_reversible(blocks: Sequence[BlockCost], seg: Segment, arg: str | None
             f"blocks {bad} are not invertible, so segment [{seg.start}, {seg.stop}) cannot "
             "be reversible; mark only reversible-coupling blocks as invertible"
         )
+    dims = {blocks[i].split_dim for i in range(seg.start, seg.stop)}
+    if len(dims) > 1:
+        raise InvalidArgumentError(
+            f"the units of segment [{seg.start}, {seg.stop}) split their inputs along different "
+            f"dims {sorted(dims, key=str)}, so they cannot run as one reversible stack; cut the "
+            "segment where split_dim changes"
+        )
 
 
 def _check_offload(blocks: Sequence[BlockCost], seg: Segment, arg: str | None) -> None:
@@ -291,7 +298,8 @@ class Kind:
     one block long; ``recomputes``: it re-runs forwards (a replay state is kept);
     ``approximate``: its gradients carry an error (priced against the error budget);
     ``runs_on(block, arg)``: whether a block can be run with it (for a segment, its first block,
-    or with ``last_ok`` its last one, decides)."""
+    or with ``last_ok`` its last one, decides); ``joins(first, block)``: whether ``block`` may
+    run in one segment that ``first`` starts."""
 
     work: WorkFn
     time: Callable[[Sequence[BlockCost], str], float]
@@ -302,6 +310,7 @@ class Kind:
     approximate: bool = False
     runs_on: Callable[[BlockCost, str | None], bool] = lambda b, arg: True
     last_ok: bool = False  # a segment may end wherever its last block can run it
+    joins: Callable[[BlockCost, BlockCost], bool] = lambda first, block: True
 
 
 KINDS: dict[str, Kind] = {
@@ -335,6 +344,7 @@ KINDS: dict[str, Kind] = {
         check=_check_reversible,
         runs_on=lambda b, arg: b.invertible,
         last_ok=True,
+        joins=lambda first, block: first.split_dim == block.split_dim,  # one stack's units
     ),
     OFFLOAD: Kind(
         lambda part, arg, first, last, out: _offload_work(part, first, out),

@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..engine.rehearsal import Rehearsal
 from ..engine.rerun import any_changed, input_versions
+from ..layers import ReversibleUnit
 from ..strategy import Strategy
 from .block_errors import error_fields, perturbations
 from .block_memory import memory_costs
@@ -148,7 +149,9 @@ class _ProfilingJob:
             times = self._times(g, memory[g], inputs[g], options[g], probed, roundtrips[g])
             memory[g].fields.update(times)
         for i in range(len(chain)):
-            costs.append(BlockCost(**{**memory[groups[i]].fields, **errors.get(i, {})}))
+            fields = {**memory[groups[i]].fields, **errors.get(i, {})}
+            split_dim = chain[i].split_dim if isinstance(chain[i], ReversibleUnit) else None
+            costs.append(BlockCost(**fields, split_dim=split_dim))  # not in a group's key
         return costs
 
     def _stored_step(

@@ -95,6 +95,8 @@ def _possible(
     # a store segment of n blocks is n store segments of one: the programme uses those
     if (kind.one_block or s == STORE) and k > j + 1:
         return False
+    if not kind.joins(blocks[j], blocks[k - 1]):
+        return False
     return kind.runs_on(blocks[k - 1] if kind.last_ok else blocks[j], argument_of(s))
 
 

@@ -444,3 +444,28 @@ def test_a_chain_of_units_split_along_different_dims_profiles_and_plans():
     x = torch.randn(4, 16, requires_grad=True)
     apply(chain, plan)(x).sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_no_plan_runs_units_split_along_different_dims_as_one_stack():
+    """The solver cuts a reversible segment where split_dim changes (it had planned a stack
+    over units split along 1 and -1, which ``apply`` refused), and a hand-made one is refused
+    with the cut it needs."""
+    from revckpt import InvalidArgumentError
+    from revckpt.layers import ReversibleUnit, reversible_mlp_block
+    from revckpt.schedule import apply, evaluate, profile, solve
+
+    torch.manual_seed(0)
+    dims = [1, 1, 1, -1, -1, -1, 1, 1]
+    chain = nn.Sequential(*(ReversibleUnit(reversible_mlp_block(8, 16), split_dim=d) for d in dims))
+    prof = profile(chain, torch.randn(4, 16), repeats=1, policies=(), codecs=())
+    assert [b.split_dim for b in prof.blocks] == dims
+    plan = solve(prof, memory_budget=0.52, strategies=["store", "reversible"])
+    reversible = [s for s in plan.segments if s.strategy == "reversible"]
+    assert reversible
+    assert all(len({dims[i] for i in range(s.start, s.stop)}) == 1 for s in reversible)
+    x = torch.randn(4, 16, requires_grad=True)
+    apply(chain, plan)(x).sum().backward()
+    expected = torch.autograd.grad(chain(x).sum(), x)[0]
+    torch.testing.assert_close(x.grad, expected)
+    with pytest.raises(InvalidArgumentError, match="cut the segment where split_dim changes"):
+        evaluate(prof.blocks, [Segment(0, 8, "reversible")])
