@@ -9,7 +9,7 @@ import torch
 from revckpt import InvalidArgumentError
 from revckpt.models import mlp_chain
 from revckpt.schedule import Segment, profile
-from revckpt.schedule.costs import chain_totals, evaluate, segment_cost
+from revckpt.schedule.costs import BlockCost, chain_totals, evaluate, segment_cost
 
 
 @pytest.fixture(scope="module")
@@ -78,21 +78,12 @@ def test_segments_must_cover_the_chain_in_order(blocks):
 def test_a_reversible_stack_costs_its_first_block_alone_and_the_others_inside():
     from dataclasses import replace
 
-    from revckpt.schedule.costs import BlockCost
+    from reference import timed_block
 
     def block(head: float, inside: float | None) -> BlockCost:
-        return BlockCost(
-            forward_s=1.0,
-            backward_s=2.0,
-            input_bytes=8,
-            output_bytes=8,
-            saved_bytes=8,
-            forward_peak_bytes=8,
-            forward_peak_nograd_bytes=8,
-            backward_peak_bytes=8,
-            invertible=True,
-            strategy_overhead_s={"reversible": head},
-            stacked_s=inside,
+        overhead = {"reversible": head}
+        return timed_block(
+            1.0, 2.0, invertible=True, strategy_overhead_s=overhead, stacked_s=inside
         )
 
     part = [block(5.0, 2.0), block(6.0, 3.0), block(7.0, None)]

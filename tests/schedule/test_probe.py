@@ -375,8 +375,10 @@ def test_a_reversible_stack_is_priced_its_first_block_alone_and_each_block_insid
     """A stack's own call costs once per stack (here 5 s of fake time per call): the probe
     prices a stack of one at that plus a block's work and a block inside a longer stack at
     its work alone, and a plan's stack of six is predicted at the time its step takes."""
+    from reference import timed_block
+
     from revckpt.layers import ReversibleBlock, ReversibleSequential, ReversibleUnit
-    from revckpt.schedule.costs import BlockCost, evaluate
+    from revckpt.schedule.costs import evaluate
 
     clock = FakeClock()
     stack_call = ReversibleSequential.forward
@@ -396,19 +398,7 @@ def test_a_reversible_stack_is_priced_its_first_block_alone_and_each_block_insid
     head, inside = got.overhead_s[0]["reversible"], got.stacked_s[0]
     assert head == pytest.approx(inside + 5.0)
     blocks = [
-        BlockCost(
-            forward_s=f,
-            backward_s=b,
-            input_bytes=0,
-            output_bytes=0,
-            saved_bytes=0,
-            forward_peak_bytes=0,
-            forward_peak_nograd_bytes=0,
-            backward_peak_bytes=0,
-            invertible=True,
-            strategy_overhead_s=o,
-            stacked_s=s,
-        )
+        timed_block(f, b, invertible=True, strategy_overhead_s=o, stacked_s=s)
         for f, b, o, s in zip(
             got.forward_s, got.backward_s, got.overhead_s, got.stacked_s, strict=True
         )
