@@ -188,6 +188,29 @@ def test_a_larger_batch_names_the_planned_shape() -> None:
         model(*case.make_example(8, 32))
 
 
+def test_a_wider_dtype_after_the_fit_is_refused_as_a_larger_batch_is() -> None:
+    """``model.double()`` after a float32 fit doubles every tensor the plan keeps: the memory
+    plan no longer holds, and training says so (it ran on silently before). A narrower dtype
+    keeps less and runs; the dtypes travel with a saved plan, and a plan saved without them
+    (before they were recorded) still loads and runs."""
+    case = _case("nanogpt")
+    model = case.make_model()
+    example = case.make_example(4, 32)
+    plan = revckpt.fit(model, example, memory_budget=0.7, loss_fn=case.loss_fn)
+    assert set(plan.block_dtypes) == {"float32"} and len(plan.block_dtypes) == plan.length
+    assert Plan.from_json(plan.to_json()).block_dtypes == plan.block_dtypes
+    model.double()
+    with pytest.raises(InvalidArgumentError, match=r"planned for torch\.float32 hidden states"):
+        zoo.step(model, example, case.loss_fn)
+    model.bfloat16()
+    zoo.step(model, example, case.loss_fn)
+    old = Plan.from_dict({k: v for k, v in plan.to_dict().items() if k != "block_dtypes"})
+    assert old.block_dtypes == ()
+    again = case.make_model()
+    revckpt.fit(again, example, memory_budget=0.7, loss_fn=case.loss_fn, plan=old)
+    zoo.step(again, example, case.loss_fn)
+
+
 def test_hf_cache_in_training_is_off_as_with_hf_checkpointing() -> None:
     pytest.importorskip("transformers")
     case = _case("gpt2")

@@ -28,6 +28,7 @@ from ..schedule.costs import evaluate, peak_phases, strategy_names
 from ..schedule.error_samples import checked_stride
 from ..schedule.kinds import approximate
 from ..schedule.plan import Plan
+from ..schedule.plan_checks import dtype_name, dtype_named
 from ..schedule.profile import Profile
 from ..schedule.solver import solve
 from ..strategy import Strategy, StrategyLike, argument_of, kind_of
@@ -210,6 +211,7 @@ class Fitted:
     profile: Profile | None = None
     store_peak: int | None = None
     shapes: tuple[tuple[int, ...], ...] = ()  # the traced blocks' hidden-state shapes
+    dtypes: tuple[str, ...] = ()  # and their dtypes' names
 
 
 def _fit(
@@ -252,6 +254,7 @@ def _fit(
         keys = [c.key for c in traced.calls]
         budget = parse_budget(memory_budget, traced.store_peak)
         shapes = tuple(tuple(c.input.shape) for c in traced.calls)
+        dtypes = tuple(dtype_name(c.input.dtype) for c in traced.calls)
         if saved is not None:
             result = saved
         else:
@@ -261,7 +264,10 @@ def _fit(
                     profile, memory_budget=budget, error_budget=error_budget, strategies=chosen
                 )
                 found_plan = dataclasses.replace(
-                    found_plan, block_shapes=shapes, model_digest=model_digest(model)
+                    found_plan,
+                    block_shapes=shapes,
+                    block_dtypes=dtypes,
+                    model_digest=model_digest(model),
                 )
                 return _measured(
                     found_plan, model, example, o.loss_fn, found, keys, traced.reference
@@ -280,7 +286,7 @@ def _fit(
 
             result = _agreed(_within_error(within, o.error_budget, modelled))
         _apply(result, found, keys)
-        seen = (profile, traced.store_peak, shapes)
+        seen = (profile, traced.store_peak, shapes, dtypes)
         return Fitted(result, found, keys, tuple(chosen), o.error_budget, budget, *seen)
     except BaseException:
         restore(model)
@@ -433,6 +439,7 @@ def _recorder_slot(found: list[tuple[str, nn.Module]]) -> Callable[[Recorder | N
 
 def _apply(plan: Plan, found: list[tuple[str, nn.Module]], keys: Sequence[Any]) -> None:
     shapes = plan.block_shapes or (None,) * len(found)
+    dtypes = [dtype_named(d) for d in plan.block_dtypes] or [None] * len(found)
     for seg in plan.segments:
         labels = tuple(fqn for fqn, _ in found[seg.start : seg.stop])
         if seg.strategy == "checkpoint":
@@ -442,7 +449,13 @@ def _apply(plan: Plan, found: list[tuple[str, nn.Module]], keys: Sequence[Any]) 
         for i, run in zip(range(seg.start, seg.stop), runners, strict=True):
             fqn, block = found[i]
             info = Planned(
-                fqn, seg.strategy, run, key=keys[i], limit=shapes[i], threads=plan.threads
+                fqn,
+                seg.strategy,
+                run,
+                key=keys[i],
+                limit=shapes[i],
+                dtype=dtypes[i],
+                threads=plan.threads,
             )
             install(block, info)
 

@@ -43,6 +43,7 @@ class Planned:
     original: Any = None  # an instance ``forward`` the block had before, if any
     key: Key | None = None  # where its hidden state is among its arguments (None: find it)
     limit: tuple[int, ...] | None = None  # the largest hidden-state shape the plan holds for
+    dtype: torch.dtype | None = None  # the hidden state's dtype it was planned for
     threads: int | None = None  # the intra-op threads its times were measured with
     recorder: Any = None  # set while tracing (revckpt.inplace.trace.Recorder)
 
@@ -74,8 +75,11 @@ def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     key = info.key if info.key is not None else carried_key(args, kwargs)
     if key is None:
         return fn(*args, **kwargs)  # nothing to carry: nothing to plan
+    hidden = args[key] if isinstance(key, int) else kwargs.get(key)
     if info.limit is not None:
-        _check_shape(info, args[key] if isinstance(key, int) else kwargs.get(key))
+        _check_shape(info, hidden)
+    if info.dtype is not None:
+        _check_dtype(info, hidden)
     warn_if_threads_differ(info.threads)
     if info.recorder is not None:
         info.recorder.called(self, args, kwargs)
@@ -119,6 +123,21 @@ def _check_shape(info: Planned, hidden: Any) -> None:
         f"given to revckpt.fit) and got {list(shape)}: the memory plan holds for batches no "
         "larger in any dimension. Plan for the largest batch you train on "
         "(revckpt.fit(model, largest_batch, ...))"
+    )
+
+
+def _check_dtype(info: Planned, hidden: Any) -> None:
+    """A hidden state wider than planned (``model.double()`` after a float32 fit) makes every
+    tensor the block keeps larger: the memory plan no longer holds, as for a larger shape."""
+    planned_as = info.dtype
+    assert planned_as is not None
+    if not isinstance(hidden, torch.Tensor) or hidden.element_size() <= planned_as.itemsize:
+        return
+    raise InvalidArgumentError(
+        f"block {info.fqn} was planned for {planned_as} hidden states (the example given to "
+        f"revckpt.fit) and got {hidden.dtype}: every tensor it keeps is "
+        f"{hidden.element_size() // planned_as.itemsize}x larger, so the memory plan no longer "
+        "holds. Fit again after changing the model's dtype (revckpt.fit(model, example, ...))"
     )
 
 

@@ -261,6 +261,7 @@ def _winner(
         error_budget=fitted.error_budget,
         store_all_peak_bytes=fitted.store_peak,
         block_shapes=fitted.shapes,
+        block_dtypes=fitted.dtypes,
         model_digest=model_digest(model),
     )
 

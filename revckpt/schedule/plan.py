@@ -49,7 +49,9 @@ class Plan:
 
     A plan made by :func:`revckpt.fit` covers a whole training step: ``block_names`` are
     the blocks' names in the model, ``block_shapes`` the hidden-state shapes it was made for
-    (every batch no larger in any dimension holds), ``model_digest`` a digest of the model's
+    (every batch no larger in any dimension holds), ``block_dtypes`` their dtypes (``"float32"``;
+    a wider one, as after ``model.double()``, makes every kept tensor larger and is refused as
+    a larger shape is), ``model_digest`` a digest of the model's
     parameter names and shapes (a saved plan is applied to the model it was made for only),
     and the predictions are those of the whole step. ``threads``: the intra-op thread count
     the times were measured with; running with another warns once (:class:`~revckpt.PlanWarning`):
@@ -78,6 +80,7 @@ class Plan:
     block_names: tuple[str, ...] = field(default=())
     input_signature: tuple[Any, ...] | None = None
     block_shapes: tuple[tuple[int, ...], ...] = field(default=())
+    block_dtypes: tuple[str, ...] = field(default=())
     model_digest: str | None = None
     threads: int | None = None
     compiled: bool = False
@@ -138,6 +141,7 @@ class Plan:
         d["segments"] = [[s.start, s.stop, s.strategy] for s in self.segments]
         d["block_names"] = list(self.block_names)
         d["block_shapes"] = [list(s) for s in self.block_shapes]
+        d["block_dtypes"] = list(self.block_dtypes)
         if self.input_signature is not None:
             shape, dtype, device = self.input_signature
             d["input_signature"] = [list(shape), dtype, device]
@@ -185,6 +189,7 @@ class Plan:
         if not all(isinstance(s, list) and all(_is_int(n) for n in s) for s in shapes):
             raise InvalidInputTypeError("block_shapes in plan JSON is a list of lists of ints")
         fields["block_shapes"] = tuple(tuple(s) for s in shapes)
+        fields["block_dtypes"] = tuple(_json_list(fields.get("block_dtypes", []), "block_dtypes"))
         return cls(**fields)
 
     @classmethod

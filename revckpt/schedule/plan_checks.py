@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from ..approx.formats import FORMATS
 from ..checkpoint import POLICY_PRESETS
 from ..errors import InvalidArgumentError, InvalidInputTypeError
@@ -150,6 +152,34 @@ def _check_fields(plan: Plan) -> None:
         raise InvalidInputTypeError(f"compiled={plan.compiled!r}: pass true or false")
     if plan.input_signature is not None:
         _check_signature(plan.input_signature)
+    _check_dtypes(plan.block_dtypes, plan.length)
+
+
+def _check_dtypes(dtypes: Any, length: int) -> None:
+    """``block_dtypes``: none, or one torch dtype name per block (``"float32"``)."""
+    if not isinstance(dtypes, tuple) or not all(isinstance(d, str) for d in dtypes):
+        raise InvalidInputTypeError(f"block_dtypes must be a list of strings, got {dtypes!r}")
+    if dtypes and len(dtypes) != length:
+        raise InvalidArgumentError(
+            f"block_dtypes has {len(dtypes)} entries but the segments cover {length} blocks; "
+            "give one per block, or none"
+        )
+    bad = [d for d in dtypes if dtype_named(d) is None]
+    if bad:
+        raise InvalidArgumentError(
+            f"block_dtypes {bad[:3]} are not torch dtypes; use names such as 'float32'"
+        )
+
+
+def dtype_named(name: str) -> torch.dtype | None:
+    """The torch dtype ``name`` names (``"float32"``), or ``None``."""
+    found = getattr(torch, name, None)
+    return found if isinstance(found, torch.dtype) else None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` as ``"float32"``."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _check_signature(sig: Any) -> None:

@@ -134,3 +134,21 @@ def test_every_error_is_a_revckpt_error(good):
     for text in ("{", "[]", json.dumps({**plan.to_dict(), "segments": [[0, 4, None]]})):
         with pytest.raises(RevckptError):
             Plan.from_json(text)
+
+
+@pytest.mark.parametrize(
+    ("dtypes", "error", "message"),
+    [
+        (["float32"] * 3, InvalidArgumentError, "block_dtypes has 3 entries but the segments"),
+        (["float32", "float99", "float32", "float32"], InvalidArgumentError, "'float99'"),
+        (["float32", "Tensor", "float32", "float32"], InvalidArgumentError, "not torch dtypes"),
+        ([32] * 4, InvalidInputTypeError, "block_dtypes must be a list of strings"),
+        ("float32", InvalidInputTypeError, "block_dtypes in plan JSON must be a list"),
+    ],
+)
+def test_malformed_block_dtypes_raise(good, dtypes, error, message):
+    _, plan = good
+    with pytest.raises(error, match=message):
+        Plan.from_json(json.dumps({**plan.to_dict(), "block_dtypes": dtypes}))
+    fine = Plan.from_json(json.dumps({**plan.to_dict(), "block_dtypes": ["bfloat16"] * 4}))
+    assert fine.block_dtypes == ("bfloat16",) * 4
