@@ -211,6 +211,46 @@ def test_a_wider_dtype_after_the_fit_is_refused_as_a_larger_batch_is() -> None:
     zoo.step(again, example, case.loss_fn)
 
 
+class _Scaled(nn.Module):
+    """A block called as ``block(scale, h)``: a float32 table first, the hidden state second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, scale: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(F.gelu(self.up(h))) * scale.to(h.dtype)
+
+
+class _ScaledModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Scaled() for _ in range(4))
+        self.scale = torch.ones(1, 1, 64)  # a plain attribute: stays float32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(self.scale, x)
+        return x.sum()
+
+
+def test_a_saved_plan_checks_no_dtype_on_an_argument_it_did_not_trace() -> None:
+    """A saved plan's blocks find their hidden state by a rule (the first floating positional
+    tensor, here a float32 table): no dtype is checked on it, so a bfloat16 model is not
+    refused for its float32 table (the review of the dtype check found it refused)."""
+    torch.manual_seed(0)
+    model = _ScaledModel().bfloat16()
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 64, 64).bfloat16()
+    plan = revckpt.fit(model, (x,), memory_budget=0.6, loss_fn=lambda out: out, segment_blocks=1)
+    again = copy.deepcopy(plain)
+    revckpt.fit(again, (x,), memory_budget=0.6, loss_fn=lambda out: out, plan=plan.to_json())
+    again(x).backward()
+    plain(x).backward()
+    for a, b in zip(again.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
 def test_hf_cache_in_training_is_off_as_with_hf_checkpointing() -> None:
     pytest.importorskip("transformers")
     case = _case("gpt2")

@@ -878,6 +878,24 @@ def test_fit_on_a_stack_refuses_a_larger_batch_in_training():
     zoo.step(model, large, case.loss_fn)
 
 
+def test_fit_on_a_stack_refuses_a_wider_dtype_in_training():
+    """As for a larger batch: model.double() after a float32 fit doubles what the step keeps
+    (it ran on silently, past the budget); a narrower dtype runs, limit = None lifts it."""
+    case = zoo.CASES["nanogpt"]
+    model = make_reversible(case.make_model(), blocks=case.blocks_path, exact=True)
+    example = case.make_example(batch=2)
+    plan = revckpt.fit(model, example, memory_budget=1.0, loss_fn=case.loss_fn)
+    assert plan.block_dtypes == ("float32",) * plan.length
+    model.double()
+    with pytest.raises(InvalidArgumentError, match=r"for torch\.float32 hidden states and got"):
+        zoo.step(model, example, case.loss_fn)
+    reversible_layers(model).limit = None
+    zoo.step(model, example, case.loss_fn)
+    revckpt.fit(model, example, memory_budget=1.0, loss_fn=case.loss_fn)  # a fit in float64
+    model.float()  # narrower: runs
+    zoo.step(model, example, case.loss_fn)
+
+
 def test_exact_auto_rebuilds_sixteen_bit_layers_exactly():
     """exact="auto" (the default): a bfloat16 or float16 model is converted exact (a floating
     rebuild there drifts past 1e-2 even with an anchor per layer), its gradients bitwise plain

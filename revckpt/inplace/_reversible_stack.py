@@ -104,14 +104,17 @@ class ReversibleLayers:
     of :data:`MODES` (``"reversible"``; :func:`revckpt.fit` picks one for a budget);
     ``reversible``: ``mode == "reversible"``, set ``False`` for plain autograd (everything
     stored), e.g. for a reference gradient; ``limit``: the largest hidden-state shape
-    :func:`revckpt.fit` chose the mode for (a larger one is refused in training; ``None``:
-    no limit, what setting it to ``None`` gives). The layers' dtype
+    :func:`revckpt.fit` chose the mode for (a larger one is refused in training, as is a
+    wider dtype than ``limit_dtype``, the hidden state's then; ``None``: no limit, what
+    setting it to ``None`` gives). The layers' dtype
     is read at each forward: a model cast after conversion computes in its new dtype (with
     ``anchor_every="auto"``, the anchors for it)."""
 
     # defaults for a conversion pickled before they existed (torch.save of the model)
     limit: tuple[int, ...] | None = None
+    limit_dtype: torch.dtype | None = None
     shape: tuple[int, ...] | None = None
+    hidden_dtype: torch.dtype | None = None
     auto_exact = False  # exact="auto" chose (make_reversible); read by the 16-bit warning
     start: float | None = None  # the output's relative change at conversion, where measured
     feature_dim = -1  # the adapters' dimension of the hidden state
@@ -140,7 +143,9 @@ class ReversibleLayers:
         #: the largest hidden-state shape revckpt.fit measured the mode with (None: any): a
         #: larger one is refused in training; ``shape``: the hidden state's at the last forward
         self.limit: tuple[int, ...] | None = None
+        self.limit_dtype: torch.dtype | None = None
         self.shape: tuple[int, ...] | None = None
+        self.hidden_dtype: torch.dtype | None = None
         #: for revckpt.restore: each layer's instance forward before (as LayerCall.before), and
         #: the parameters make_reversible froze, with their requires_grad before
         self.forwards: list[Any] = []
@@ -266,9 +271,18 @@ class ReversibleLayers:
         """Refuse, in training, a hidden state larger than the one :func:`revckpt.fit` chose
         the mode for (its memory budget holds for batches no larger in any dimension)."""
         shape, limit = tuple(h.shape), self.limit
-        self.shape = shape
+        self.shape, self.hidden_dtype = shape, h.dtype
         if limit is None or not (torch.is_grad_enabled() and self.layers[0][1].training):
             return
+        planned = self.limit_dtype
+        if planned is not None and h.element_size() > planned.itemsize:
+            raise InvalidArgumentError(
+                f"revckpt.fit chose the reversible stack's mode ({self._mode}) for {planned} "
+                f"hidden states and got {h.dtype}: every tensor the step keeps is larger, so "
+                "the memory budget no longer holds. Fit again after changing the model's dtype "
+                "(revckpt.fit(model, example, ...)), or set "
+                "revckpt.inplace.reversible_layers(model).limit = None to run it anyway"
+            )
         if within(shape, limit):
             return
         raise InvalidArgumentError(

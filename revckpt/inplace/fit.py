@@ -472,7 +472,8 @@ def _load(plan: Any, model: nn.Module, found: list[tuple[str, nn.Module]]) -> Pl
         )
     if plan.model_digest != model_digest(model):
         raise InvalidArgumentError(
-            "the plan was made for a model with other parameters (names or shapes differ); "
-            "make one for this model with revckpt.fit(model, example, memory_budget=...)"
+            "the plan was made for a model with other parameters (their names, shapes or "
+            "dtypes differ); make one for this model with revckpt.fit(model, example, "
+            "memory_budget=...)"
         )
     return plan

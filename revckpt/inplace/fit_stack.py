@@ -28,6 +28,7 @@ from ..measure.timing import wall_time
 from ..schedule.budget import UNKNOWN_PEAK, human_bytes, parse_budget
 from ..schedule.costs import Segment
 from ..schedule.plan import Plan
+from ..schedule.plan_checks import dtype_name
 from ..strategy import StrategyLike
 from ._reversible_stack import MODES, ReversibleLayers
 from .blocks import Blocks, model_digest
@@ -114,7 +115,9 @@ def fit_stack(
         chosen = min(fits, key=ratios.__getitem__)
     converted.mode = chosen
     converted.limit = converted.shape  # the example's: a larger batch is refused in training
+    converted.limit_dtype = converted.hidden_dtype  # and a wider dtype
     names = tuple(fqn for fqn, _ in converted.layers)
+    dtype = converted.hidden_dtype
     return Plan(
         segments=(Segment(0, len(names), chosen),),
         predicted_peak_bytes=peaks[chosen],
@@ -127,6 +130,7 @@ def fit_stack(
         base_time_s=0.0,
         name=f"reversible stack: {chosen} (measured)",
         block_names=names,
+        block_dtypes=() if dtype is None else (dtype_name(dtype),) * len(names),
         threads=torch.get_num_threads(),
     )
 
@@ -135,12 +139,12 @@ def fit_stack(
 def _mode_kept(converted: ReversibleLayers) -> Iterator[None]:
     """The stack's mode and batch limit as found, the limit lifted meanwhile (a new example
     may be larger than the last fit's)."""
-    mode, limit = converted.mode, converted.limit
+    mode, limit, dtype = converted.mode, converted.limit, converted.limit_dtype
     converted.limit = None
     try:
         yield
     finally:
-        converted.mode, converted.limit = mode, limit
+        converted.mode, converted.limit, converted.limit_dtype = mode, limit, dtype
 
 
 def _ratios(

@@ -78,7 +78,7 @@ def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     hidden = args[key] if isinstance(key, int) else kwargs.get(key)
     if info.limit is not None:
         _check_shape(info, hidden)
-    if info.dtype is not None:
+    if info.dtype is not None and info.key is not None:  # where fit traced the hidden state
         _check_dtype(info, hidden)
     warn_if_threads_differ(info.threads)
     if info.recorder is not None:

@@ -32,6 +32,7 @@ from .costs import (
 )
 from .plan_checks import (
     _check_fields,
+    _checked_dtypes,
     _checked_names,
     _checked_segments,
     _is_int,
@@ -88,6 +89,8 @@ class Plan:
     def __post_init__(self) -> None:
         object.__setattr__(self, "segments", _checked_segments(self.segments))
         object.__setattr__(self, "block_names", _checked_names(self.block_names, self.length))
+        dtypes = _checked_dtypes(self.block_dtypes, self.length)
+        object.__setattr__(self, "block_dtypes", dtypes)
         _check_fields(self)
 
     @property

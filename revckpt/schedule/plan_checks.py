@@ -152,12 +152,11 @@ def _check_fields(plan: Plan) -> None:
         raise InvalidInputTypeError(f"compiled={plan.compiled!r}: pass true or false")
     if plan.input_signature is not None:
         _check_signature(plan.input_signature)
-    _check_dtypes(plan.block_dtypes, plan.length)
 
 
-def _check_dtypes(dtypes: Any, length: int) -> None:
+def _checked_dtypes(dtypes: Any, length: int) -> tuple[str, ...]:
     """``block_dtypes``: none, or one torch dtype name per block (``"float32"``)."""
-    if not isinstance(dtypes, tuple) or not all(isinstance(d, str) for d in dtypes):
+    if not isinstance(dtypes, (tuple, list)) or not all(isinstance(d, str) for d in dtypes):
         raise InvalidInputTypeError(f"block_dtypes must be a list of strings, got {dtypes!r}")
     if dtypes and len(dtypes) != length:
         raise InvalidArgumentError(
@@ -169,11 +168,12 @@ def _check_dtypes(dtypes: Any, length: int) -> None:
         raise InvalidArgumentError(
             f"block_dtypes {bad[:3]} are not torch dtypes; use names such as 'float32'"
         )
+    return tuple(dtypes)
 
 
 def dtype_named(name: str) -> torch.dtype | None:
-    """The torch dtype ``name`` names (``"float32"``), or ``None``."""
-    found = getattr(torch, name, None)
+    """The torch dtype ``name`` names (``"float32"`` or ``"torch.float32"``), or ``None``."""
+    found = getattr(torch, name.removeprefix("torch."), None)
     return found if isinstance(found, torch.dtype) else None
 
 

@@ -1,6 +1,7 @@
 """A malformed plan (constructor, from_dict, JSON) raises a RevckptError naming what is wrong,
 instead of running blocks twice or not at all."""
 
+import dataclasses
 import json
 
 import pytest
@@ -152,3 +153,5 @@ def test_malformed_block_dtypes_raise(good, dtypes, error, message):
         Plan.from_json(json.dumps({**plan.to_dict(), "block_dtypes": dtypes}))
     fine = Plan.from_json(json.dumps({**plan.to_dict(), "block_dtypes": ["bfloat16"] * 4}))
     assert fine.block_dtypes == ("bfloat16",) * 4
+    spelt = dataclasses.replace(plan, block_dtypes=["torch.float32"] * 4)  # a list, torch's name
+    assert spelt.block_dtypes == ("torch.float32",) * 4
