@@ -119,14 +119,20 @@ def _check_order(segments: Sequence[Segment]) -> None:
 
 
 def _checked_names(names: Any, length: int) -> tuple[str, ...]:
-    if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
-        raise InvalidInputTypeError(f"block_names must be a list of strings, got {names!r}")
-    if names and len(names) != length:
+    return _per_block(names, length, "block_names", ("name", "names"))
+
+
+def _per_block(values: Any, length: int, key: str, noun: tuple[str, str]) -> tuple[str, ...]:
+    """``values``: none, or one string (``noun``: singular, plural) per block of the plan's
+    ``length``."""
+    if not isinstance(values, (tuple, list)) or not all(isinstance(v, str) for v in values):
+        raise InvalidInputTypeError(f"{key} must be a list of strings, got {values!r}")
+    if values and len(values) != length:
         raise InvalidArgumentError(
-            f"block_names has {len(names)} names but the segments cover {length} blocks; "
-            "give one name per block, or none"
+            f"{key} has {len(values)} {noun[1]} but the segments cover {length} blocks; give "
+            f"one {noun[0]} per block, or none"
         )
-    return tuple(names)
+    return tuple(values)
 
 
 def _check_fields(plan: Plan) -> None:
@@ -156,19 +162,13 @@ def _check_fields(plan: Plan) -> None:
 
 def _checked_dtypes(dtypes: Any, length: int) -> tuple[str, ...]:
     """``block_dtypes``: none, or one torch dtype name per block (``"float32"``)."""
-    if not isinstance(dtypes, (tuple, list)) or not all(isinstance(d, str) for d in dtypes):
-        raise InvalidInputTypeError(f"block_dtypes must be a list of strings, got {dtypes!r}")
-    if dtypes and len(dtypes) != length:
-        raise InvalidArgumentError(
-            f"block_dtypes has {len(dtypes)} entries but the segments cover {length} blocks; "
-            "give one per block, or none"
-        )
+    dtypes = _per_block(dtypes, length, "block_dtypes", ("entry", "entries"))
     bad = [d for d in dtypes if dtype_named(d) is None]
     if bad:
         raise InvalidArgumentError(
             f"block_dtypes {bad[:3]} are not torch dtypes; use names such as 'float32'"
         )
-    return tuple(dtypes)
+    return dtypes
 
 
 def dtype_named(name: str) -> torch.dtype | None:
