@@ -11,7 +11,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["AutocastState", "autocast_device_types"]
+__all__ = ["AutocastState", "autocast_device_types", "autocast_dtype"]
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes in on ``device_type`` now, or ``None`` where it is off."""
+    if not torch.amp.is_autocast_available(device_type):
+        return None
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
 
 
 @functools.cache

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import importlib
 import itertools
+import json
 import logging
 import math
 import types
@@ -209,6 +210,31 @@ def test_a_wider_dtype_after_the_fit_is_refused_as_a_larger_batch_is() -> None:
     again = case.make_model()
     revckpt.fit(again, example, memory_budget=0.7, loss_fn=case.loss_fn, plan=old)
     zoo.step(again, example, case.loss_fn)
+
+
+def test_a_plan_made_under_autocast_is_refused_without_it() -> None:
+    """Fitted under bfloat16 autocast and trained without it, the blocks keep float32
+    activations with the same hidden-state dtype: it ran past the budget silently (the
+    review's nanoGPT: 5.87 MB against 4.09). Under the same autocast it runs; a plan made
+    without autocast runs under it (narrower); the autocast travels with a saved plan."""
+    case = _case("nanogpt")
+    example = case.make_example(4, 32)
+    model = case.make_model()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plan = revckpt.fit(model, example, memory_budget=0.8, loss_fn=case.loss_fn)
+        zoo.step(model, example, case.loss_fn)
+    assert plan.autocast == "bfloat16"
+    assert Plan.from_json(plan.to_json()).autocast == "bfloat16"
+    with pytest.raises(InvalidArgumentError, match=r"planned under torch\.autocast in torch\.bfl"):
+        zoo.step(model, example, case.loss_fn)
+    with torch.no_grad():
+        model(*example)  # not training: runs plainly
+    plain = case.make_model()
+    assert revckpt.fit(plain, example, memory_budget=0.8, loss_fn=case.loss_fn).autocast is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        zoo.step(plain, example, case.loss_fn)
+    with pytest.raises(InvalidArgumentError, match="autocast='float99'"):
+        Plan.from_json(json.dumps({**plan.to_dict(), "autocast": "float99"}))
 
 
 class _Scaled(nn.Module):

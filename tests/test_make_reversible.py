@@ -894,6 +894,12 @@ def test_fit_on_a_stack_refuses_a_wider_dtype_in_training():
     revckpt.fit(model, example, memory_budget=1.0, loss_fn=case.loss_fn)  # a fit in float64
     model.float()  # narrower: runs
     zoo.step(model, example, case.loss_fn)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plan = revckpt.fit(model, example, memory_budget=1.0, loss_fn=case.loss_fn)
+        zoo.step(model, example, case.loss_fn)
+    assert plan.autocast == "bfloat16"
+    with pytest.raises(InvalidArgumentError, match=r"under torch\.autocast in torch\.bfloat16"):
+        zoo.step(model, example, case.loss_fn)  # without it: wider activations
 
 
 def test_exact_auto_rebuilds_sixteen_bit_layers_exactly():

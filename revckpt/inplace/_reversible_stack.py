@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._autocast import autocast_dtype
 from ..checkpoint import checkpoint
 from ..errors import InvalidArgumentError, RevckptError
 from ..layers.drift import ReconstructionWarning
@@ -105,16 +106,19 @@ class ReversibleLayers:
     ``reversible``: ``mode == "reversible"``, set ``False`` for plain autograd (everything
     stored), e.g. for a reference gradient; ``limit``: the largest hidden-state shape
     :func:`revckpt.fit` chose the mode for (a larger one is refused in training, as is a
-    wider dtype than ``limit_dtype``, the hidden state's then; ``None``: no limit, what
-    setting it to ``None`` gives). The layers' dtype
+    wider dtype than ``limit_dtype``, the hidden state's then, and a run without the autocast
+    it ran under, ``limit_autocast``; ``None``: no limit, what setting it to ``None``
+    gives). The layers' dtype
     is read at each forward: a model cast after conversion computes in its new dtype (with
     ``anchor_every="auto"``, the anchors for it)."""
 
     # defaults for a conversion pickled before they existed (torch.save of the model)
     limit: tuple[int, ...] | None = None
     limit_dtype: torch.dtype | None = None
+    limit_autocast: torch.dtype | None = None
     shape: tuple[int, ...] | None = None
     hidden_dtype: torch.dtype | None = None
+    hidden_autocast: torch.dtype | None = None
     auto_exact = False  # exact="auto" chose (make_reversible); read by the 16-bit warning
     start: float | None = None  # the output's relative change at conversion, where measured
     feature_dim = -1  # the adapters' dimension of the hidden state
@@ -144,8 +148,10 @@ class ReversibleLayers:
         #: larger one is refused in training; ``shape``: the hidden state's at the last forward
         self.limit: tuple[int, ...] | None = None
         self.limit_dtype: torch.dtype | None = None
+        self.limit_autocast: torch.dtype | None = None
         self.shape: tuple[int, ...] | None = None
         self.hidden_dtype: torch.dtype | None = None
+        self.hidden_autocast: torch.dtype | None = None
         #: for revckpt.restore: each layer's instance forward before (as LayerCall.before), and
         #: the parameters make_reversible froze, with their requires_grad before
         self.forwards: list[Any] = []
@@ -272,8 +278,18 @@ class ReversibleLayers:
         the mode for (its memory budget holds for batches no larger in any dimension)."""
         shape, limit = tuple(h.shape), self.limit
         self.shape, self.hidden_dtype = shape, h.dtype
+        self.hidden_autocast = autocast_dtype(h.device.type)
         if limit is None or not (torch.is_grad_enabled() and self.layers[0][1].training):
             return
+        under, now = self.limit_autocast, self.hidden_autocast
+        if under is not None and (now is None or now.itemsize > under.itemsize):
+            raise InvalidArgumentError(
+                f"revckpt.fit chose the reversible stack's mode ({self._mode}) under "
+                f"torch.autocast in {under}, and it runs "
+                f"{'without autocast' if now is None else f'under autocast in {now}'}: the "
+                "activations it keeps are wider, so the memory budget no longer holds. Train "
+                "under the autocast you fit under, or fit again without it"
+            )
         planned = self.limit_dtype
         if planned is not None and h.element_size() > planned.itemsize:
             raise InvalidArgumentError(

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
+from .._autocast import autocast_dtype
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..schedule.budget import UNKNOWN_PEAK, parse_budget
 from ..schedule.costs import evaluate, peak_phases, strategy_names
@@ -212,6 +213,7 @@ class Fitted:
     store_peak: int | None = None
     shapes: tuple[tuple[int, ...], ...] = ()  # the traced blocks' hidden-state shapes
     dtypes: tuple[str, ...] = ()  # and their dtypes' names
+    autocast: str | None = None  # the autocast dtype the example ran under (None: off)
 
 
 def _fit(
@@ -255,6 +257,8 @@ def _fit(
         budget = parse_budget(memory_budget, traced.store_peak)
         shapes = tuple(tuple(c.input.shape) for c in traced.calls)
         dtypes = tuple(dtype_name(c.input.dtype) for c in traced.calls)
+        under = autocast_dtype(traced.calls[0].input.device.type) if traced.calls else None
+        autocast = None if under is None else dtype_name(under)
         if saved is not None:
             result = saved
         else:
@@ -267,6 +271,7 @@ def _fit(
                     found_plan,
                     block_shapes=shapes,
                     block_dtypes=dtypes,
+                    autocast=autocast,
                     model_digest=model_digest(model),
                 )
                 return _measured(
@@ -286,7 +291,7 @@ def _fit(
 
             result = _agreed(_within_error(within, o.error_budget, modelled))
         _apply(result, found, keys)
-        seen = (profile, traced.store_peak, shapes, dtypes)
+        seen = (profile, traced.store_peak, shapes, dtypes, autocast)
         return Fitted(result, found, keys, tuple(chosen), o.error_budget, budget, *seen)
     except BaseException:
         restore(model)
@@ -440,6 +445,7 @@ def _recorder_slot(found: list[tuple[str, nn.Module]]) -> Callable[[Recorder | N
 def _apply(plan: Plan, found: list[tuple[str, nn.Module]], keys: Sequence[Any]) -> None:
     shapes = plan.block_shapes or (None,) * len(found)
     dtypes = [dtype_named(d) for d in plan.block_dtypes] or [None] * len(found)
+    autocast = None if plan.autocast is None else dtype_named(plan.autocast)
     for seg in plan.segments:
         labels = tuple(fqn for fqn, _ in found[seg.start : seg.stop])
         if seg.strategy == "checkpoint":
@@ -455,6 +461,7 @@ def _apply(plan: Plan, found: list[tuple[str, nn.Module]], keys: Sequence[Any]) 
                 key=keys[i],
                 limit=shapes[i],
                 dtype=dtypes[i],
+                autocast=autocast,
                 threads=plan.threads,
             )
             install(block, info)

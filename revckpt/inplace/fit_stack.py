@@ -116,6 +116,8 @@ def fit_stack(
     converted.mode = chosen
     converted.limit = converted.shape  # the example's: a larger batch is refused in training
     converted.limit_dtype = converted.hidden_dtype  # and a wider dtype
+    converted.limit_autocast = converted.hidden_autocast  # or no autocast where it ran under one
+    under = converted.hidden_autocast
     names = tuple(fqn for fqn, _ in converted.layers)
     dtype = converted.hidden_dtype
     return Plan(
@@ -131,6 +133,7 @@ def fit_stack(
         name=f"reversible stack: {chosen} (measured)",
         block_names=names,
         block_dtypes=() if dtype is None else (dtype_name(dtype),) * len(names),
+        autocast=None if under is None else dtype_name(under),
         threads=torch.get_num_threads(),
     )
 
@@ -139,12 +142,12 @@ def fit_stack(
 def _mode_kept(converted: ReversibleLayers) -> Iterator[None]:
     """The stack's mode and batch limit as found, the limit lifted meanwhile (a new example
     may be larger than the last fit's)."""
-    mode, limit, dtype = converted.mode, converted.limit, converted.limit_dtype
+    kept = (converted.mode, converted.limit, converted.limit_dtype, converted.limit_autocast)
     converted.limit = None
     try:
         yield
     finally:
-        converted.mode, converted.limit, converted.limit_dtype = mode, limit, dtype
+        (converted.mode, converted.limit, converted.limit_dtype, converted.limit_autocast) = kept
 
 
 def _ratios(

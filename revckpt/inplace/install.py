@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._autocast import autocast_dtype
 from ..errors import InvalidArgumentError, PlanWarning
 from ..schedule.plan import warn_if_threads_differ
 from .calls import Key, carried_key, drop_caches
@@ -44,6 +45,7 @@ class Planned:
     key: Key | None = None  # where its hidden state is among its arguments (None: find it)
     limit: tuple[int, ...] | None = None  # the largest hidden-state shape the plan holds for
     dtype: torch.dtype | None = None  # the hidden state's dtype it was planned for
+    autocast: torch.dtype | None = None  # the autocast dtype it was planned under (None: off)
     threads: int | None = None  # the intra-op threads its times were measured with
     recorder: Any = None  # set while tracing (revckpt.inplace.trace.Recorder)
 
@@ -78,8 +80,9 @@ def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     hidden = args[key] if isinstance(key, int) else kwargs.get(key)
     if info.limit is not None:
         _check_shape(info, hidden)
-    if info.dtype is not None and info.key is not None:  # where fit traced the hidden state
+    if info.key is not None and isinstance(hidden, torch.Tensor):  # where fit traced it
         _check_dtype(info, hidden)
+        _check_autocast(info, hidden)
     warn_if_threads_differ(info.threads)
     if info.recorder is not None:
         info.recorder.called(self, args, kwargs)
@@ -126,18 +129,34 @@ def _check_shape(info: Planned, hidden: Any) -> None:
     )
 
 
-def _check_dtype(info: Planned, hidden: Any) -> None:
+def _check_dtype(info: Planned, hidden: torch.Tensor) -> None:
     """A hidden state wider than planned (``model.double()`` after a float32 fit) makes every
     tensor the block keeps larger: the memory plan no longer holds, as for a larger shape."""
     planned_as = info.dtype
-    assert planned_as is not None
-    if not isinstance(hidden, torch.Tensor) or hidden.element_size() <= planned_as.itemsize:
+    if planned_as is None or hidden.element_size() <= planned_as.itemsize:
         return
     raise InvalidArgumentError(
         f"block {info.fqn} was planned for {planned_as} hidden states (the example given to "
         f"revckpt.fit) and got {hidden.dtype}: every tensor it keeps is "
         f"{hidden.element_size() // planned_as.itemsize}x larger, so the memory plan no longer "
         "holds. Fit again after changing the model's dtype (revckpt.fit(model, example, ...))"
+    )
+
+
+def _check_autocast(info: Planned, hidden: torch.Tensor) -> None:
+    """Planned under autocast and run without it (or in a wider dtype), a block keeps wider
+    activations than planned, with the same hidden-state dtype: refused as a wider one is."""
+    planned_as = info.autocast
+    if planned_as is None:
+        return
+    now = autocast_dtype(hidden.device.type)
+    if now is not None and now.itemsize <= planned_as.itemsize:
+        return
+    running = "without autocast" if now is None else f"under autocast in {now}"
+    raise InvalidArgumentError(
+        f"block {info.fqn} was planned under torch.autocast in {planned_as} and runs "
+        f"{running}: the activations it keeps are wider than planned, so the memory plan no "
+        "longer holds. Train under the autocast you fit under, or fit again without it"
     )
 
 

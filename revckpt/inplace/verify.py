@@ -262,6 +262,7 @@ def _winner(
         store_all_peak_bytes=fitted.store_peak,
         block_shapes=fitted.shapes,
         block_dtypes=fitted.dtypes,
+        autocast=fitted.autocast,
         model_digest=model_digest(model),
     )
 

@@ -52,7 +52,9 @@ class Plan:
     the blocks' names in the model, ``block_shapes`` the hidden-state shapes it was made for
     (every batch no larger in any dimension holds), ``block_dtypes`` their dtypes (``"float32"``;
     a wider one, as after ``model.double()``, makes every kept tensor larger and is refused as
-    a larger shape is), ``model_digest`` a digest of the model's
+    a larger shape is), ``autocast`` the autocast dtype it was made under (``None``: autocast
+    off; run without it, or in a wider one, the blocks keep wider activations and it is refused
+    too), ``model_digest`` a digest of the model's
     parameter names and shapes (a saved plan is applied to the model it was made for only),
     and the predictions are those of the whole step. ``threads``: the intra-op thread count
     the times were measured with; running with another warns once (:class:`~revckpt.PlanWarning`):
@@ -82,6 +84,7 @@ class Plan:
     input_signature: tuple[Any, ...] | None = None
     block_shapes: tuple[tuple[int, ...], ...] = field(default=())
     block_dtypes: tuple[str, ...] = field(default=())
+    autocast: str | None = None
     model_digest: str | None = None
     threads: int | None = None
     compiled: bool = False

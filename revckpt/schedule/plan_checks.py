@@ -158,6 +158,12 @@ def _check_fields(plan: Plan) -> None:
         raise InvalidInputTypeError(f"compiled={plan.compiled!r}: pass true or false")
     if plan.input_signature is not None:
         _check_signature(plan.input_signature)
+    if plan.autocast is not None and (
+        not isinstance(plan.autocast, str) or dtype_named(plan.autocast) is None
+    ):
+        raise InvalidArgumentError(
+            f"autocast={plan.autocast!r}: null, or the name of a torch dtype such as 'bfloat16'"
+        )
 
 
 def _checked_dtypes(dtypes: Any, length: int) -> tuple[str, ...]:
