@@ -237,6 +237,34 @@ def test_a_plan_made_under_autocast_is_refused_without_it() -> None:
         Plan.from_json(json.dumps({**plan.to_dict(), "autocast": "float99"}))
 
 
+class _AutocastOff(nn.Module):
+    """Blocks the model calls with autocast switched off, whatever its caller runs under."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(4)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            for block in self.blocks:
+                x = x + block(x)
+        return x.sum()
+
+
+def test_the_autocast_recorded_is_the_one_the_blocks_ran_under() -> None:
+    """A fit under autocast of a model that calls its blocks with autocast off plans them
+    off: training under or without the outer autocast runs (the blocks see it off)."""
+    model = _AutocastOff()
+    x = torch.randn(8, 64, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plan = revckpt.fit(model, (x,), memory_budget=0.8, loss_fn=lambda out: out)
+        model(x).backward()
+    assert plan.autocast is None
+    model(x).backward()
+
+
 class _Scaled(nn.Module):
     """A block called as ``block(scale, h)``: a float32 table first, the hidden state second."""
 

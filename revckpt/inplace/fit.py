@@ -22,7 +22,6 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from .._autocast import autocast_dtype
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..schedule.budget import UNKNOWN_PEAK, parse_budget
 from ..schedule.costs import evaluate, peak_phases, strategy_names
@@ -257,7 +256,7 @@ def _fit(
         budget = parse_budget(memory_budget, traced.store_peak)
         shapes = tuple(tuple(c.input.shape) for c in traced.calls)
         dtypes = tuple(dtype_name(c.input.dtype) for c in traced.calls)
-        under = autocast_dtype(traced.calls[0].input.device.type) if traced.calls else None
+        under = traced.calls[0].autocast if traced.calls else None  # at the blocks' calls
         autocast = None if under is None else dtype_name(under)
         if saved is not None:
             result = saved

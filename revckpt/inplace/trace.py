@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._autocast import autocast_dtype
 from .._numbers import tensor_bytes
 from ..engine.rerun import any_changed, input_versions
 from ..errors import InvalidArgumentError, InvalidInputTypeError
@@ -53,7 +54,7 @@ __all__ = ["Call", "Recorder", "Trace", "trace"]
 @dataclass
 class Call:
     """One block call of the traced forward: its arguments, where the hidden state is among
-    them, and the hidden state it returned."""
+    them, the hidden state it returned, and the autocast dtype it ran under (``None``: off)."""
 
     fqn: str
     block: nn.Module
@@ -61,6 +62,7 @@ class Call:
     kwargs: dict[str, Any]
     key: Key
     output: torch.Tensor
+    autocast: torch.dtype | None = None
 
     @property
     def input(self) -> torch.Tensor:
@@ -149,7 +151,8 @@ def trace(
                     "hidden state; pick other blocks with blocks='attribute.path'"
                 )
             hidden = hidden_of(out, f"block {names[i]}")
-            calls.append(Call(names[i], blocks[i][1], args, kwargs, key, hidden))
+            under = autocast_dtype(hidden.device.type)  # as at the call: contexts restore it
+            calls.append(Call(names[i], blocks[i][1], args, kwargs, key, hidden, under))
 
     outside = _SavedOutside()
     recorder.hooks += [capture, outside.track]
