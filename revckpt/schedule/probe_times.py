@@ -170,8 +170,8 @@ def filled(
     pay more per forward second for the calls around it): on the RevNet-like model a
     one-block reversible stack on the first stage, reached by no stretch, measured about 4.7
     ms (a step with four of them against storing), was priced 6.7 ms from its forward and
-    4.6 ms from its checkpoint time. A checkpoint extra of 0 (a median clamped at 0) prices
-    nothing from it."""
+    4.6 ms from its checkpoint time (docs/schedule.md, *Reversible stacks, timed as plans run
+    them*). A checkpoint extra of 0 (a median clamped at 0) prices nothing from it."""
     ckpt = extra.get((g, CHECKPOINT), 0.0)
     pairs = [
         v / extra[(h, CHECKPOINT)]
@@ -220,8 +220,9 @@ def chained_extras(
     shared by its other blocks in proportion to their forward times; per group the median,
     else the median ratio to the one-block overhead, times the group's (not to the forward:
     on the RevNet-like model, a stack on the first stage, which no stretch reached, was
-    priced 4.0 ms a block from its forward, 2.8 ms from its one-block stack's; a step with
-    a stack of its eight blocks measured about 2.9). Only the spans of ``strategy`` count."""
+    priced 4.0 ms a block from its forward, 2.85 ms from its one-block stack's; its eight
+    blocks timed as one stack measured 2.6 ms a block: docs/schedule.md, *Reversible stacks,
+    timed as plans run them*). Only the spans of ``strategy`` count."""
     samples: dict[int, list[float]] = defaultdict(list)
     for seg, extra in spans:
         if seg.strategy != strategy:
