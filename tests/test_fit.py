@@ -545,6 +545,37 @@ def test_an_example_that_requires_grad_is_left_as_it_was() -> None:
     torch.testing.assert_close(x.grad, want)
 
 
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_fit_leaves_the_examples_gradient_as_it_was(as_dict: bool) -> None:
+    """A leaf of the example that requires grad (a trainable prompt, ``inputs_embeds``): the
+    steps fit runs do not accumulate into its ``.grad`` (the next ``opt.step()`` would use
+    them); one it had is the same tensor with the same values after, one it had not is still
+    ``None``."""
+
+    class Keyword(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(_Residual(8) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    torch.manual_seed(0)
+    for had in (False, True):
+        model = Keyword()
+        x = torch.randn(4, 8, requires_grad=True)
+        before = torch.randn(4, 8) if had else None
+        x.grad = None if before is None else before.clone()
+        held = x.grad
+        example = {"x": x} if as_dict else x
+        revckpt.fit(model, example, memory_budget=1.0, loss_fn=lambda out: out.sum())
+        assert x.grad is held
+        if had:
+            torch.testing.assert_close(x.grad, before, rtol=0, atol=0)
+
+
 def test_bad_input_is_one_clear_error() -> None:
     case = _case("nanogpt")
     model, example = case.make_model(), case.make_example(2, 16)

@@ -164,7 +164,7 @@ def _ratios(
     names = list(dict.fromkeys(["store", *modes]))
     params = [p for p in model.parameters() if p.requires_grad]
     rounds: list[dict[str, float]] = []
-    with left_as_found(model), _mode_kept(converted):
+    with left_as_found(model, example), _mode_kept(converted):
         for i in range(1 + max(1, repeats)):
             shift = i % len(names)
             seconds = {}

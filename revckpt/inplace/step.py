@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from .._numbers import relative
 from ..errors import InvalidArgumentError, InvalidInputTypeError
@@ -100,9 +101,17 @@ def _cuda_devices(model: nn.Module) -> list[torch.device]:
 
 
 @contextlib.contextmanager
-def left_as_found(model: nn.Module) -> Iterator[None]:
+def left_as_found(model: nn.Module, example: Any = None) -> Iterator[None]:
+    """Steps run within leave the model as it was (parameters' gradients, buffers, plain
+    attributes, the generators), and the example's tensors too: a leaf that requires grad (a
+    trainable prompt, ``inputs_embeds``) has no ``.grad`` within, as after ``zero_grad()``,
+    and gets its own back on exit (the steps' gradients are not the caller's)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    with torch.random.fork_rng(devices=_cuda_devices(model)), preserved(model):
+    tensors = [t for t in tree_leaves(example) if isinstance(t, torch.Tensor)]
+    with (
+        torch.random.fork_rng(devices=_cuda_devices(model)),
+        preserved(model, tensors=tensors),
+    ):
         for p in params:  # the step creates them, as after zero_grad()
             p.grad = None
         yield
@@ -122,7 +131,7 @@ def measure_step(model: nn.Module, example: Any, loss_fn: LossFn) -> int:
     """The peak bytes of one step as planned (gradients ``None`` before it), leaving the model
     as it was."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    with left_as_found(model), MemoryMeter(device) as meter:
+    with left_as_found(model, example), MemoryMeter(device) as meter:
         run_step(model, example, loss_fn)
     return meter.peak_bytes
 
@@ -152,7 +161,7 @@ def measured_gradients(
     other step from it), and copies of the gradients of ``params`` it made (taken outside the
     meter); the model and the generators are left as they were."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    with left_as_found(model):
+    with left_as_found(model, example):
         seed_step(model, seed)
         with MemoryMeter(device) as meter:
             run_step(model, example, loss_fn)

@@ -159,7 +159,7 @@ def trace(
     recorder_slot(recorder)
     try:
         weights = None
-        with left_as_found(model), _runnable():
+        with left_as_found(model, example), _runnable():
             args, kwargs = split_example(example)
             with outside:
                 loss = loss_of(model(*args, **kwargs), loss_fn)  # the forward: no backward yet
@@ -310,7 +310,7 @@ def _metered(
     handles: list[Any] = []  # the hooks, removed after the step (x0 may be the caller's leaf)
     device = calls[0].input.device
     # the model's state is saved and put back outside the meter (it is not the step's)
-    with left_as_found(model):
+    with left_as_found(model, example):
         if seed is not None:
             seed_step(model, seed)
         with MemoryMeter(device) as meter:

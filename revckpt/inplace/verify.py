@@ -301,7 +301,7 @@ class _InStep:
         names = list(self.plans)
         params = [p for p in self.model.parameters() if p.requires_grad]
         times: dict[str, list[float]] = {name: [] for name in names}
-        with left_as_found(self.model):
+        with left_as_found(self.model, self.example):
             for i in range(warmup + rounds):
                 shift = i % len(names)
                 for name in names[shift:] + names[:shift]:
@@ -332,7 +332,7 @@ class _InStep:
             self.step()
             return gradient_copies(params)
 
-        with left_as_found(self.model):
+        with left_as_found(self.model, self.example):
             reference = Reference(seed, params, gradients(STORE_ALL))
             for name in approx:
                 errors[name] = reference.error_of(gradients(name))

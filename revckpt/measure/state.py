@@ -25,8 +25,8 @@ def preserved(
     module held (one a forward rebound, ``self.ema = 0.9 * self.ema + ...``, is put back; one a
     forward registered is removed), every plain public attribute (a call counter) its value
     (one a forward made is removed), and, with ``grads``, every trainable parameter its
-    ``.grad`` (the same tensor object, or ``None``). ``tensors`` (the modules' inputs): those
-    that require grad have no ``.grad`` within the context, and get theirs back on exit.
+    ``.grad`` (the same tensor object, or ``None``). ``tensors`` (the modules' inputs): the leaves
+    among them that require grad have no ``.grad`` within the context, and get theirs back on exit.
     Modules the given ones hold in a plain list, tuple or dict attribute (not registered,
     e.g. ``self.shared = [norm]``) count as theirs; modules reached through globals are not
     seen."""
@@ -44,7 +44,7 @@ def preserved(
             if id(b) not in seen:
                 seen.add(id(b))
                 buffers.append((b, b.detach().clone()))
-    inputs = [t for t in tensors if t.requires_grad and id(t) not in seen]
+    inputs = [t for t in tensors if t.requires_grad and t.is_leaf and id(t) not in seen]
     saved_grads = [p.grad for p in params]
     input_grads = [t.grad for t in inputs]
     for t in inputs:  # not accumulated into: their gradients are the caller's
