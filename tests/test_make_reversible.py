@@ -318,6 +318,80 @@ def test_a_model_that_changes_the_hidden_state_between_layers_is_refused():
         model(torch.randn(2, 8))
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_model_that_changes_the_hidden_state_in_place_between_layers_is_refused(grad):
+    """``x.mul_(0.5)`` between two converted layers: the stack carries the hidden state in its
+    own streams, which the change does not reach; it went unseen (the output moved by 1.9,
+    relative, where the start is about 2e-3)."""
+
+    class Halved(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(
+                nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(3)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+                x.mul_(0.5)
+            return x
+
+    model = make_reversible(Halved(), blocks="layers", trainable="all")
+    with torch.set_grad_enabled(grad), pytest.raises(RevckptError, match="changed in place"):
+        model(torch.randn(2, 8))
+
+
+class _Pool(nn.Module):
+    """Keeps the width, not the shape: (batch, tokens, width) to (batch, 1, width)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x.mean(1, keepdim=True))
+
+
+def test_a_layer_that_changes_the_shape_is_refused():
+    """A pooling layer in the stack: the coupling broadcast its output over the input and
+    trained a different function, silently."""
+
+    class Pooled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(
+                [*(nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(2)), _Pool()]
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    model = make_reversible(Pooled(), blocks="layers", trainable="all")
+    with pytest.raises(InvalidArgumentError, match=r"shape \(2, 1, 8\) for one of shape"):
+        model(torch.randn(2, 5, 8))
+
+
+def test_a_cache_in_eval_mode_with_autograd_on_is_kept():
+    """A decoding loop in eval mode outside ``torch.no_grad()``: the cache was dropped, as in
+    training, and the cached step's logits moved by 1.15 (relative); the pass now runs by
+    plain autograd (as Hugging Face checkpoints in training only) and keeps the cache."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = make_reversible(zoo.deeper("llama", 2)()).eval()
+    ids = torch.randint(0, zoo.VOCAB, (1, 7))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing dropped, nothing warned
+        first = model(input_ids=ids[:, :6], use_cache=True)
+        assert first.past_key_values.get_seq_length() == 6
+        step = model(input_ids=ids[:, 6:], cache=first.past_key_values, use_cache=True)
+    full = model(input_ids=ids).logits[:, -1]
+    torch.testing.assert_close(step.logits[:, -1], full, rtol=1e-4, atol=1e-5)
+    step.logits.sum().backward()  # a gradient through it, plain autograd's
+
+
 def test_bad_options_are_refused():
     case = zoo.CASES["nanogpt"]
     with pytest.raises(InvalidArgumentError, match="variant"):

@@ -134,6 +134,14 @@ class LayerCall:
         if calls.forwarding:
             calls.output = _without_hidden(out)
         h = hidden_of(out, f"layer {index}")
+        if h.shape != v.shape:  # the coupling would broadcast it, or fail deep inside
+            raise InvalidArgumentError(
+                f"layer {index} of the stack make_reversible converted returned a hidden state "
+                f"of shape {tuple(h.shape)} for one of shape {tuple(v.shape)}: a reversible "
+                "stack adds each layer's output to its input, so its layers keep the shape "
+                "(pooling, or a change of width, is not a residual layer); convert only the "
+                "layers that keep it (blocks=...)"
+            )
         return h if h.dtype == u.dtype else h.to(u.dtype)
 
 

@@ -20,7 +20,7 @@ from ..layers.grid import on_grid
 from ..layers.sequential import ReversibleSequential
 from ..layers.steps import StackRun
 from ._reversible_calls import check_constant, dtype_of, passes, with_hidden
-from .calls import Key, carried_key, drop_caches, replaced
+from .calls import Key, carried_key, drop_caches, has_cache, replaced
 from .install import REVERSIBLE_ATTR, within
 
 __all__ = ["MODES", "SIXTEEN_BITS", "Calls", "InstalledForward", "ReversibleLayers", "auto_anchors"]
@@ -62,6 +62,8 @@ class _Pass:
     streams: tuple[torch.Tensor, torch.Tensor]
     progress: _Progress
     returned: torch.Tensor | None = None  # the hidden state the last layer called returned
+    version: int | None = None  # its version counter then (None: an inference tensor)
+    plain: bool = False  # run by plain autograd: a cache in eval mode (see ``_start``)
     next_index: int = 1
 
 
@@ -203,7 +205,8 @@ class ReversibleLayers:
         assert key is not None
         name = self.layers[index][0]
         if torch.is_grad_enabled():
-            args, kwargs = drop_caches(args, kwargs, self._what, seen=self._warned)
+            if not state.plain:
+                args, kwargs = drop_caches(args, kwargs, self._what, seen=self._warned)
             if state.run is not None:
                 check_constant(name, args, kwargs, key)
         state.calls.args[index] = (*replaced(args, kwargs, key, None), key)
@@ -236,6 +239,7 @@ class ReversibleLayers:
                 hidden = hidden.view_as(hidden)
             hidden.register_hook(_early_exit_check(state.progress, self.layers[-1][0]))
         state.returned = hidden
+        state.version = None if hidden.is_inference() else hidden._version
         return hidden if isinstance(out, torch.Tensor) else with_hidden(out, hidden)
 
     def _start(self, args: tuple[Any, ...], kwargs: dict[str, Any], key: Key | None) -> _Pass:
@@ -258,8 +262,14 @@ class ReversibleLayers:
         aux = torch.zeros_like(h)
         streams = (aux, h) if self.hidden == 1 else (h, aux)
         calls = Calls()
-        run = self.stack.stepwise(*streams, calls=calls) if self.reversible else None
-        self._pass = _Pass(calls, run, streams, _Progress(self.layers[0][0]))
+        # a key/value cache in eval mode with autograd on (a decoding loop outside no_grad):
+        # a recompute would update it twice, and dropping it, as training does, would give
+        # other logits; as Hugging Face checkpoints in training only, the pass runs plainly
+        plain = (
+            torch.is_grad_enabled() and not self.layers[0][1].training and has_cache(args, kwargs)
+        )
+        run = self.stack.stepwise(*streams, calls=calls) if self.reversible and not plain else None
+        self._pass = _Pass(calls, run, streams, _Progress(self.layers[0][0]), plain=plain)
         return self._pass
 
     def _check_width(self, h: torch.Tensor) -> None:
@@ -358,6 +368,14 @@ class ReversibleLayers:
                 "returned: the model changed it between the two layers, which a reversible "
                 "stack cannot rebuild; convert a stack of layers that pass it on unchanged"
             )
+        if state.version is not None and state.returned._version != state.version:
+            raise RevckptError(
+                f"layer {name} got the hidden state layer {self.layers[index - 1][0]} returned "
+                "changed in place (x.mul_(...), x += ...): the stack carries that hidden state "
+                "in its own streams, which the change does not reach, so the layers would "
+                "compute a different function. Change it out of place (x = x * ...) outside "
+                "the converted layers, or convert only layers that pass it on unchanged"
+            )
         state.next_index = index + 1
         return state
 
@@ -365,7 +383,7 @@ class ReversibleLayers:
         if state.run is not None:
             return state.run.block(index)
         block = self.stack.blocks[index]
-        if self._mode == "checkpoint" and torch.is_grad_enabled():
+        if self._mode == "checkpoint" and torch.is_grad_enabled() and not state.plain:
             return checkpoint(block, *state.streams, calls=state.calls)
         return block(*state.streams, calls=state.calls)
 

@@ -12,7 +12,7 @@ import torch
 
 from ..errors import InvalidInputTypeError
 
-__all__ = ["carried_key", "drop_caches", "hidden_of", "replaced", "run_with"]
+__all__ = ["carried_key", "drop_caches", "has_cache", "hidden_of", "replaced", "run_with"]
 
 Key = int | str  # a positional index or a keyword name
 
@@ -83,6 +83,15 @@ def _is_cache(obj: Any) -> bool:
     return callable(getattr(obj, "update", None)) and callable(getattr(obj, "get_seq_length", None))
 
 
+def has_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a call passes a key/value cache (or ``use_cache=True``)."""
+    return bool(
+        kwargs.get("use_cache")
+        or any(kwargs.get(name) is not None for name in _CACHE_KEYWORDS)
+        or any(_is_cache(a) for a in args)
+    )
+
+
 def drop_caches(
     args: tuple[Any, ...], kwargs: dict[str, Any], what: str, *, seen: set[str] | None = None
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -90,11 +99,7 @@ def drop_caches(
     layer would append its keys and values to the cache a second time, so caches passed to a
     planned block while training are dropped (``use_cache=False``, cache arguments ``None``),
     with one warning per block class (per ``what``'s first word in ``seen``, when given)."""
-    if not (
-        kwargs.get("use_cache")
-        or any(kwargs.get(name) is not None for name in _CACHE_KEYWORDS)
-        or any(_is_cache(a) for a in args)
-    ):
+    if not has_cache(args, kwargs):
         return args, kwargs  # the usual training call: nothing to drop, nothing copied
     changed = False
     new_kwargs = dict(kwargs)
