@@ -576,6 +576,15 @@ def test_fit_leaves_the_examples_gradient_as_it_was(as_dict: bool) -> None:
             torch.testing.assert_close(x.grad, before, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("repeats", [0, -1, 1.5, True])
+def test_bad_repeats_is_refused(repeats) -> None:
+    """``repeats=0`` raised ``StatisticsError`` from deep inside, ``1.5`` a bare ``TypeError``."""
+    model = nn.Sequential(*[_Residual(8) for _ in range(3)])
+    with pytest.raises(InvalidArgumentError, match="repeats="):
+        revckpt.fit(model, torch.randn(4, 8), memory_budget=1.0, repeats=repeats,
+                    loss_fn=lambda out: out.sum())  # fmt: skip
+
+
 def test_bad_input_is_one_clear_error() -> None:
     case = _case("nanogpt")
     model, example = case.make_model(), case.make_example(2, 16)

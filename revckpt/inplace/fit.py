@@ -159,6 +159,8 @@ def fit(
     """
     # over 60 lines for its docstring alone: the front door's contract, kept whole
     checked_stride(error_stride)  # also where a reversible stack ignores it (no codec errors)
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise InvalidArgumentError(f"repeats={repeats!r}: pass an int >= 1 (timing repeats)")
     converted = stack_of(model)
     if converted is not None:
         return fit_converted(model, converted, example, memory_budget=memory_budget,
