@@ -225,6 +225,9 @@ def checkpoint(
     check_options(determinism_check, preserve_rng_state)
     check_applies(kind, determinism_check, preserve_rng_state)
     if kind == "checkpoint" or kind == "selective":
+        if torch.compiler.is_compiling():  # before modules_of: a traced walk of fn's closure
+            # cells made Dynamo fail on every Hugging Face layer ("Expected CellVariable")
+            return _compiled_checkpoint(fn, args, kwargs, determinism_check, options)
         return _checkpoint(
             fn,
             args,

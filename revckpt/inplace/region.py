@@ -113,6 +113,7 @@ class Region:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["size"], state["labels"])  # type: ignore[misc]
 
+    @torch.compiler.disable
     def call(
         self,
         position: int,

@@ -313,9 +313,12 @@ def _warn_eager_run() -> None:
 
 def warn_if_threads_differ(threads: int | None) -> None:
     """Warn once per (planned, current) pair when a plan whose times were measured with
-    ``threads`` intra-op threads runs with another count."""
+    ``threads`` intra-op threads runs with another count. Not while compiling (the thread
+    count is not traceable: it broke every planned block's graph), the eager runs warn."""
+    if threads is None or torch.compiler.is_compiling():
+        return
     now = torch.get_num_threads()
-    if threads is None or threads == now or (threads, now) in _threads_warned:
+    if threads == now or (threads, now) in _threads_warned:
         return
     _threads_warned.add((threads, now))
     warnings.warn(
