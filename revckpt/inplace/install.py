@@ -160,6 +160,27 @@ def _check_autocast(info: Planned, hidden: torch.Tensor) -> None:
     )
 
 
+class PlannedForward:
+    """The ``forward`` :func:`install` puts on a planned block: a callable object, not a bound
+    method, so ``torch.save(model)`` pickles it (a bound method was pickled as
+    ``getattr(block, "forward")``, which loaded the class's forward: the plan was dropped
+    silently and the step ran over its budget)."""
+
+    __slots__ = ("block",)
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return forward(self.block, *args, **kwargs)
+
+    def __getstate__(self) -> nn.Module:
+        return self.block
+
+    def __setstate__(self, block: nn.Module) -> None:
+        self.block = block
+
+
 def install(block: nn.Module, info: Planned) -> None:
     """Install ``info`` on ``block`` (replacing what revckpt installed before)."""
     if REVERSIBLE_ATTR in block.__dict__:
@@ -173,8 +194,7 @@ def install(block: nn.Module, info: Planned) -> None:
         info.original = old.original
     else:
         info.original = block.__dict__.get("forward")
-    method = types.MethodType(forward, block)
-    object.__setattr__(block, "forward", method)
+    object.__setattr__(block, "forward", PlannedForward(block))
     object.__setattr__(block, _ATTR, info)
 
 
