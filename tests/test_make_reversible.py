@@ -250,6 +250,26 @@ def test_scale_auto_refuses_what_it_cannot_do():
     assert all(p.requires_grad for p in model.parameters())
 
 
+def test_scale_auto_refuses_an_example_the_model_computes_nan_on():
+    """The original's output on ``example`` holds nan: ``OverflowError`` from the search (and
+    the model was left converted); now a clear error before converting."""
+    case = zoo.CASES["nanogpt"]
+    idx, _ = case.make_example(2, 16)
+    model = case.make_model()
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    with pytest.raises(InvalidArgumentError, match="not finite"):
+        make_reversible(model, scale="auto", example=idx, exact=False)
+    assert not any("revckpt_adapter" in n for n, _ in model.named_parameters())
+
+
+def test_a_converted_output_turned_non_finite_tries_the_smallest_scale_first():
+    from revckpt.inplace._reversible_start import shift_for
+
+    assert shift_for(math.inf, 1e-3) == 16
+    assert shift_for(0.0, 1e-3) == 1
+
+
 def test_eval_and_no_grad_compute_the_same_function():
     case, _, model = _converted("nanogpt", scale=2**-2, trainable="all")
     example = case.make_example()
@@ -390,6 +410,39 @@ def test_a_cache_in_eval_mode_with_autograd_on_is_kept():
     full = model(input_ids=ids).logits[:, -1]
     torch.testing.assert_close(step.logits[:, -1], full, rtol=1e-4, atol=1e-5)
     step.logits.sum().backward()  # a gradient through it, plain autograd's
+
+
+def test_converting_again_through_a_parent_or_a_part_is_refused():
+    """``make_reversible(model.transformer)`` after ``make_reversible(model)``, or of a wrapper
+    holding it: accepted, and the next forward raised ``RecursionError``."""
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(
+                nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(3)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stack = Stack()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.stack(x)
+
+    model = make_reversible(Outer(), blocks="stack.layers")
+    with pytest.raises(InvalidArgumentError, match="converted already"):
+        make_reversible(model.stack, blocks="layers")
+    wrapper = nn.Sequential(model)
+    with pytest.raises(InvalidArgumentError, match="converted already"):
+        make_reversible(wrapper, blocks="0.stack.layers")
+    model(torch.randn(2, 8)).sum().backward()  # the first conversion still runs
 
 
 def test_bad_options_are_refused():

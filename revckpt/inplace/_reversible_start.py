@@ -80,6 +80,8 @@ def shift_for(start: float, tolerance: float) -> int:
     scale."""
     if start <= 0:
         return 1
+    if not math.isfinite(start):  # the output became non-finite: the smallest scale first
+        return MAX_SHIFT
     k = math.ceil(REFERENCE_SHIFT + math.log2(start / tolerance))
     return min(MAX_SHIFT, max(1, k))
 
@@ -101,7 +103,38 @@ def measure_start(
             "at conversion you accept, in (0, 1) (e.g. 1e-3)"
         )
     before = run_output(model, example)
+    if not bool(torch.isfinite(before).all()):
+        raise InvalidArgumentError(
+            "make_reversible(scale='auto'): the model's own output on example= is not finite "
+            "(nan or inf: a fully masked row, an overflow), so no change of it can be measured; "
+            "pass an example on which the model's output is finite"
+        )
     convert(2.0**-REFERENCE_SHIFT)
+    try:
+        k, start = _search(convert, undo, model, example, before, tolerance)
+    except BaseException:
+        undo()  # the model is left unconverted
+        raise
+    if start > tolerance:
+        undo()
+        raise InvalidArgumentError(
+            f"make_reversible(scale='auto'): the output moves by {start:.3g} (relative) at "
+            f"conversion even at scale 2^-{k}, above start_tolerance={tolerance:g}; pass a "
+            "larger tolerance, or a scale yourself with exact=False for scales below 2^-16"
+        )
+    return 2.0**-k, start
+
+
+def _search(
+    convert: Callable[[float], None],
+    undo: Callable[[], None],
+    model: nn.Module,
+    example: Any,
+    before: torch.Tensor,
+    tolerance: float,
+) -> tuple[int, float]:
+    """:func:`measure_start`'s search from the model converted at ``2^-8``: the shift ``k``
+    it ends converted at and the change measured there."""
     start = relative_change(before, run_output(model, example))
     k = shift_for(start, tolerance)
     if k != REFERENCE_SHIFT:
@@ -113,11 +146,4 @@ def measure_start(
         undo()
         convert(2.0**-k)
         start = relative_change(before, run_output(model, example))
-    if start > tolerance:
-        undo()
-        raise InvalidArgumentError(
-            f"make_reversible(scale='auto'): the output moves by {start:.3g} (relative) at "
-            f"conversion even at scale 2^-{k}, above start_tolerance={tolerance:g}; pass a "
-            "larger tolerance, or a scale yourself with exact=False for scales below 2^-16"
-        )
-    return 2.0**-k, start
+    return k, start
