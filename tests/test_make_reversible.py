@@ -445,6 +445,76 @@ def test_converting_again_through_a_parent_or_a_part_is_refused():
     model(torch.randn(2, 8)).sum().backward()  # the first conversion still runs
 
 
+def test_a_nested_tensor_from_the_encoders_fast_path_is_refused_clearly():
+    """``nn.TransformerEncoder`` (``enable_nested_tensor=True``, its default) in eval mode under
+    ``no_grad`` with a padding mask hands its layers a nested tensor: a raw ``RuntimeError``
+    (``NestedTensorImpl doesn't support sizes``) before; the documented way out works."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    model = make_reversible(nn.TransformerEncoder(layer, 2)).eval()
+    x, pad = torch.randn(2, 5, 16), torch.zeros(2, 5, dtype=torch.bool)
+    pad[0, 3:] = True
+    with torch.no_grad(), pytest.raises(InvalidArgumentError, match="nested tensor"):
+        model(x, src_key_padding_mask=pad)
+    model.use_nested_tensor = False
+    with torch.no_grad():
+        assert torch.isfinite(model(x, src_key_padding_mask=pad)).all()
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_hugging_face_gradient_checkpointing_changes_nothing(reentrant):
+    """``gradient_checkpointing_enable`` on a converted model: with ``use_reentrant=True``
+    (peft's ``prepare_model_for_kbit_training`` default) backward failed ("incompatible with
+    .grad()"); now the layers run without HF's wrapper, with the same gradients."""
+    pytest.importorskip("transformers")
+    case, _, model = _converted("llama")
+    plain = copy.deepcopy(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    example = case.make_example()
+    for m in (model, plain):
+        m.train()
+        zoo.step(m, example, case.loss_fn)
+    for (name, a), (_, b) in zip(_grads(model).items(), _grads(plain).items(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_the_mode_changes_after_a_forward_that_stopped_early_without_grad():
+    """An early exit under ``no_grad`` (nothing to differentiate) left its pass behind, and
+    setting ``reversible`` then raised "in the middle of a forward pass"."""
+
+    class Exits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(
+                nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(3)
+            )
+
+        def forward(self, x: torch.Tensor, stop: int = 3) -> torch.Tensor:
+            for layer in self.layers[:stop]:
+                x = layer(x)
+            return x
+
+    model = make_reversible(Exits(), blocks="layers", trainable="all")
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        model(x, stop=1)
+    reversible_layers(model).reversible = False
+    reversible_layers(model).reversible = True
+    model(x).sum().backward()
+
+
+@pytest.mark.parametrize("options", [{"exact": False}, {"anchor_every": 2}, {}])
+def test_a_floating_point_conversion_cast_to_16_bits_warns(options):
+    """With ``exact=False`` given, a cast to bfloat16 after conversion warned nothing (its
+    rebuild then drifted by 4e-2), where ``anchor_every=2`` or ``scale=0.1`` warned."""
+    case = zoo.CASES["nanogpt"]
+    scale = 0.1 if not options else 2**-3
+    model = make_reversible(case.make_model(), blocks=case.blocks_path, scale=scale, **options)
+    model.to(torch.bfloat16)
+    with pytest.warns(ReconstructionWarning, match="cast after conversion"):
+        model(case.make_example()[0])
+
+
 def test_bad_options_are_refused():
     case = zoo.CASES["nanogpt"]
     with pytest.raises(InvalidArgumentError, match="variant"):

@@ -129,7 +129,7 @@ class LayerCall:
         dtype = dtype_of(layer)
         v = u if dtype is None or dtype == u.dtype else u.to(dtype)
         a, k = replaced(args, kwargs, key, v)
-        fn = type(layer).forward if self.before is None else self.before
+        fn = _own_forward(type(layer).forward) if self.before is None else self.before
         out = fn(layer, *a, **k)
         if calls.forwarding:
             calls.output = _without_hidden(out)
@@ -143,6 +143,19 @@ class LayerCall:
                 "layers that keep it (blocks=...)"
             )
         return h if h.dtype == u.dtype else h.to(u.dtype)
+
+
+def _own_forward(forward: Any) -> Any:
+    """A Hugging Face layer's forward without the gradient-checkpointing wrapper
+    ``GradientCheckpointingLayer`` puts on its class: the stack already keeps only its output,
+    and a reentrant checkpoint inside it (``use_reentrant=True``, peft's
+    ``prepare_model_for_kbit_training`` default) failed in backward ("incompatible with
+    .grad()"), a non-reentrant one recomputed each layer a second time."""
+    code = getattr(forward, "__code__", None)
+    inner = getattr(forward, "__wrapped__", None)
+    if inner is not None and code is not None and code.co_name == "forward_with_checkpointing":
+        return inner
+    return forward
 
 
 def _without_hidden(out: Any) -> Any:

@@ -121,7 +121,7 @@ class ReversibleLayers:
     shape: tuple[int, ...] | None = None
     hidden_dtype: torch.dtype | None = None
     hidden_autocast: torch.dtype | None = None
-    auto_exact = False  # exact="auto" chose (make_reversible); read by the 16-bit warning
+    auto_exact = False  # rebuilt in floating point from a wider dtype: the 16-bit warning
     start: float | None = None  # the output's relative change at conversion, where measured
     feature_dim = -1  # the adapters' dimension of the hidden state
 
@@ -182,8 +182,9 @@ class ReversibleLayers:
     def mode(self, mode: str) -> None:
         if mode not in MODES:
             raise InvalidArgumentError(f"mode={mode!r}: use one of {', '.join(MODES)}")
-        if self._pass is not None:
-            raise RevckptError("the stack's mode cannot change in the middle of a forward pass")
+        # a pass a forward left before the last layer (an early exit under no_grad) is
+        # dropped; a forward still running would call its next layer out of order, which raises
+        self._pass = None
         self._mode = mode
 
     @property
@@ -250,6 +251,13 @@ class ReversibleLayers:
                 "hidden_states / x) is the hidden state"
             )
         h = args[key] if isinstance(key, int) else kwargs[key]
+        if h.is_nested:
+            raise InvalidArgumentError(
+                f"layer {self.layers[0][0]} got a nested tensor (nn.TransformerEncoder's fast "
+                "path in eval mode with a padding mask), which a reversible stack cannot carry "
+                "in its two streams: build the encoder with enable_nested_tensor=False, or set "
+                "encoder.use_nested_tensor = False"
+            )
         self._check_width(h)
         self._check_limit(h)
         self._dtype = h.dtype

@@ -193,8 +193,9 @@ def make_reversible(
         layers, stack, hidden, scale=scale, anchor_every=anchor_every, stream_dtype=stream_dtype
     )
     converted.exact = exact
-    # warns if cast to 16 bits later (a 16-bit model has had its warning at conversion)
-    converted.auto_exact = auto and not exact and model_dtype not in SIXTEEN_BITS
+    # warns if cast to 16 bits later, exact=False given or chosen (docs/reversible.md: a
+    # model converted in floating point and cast to 16 bits warns)
+    converted.auto_exact = not exact and model_dtype not in SIXTEEN_BITS
     converted.width, converted.feature_dim = features[0]
     converted.forwards = [before for _, before in built]
     converted.frozen = frozen
