@@ -212,6 +212,24 @@ def test_a_wider_dtype_after_the_fit_is_refused_as_a_larger_batch_is() -> None:
     zoo.step(again, example, case.loss_fn)
 
 
+def test_an_input_in_another_dtype_than_the_model_is_named_as_the_cause() -> None:
+    """A float64 input to a float32 fitted model: the plain model raises torch's dtype
+    mismatch; the plan's refusal said to fit again after changing the model's dtype, which
+    the user had not changed. It now names the parameters' dtype."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Residual(8) for _ in range(3)])
+    revckpt.fit(model, torch.randn(4, 8), memory_budget=1.0, loss_fn=lambda out: out.sum())
+    with pytest.raises(InvalidArgumentError, match="its parameters are torch.float32"):
+        model(torch.randn(4, 8, dtype=torch.float64)).sum().backward()
+
+
+def test_a_frozen_model_is_said_to_be_frozen() -> None:
+    """Every parameter frozen: fit said the model had no repeated blocks."""
+    model = nn.Sequential(*[_Residual(8) for _ in range(3)]).requires_grad_(False)
+    with pytest.raises(InvalidArgumentError, match="no parameter that requires grad"):
+        revckpt.fit(model, torch.randn(4, 8), memory_budget=1.0, loss_fn=lambda out: out.sum())
+
+
 def test_a_plan_made_under_autocast_is_refused_without_it() -> None:
     """Fitted under bfloat16 autocast and trained without it, the blocks keep float32
     activations with the same hidden-state dtype: it ran past the budget silently (the

@@ -74,7 +74,15 @@ def _repeated(model: nn.Module, option: str) -> list[tuple[str, nn.Module]]:
         for run in _runs(name, container):
             if len(run) >= 2:
                 by_class.setdefault(type(run[0][1]), []).extend(run)
-    by_class = {k: v for k, v in by_class.items() if _has_parameters(v)}
+    trainable = {k: v for k, v in by_class.items() if _has_parameters(v)}
+    if by_class and not trainable:
+        raise InvalidArgumentError(
+            f"{type(model).__name__}'s repeated blocks ({', '.join(k.__name__ for k in by_class)}) "
+            "have no parameter that requires grad: nothing of theirs is trained, so there is "
+            "no training step to plan. Unfreeze what you train (requires_grad_(True)), or "
+            f"name the blocks to plan with {option}='attribute.path'"
+        )
+    by_class = trainable
     if not by_class:
         raise InvalidArgumentError(
             f"{type(model).__name__} has no repeated blocks (no two or more consecutive "

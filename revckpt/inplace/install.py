@@ -81,7 +81,7 @@ def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if info.limit is not None:
         _check_shape(info, hidden)
     if info.key is not None and isinstance(hidden, torch.Tensor):  # where fit traced it
-        _check_dtype(info, hidden)
+        _check_dtype(info, hidden, self)
         _check_autocast(info, hidden)
     warn_if_threads_differ(info.threads)
     if info.recorder is not None:
@@ -129,15 +129,21 @@ def _check_shape(info: Planned, hidden: Any) -> None:
     )
 
 
-def _check_dtype(info: Planned, hidden: torch.Tensor) -> None:
+def _check_dtype(info: Planned, hidden: torch.Tensor, block: nn.Module) -> None:
     """A hidden state wider than planned (``model.double()`` after a float32 fit) makes every
     tensor the block keeps larger: the memory plan no longer holds, as for a larger shape."""
     planned_as = info.dtype
     if planned_as is None or hidden.element_size() <= planned_as.itemsize:
         return
+    weights = next((p.dtype for p in block.parameters() if p.is_floating_point()), None)
+    cause = (
+        f" (its parameters are {weights}: an input in another dtype than the model's?)"
+        if weights is not None and weights != hidden.dtype
+        else ""
+    )
     raise InvalidArgumentError(
         f"block {info.fqn} was planned for {planned_as} hidden states (the example given to "
-        f"revckpt.fit) and got {hidden.dtype}: every tensor it keeps is "
+        f"revckpt.fit) and got {hidden.dtype}{cause}: every tensor it keeps is "
         f"{hidden.element_size() // planned_as.itemsize}x larger, so the memory plan no longer "
         "holds. Fit again after changing the model's dtype (revckpt.fit(model, example, ...))"
     )
