@@ -219,15 +219,24 @@ def test_an_input_in_another_dtype_than_the_model_is_named_as_the_cause() -> Non
     torch.manual_seed(0)
     model = nn.Sequential(*[_Residual(8) for _ in range(3)])
     revckpt.fit(model, torch.randn(4, 8), memory_budget=1.0, loss_fn=lambda out: out.sum())
-    with pytest.raises(InvalidArgumentError, match="its parameters are torch.float32"):
+    with pytest.raises(InvalidArgumentError, match=r"its parameters are torch\.float32"):
         model(torch.randn(4, 8, dtype=torch.float64)).sum().backward()
 
 
-def test_a_frozen_model_is_said_to_be_frozen() -> None:
-    """Every parameter frozen: fit said the model had no repeated blocks."""
-    model = nn.Sequential(*[_Residual(8) for _ in range(3)]).requires_grad_(False)
-    with pytest.raises(InvalidArgumentError, match="no parameter that requires grad"):
-        revckpt.fit(model, torch.randn(4, 8), memory_budget=1.0, loss_fn=lambda out: out.sum())
+def test_frozen_blocks_before_a_trainable_embedding_are_planned() -> None:
+    """Prompt tuning: the blocks frozen, the embedding trained. The backward still runs
+    through every block and keeps their activations, so fit plans them (it said the model
+    had no repeated blocks); with nothing trainable at all it says so."""
+    case = _case("nanogpt")
+    model = case.make_model()
+    model.transformer.h.requires_grad_(False)
+    example = case.make_example()
+    plan = revckpt.fit(model, example, memory_budget="60%", loss_fn=case.loss_fn)
+    assert plan.length == len(model.transformer.h)
+    assert _measured_step(model, example, case.loss_fn) <= plan.memory_budget_bytes
+    model.requires_grad_(False)
+    with pytest.raises(InvalidArgumentError, match="does not require grad"):
+        revckpt.fit(model, example, memory_budget="60%", loss_fn=case.loss_fn)
 
 
 def test_a_plan_made_under_autocast_is_refused_without_it() -> None:
@@ -601,6 +610,18 @@ def test_bad_repeats_is_refused(repeats) -> None:
     with pytest.raises(InvalidArgumentError, match="repeats="):
         revckpt.fit(model, torch.randn(4, 8), memory_budget=1.0, repeats=repeats,
                     loss_fn=lambda out: out.sum())  # fmt: skip
+
+
+def test_an_example_with_a_graph_is_refused_before_any_step() -> None:
+    """``inputs_embeds`` computed from a parameter outside the model: fit's second step
+    raised "backward through the graph a second time", after the first had added to that
+    parameter's gradient."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Residual(8) for _ in range(3)])
+    prompt = nn.Parameter(torch.randn(4, 8))
+    with pytest.raises(InvalidArgumentError, match="requires grad and was computed"):
+        revckpt.fit(model, prompt * 2, memory_budget=1.0, loss_fn=lambda out: out.sum())
+    assert prompt.grad is None
 
 
 def test_bad_input_is_one_clear_error() -> None:

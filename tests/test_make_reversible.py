@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import zoo
 from torch import nn
 
 import revckpt
-from revckpt import InvalidArgumentError, RevckptError
+from revckpt import InvalidArgumentError, MemoryMeter, RevckptError
 from revckpt.inplace import make_reversible, reversible_layers
 from revckpt.layers import ReconstructionWarning
 from revckpt.report import measure_step
@@ -396,8 +397,9 @@ def test_a_layer_that_changes_the_shape_is_refused():
 
 def test_a_cache_in_eval_mode_with_autograd_on_is_kept():
     """A decoding loop in eval mode outside ``torch.no_grad()``: the cache was dropped, as in
-    training, and the cached step's logits moved by 1.15 (relative); the pass now runs by
-    plain autograd (as Hugging Face checkpoints in training only) and keeps the cache."""
+    training, and the cached step's logits moved by 1.15 (relative). Now the prompt's pass
+    fills it (its recompute runs without it), and a step on a cache holding past entries runs
+    by plain autograd (as Hugging Face checkpoints in training only)."""
     pytest.importorskip("transformers")
     torch.manual_seed(0)
     model = make_reversible(zoo.deeper("llama", 2)()).eval()
@@ -409,7 +411,10 @@ def test_a_cache_in_eval_mode_with_autograd_on_is_kept():
         step = model(input_ids=ids[:, 6:], cache=first.past_key_values, use_cache=True)
     full = model(input_ids=ids).logits[:, -1]
     torch.testing.assert_close(step.logits[:, -1], full, rtol=1e-4, atol=1e-5)
-    step.logits.sum().backward()  # a gradient through it, plain autograd's
+    # the prompt's keys and values were made in a reversible forward, which keeps nothing:
+    # a gradient through them is refused, naming the way out
+    with pytest.raises(RevckptError, match="key/value cache entry"):
+        step.logits.sum().backward()
 
 
 def test_converting_again_through_a_parent_or_a_part_is_refused():
@@ -437,12 +442,46 @@ def test_converting_again_through_a_parent_or_a_part_is_refused():
             return self.stack(x)
 
     model = make_reversible(Outer(), blocks="stack.layers")
-    with pytest.raises(InvalidArgumentError, match="converted already"):
+    with pytest.raises(InvalidArgumentError, match="by make_reversible already"):
         make_reversible(model.stack, blocks="layers")
     wrapper = nn.Sequential(model)
-    with pytest.raises(InvalidArgumentError, match="converted already"):
+    with pytest.raises(InvalidArgumentError, match="by make_reversible already"):
         make_reversible(wrapper, blocks="0.stack.layers")
     model(torch.randn(2, 8)).sum().backward()  # the first conversion still runs
+
+
+def test_a_second_stack_converts_through_the_parent():
+    """Two stacks of one model, the second converted through the parent: refused by the
+    first version of the check above (it refused any converted layer inside)."""
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.ModuleList(
+                nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(2)
+            )
+            self.second = nn.ModuleList(
+                nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(2)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in [*self.first, *self.second]:
+                x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    model = Two().double()
+    make_reversible(model.first, trainable="all")
+    make_reversible(model, blocks="second", trainable="all")
+    x = torch.randn(3, 8, dtype=torch.float64)
+    model(x).sum().backward()
+    got = _grads(model)
+    for owner in (model.first, model):
+        reversible_layers(owner).reversible = False
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    for name, want in _grads(model).items():
+        torch.testing.assert_close(got[name], want, rtol=1e-10, atol=1e-12, msg=name)
 
 
 def test_a_nested_tensor_from_the_encoders_fast_path_is_refused_clearly():
@@ -513,6 +552,38 @@ def test_a_floating_point_conversion_cast_to_16_bits_warns(options):
     model.to(torch.bfloat16)
     with pytest.warns(ReconstructionWarning, match="cast after conversion"):
         model(case.make_example()[0])
+
+
+def test_an_eval_step_with_the_default_cache_keeps_the_saving_and_the_gradients():
+    """``model.eval()`` to switch dropout off, HF's ``use_cache=True`` left on: the step kept
+    every activation (the first fix of the cache above ran any pass with a cache plainly:
+    68.8 MiB against 14.8 on an 8-layer GPT-2). The stack's saving holds, the cache is
+    filled, and the gradients are store mode's (float64)."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    case = zoo.CASES["llama"]
+    model = make_reversible(zoo.deeper("llama", 3)().double(), trainable="all").eval()
+    example = case.make_example()
+
+    def step(reversible: bool, cache: bool = True) -> tuple[dict[str, torch.Tensor], int, Any]:
+        reversible_layers(model).reversible = reversible
+        model.zero_grad(set_to_none=True)
+        with MemoryMeter("cpu") as meter:
+            out = model(**example, use_cache=cache)
+            out.loss.backward()
+        return _grads(model), meter.peak_bytes, out.past_key_values
+
+    rev, rev_peak, filled = step(True)
+    store, store_peak, _ = step(False)
+    _, without_peak, _ = step(True, cache=False)
+    assert filled.get_seq_length() == example["input_ids"].shape[1]
+    cache_bytes = sum(
+        t.numel() * t.element_size() for c in filled.layers for t in (c.keys, c.values)
+    )
+    # the saving holds: what the cache itself holds on top, no activation
+    assert rev_peak <= without_peak + cache_bytes < store_peak, (rev_peak, without_peak, store_peak)
+    for name, want in store.items():
+        torch.testing.assert_close(rev[name], want, rtol=1e-9, atol=1e-12, msg=name)
 
 
 def test_bad_options_are_refused():

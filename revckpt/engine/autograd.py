@@ -22,7 +22,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._pytree import tree_flatten
 
 from .._module_state import layout_and_modules, submodules
-from ..errors import DoubleBackwardError, InvalidInputTypeError
+from ..errors import DoubleBackwardError, InvalidInputTypeError, RevckptError
 
 __all__ = [
     "differentiable_once",
@@ -126,7 +126,15 @@ def _drop(t: torch.Tensor) -> None:
 
 
 def _never(packed: Any) -> torch.Tensor:
-    raise RuntimeError("revckpt: a node's first forward kept nothing for backward")
+    raise RevckptError(
+        "a gradient reached a tensor computed inside a block's first forward, which keeps "
+        "nothing for backward (the block is recomputed or rebuilt from its output): a side "
+        "output of the block, such as a key/value cache entry made by a reversible or "
+        "checkpointed layer and used in a later step. Differentiate through the block's "
+        "output only, or run that forward plainly (a decoding loop with gradients: "
+        "revckpt.inplace.reversible_layers(model).reversible = False, or decode under "
+        "torch.no_grad() as model.generate does)"
+    )
 
 
 def forward_as_plain() -> contextlib.AbstractContextManager[Any]:

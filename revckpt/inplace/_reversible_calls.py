@@ -125,7 +125,8 @@ class LayerCall:
 
     def __call__(self, layer: nn.Module, u: torch.Tensor, *, calls: Calls) -> torch.Tensor:
         index = self.index
-        args, kwargs, key = calls.args[index]
+        first = calls.forward_args.get(index) if calls.forwarding else None
+        args, kwargs, key = calls.args[index] if first is None else first
         dtype = dtype_of(layer)
         v = u if dtype is None or dtype == u.dtype else u.to(dtype)
         a, k = replaced(args, kwargs, key, v)

@@ -20,7 +20,7 @@ from ..layers.grid import on_grid
 from ..layers.sequential import ReversibleSequential
 from ..layers.steps import StackRun
 from ._reversible_calls import check_constant, dtype_of, passes, with_hidden
-from .calls import Key, carried_key, drop_caches, has_cache, replaced
+from .calls import Key, cache_holds_past, carried_key, drop_caches, has_cache, replaced
 from .install import REVERSIBLE_ATTR, within
 
 __all__ = ["MODES", "SIXTEEN_BITS", "Calls", "InstalledForward", "ReversibleLayers", "auto_anchors"]
@@ -41,6 +41,11 @@ class Calls:
     for its branch to re-run it in backward, and the output of the call being made."""
 
     args: dict[int, tuple[tuple[Any, ...], dict[str, Any], Key]] = field(default_factory=dict)
+    # the first forward's arguments where they differ (an empty cache it fills; the recompute
+    # in backward runs without it)
+    forward_args: dict[int, tuple[tuple[Any, ...], dict[str, Any], Key]] = field(
+        default_factory=dict
+    )
     output: Any = None
     forwarding: bool = False
 
@@ -63,7 +68,7 @@ class _Pass:
     progress: _Progress
     returned: torch.Tensor | None = None  # the hidden state the last layer called returned
     version: int | None = None  # its version counter then (None: an inference tensor)
-    plain: bool = False  # run by plain autograd: a cache in eval mode (see ``_start``)
+    plain: bool = False  # run by plain autograd: a cache with past entries in eval mode
     next_index: int = 1
 
 
@@ -205,12 +210,20 @@ class ReversibleLayers:
             key = carried_key(args, kwargs, state.returned)
         assert key is not None
         name = self.layers[index][0]
-        if torch.is_grad_enabled():
-            if not state.plain:
-                args, kwargs = drop_caches(args, kwargs, self._what, seen=self._warned)
-            if state.run is not None:
-                check_constant(name, args, kwargs, key)
+        forward_args = None
+        if torch.is_grad_enabled() and not state.plain:
+            # in eval mode an empty cache is filled by the forward (a decoding loop's prompt
+            # outside no_grad) and left out of the recompute, which then computes the same
+            # values; in training it is dropped, as Hugging Face does under checkpointing
+            keep = not self.layers[0][1].training and has_cache(args, kwargs)
+            if keep:
+                forward_args = (*replaced(args, kwargs, key, None), key)
+            args, kwargs = drop_caches(args, kwargs, self._what, seen=self._warned, warn=not keep)
+        if torch.is_grad_enabled() and state.run is not None:
+            check_constant(name, args, kwargs, key)
         state.calls.args[index] = (*replaced(args, kwargs, key, None), key)
+        if forward_args is not None:
+            state.calls.forward_args[index] = forward_args
         state.calls.forwarding = True
         try:
             streams = self._block(state, index)
@@ -270,11 +283,14 @@ class ReversibleLayers:
         aux = torch.zeros_like(h)
         streams = (aux, h) if self.hidden == 1 else (h, aux)
         calls = Calls()
-        # a key/value cache in eval mode with autograd on (a decoding loop outside no_grad):
-        # a recompute would update it twice, and dropping it, as training does, would give
-        # other logits; as Hugging Face checkpoints in training only, the pass runs plainly
+        # a cache holding past keys and values in eval mode with autograd on (a decoding
+        # step outside no_grad): the recompute without the cache would compute other values,
+        # with it would update it twice; as Hugging Face checkpoints in training only, the
+        # pass runs plainly (one step of new tokens: little to keep)
         plain = (
-            torch.is_grad_enabled() and not self.layers[0][1].training and has_cache(args, kwargs)
+            torch.is_grad_enabled()
+            and not self.layers[0][1].training
+            and cache_holds_past(args, kwargs)
         )
         run = self.stack.stepwise(*streams, calls=calls) if self.reversible and not plain else None
         self._pass = _Pass(calls, run, streams, _Progress(self.layers[0][0]), plain=plain)

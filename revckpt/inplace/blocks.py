@@ -74,15 +74,10 @@ def _repeated(model: nn.Module, option: str) -> list[tuple[str, nn.Module]]:
         for run in _runs(name, container):
             if len(run) >= 2:
                 by_class.setdefault(type(run[0][1]), []).extend(run)
+    # blocks with trainable parameters first; else frozen ones (a backward to a trainable
+    # embedding or prompt still runs through them and keeps their activations)
     trainable = {k: v for k, v in by_class.items() if _has_parameters(v)}
-    if by_class and not trainable:
-        raise InvalidArgumentError(
-            f"{type(model).__name__}'s repeated blocks ({', '.join(k.__name__ for k in by_class)}) "
-            "have no parameter that requires grad: nothing of theirs is trained, so there is "
-            "no training step to plan. Unfreeze what you train (requires_grad_(True)), or "
-            f"name the blocks to plan with {option}='attribute.path'"
-        )
-    by_class = trainable
+    by_class = trainable or {k: v for k, v in by_class.items() if _has_weights(v)}
     if not by_class:
         raise InvalidArgumentError(
             f"{type(model).__name__} has no repeated blocks (no two or more consecutive "
@@ -101,6 +96,10 @@ def _repeated(model: nn.Module, option: str) -> list[tuple[str, nn.Module]]:
 
 def _has_parameters(members: list[tuple[str, nn.Module]]) -> bool:
     return any(p.requires_grad for _, m in members for p in m.parameters())
+
+
+def _has_weights(members: list[tuple[str, nn.Module]]) -> bool:
+    return any(True for _, m in members for _ in m.parameters())
 
 
 def _at_path(model: nn.Module, path: str) -> list[tuple[str, nn.Module]]:

@@ -12,7 +12,15 @@ import torch
 
 from ..errors import InvalidInputTypeError
 
-__all__ = ["carried_key", "drop_caches", "has_cache", "hidden_of", "replaced", "run_with"]
+__all__ = [
+    "cache_holds_past",
+    "carried_key",
+    "drop_caches",
+    "has_cache",
+    "hidden_of",
+    "replaced",
+    "run_with",
+]
 
 Key = int | str  # a positional index or a keyword name
 
@@ -92,13 +100,36 @@ def has_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     )
 
 
+def cache_holds_past(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a cache a call passes already holds keys and values (a decoding step after
+    the prompt); one of an unknown kind counts as holding them."""
+    found = [kwargs.get(name) for name in _CACHE_KEYWORDS if kwargs.get(name) is not None]
+    found += [a for a in args if _is_cache(a)]
+    for cache in found:
+        if _is_cache(cache):
+            if cache.get_seq_length() > 0:
+                return True
+        elif not isinstance(cache, (tuple, list)) or any(
+            isinstance(t, torch.Tensor) and t.numel() > 0
+            for t in torch.utils._pytree.tree_leaves(cache)
+        ):
+            return True
+    return False
+
+
 def drop_caches(
-    args: tuple[Any, ...], kwargs: dict[str, Any], what: str, *, seen: set[str] | None = None
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    what: str,
+    *,
+    seen: set[str] | None = None,
+    warn: bool = True,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """What Hugging Face does under gradient checkpointing in training: no cache. A recomputed
     layer would append its keys and values to the cache a second time, so caches passed to a
     planned block while training are dropped (``use_cache=False``, cache arguments ``None``),
-    with one warning per block class (per ``what``'s first word in ``seen``, when given)."""
+    with one warning per block class (per ``what``'s first word in ``seen``, when given;
+    none with ``warn=False``)."""
     if not has_cache(args, kwargs):
         return args, kwargs  # the usual training call: nothing to drop, nothing copied
     changed = False
@@ -119,7 +150,7 @@ def drop_caches(
         return args, kwargs
     kind = what.split(" ")[0]  # once per block class
     warned = _warned if seen is None else seen
-    if kind not in warned:
+    if warn and kind not in warned:
         warned.add(kind)
         warnings.warn(
             f"{what}: a key/value cache is not updated while training with revckpt (a "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,14 @@ from .install import Planned, install, is_fsdp, planned
 from .measure import profile_in_situ
 from .reversible import refuse_reversible, stack_of
 from .runners import runner_for, segment_runners
-from .step import LossFn, Reference, block_parameters, measure_step, measured_gradients
+from .step import (
+    LossFn,
+    Reference,
+    block_parameters,
+    check_example_leaves,
+    measure_step,
+    measured_gradients,
+)
 from .trace import Recorder, trace
 
 __all__ = ["convert", "fit", "restore"]
@@ -159,8 +167,9 @@ def fit(
     """
     # over 60 lines for its docstring alone: the front door's contract, kept whole
     checked_stride(error_stride)  # also where a reversible stack ignores it (no codec errors)
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+    if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1:
         raise InvalidArgumentError(f"repeats={repeats!r}: pass an int >= 1 (timing repeats)")
+    check_example_leaves(example)
     converted = stack_of(model)
     if converted is not None:
         return fit_converted(model, converted, example, memory_budget=memory_budget,

@@ -355,14 +355,14 @@ def _layers_of(model: nn.Module, blocks: Blocks) -> list[tuple[str, nn.Module]]:
             "this model was converted by make_reversible already; revckpt.restore(model) "
             "undoes it (and drops the adapters) before converting again"
         )
-    inside = next((n for n, m in model.named_modules() if _ATTR in m.__dict__), None)
-    if inside is not None:  # converting again through a parent or a part of it recursed
+    layers = find_blocks(model, blocks)
+    again = [fqn for fqn, layer in layers if _ATTR in layer.__dict__]
+    if again:  # converting them again (through a parent, or a part of the model) recursed
         raise InvalidArgumentError(
-            f"{inside or 'this model'} holds layers make_reversible converted already (a model "
-            "converted, wrapped or taken apart since): convert once; revckpt.restore on the "
+            f"layers {', '.join(again)} were converted by make_reversible already (on a model "
+            "holding them, or a part of it): convert each layer once; revckpt.restore on the "
             "model make_reversible was given undoes it (and drops the adapters)"
         )
-    layers = find_blocks(model, blocks)
     parents = {fqn.rpartition(".")[0] for fqn, _ in layers}
     if len(parents) != 1 or len(layers) < 1:
         raise InvalidArgumentError(

@@ -25,6 +25,7 @@ __all__ = [
     "LossFn",
     "Reference",
     "block_parameters",
+    "check_example_leaves",
     "gradient_copies",
     "left_as_found",
     "loss_of",
@@ -53,6 +54,22 @@ def split_example(example: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         f"example is one batch: a tensor, a tuple of positional arguments or a dict of keyword "
         f"arguments (dict(input_ids=..., labels=...)), got {type(example).__name__}"
     )
+
+
+def check_example_leaves(example: Any) -> None:
+    """Refuse an example tensor that requires grad and has a graph (``inputs_embeds`` made
+    from a parameter outside the model): fit runs its step several times, and that graph can
+    be differentiated once ("backward through the graph a second time", after a first step
+    had added to the outside parameter's gradient)."""
+    for t in tree_leaves(example):
+        if isinstance(t, torch.Tensor) and t.requires_grad and not t.is_leaf:
+            raise InvalidArgumentError(
+                f"the example holds a tensor of shape {tuple(t.shape)} that requires grad and "
+                "was computed from other tensors (inputs_embeds made from a parameter outside "
+                "the model?): fit runs the step several times, and that graph can be "
+                "differentiated once. Pass it detached (t.detach().requires_grad_()): the "
+                "plan is the same for your steps"
+            )
 
 
 def loss_of(out: Any, loss_fn: LossFn) -> torch.Tensor:
