@@ -586,6 +586,45 @@ def test_an_eval_step_with_the_default_cache_keeps_the_saving_and_the_gradients(
         torch.testing.assert_close(rev[name], want, rtol=1e-9, atol=1e-12, msg=name)
 
 
+def test_restore_undoes_a_stack_whose_converted_model_is_gone():
+    """peft's ``merge_and_unload()`` returns the base model of a converted ``PeftModel``: its
+    layers ran the reversible stack still, and ``restore`` on it restored 0 layers. Restoring
+    through the layers undoes the stack, and the model that held it forgets it."""
+
+    class Base(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(
+                nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(3)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    class Wrapper(nn.Module):
+        def __init__(self, base: nn.Module) -> None:
+            super().__init__()
+            self.base = base
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.base(x)
+
+    torch.manual_seed(0)
+    base = Base()
+    x = torch.randn(2, 8)
+    want = base(x)
+    wrapper = make_reversible(Wrapper(base), blocks="base.layers", scale=2**-2)
+    assert not torch.equal(wrapper(x), want)
+    assert revckpt.restore(base) == 3
+    assert torch.equal(base(x), want)
+    assert not any("revckpt_adapter" in n for n, _ in base.named_parameters())
+    assert revckpt.restore(wrapper) == 0
+    make_reversible(wrapper, blocks="base.layers")  # converts again
+    wrapper(x).sum().backward()
+
+
 def test_bad_options_are_refused():
     case = zoo.CASES["nanogpt"]
     with pytest.raises(InvalidArgumentError, match="variant"):

@@ -61,7 +61,7 @@ import torch
 from torch import nn
 
 from .._numbers import relative_error
-from ..errors import InvalidArgumentError, InvalidInputTypeError
+from ..errors import InvalidArgumentError, InvalidInputTypeError, ModifiedInputError
 from .formats import FORMATS, Codec, Encoded, NonFiniteInputError, Rounding, Scaling
 from .recompute import Approx
 
@@ -131,7 +131,11 @@ class _SavedCodec:
 
     def pack(self, t: torch.Tensor) -> Any:
         if not self.compressible(t):
-            return t.detach()  # detached: the graph must not hold the tensor's own grad_fn
+            # detached: the graph must not hold the tensor's own grad_fn; with its version, as
+            # autograd saves it, so that a change in place before backward raises
+            if t.is_inference():
+                return t.detach()
+            return _Exact(t.detach(), t._version, self.label)
         # A reshape or permutation of a whole dense tensor (the (batch * seq, dim) view a linear
         # layer saves, attention output transposed back) is encoded as that tensor, so every
         # view of it shares one encoding; other views (slices: q, k, v of one projection) are
@@ -181,6 +185,8 @@ class _SavedCodec:
 
     @staticmethod
     def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, _Exact):
+            return packed.unpack()
         if isinstance(packed, _Packed):
             return packed.unpack()
         if isinstance(packed, _View):
@@ -196,6 +202,26 @@ def _dense_stride(t: torch.Tensor) -> tuple[int, ...]:
 
 def _dense(t: torch.Tensor) -> bool:
     return _dense_stride(t) == t.stride()
+
+
+@dataclass(frozen=True)
+class _Exact:
+    """A saved tensor kept as it is (not compressed), with its version counter when saved."""
+
+    tensor: torch.Tensor
+    version: int
+    label: str
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise ModifiedInputError(
+                f"compress_saved in {self.label}: a tensor of shape {tuple(self.tensor.shape)} "
+                "saved for backward exactly (an input, a keyword argument, or one too small or "
+                "without grad to compress) was changed in place after it was saved, so the "
+                "backward would use the changed value (plain autograd raises here too). Change "
+                "it out of place, or pass a copy (t.clone())"
+            )
+        return self.tensor
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from .._determinism import ValueLog
 from ..errors import DoubleBackwardError, ModifiedInputError
 from ..replay import ForwardState
 from .kept import Watched, bump_if_changed, guard, watch
-from .rerun import check_versions, input_versions
+from .rerun import any_changed, check_versions, input_versions
 
 __all__ = ["FRAME", "Entered", "FrameCall", "device_context", "frame_usable", "run_checkpoint"]
 
@@ -48,6 +48,7 @@ class FrameCall:
     __slots__ = (
         "device_context",
         "fn",
+        "given",
         "kept",
         "kwargs",
         "label",
@@ -87,6 +88,9 @@ class FrameCall:
         self.device_context: Any = None
         self.recomputed = False
         self.watched: Watched = []  # outputs that alias kept ones (selective): engine.kept
+        # the keyword tensors as the forward left them: torch checks the positional inputs it
+        # saves, not these, which the recompute reads (rerun.input_versions)
+        self.given: list[tuple[torch.Tensor, int]] = []
 
     def forward_contexts(self) -> list[contextlib.AbstractContextManager[Any]]:
         """Capture the forward's state; the contexts the forward runs in (the first one
@@ -111,6 +115,13 @@ class FrameCall:
                 "outputs serves one backward; a second backward through it (retain_graph=True, "
                 "or create_graph=True double backward) cannot recompute it again. Use "
                 "policy=None (plain checkpoint: supports both), or keep the block stored"
+            )
+        if any_changed(self.given):
+            raise ModifiedInputError(
+                f"{self.label}: a tensor it was given as a keyword argument was changed in "
+                "place after its forward, before its backward, so the recompute would start "
+                "from the changed value (plain autograd raises for a tensor it saved that was "
+                "changed so). Change it out of place, or pass a copy (t.clone())"
             )
         self.recomputed = True
         bump_if_changed(self.kept, self.watched)  # an output aliasing a kept one, changed
@@ -322,6 +333,7 @@ def run_checkpoint(call: FrameCall, args: tuple[Any, ...], determinism_check: st
     versions = input_versions(args, call.kwargs)
     out = _run_checkpoint(call, args, determinism_check)
     check_versions(versions, call.label)
+    call.given = input_versions((), call.kwargs)
     call.watched = watch(call.kept, out)
     return out
 

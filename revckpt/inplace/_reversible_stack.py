@@ -127,6 +127,7 @@ class ReversibleLayers:
     hidden_dtype: torch.dtype | None = None
     hidden_autocast: torch.dtype | None = None
     auto_exact = False  # rebuilt in floating point from a wider dtype: the 16-bit warning
+    removed = False  # undone by revckpt.restore through its layers (remove_reversible)
     start: float | None = None  # the output's relative change at conversion, where measured
     feature_dim = -1  # the adapters' dimension of the hidden state
 

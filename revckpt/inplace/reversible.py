@@ -350,6 +350,7 @@ def reversible_layers(model: nn.Module) -> ReversibleLayers:
 
 
 def _layers_of(model: nn.Module, blocks: Blocks) -> list[tuple[str, nn.Module]]:
+    _conversions(model)  # drops the marks of conversions undone through their layers
     if model.__dict__.get(_ATTR) is not None:
         raise InvalidArgumentError(
             "this model was converted by make_reversible already; revckpt.restore(model) "
@@ -383,8 +384,17 @@ def _layers_of(model: nn.Module, blocks: Blocks) -> list[tuple[str, nn.Module]]:
 
 
 def _conversions(model: nn.Module) -> list[nn.Module]:
-    """The modules of ``model`` (itself included) that :func:`make_reversible` converted."""
-    return [m for m in model.modules() if isinstance(m.__dict__.get(_ATTR), ReversibleLayers)]
+    """The modules of ``model`` (itself included) that :func:`make_reversible` converted (a
+    conversion undone through its layers, see :func:`remove_reversible`, is dropped here)."""
+    found = []
+    for m in model.modules():
+        converted = m.__dict__.get(_ATTR)
+        if isinstance(converted, ReversibleLayers):
+            if converted.removed:
+                del m.__dict__[_ATTR]
+            else:
+                found.append(m)
+    return found
 
 
 def remove_reversible(model: nn.Module) -> int:
@@ -392,11 +402,17 @@ def remove_reversible(model: nn.Module) -> int:
     :func:`revckpt.restore` calls): each converted layer gets back the forward it had, its
     adapters go (with what they learnt), the parameters ``trainable="adapters"`` froze get
     back the ``requires_grad`` they had, and the model computes what it did before
-    conversion, bit for bit (the layers' own weights, as trained since). Returns how many
-    layers were restored (0: nothing was converted)."""
+    conversion, bit for bit (the layers' own weights, as trained since). A stack whose
+    layers are in ``model`` and whose converted model is not (peft's ``merge_and_unload()``
+    returns the base model; or a part of the converted model) is undone too. Returns how
+    many layers were restored (0: nothing was converted)."""
+    stacks = [owner.__dict__.pop(_ATTR) for owner in _conversions(model)]
+    for m in model.modules():
+        held = m.__dict__.get(_ATTR)
+        if isinstance(held, tuple) and held[1] not in stacks:
+            stacks.append(held[1])
     count = 0
-    for owner in _conversions(model):
-        converted: ReversibleLayers = owner.__dict__.pop(_ATTR)
+    for converted in stacks:
         for (_, layer), before in zip(converted.layers, converted.forwards, strict=True):
             layer.__dict__.pop(_ATTR, None)
             layer.__dict__.pop("forward", None)
@@ -407,6 +423,7 @@ def remove_reversible(model: nn.Module) -> int:
                 layer._modules.pop(name, None)
         for p, requires_grad in converted.frozen:
             p.requires_grad_(requires_grad)
+        converted.removed = True  # its model, if it holds it still, forgets it
         count += len(converted.layers)
     return count
 

@@ -232,6 +232,29 @@ def test_keyword_tensor_changed_in_place_after_forward_raises():
         y.sum().backward()  # (torch's bare "modified by an inplace operation" before)
 
 
+@pytest.mark.parametrize("strategy", ["checkpoint", "selective:matmul", "compress:bf16"])
+def test_a_tensor_changed_in_place_after_forward_raises_with_every_strategy(strategy):
+    """A keyword tensor (and, for compress, the input it keeps exactly) changed in place after
+    the forward: checkpoint and selective recomputed from the changed value, compress used
+    it, and the weight's gradient was off by 2.0 (relative) with no error, where plain
+    autograd raises."""
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, *, scale):
+            return torch.tanh(self.lin(x)) * scale
+
+    for change in ("scale", "input") if strategy.startswith("compress") else ("scale",):
+        x, scale = torch.randn(4, 8), torch.rand(8)
+        y = revckpt.checkpoint(Scaled(), x, strategy=strategy, scale=scale)
+        (scale if change == "scale" else x).mul_(3)
+        with pytest.raises(revckpt.ModifiedInputError, match="changed in place after"):
+            y.sum().backward()
+
+
 def test_positional_mask_with_inf_gets_a_keyword_hint():
     def fn(x, mask):
         return x + mask

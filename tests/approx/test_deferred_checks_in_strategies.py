@@ -21,7 +21,8 @@ def test_compress_saved_keeps_a_mask_exact_with_deferred_checks():
     hooks = _SavedCodec(_deferred(Codec("e4m3", "row")), min_numel=1, label="block 3")
     mask = torch.zeros(4, 8).masked_fill(torch.eye(4, 8, dtype=torch.bool), float("-inf"))
     packed = hooks.pack(mask)
-    assert isinstance(packed, torch.Tensor) and torch.equal(packed, mask)  # kept, not encoded
+    kept = hooks.unpack(packed)
+    assert kept.data_ptr() == mask.data_ptr() and torch.equal(kept, mask)  # kept, not encoded
 
 
 def test_compress_saved_still_refuses_an_overflowed_activation_at_decode():
