@@ -625,6 +625,48 @@ def test_restore_undoes_a_stack_whose_converted_model_is_gone():
     wrapper(x).sum().backward()
 
 
+def test_an_eval_step_on_a_static_cache_or_a_partial_stack():
+    """A pre-allocated ``StaticCache`` reads empty before its first update, but a forward
+    attends over all its slots: the recompute without it crashed in backward (size
+    mismatch). A stack that starts after the model's first layer read that layer's filled
+    entry as a cache holding past, and ran every eval step plainly."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    base = zoo.deeper("llama", 3)().double().eval()
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[0, 0] = 0  # left padding: the mask spans the cache's slots
+    example = {"input_ids": torch.randint(0, zoo.VOCAB, (2, 6)), "attention_mask": mask}
+
+    def grads(model: nn.Module, reversible: bool, cache: Any) -> dict[str, torch.Tensor]:
+        reversible_layers(model).reversible = reversible
+        model.zero_grad(set_to_none=True)
+        model(**example, cache=cache(model), use_cache=True).logits.pow(2).mean().backward()
+        return _grads(model)
+
+    static = make_reversible(copy.deepcopy(base), trainable="all")
+
+    def fresh_static(m: nn.Module) -> Any:
+        return transformers.StaticCache(config=m.config, max_cache_len=16)
+
+    got, want = grads(static, True, fresh_static), grads(static, False, fresh_static)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-9, atol=1e-12, msg=name)
+
+    deeper = zoo.deeper("llama", 6)().double().eval()
+    rest = {f"model.layers.{i}" for i in range(1, 6)}
+    later = make_reversible(deeper, blocks=lambda m, fqn: fqn in rest)
+    example = {"input_ids": torch.randint(0, zoo.VOCAB, (2, 32))}
+
+    def peak(reversible: bool) -> int:
+        reversible_layers(later).reversible = reversible
+        later.zero_grad(set_to_none=True)
+        with MemoryMeter("cpu") as meter:
+            later(**example, use_cache=True).logits.pow(2).mean().backward()
+        return meter.peak_bytes
+
+    assert peak(True) < peak(False)  # the stack keeps its saving with the default cache
+
+
 def test_bad_options_are_refused():
     case = zoo.CASES["nanogpt"]
     with pytest.raises(InvalidArgumentError, match="variant"):

@@ -20,7 +20,15 @@ from ..layers.grid import on_grid
 from ..layers.sequential import ReversibleSequential
 from ..layers.steps import StackRun
 from ._reversible_calls import check_constant, dtype_of, passes, with_hidden
-from .calls import Key, cache_holds_past, carried_key, drop_caches, has_cache, replaced
+from .calls import (
+    Key,
+    cache_holds_past,
+    cache_index,
+    carried_key,
+    drop_caches,
+    has_cache,
+    replaced,
+)
 from .install import REVERSIBLE_ATTR, within
 
 __all__ = ["MODES", "SIXTEEN_BITS", "Calls", "InstalledForward", "ReversibleLayers", "auto_anchors"]
@@ -291,7 +299,7 @@ class ReversibleLayers:
         plain = (
             torch.is_grad_enabled()
             and not self.layers[0][1].training
-            and cache_holds_past(args, kwargs)
+            and cache_holds_past(args, kwargs, cache_index(self.layers[0][1]))
         )
         run = self.stack.stepwise(*streams, calls=calls) if self.reversible and not plain else None
         self._pass = _Pass(calls, run, streams, _Progress(self.layers[0][0]), plain=plain)

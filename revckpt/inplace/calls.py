@@ -9,11 +9,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..errors import InvalidInputTypeError
 
 __all__ = [
     "cache_holds_past",
+    "cache_index",
     "carried_key",
     "drop_caches",
     "has_cache",
@@ -100,21 +102,33 @@ def has_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     )
 
 
-def cache_holds_past(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether a cache a call passes already holds keys and values (a decoding step after
-    the prompt); one of an unknown kind counts as holding them."""
+def cache_holds_past(args: tuple[Any, ...], kwargs: dict[str, Any], layer: int = 0) -> bool:
+    """Whether a cache a call passes may hold keys and values already (a decoding step after
+    the prompt) at ``layer`` (the cache's index of the first layer called): only a
+    transformers ``DynamicCache`` empty there (an ``EncoderDecoderCache`` of two) counts as
+    fresh; any other (a pre-allocated ``StaticCache``, whose keys a forward attends over in
+    full; a cross-attention cache filled before) as holding them."""
     found = [kwargs.get(name) for name in _CACHE_KEYWORDS if kwargs.get(name) is not None]
     found += [a for a in args if _is_cache(a)]
-    for cache in found:
-        if _is_cache(cache):
-            if cache.get_seq_length() > 0:
-                return True
-        elif not isinstance(cache, (tuple, list)) or any(
-            isinstance(t, torch.Tensor) and t.numel() > 0
-            for t in torch.utils._pytree.tree_leaves(cache)
-        ):
-            return True
-    return False
+    return any(not _fresh(cache, layer) for cache in found)
+
+
+def _fresh(cache: Any, layer: int) -> bool:
+    parts = [getattr(cache, n, None) for n in ("self_attention_cache", "cross_attention_cache")]
+    if all(p is not None for p in parts):  # transformers' EncoderDecoderCache
+        return all(_fresh(p, layer) for p in parts)
+    dynamic = any(c.__name__ == "DynamicCache" for c in type(cache).__mro__)
+    return dynamic and _is_cache(cache) and cache.get_seq_length(layer) == 0
+
+
+def cache_index(layer: nn.Module) -> int:
+    """The index a Hugging Face layer has in its model's cache (its or its attention's
+    ``layer_idx``; 0 when it has none)."""
+    for m in layer.modules():
+        index = getattr(m, "layer_idx", None)
+        if isinstance(index, int) and not isinstance(index, bool):
+            return index
+    return 0
 
 
 def drop_caches(
