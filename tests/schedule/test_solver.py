@@ -279,6 +279,49 @@ def test_infeasible_budget_names_the_smallest_budget_that_works(seed, error_budg
         solve(blocks, memory_budget=int(named * 0.98), error_budget=error_budget)
 
 
+def test_allowing_approx_never_raises_the_smallest_budget_of_a_profiled_resnet():
+    """The chain of the report (a profiled ResNet of 7 blocks, BatchNorm and dropout): with
+    approx allowed the smallest budget named was 630,152 bytes, without 624,968, and a solve
+    with approx at 624,968 succeeded."""
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    from revckpt.schedule import profile
+
+    class Res(nn.Module):
+        def __init__(self, c: int) -> None:
+            super().__init__()
+            self.c1, self.b1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+            self.c2, self.b2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+            self.drop = nn.Dropout(0.1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.drop(F.relu(self.b1(self.c1(x))))
+            return F.relu(x + self.b2(self.c2(h)))
+
+    class Down(nn.Module):
+        def __init__(self, ci: int, co: int) -> None:
+            super().__init__()
+            self.c, self.b = nn.Conv2d(ci, co, 3, stride=2, padding=1), nn.BatchNorm2d(co)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.relu(self.b(self.c(x)))
+
+    torch.manual_seed(0)
+    head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+    chain = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), Res(8), Res(8), Down(8, 16), Res(16), Res(16), head
+    )
+    prof = profile(chain, torch.randn(8, 3, 16, 16), codecs=("bf16", "e4m3"), repeats=1)
+    named = []
+    for error_budget in (0.0, 0.05):
+        with pytest.raises(InvalidArgumentError) as info:
+            solve(prof, memory_budget=1000, error_budget=error_budget)
+        named.append(info.value.smallest_budget_bytes)
+    assert named[1] <= named[0], named
+
+
 def test_strategies_that_cannot_cover_the_chain():
     blocks = make_chain(6, 3)
     with pytest.raises(InvalidArgumentError, match="choose at least one"):
