@@ -25,6 +25,7 @@ from torch import nn
 
 from .errors import GradientMismatchError, InvalidArgumentError
 from .measure.gradients import GradientError, Inputs, TensorError, gradient_error
+from .measure.state import preserved
 from .models.mlp import Norm, mlp_chain
 
 if TYPE_CHECKING:
@@ -309,7 +310,8 @@ def assert_error_within_bound(
     reports the measured error only; ``store=None`` must be exact up to float32 rounding. Raises
     :class:`~revckpt.GradientMismatchError` with the per-parameter table when a parameter is
     above; returns the :class:`ErrorCheck` (print it for the table) otherwise. The blocks must
-    be deterministic (see :mod:`revckpt.approx.bounds`); their ``.grad`` are overwritten.
+    be deterministic (see :mod:`revckpt.approx.bounds`); they are left as they were (gradients,
+    BatchNorm statistics).
     """
     if not roundoff_ulps >= 0:
         raise InvalidArgumentError(
@@ -318,6 +320,21 @@ def assert_error_within_bound(
         )
     approx = _as_approx(approx)
     chain = blocks if isinstance(blocks, nn.Sequential) else nn.Sequential(*blocks)
+    with preserved(chain):  # BatchNorm statistics and gradients as they were
+        return _checked_within_bound(
+            chain, x, approx, cotangent, probes, power_iterations, roundoff_ulps
+        )
+
+
+def _checked_within_bound(
+    chain: nn.Sequential,
+    x: torch.Tensor,
+    approx: Any,
+    cotangent: torch.Tensor | None,
+    probes: int,
+    power_iterations: int,
+    roundoff_ulps: float,
+) -> ErrorCheck:
     with torch.no_grad():
         out = chain(x)
     ct = torch.ones_like(out) if cotangent is None else cotangent

@@ -53,9 +53,10 @@ times under ``torch.func`` transforms. Compute runs in float64 on a copy of the 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -198,7 +199,7 @@ def estimate_totals(
     ]
     if not resolved:
         return {}
-    with sdpa_kernel(SDPBackend.MATH):
+    with sdpa_kernel(SDPBackend.MATH), _deterministic("estimate_totals"):
         lin = linearise(chain, x, cotangent, with_input=True)
         gen = torch.Generator().manual_seed(seed)
         tangents = tuple(
@@ -249,7 +250,7 @@ def estimate_error(
     _warn_if_non_smooth(chain)
     # Forward-mode AD through attention needs the math kernel (the fused CPU kernels have no
     # JVP); the values are the same up to rounding.
-    with sdpa_kernel(SDPBackend.MATH):
+    with sdpa_kernel(SDPBackend.MATH), _deterministic("estimate_error"):
         lin = linearise(chain, x, cotangent)
         bounds = [codec.error_bound(z) for z in lin.xs]
         dx = [(codec.roundtrip(z).double() - z.double()) for z in lin.xs]
@@ -269,6 +270,22 @@ def estimate_error(
         worst_row_bound=worst_row,
         codec=str(codec),
     )
+
+
+@contextlib.contextmanager
+def _deterministic(caller: str) -> Iterator[None]:
+    """Name what torch.func's vmap refuses: a random operation in the blocks (dropout in
+    training mode), whose Jacobian is not one linear map."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "random operation" not in str(e):
+            raise
+        raise InvalidArgumentError(
+            f"{caller}: the blocks draw random numbers (dropout in training mode?), and the "
+            "bound is of one deterministic function: call it on the blocks in eval mode "
+            "(blocks.eval()), or with dropout p=0"
+        ) from e
 
 
 def _parameter_table(

@@ -146,3 +146,24 @@ def test_estimate_totals_matches_estimate_error_for_every_codec():
         assert 1 / 1.5 < got.parameters / single.total("estimate") < 1.5
         assert got.input > 0
     assert totals["e4m3"].parameters > 5 * totals["bf16"].parameters
+
+
+def test_the_bound_check_leaves_batchnorm_statistics_and_refuses_dropout_clearly():
+    """On a train-mode BatchNorm chain it changed the running statistics (3 batches counted);
+    with dropout it raised vmap's bare RuntimeError."""
+    from revckpt.testing import assert_error_within_bound
+
+    torch.manual_seed(0)
+    chain = nn.Sequential(
+        *[
+            nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.GELU())
+            for _ in range(2)
+        ]
+    )
+    before = {k: v.clone() for k, v in chain.state_dict().items()}
+    assert_error_within_bound(chain, torch.randn(4, 4, 8, 8), Approx(store="e4m3"))
+    for k, v in chain.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    dropout = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.2), nn.GELU(), nn.Linear(16, 16))
+    with pytest.raises(InvalidArgumentError, match="draw random numbers"):
+        assert_error_within_bound(dropout, torch.randn(4, 16), Approx(store="e4m3"))
