@@ -624,6 +624,16 @@ def test_an_example_with_a_graph_is_refused_before_any_step() -> None:
     assert prompt.grad is None
 
 
+def test_an_error_of_loss_fn_is_told_as_its_own() -> None:
+    """A ``loss_fn`` that does not fit the output: fit said the model could not run the
+    example."""
+    model = nn.Sequential(*[_Residual(8) for _ in range(3)])
+    with pytest.raises(InvalidArgumentError, match=r"loss_fn\(output\) raised IndexError"):
+        revckpt.fit(
+            model, torch.randn(4, 8), memory_budget=1.0, loss_fn=lambda out: out["logits"].sum()
+        )
+
+
 def test_bad_input_is_one_clear_error() -> None:
     case = _case("nanogpt")
     model, example = case.make_model(), case.make_example(2, 16)

@@ -162,7 +162,9 @@ def trace(
         with left_as_found(model, example), _runnable():
             args, kwargs = split_example(example)
             with outside:
-                loss = loss_of(model(*args, **kwargs), loss_fn)  # the forward: no backward yet
+                out = model(*args, **kwargs)  # the forward: no backward yet
+                loss = _loss(out, loss_fn)
+                del out
             _check_calls(recorder.counts, names, [c.fqn for c in calls])
             held = tuple(i > 0 and outside.saved(c.input) for i, c in enumerate(calls))
             chained = all(c.input is p.output for p, c in itertools.pairwise(calls))
@@ -244,6 +246,20 @@ def _runnable() -> Iterator[None]:
             f"the model cannot run the example: {type(err).__name__}: {err}"[:600]
             + "; pass one batch the model takes (model(*example), model(**example) or "
             "model(example))"
+        ) from err
+
+
+def _loss(out: Any, loss_fn: LossFn) -> torch.Tensor:
+    """:func:`loss_of`, an error of ``loss_fn`` told as its own (the model ran)."""
+    try:
+        return loss_of(out, loss_fn)
+    except (InvalidArgumentError, InvalidInputTypeError):
+        raise
+    except Exception as err:
+        raise InvalidArgumentError(
+            f"loss_fn(output) raised {type(err).__name__}: {err}"[:400]
+            + f" (the model ran and returned a {type(out).__name__}); pass a loss_fn that "
+            "takes what the model returns to a scalar loss"
         ) from err
 
 
