@@ -73,6 +73,15 @@ def test_plan_on_the_example_model_measures_within_budget(monkeypatch, tmp_path,
     assert json.loads(out.read_text())["format"] == "revckpt.Plan/1"
 
 
+def test_plan_with_compress_profiles_it(monkeypatch, capsys):
+    """``--strategies ... compress:bf16`` was accepted, the chain profiled, and the solve then
+    said compress was not available for this profile."""
+    monkeypatch.chdir(ROOT)
+    args = ["plan", "examples.user_model:build", "--budget", "0.6", "--repeats", "1"]
+    assert main([*args, "--strategies", "store", "checkpoint", "compress:bf16"]) == 0
+    assert "error" not in capsys.readouterr().err
+
+
 def test_plan_with_offload_on_the_cpu_profiles_only_what_is_asked(monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     args = ["plan", "examples.user_model:build", "--budget", "0.6", "--measure"]
@@ -112,6 +121,10 @@ def test_plan_with_offload_on_the_cpu_profiles_only_what_is_asked(monkeypatch, c
         (["demo", "--budget", "lots"], "cannot read the memory budget"),
         (["demo", "--budget", "1e400"], "memory budget '1e400'"),
         (["plan", "examples.user_model:build", "--budget", "1e400"], "memory budget '1e400'"),
+        (
+            ["plan", "examples.user_model:build", "--budget", "0.5", "--error-budget", "nan"],
+            "--error-budget nan: pass a number >= 0",
+        ),
         (["frobnicate"], "invalid choice"),
     ],
 )

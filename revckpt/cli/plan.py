@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import math
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -112,7 +113,7 @@ def _profile_options(strategies: Sequence[str] | None, offload: bool) -> dict[st
 
     if strategies is None:
         return {"offload": True} if offload else {}
-    codecs, policies = [], []
+    codecs, policies, compress = [], [], []
     for name in strategies:
         try:
             strategy = Strategy.parse(name)
@@ -126,9 +127,12 @@ def _profile_options(strategies: Sequence[str] | None, offload: bool) -> dict[st
             codecs.append(strategy.arg)
         elif strategy.kind == "selective":
             policies.append(strategy.arg)
+        elif strategy.kind == "compress":
+            compress.append(strategy.arg)
     return {
         "codecs": tuple(codecs),
         "policies": tuple(policies),
+        "compress": tuple(compress),
         "offload": True if offload or "offload" in strategies else None,
     }
 
@@ -146,6 +150,8 @@ def _plan(args: argparse.Namespace) -> int:
         parse_budget(args.budget, UNKNOWN_PEAK)
     except RevckptError as err:
         raise _UsageError(str(err)) from err
+    if not (math.isfinite(args.error_budget) and args.error_budget >= 0):
+        raise _UsageError(f"--error-budget {args.error_budget}: pass a number >= 0 (e.g. 1e-2)")
     strategies = _strategy_names(args.strategies)
     _profile_options(strategies, False)
     if args.out and not Path(args.out).resolve().parent.is_dir():
