@@ -321,14 +321,34 @@ def test_activation_memory_is_a_few_hidden_states_whatever_the_depth():
     assert abs(exact[1] - exact[0] - 4 * elements) <= hidden // 8, (exact, elements)
 
 
-def test_a_model_that_changes_the_hidden_state_between_layers_is_refused():
-    class Scaled(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = nn.ModuleList(
-                nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(3)
-            )
+class _Layers(nn.Module):
+    """Three layers of width 8 the model calls in turn: the stack the small tests convert."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(3)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _Holding(nn.Module):
+    """A model around another (a task wrapper, peft's ``PeftModel``)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def test_a_model_that_changes_the_hidden_state_between_layers_is_refused():
+    class Scaled(_Layers):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             for layer in self.layers:
                 x = layer(x) * 2
@@ -345,13 +365,7 @@ def test_a_model_that_changes_the_hidden_state_in_place_between_layers_is_refuse
     own streams, which the change does not reach; it went unseen (the output moved by 1.9,
     relative, where the start is about 2e-3)."""
 
-    class Halved(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = nn.ModuleList(
-                nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(3)
-            )
-
+    class Halved(_Layers):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             for layer in self.layers:
                 x = layer(x)
@@ -421,32 +435,12 @@ def test_converting_again_through_a_parent_or_a_part_is_refused():
     """``make_reversible(model.transformer)`` after ``make_reversible(model)``, or of a wrapper
     holding it: accepted, and the next forward raised ``RecursionError``."""
 
-    class Stack(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = nn.ModuleList(
-                nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(3)
-            )
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for layer in self.layers:
-                x = layer(x)
-            return x
-
-    class Outer(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.stack = Stack()
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.stack(x)
-
-    model = make_reversible(Outer(), blocks="stack.layers")
+    model = make_reversible(_Holding(_Layers()), blocks="inner.layers")
     with pytest.raises(InvalidArgumentError, match="by make_reversible already"):
-        make_reversible(model.stack, blocks="layers")
+        make_reversible(model.inner, blocks="layers")
     wrapper = nn.Sequential(model)
     with pytest.raises(InvalidArgumentError, match="by make_reversible already"):
-        make_reversible(wrapper, blocks="0.stack.layers")
+        make_reversible(wrapper, blocks="0.inner.layers")
     model(torch.randn(2, 8)).sum().backward()  # the first conversion still runs
 
 
@@ -521,13 +515,7 @@ def test_the_mode_changes_after_a_forward_that_stopped_early_without_grad():
     """An early exit under ``no_grad`` (nothing to differentiate) left its pass behind, and
     setting ``reversible`` then raised "in the middle of a forward pass"."""
 
-    class Exits(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = nn.ModuleList(
-                nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(3)
-            )
-
+    class Exits(_Layers):
         def forward(self, x: torch.Tensor, stop: int = 3) -> torch.Tensor:
             for layer in self.layers[:stop]:
                 x = layer(x)
@@ -591,37 +579,17 @@ def test_restore_undoes_a_stack_whose_converted_model_is_gone():
     layers ran the reversible stack still, and ``restore`` on it restored 0 layers. Restoring
     through the layers undoes the stack, and the model that held it forgets it."""
 
-    class Base(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = nn.ModuleList(
-                nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(3)
-            )
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for layer in self.layers:
-                x = layer(x)
-            return x
-
-    class Wrapper(nn.Module):
-        def __init__(self, base: nn.Module) -> None:
-            super().__init__()
-            self.base = base
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.base(x)
-
     torch.manual_seed(0)
-    base = Base()
+    base = _Layers()
     x = torch.randn(2, 8)
     want = base(x)
-    wrapper = make_reversible(Wrapper(base), blocks="base.layers", scale=2**-2)
+    wrapper = make_reversible(_Holding(base), blocks="inner.layers", scale=2**-2)
     assert not torch.equal(wrapper(x), want)
     assert revckpt.restore(base) == 3
     assert torch.equal(base(x), want)
     assert not any("revckpt_adapter" in n for n, _ in base.named_parameters())
     assert revckpt.restore(wrapper) == 0
-    make_reversible(wrapper, blocks="base.layers")  # converts again
+    make_reversible(wrapper, blocks="inner.layers")  # converts again
     wrapper(x).sum().backward()
 
 
