@@ -320,7 +320,7 @@ def assert_error_within_bound(
         )
     approx = _as_approx(approx)
     chain = blocks if isinstance(blocks, nn.Sequential) else nn.Sequential(*blocks)
-    with preserved(chain):  # BatchNorm statistics and gradients as they were
+    with preserved(chain, tensors=(x,)):  # statistics, gradients (x's too) as they were
         return _checked_within_bound(
             chain, x, approx, cotangent, probes, power_iterations, roundoff_ulps
         )

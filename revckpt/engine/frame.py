@@ -119,9 +119,11 @@ class FrameCall:
         if any_changed(self.given):
             raise ModifiedInputError(
                 f"{self.label}: a tensor it was given as a keyword argument was changed in "
-                "place after its forward, before its backward, so the recompute would start "
-                "from the changed value (plain autograd raises for a tensor it saved that was "
-                "changed so). Change it out of place, or pass a copy (t.clone())"
+                "place after its forward, before its backward: its recompute and backward "
+                "would read the changed value (plain autograd raises for a tensor it saved that "
+                "was changed so; a keyword the block never reads, such as position_ids beside "
+                "rotary tables, is refused too, as revckpt cannot tell). Change it out of "
+                "place, or pass a copy (t.clone())"
             )
         self.recomputed = True
         bump_if_changed(self.kept, self.watched)  # an output aliasing a kept one, changed

@@ -161,9 +161,11 @@ def test_the_bound_check_leaves_batchnorm_statistics_and_refuses_dropout_clearly
         ]
     )
     before = {k: v.clone() for k, v in chain.state_dict().items()}
-    assert_error_within_bound(chain, torch.randn(4, 4, 8, 8), Approx(store="e4m3"))
+    x = torch.randn(4, 4, 8, 8, requires_grad=True)
+    assert_error_within_bound(chain, x, Approx(store="e4m3"))
     for k, v in chain.state_dict().items():
         assert torch.equal(v, before[k]), k
+    assert x.grad is None and all(p.grad is None for p in chain.parameters())
     dropout = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.2), nn.GELU(), nn.Linear(16, 16))
     with pytest.raises(InvalidArgumentError, match="draw random numbers"):
         assert_error_within_bound(dropout, torch.randn(4, 16), Approx(store="e4m3"))
