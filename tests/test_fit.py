@@ -634,6 +634,17 @@ def test_an_error_of_loss_fn_is_told_as_its_own() -> None:
         )
 
 
+def test_a_tokenizers_batch_encoding_is_a_batch() -> None:
+    """What a Hugging Face tokenizer returns (``BatchEncoding``, a ``UserDict``, not a dict)
+    was refused as no batch at all."""
+    transformers = pytest.importorskip("transformers")
+    case = _case("gpt2")
+    model = case.make_model()
+    example = transformers.BatchEncoding(case.make_example())
+    plan = revckpt.fit(model, example, memory_budget="60%", loss_fn=case.loss_fn)
+    assert _measured_step(model, dict(example), case.loss_fn) <= plan.memory_budget_bytes
+
+
 def test_bad_input_is_one_clear_error() -> None:
     case = _case("nanogpt")
     model, example = case.make_model(), case.make_example(2, 16)

@@ -112,9 +112,9 @@ def fit(
     """Make the model's training step fit ``memory_budget``, in place, and return the plan.
 
     The step planned for is ``loss_fn(model(*args, **kwargs))`` then ``.backward()``, with
-    ``example`` one batch: a tensor, a tuple of positional arguments or a dict of keyword
-    arguments. Without ``loss_fn`` the loss is ``output.loss`` (Hugging Face models given
-    labels), or the output when it is a scalar.
+    ``example`` one batch: a tensor, a tuple of positional arguments or a mapping of keyword
+    arguments (a dict, a tokenizer's ``BatchEncoding``). Without ``loss_fn`` the loss is
+    ``output.loss`` (Hugging Face models given labels), or the output when it is a scalar.
 
     Args:
         memory_budget: bytes (int), a string (``"8GiB"``, ``"30%"``) or a fraction in

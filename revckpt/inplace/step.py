@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,18 +41,19 @@ LossFn = Callable[[Any], torch.Tensor] | None
 
 def split_example(example: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """One batch as positional and keyword arguments: a tensor, a tuple (or list) of positional
-    arguments, or a dict of keyword arguments (Hugging Face style)."""
+    arguments, or a mapping of keyword arguments (Hugging Face style: a dict, or a tokenizer's
+    ``BatchEncoding``)."""
     if isinstance(example, torch.Tensor):
         return (example,), {}
     if isinstance(example, (tuple, list)):
         return tuple(example), {}
-    if isinstance(example, dict):
+    if isinstance(example, Mapping):
         if not all(isinstance(k, str) for k in example):
             raise InvalidInputTypeError("an example dict has string keys (keyword arguments)")
         return (), dict(example)
     raise InvalidInputTypeError(
-        f"example is one batch: a tensor, a tuple of positional arguments or a dict of keyword "
-        f"arguments (dict(input_ids=..., labels=...)), got {type(example).__name__}"
+        f"example is one batch: a tensor, a tuple of positional arguments or a mapping of "
+        f"keyword arguments (dict(input_ids=..., labels=...)), got {type(example).__name__}"
     )
 
 
@@ -61,7 +62,7 @@ def check_example_leaves(example: Any) -> None:
     from a parameter outside the model): fit runs its step several times, and that graph can
     be differentiated once ("backward through the graph a second time", after a first step
     had added to the outside parameter's gradient)."""
-    for t in tree_leaves(example):
+    for t in tree_leaves(split_example(example)):
         if isinstance(t, torch.Tensor) and t.requires_grad and not t.is_leaf:
             raise InvalidArgumentError(
                 f"the example holds a tensor of shape {tuple(t.shape)} that requires grad and "
@@ -118,13 +119,13 @@ def _cuda_devices(model: nn.Module) -> list[torch.device]:
 
 
 @contextlib.contextmanager
-def left_as_found(model: nn.Module, example: Any = None) -> Iterator[None]:
+def left_as_found(model: nn.Module, example: Any) -> Iterator[None]:
     """Steps run within leave the model as it was (parameters' gradients, buffers, plain
     attributes, the generators), and the example's tensors too: a leaf that requires grad (a
     trainable prompt, ``inputs_embeds``) has no ``.grad`` within, as after ``zero_grad()``,
     and gets its own back on exit (the steps' gradients are not the caller's)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    tensors = [t for t in tree_leaves(example) if isinstance(t, torch.Tensor)]
+    tensors = [t for t in tree_leaves(split_example(example)) if isinstance(t, torch.Tensor)]
     with (
         torch.random.fork_rng(devices=_cuda_devices(model)),
         preserved(model, tensors=tensors),
