@@ -29,7 +29,7 @@ from .calls import (
     has_cache,
     replaced,
 )
-from .install import REVERSIBLE_ATTR, within
+from .install import REVERSIBLE_ATTR, ModuleForward, within
 
 __all__ = ["MODES", "SIXTEEN_BITS", "Calls", "InstalledForward", "ReversibleLayers", "auto_anchors"]
 
@@ -80,24 +80,15 @@ class _Pass:
     next_index: int = 1
 
 
-class InstalledForward:
-    """The ``forward`` :func:`revckpt.make_reversible` puts on a converted layer: a callable
-    object (not a bound method), so ``torch.save(model)`` pickles it."""
+class InstalledForward(ModuleForward):
+    """The ``forward`` :func:`revckpt.make_reversible` puts on a converted layer (picklable:
+    :class:`~revckpt.inplace.install.ModuleForward`)."""
 
-    __slots__ = ("layer",)
-
-    def __init__(self, layer: nn.Module) -> None:
-        self.layer = layer
+    __slots__ = ()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        index, layers = self.layer.__dict__[REVERSIBLE_ATTR]
+        index, layers = self.block.__dict__[REVERSIBLE_ATTR]
         return layers.call(index, args, kwargs)
-
-    def __getstate__(self) -> nn.Module:
-        return self.layer
-
-    def __setstate__(self, layer: nn.Module) -> None:
-        self.layer = layer
 
 
 def auto_anchors(scale: float, dtype: torch.dtype, depth: int) -> int | None:
@@ -299,6 +290,7 @@ class ReversibleLayers:
         plain = (
             torch.is_grad_enabled()
             and not self.layers[0][1].training
+            and has_cache(args, kwargs)
             and cache_holds_past(args, kwargs, cache_index(self.layers[0][1]))
         )
         run = self.stack.stepwise(*streams, calls=calls) if self.reversible and not plain else None

@@ -166,25 +166,32 @@ def _check_autocast(info: Planned, hidden: torch.Tensor) -> None:
     )
 
 
-class PlannedForward:
-    """The ``forward`` :func:`install` puts on a planned block: a callable object, not a bound
-    method, so ``torch.save(model)`` pickles it (a bound method was pickled as
-    ``getattr(block, "forward")``, which loaded the class's forward: the plan was dropped
-    silently and the step ran over its budget)."""
+class ModuleForward:
+    """A ``forward`` revckpt installs on a module instance: a callable object holding the
+    module, not a bound method, so ``torch.save(model)`` pickles it (a bound method pickles as
+    ``getattr(module, "forward")``, which loads the class's forward: what was installed is
+    dropped silently). Subclasses define ``__call__``."""
 
     __slots__ = ("block",)
 
     def __init__(self, block: nn.Module) -> None:
         self.block = block
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return forward(self.block, *args, **kwargs)
-
     def __getstate__(self) -> nn.Module:
         return self.block
 
     def __setstate__(self, block: nn.Module) -> None:
         self.block = block
+
+
+class PlannedForward(ModuleForward):
+    """The ``forward`` :func:`install` puts on a planned block (a fitted model saved with
+    ``torch.save`` ran its step over budget when it was a bound method)."""
+
+    __slots__ = ()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return forward(self.block, *args, **kwargs)
 
 
 def install(block: nn.Module, info: Planned) -> None:
