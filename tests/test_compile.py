@@ -50,6 +50,11 @@ def _strategies():
         m = mlp_chain(3, 16, 32, norm="layer")
         return m, lambda x: revckpt.checkpoint_sequential(m, 3, x, strategy="offload")
 
+    def compressed():
+        torch.manual_seed(0)
+        m = mlp_chain(3, 128, 256, norm="layer")  # saved tensors above compress's min_numel
+        return m, lambda x: revckpt.checkpoint_sequential(m, 3, x, strategy="compress:bf16")
+
     def scheduled():
         torch.manual_seed(0)
         chain = torch.nn.Sequential(
@@ -69,6 +74,7 @@ def _strategies():
         "approx e4m3": approx,
         "selective matmul": selective,
         "offload": offloaded,
+        "compress bf16": compressed,
         "scheduled": scheduled,
     }
 
@@ -88,12 +94,13 @@ def _retained_and_peak(fn, x):
 
 
 @pytest.mark.parametrize(
-    "name", ["reversible", "approx e4m3", "selective matmul", "offload", "scheduled"]
+    "name",
+    ["reversible", "approx e4m3", "selective matmul", "offload", "compress bf16", "scheduled"],
 )
 def test_compiled_strategy_matches_eager_and_keeps_no_more(name):
     module, eager = _strategies()[name]()
     compiled = torch.compile(eager)
-    x = torch.randn(6, 16, requires_grad=True)
+    x = torch.randn(*((64, 128) if name == "compress bf16" else (6, 16)), requires_grad=True)
     grads, memory = {}, {}
     for label, fn in (("eager", eager), ("compiled", compiled)):
         for p in module.parameters():

@@ -40,12 +40,14 @@ uses (the decoded copy lives from its first use in backward to its last).
    too, and then costs its compressed bytes on top. Keep such blocks stored, or raise
    ``min_numel``.
 
-.. note:: ``torch.compile`` (torch 2.13): Dynamo does not trace ``saved_tensors_hooks``, so a
-   compiled caller breaks its graph at :func:`compress_saved` and runs that frame eagerly; ``fn``
-   itself is still compiled, inside the hooks, which then pack what the compiled graph saves
-   for backward (the partitioner's choice; parameters stay exact there too). So nothing falls
-   back to storing everything, and the gradients carry the same codec error (tested); measure
-   the memory of compiled code with ``MemoryMeter("cpu", method="allocator")``.
+.. note:: ``torch.compile``: :func:`compress_saved` and ``fn`` run eagerly inside a compiled
+   caller (its graph breaks there). Compiled, ``fn``'s saved tensors would be its graph's
+   outputs, which do not require grad: the hooks would keep them exact, taking them for
+   constants, and the memory saving would be lost without a word (before session 30: 128 KiB
+   compressed against 1154 KiB kept exact on a LayerNorm-Linear-GELU-Linear block, where eager
+   compresses 1280 KiB). So a compressed block keeps what it keeps eagerly, with the same
+   gradients, and is not compiled (tested in ``tests/test_compile.py``); measure the memory of
+   compiled code with ``MemoryMeter("cpu", method="allocator")``.
 """
 
 from __future__ import annotations
@@ -312,6 +314,17 @@ def compress_saved(
     if codec is None or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     hooks = _SavedCodec(codec, min_numel, getattr(fn, "__qualname__", type(fn).__name__))
+    return _eager_with_hooks(hooks, fn, args, kwargs)
+
+
+@torch.compiler.disable
+def _eager_with_hooks(
+    hooks: _SavedCodec, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``fn`` run eagerly under the hooks, also inside a compiled caller: a compiled ``fn``'s
+    saved tensors are its graph's outputs, which do not require grad, so the hooks would take
+    them for constants and keep them exact (a LayerNorm-Linear-GELU-Linear block: 128 KiB
+    compressed against 1154 KiB kept exact, where eager compresses 1280 KiB)."""
     try:
         with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
             return fn(*args, **kwargs)
