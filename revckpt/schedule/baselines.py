@@ -56,6 +56,7 @@ def _plan(
         input_signature=getattr(profile, "input_signature", None),
         threads=getattr(profile, "threads", None),
         compiled=getattr(profile, "compiled", False),
+        blocks_digest=getattr(profile, "blocks_digest", None),
     )
 
 

@@ -39,6 +39,7 @@ from .plan_checks import (
     _json_list,
     _segments_from_json,
     _signature_from_json,
+    blocks_digest,
 )
 
 __all__ = ["Plan", "Scheduled", "apply"]
@@ -61,7 +62,10 @@ class Plan:
     the memory predictions hold, the time predictions do not. ``compiled``: solved from a
     profile of the blocks under ``torch.compile`` (``profile(..., compiled=True)``): its
     predictions hold for ``torch.compile(apply(blocks, plan))``; run eagerly, it warns once
-    (eager selective blocks keep more than compiled ones).
+    (eager selective blocks keep more than compiled ones). ``blocks_digest``: a digest of the
+    profiled blocks' parameter names, shapes and dtypes (:func:`apply` refuses other blocks:
+    the plan's predictions are theirs; ``None`` in plans made before 2026-12-07 and by
+    :func:`revckpt.fit`, whose ``model_digest`` covers the whole model).
 
     ``predicted_peak_bytes``: forward+backward peak of live tensor bytes; ``predicted_overhead``:
     recompute time over the plain chain's forward+backward time; ``predicted_error``: summed
@@ -88,6 +92,7 @@ class Plan:
     model_digest: str | None = None
     threads: int | None = None
     compiled: bool = False
+    blocks_digest: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "segments", _checked_segments(self.segments))
@@ -259,6 +264,8 @@ class Scheduled(nn.Module):
         for name, block in named:
             if not isinstance(block, nn.Module):
                 raise InvalidInputTypeError(f"block {name} is not an nn.Module")
+        _check_digest(plan, [block for _, block in named])
+        for name, block in named:
             self.add_module(name, block)
         self._order = [name for name, _ in named]
         self.plan = plan
@@ -295,6 +302,15 @@ class Scheduled(nn.Module):
             else:
                 x = checkpoint_sequential(run, 1, x, strategy=approx, **kwargs)
         return x
+
+
+def _check_digest(plan: Plan, blocks: list[nn.Module]) -> None:
+    if plan.blocks_digest is not None and plan.blocks_digest != blocks_digest(blocks):
+        raise InvalidArgumentError(
+            "these blocks' parameters (names, shapes or dtypes) are not those of the chain the "
+            "plan was profiled on, so its memory and time predictions are not theirs; profile "
+            "and solve again for these blocks (schedule.profile(blocks, x))"
+        )
 
 
 _threads_warned: set[tuple[int, int]] = set()

@@ -1,13 +1,15 @@
 """The checks of a :class:`~revckpt.schedule.Plan`'s fields, made or read from JSON: segments
 (in order, covering the chain, known strategies), block names, figures and the input
-signature; each error names the offending value and the form expected."""
+signature, the blocks' digest; each error names the offending value and the form expected."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from ..approx.formats import FORMATS
 from ..checkpoint import POLICY_PRESETS
@@ -154,6 +156,10 @@ def _check_fields(plan: Plan) -> None:
             raise InvalidArgumentError(f"{name}={value!r}: pass a number >= 0")
     if not isinstance(plan.name, str):
         raise InvalidInputTypeError(f"name={plan.name!r}: a plan's name is a string")
+    for name in ("model_digest", "blocks_digest"):
+        value = getattr(plan, name)
+        if value is not None and not isinstance(value, str):
+            raise InvalidInputTypeError(f"{name}={value!r}: null, or a digest (a string)")
     if not isinstance(plan.compiled, bool):
         raise InvalidInputTypeError(f"compiled={plan.compiled!r}: pass true or false")
     if plan.input_signature is not None:
@@ -175,6 +181,16 @@ def _checked_dtypes(dtypes: Any, length: int) -> tuple[str, ...]:
             f"block_dtypes {bad[:3]} are not torch dtypes; use names such as 'float32'"
         )
     return dtypes
+
+
+def blocks_digest(blocks: Sequence[nn.Module]) -> str:
+    """A digest of the blocks' parameter names, shapes and dtypes, block by block (a plan is
+    applied to the chain it was profiled on only)."""
+    h = hashlib.sha256()
+    for i, block in enumerate(blocks):
+        for name, p in block.named_parameters():
+            h.update(f"{i}.{name}:{tuple(p.shape)}:{p.dtype};".encode())
+    return h.hexdigest()[:16]
 
 
 def dtype_named(name: str) -> torch.dtype | None:

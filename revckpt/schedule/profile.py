@@ -40,6 +40,7 @@ from ..measure.state import cut_from_graph, preserved
 from .block_profile import profile_block
 from .costs import BlockCost
 from .error_samples import checked_stride
+from .plan_checks import blocks_digest
 from .profiling import AUTO, DEFAULT_POLICIES, Progress, _ProfilingJob
 from .step import StepCosts
 
@@ -59,7 +60,9 @@ class Profile:
     costs outside the chain, which the predictions then include; ``threads``: the intra-op
     threads it was timed with (``torch.get_num_threads()``: its times hold for that count);
     ``seconds``: what profiling took; ``compiled``: its costs are those of the blocks run
-    under ``torch.compile`` (``profile(..., compiled=True)``)."""
+    under ``torch.compile`` (``profile(..., compiled=True)``); ``blocks_digest``: a digest of
+    the blocks' parameter names, shapes and dtypes, which its plans carry to
+    :func:`~revckpt.schedule.apply`."""
 
     blocks: tuple[BlockCost, ...]
     names: tuple[str, ...]
@@ -68,6 +71,7 @@ class Profile:
     threads: int | None = None
     seconds: float | None = None
     compiled: bool = False
+    blocks_digest: str | None = None
 
     @property
     def cost_in_steps(self) -> float | None:
@@ -208,6 +212,7 @@ def profile(
         threads=torch.get_num_threads(),
         seconds=time.perf_counter() - started,
         compiled=compiled,
+        blocks_digest=blocks_digest(chain),
     )
 
 

@@ -91,6 +91,21 @@ def test_input_signature_mismatch_raises():
         model(torch.randn(32, 16))  # so is any input without a backward (evaluation)
 
 
+def test_a_plan_is_applied_to_the_blocks_it_was_profiled_on_only():
+    chain = mlp_chain(3, 16, 32)
+    plan = baseline(profile(chain, torch.randn(4, 16), repeats=1, codecs=()), "per-block")
+    plan = Plan.from_json(plan.to_json())  # the digest travels with the plan
+    wider = mlp_chain(3, 16, 128)  # same count and input, other blocks: other predictions
+    with pytest.raises(InvalidArgumentError, match="not those of the chain the plan was"):
+        apply(wider, plan)
+    with pytest.raises(InvalidArgumentError, match="not those of the chain the plan was"):
+        apply(copy.deepcopy(chain).double(), plan)
+    apply(copy.deepcopy(chain), plan)(torch.randn(4, 16)).sum().backward()  # a copy is fine
+    apply(list(chain), plan)  # and a list of the same blocks
+    older = Plan.from_dict({**plan.to_dict(), "blocks_digest": None})  # plans made before
+    apply(wider, older)
+
+
 def test_bad_plans_and_inputs():
     chain = mlp_chain(3, 16, 32)
     prof = profile(chain, torch.randn(4, 16), repeats=1, codecs=())
