@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ __all__ = [
     "grad_keywords",
     "module_targets",
     "modules_of",
+    "refuse_nested_grad_arguments",
     "vjp",
 ]
 
@@ -247,12 +248,25 @@ def grad_keywords(kwargs: dict[str, Any]) -> tuple[str, ...]:
     their gradients are returned). A tensor requiring grad nested in a container cannot be
     returned a gradient: raise, naming the keyword."""
     for k, v in kwargs.items():
-        if not isinstance(v, torch.Tensor) and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(v)[0]
-        ):
-            raise InvalidInputTypeError(
-                f"keyword {k!r} holds tensors that require grad inside a {type(v).__name__}; "
-                "gradients are returned for top-level keyword tensors only: pass each such "
-                "tensor as its own keyword"
-            )
+        _refuse_nested_grad(v, f"keyword {k!r}", "keyword tensors", "as its own keyword")
     return tuple(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad)
+
+
+def refuse_nested_grad_arguments(args: Sequence[Any]) -> None:
+    """Raise for a positional argument that holds tensors requiring grad in a container: the
+    node returns gradients for top-level tensors only, and checks its recompute graph for
+    others once per block, so one that starts requiring grad later (a frozen encoder's
+    output, unfrozen after warm-up) would get none."""
+    for i, a in enumerate(args):
+        _refuse_nested_grad(a, f"positional argument {i}", "positional tensors", "on its own")
+
+
+def _refuse_nested_grad(value: Any, what: str, top_level: str, way_out: str) -> None:
+    if not isinstance(value, torch.Tensor) and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(value)[0]
+    ):
+        raise InvalidInputTypeError(
+            f"{what} holds tensors that require grad inside a {type(value).__name__}; "
+            f"gradients are returned for top-level {top_level} only: pass each such tensor "
+            f"{way_out}"
+        )

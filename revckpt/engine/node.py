@@ -17,6 +17,7 @@ and :mod:`revckpt.replay`.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,7 +27,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import InvalidArgumentError, InvalidInputTypeError, ModifiedInputError
 from ..replay import ForwardState
-from .autograd import differentiable_once, grad_keywords, module_targets, modules_of
+from .autograd import (
+    differentiable_once,
+    grad_keywords,
+    module_targets,
+    modules_of,
+    refuse_nested_grad_arguments,
+)
 from .rerun import Rerun, first_forward, output_grads
 
 __all__ = ["EXACT", "Keep", "run_node"]
@@ -130,12 +137,15 @@ class _RecomputeNode(torch.autograd.Function):
         ctx.save_for_backward(*saved)
         outs, call.out_spec = _OutSpec.split(out, call.label)
         del out
-        return tuple(o.detach() for o in outs)  # the node is their history, not the forward's
+        returned = tuple(o.detach() for o in outs)  # the node is their history, not forward's
+        ctx.aliases = _aliasing(returned, (*tensors, *kw.values()))
+        return returned
 
     @staticmethod
     @differentiable_once("an approximate-recompute or offloaded block")
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         call: _BlockCall = ctx.call
+        _check_aliases(ctx.aliases, call.label)
         saved = _saved(ctx, call.label)
         rebuilt = call.keep.rebuild(saved[: ctx.kw_start], ctx.recipe)
         args_in = [
@@ -168,6 +178,44 @@ class _RecomputeNode(torch.autograd.Function):
             arg_grads.append(result[i] if leaf else None)
             i += leaf
         return (None, *arg_grads, *result[len(leaves) :])
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr() if t.numel() else None
+    except (RuntimeError, NotImplementedError):  # no storage (a subclass, a batched tensor)
+        return None
+
+
+def _aliasing(
+    outs: Sequence[torch.Tensor], given: Sequence[Any]
+) -> list[tuple[weakref.ref[torch.Tensor], int]]:
+    """The outputs that share memory with a tensor the block was given or with another output
+    (a skipped layer returning its input, ``(h, h.view(-1))``), each with its version now.
+    The node's outputs are detached, so autograd does not see the sharing: an in-place change
+    through one would move the other's value under a history that does not say so."""
+    given_storages = {_storage(t) for t in given if isinstance(t, torch.Tensor)}
+    storages = [_storage(o) for o in outs]
+    return [
+        (weakref.ref(o), o._version)
+        for o, s in zip(outs, storages, strict=True)
+        if s is not None and (s in given_storages or storages.count(s) > 1)
+    ]
+
+
+def _check_aliases(aliases: list[tuple[weakref.ref[torch.Tensor], int]], label: str) -> None:
+    """Raise for an output of :func:`_aliasing` changed in place since the forward."""
+    for ref, version in aliases:
+        t = ref()
+        if t is not None and t._version != version:
+            raise ModifiedInputError(
+                f"{label} returned a tensor sharing memory with its input or with another of "
+                "its outputs (a skipped layer's `return x`, a view of an output), and it was "
+                "changed in place after the forward: the block's node cannot tell autograd "
+                "about the sharing, so its gradients would be wrong. Change it out of place "
+                "(h = h * 2), return a copy from the block (x.clone()), or checkpoint the "
+                "block with the 'checkpoint' strategy"
+            )
 
 
 def _saved(ctx: Any, label: str) -> tuple[torch.Tensor, ...]:
@@ -296,6 +344,7 @@ def run_node(
             "real and imaginary parts"
         )
     grad_kwargs = grad_keywords(kwargs)
+    refuse_nested_grad_arguments(args)
     needs_graph = any(t.requires_grad for t in tensors) or bool(params) or bool(grad_kwargs)
     if not torch.is_grad_enabled() or not needs_graph:
         return fn(*args, **kwargs)  # nothing to differentiate: keep nothing, plain call

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -204,6 +205,28 @@ def _grads(
     return dict(zip(names, grads, strict=True)), dtypes
 
 
+def _warn_if_installed(candidate: nn.Module) -> None:
+    """Warn when the float64 copy would run what revckpt installed on ``candidate``'s modules
+    (``convert``, ``fit``, ``make_reversible``: a ``forward`` object of revckpt's on the
+    instance): a lossy strategy then carries its error into the reference too."""
+    installed = [
+        name
+        for name, m in candidate.named_modules()
+        if type(vars(m).get("forward")).__module__.startswith("revckpt.")
+    ]
+    if installed:
+        warnings.warn(
+            f"gradient_error(model, None, ...): the float64 copy of the model runs what revckpt "
+            f"installed on {len(installed)} of its modules (e.g. {installed[0]!r}), so a lossy "
+            "strategy (approx, compress, a bf16 recompute) carries its error into the reference "
+            "too, and the figure is the float32 round-off alone. To measure a strategy's error, "
+            "pass a reference copied before convert or fit (or revckpt.restore(copy.deepcopy("
+            "model)))",
+            UserWarning,
+            stacklevel=4,  # the caller of gradient_error
+        )
+
+
 def _paired_gradients(
     candidate: nn.Module,
     reference: nn.Module | None,
@@ -223,6 +246,7 @@ def _paired_gradients(
         )
     ref_dtype = None
     if reference is None:
+        _warn_if_installed(candidate)
         reference = copy.deepcopy(candidate).to(torch.float64)
         ref_dtype = torch.float64
     elif not isinstance(reference, nn.Module):
@@ -273,7 +297,9 @@ def gradient_error(
     Args:
         candidate: the model under test (any strategy, any dtype).
         reference: the model to compare with, same parameter names; ``None`` for a float64 deep
-            copy of ``candidate``.
+            copy of ``candidate``, which runs what ``convert``, ``fit`` or ``make_reversible``
+            installed on it too (a lossy strategy's error is then in both, and it warns): for a
+            strategy's error, pass a copy made before them.
         inputs: a tensor or a tuple of positional inputs. Inputs with ``requires_grad=True`` get
             their gradients compared too.
         kwargs: keyword inputs for both models (masks, positions).

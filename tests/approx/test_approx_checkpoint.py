@@ -6,7 +6,7 @@ from helpers import bitwise_equal, train_step, twin
 from torch import nn
 
 import revckpt
-from revckpt import InvalidArgumentError, InvalidInputTypeError, MemoryMeter
+from revckpt import InvalidArgumentError, InvalidInputTypeError, MemoryMeter, ModifiedInputError
 from revckpt.approx import Approx
 from revckpt.layers import ReversibleSequential, reversible_mlp_block
 from revckpt.models import ResidualMLPBlock, mlp_chain
@@ -422,3 +422,61 @@ def test_a_block_that_returned_a_tensor_and_returns_a_tuple_in_backward_is_refus
     y = revckpt.checkpoint(fn, torch.randn(3, requires_grad=True), strategy=Approx())
     with pytest.raises(InvalidArgumentError, match=r"different structure .*tuple against a"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("strategy", ["approx:e4m3", "offload"])
+def test_a_tensor_requiring_grad_in_a_positional_list_raises_on_every_call(strategy):
+    # The recompute graph is checked for unregistered tensors on a block's first call only:
+    # a frozen encoder's output in a list, unfrozen after warm-up, got no gradient.
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, extra):
+            return torch.tanh(self.lin(x)) * extra[0]
+
+    block, encoder = Block(), nn.Linear(8, 8).requires_grad_(False)
+    x, ctx = torch.randn(4, 8), torch.randn(4, 8)
+    revckpt.checkpoint(block, x, [encoder(ctx)], strategy=strategy).sum().backward()
+    encoder.requires_grad_(True)
+    with pytest.raises(InvalidInputTypeError, match="positional argument 1 holds tensors"):
+        revckpt.checkpoint(block, x, [encoder(ctx)], strategy=strategy)
+
+
+@pytest.mark.parametrize("strategy", ["approx:bf16", "offload"])
+def test_an_output_sharing_memory_changed_in_place_raises(strategy):
+    # The node's outputs are detached: autograd does not see that a skipped layer's output is
+    # its input, or that two outputs are views of one tensor. An in-place change through one
+    # then gave gradients 3/4 and 1/2 of plain autograd's.
+    class Skip(nn.Module):
+        def forward(self, x):
+            return x
+
+    class TwoViews(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return h, h.view(-1)
+
+    x0 = torch.tensor([[1.0, 2.0, -0.5, 4.0]])
+
+    def skip_step(change):
+        x_in = x0.clone().requires_grad_()
+        x = x_in * 1.0
+        h = revckpt.checkpoint(Skip(), x, strategy=strategy)
+        if change:
+            h.mul_(2)
+        (h * x).sum().backward()
+        return x_in.grad
+
+    torch.testing.assert_close(skip_step(False), 2 * x0)  # no change: exact, as before
+    with pytest.raises(ModifiedInputError, match="sharing memory with its input"):
+        skip_step(True)
+    h, flat = revckpt.checkpoint(TwoViews(), x0.clone().requires_grad_(), strategy=strategy)
+    h.mul_(2)
+    with pytest.raises(ModifiedInputError, match="or with another of its outputs"):
+        (flat * torch.arange(4.0)).sum().backward()

@@ -1,5 +1,6 @@
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -80,3 +81,22 @@ def test_bf16_projection_weights_do_not_add_an_error_floor():
     model = Identity().bfloat16()
     err = gradient_error(model, None, torch.zeros(1))
     assert err.overall.rel_l2 == 0.0  # y = p: d<w, y>/dp = w exactly in any dtype
+
+
+def test_a_float64_copy_of_a_converted_model_warns_that_it_runs_the_strategy_too():
+    # reference=None copies the model as it is: on a model converted to approx the reference
+    # runs the codec too, and the figure read 1.8e-7 where the codec's error is ~2e-2.
+    import revckpt
+    from revckpt.models import transformer_chain
+
+    torch.manual_seed(0)
+    model = nn.Sequential(transformer_chain(2, 32, heads=4))
+    before = copy.deepcopy(model)
+    revckpt.convert(model, "approx:e4m3")
+    x = torch.randn(2, 8, 32)
+    with pytest.warns(UserWarning, match="float64 copy of the model runs what revckpt installed"):
+        floor = gradient_error(model, None, x).overall.rel_l2
+    assert floor < 1e-5 < gradient_error(model, before, x).overall.rel_l2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gradient_error(before, None, x)  # an unconverted model: no warning
