@@ -8,13 +8,16 @@ JVPs at the exact boundaries (:meth:`Linearised.push`) carry boundary errors to 
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call, jvp, vjp
 from torch.nn.modules.batchnorm import _NormBase
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..replay import freeze_running_stats
@@ -106,6 +109,9 @@ class Linearised:
     grads: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]
     zs: tuple[torch.Tensor, ...]
     grad_norm: dict[str, float]
+    #: The non-smooth operations the chain's forward ran (:data:`KINKED_OPS`; ``elu`` where its
+    #: two slopes at 0 differ, as SELU's and an ELU's with ``alpha != 1`` do).
+    kinks: frozenset[str] = frozenset()
 
     def push(self, v: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """``J v``: the first-order change of every gradient for boundary changes ``v``."""
@@ -121,7 +127,8 @@ def linearise(
     """Run the chain on ``x`` (statistics untouched) and linearise it there; ``cotangent`` on
     its output, ones by default (``loss = y.sum()``)."""
     norms = [m for b in chain for m in b.modules() if isinstance(m, _NormBase)]
-    with torch.no_grad(), freeze_running_stats(norms):  # the model's statistics stay as they are
+    kinks = _KinkedOps()
+    with torch.no_grad(), freeze_running_stats(norms), kinks:  # statistics stay as they are
         xs = [x.detach()]
         for block in chain[:-1]:
             xs.append(block(xs[-1]).detach())
@@ -140,7 +147,50 @@ def linearise(
     zs = tuple(z.double() for z in xs)
     exact = grads_fn(zs)
     grad_norm = {n: float(g.norm()) for n, g in zip(names, exact, strict=True)}
-    return Linearised(xs, names, grads_fn, zs, grad_norm)
+    return Linearised(xs, names, grads_fn, zs, grad_norm, frozenset(kinks.found))
+
+
+#: Operations whose derivative jumps (kinks, selections, steps): a compressed input can move
+#: their arguments across the jump, which no first-order analysis sees.
+KINKED_OPS = frozenset(
+    {
+        *("relu", "relu_", "threshold", "threshold_", "leaky_relu", "leaky_relu_", "prelu"),
+        *("_prelu_kernel", "rrelu_with_noise", "rrelu_with_noise_", "hardtanh", "hardtanh_"),
+        *("hardswish", "hardswish_", "hardsigmoid", "hardsigmoid_", "hardshrink", "softshrink"),
+        *("clamp", "clamp_", "clamp_min", "clamp_min_", "clamp_max", "clamp_max_", "clip"),
+        *("max_pool1d", "max_pool2d", "max_pool3d", "max_pool1d_with_indices"),
+        *("max_pool2d_with_indices", "max_pool3d_with_indices", "adaptive_max_pool1d"),
+        *("adaptive_max_pool2d", "adaptive_max_pool3d", "fractional_max_pool2d"),
+        *("fractional_max_pool3d", "max", "min", "maximum", "minimum", "amax", "amin", "fmax"),
+        *("fmin", "abs", "abs_", "sign", "sgn", "floor", "ceil", "round", "trunc", "sort"),
+        *("topk", "kthvalue", "median", "nanmedian", "mode", "cummax", "cummin", "heaviside"),
+    }
+)
+
+
+class _KinkedOps(TorchDispatchMode):
+    """Records which :data:`KINKED_OPS` a forward runs (and ``elu`` with a kink at 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: set[str] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in KINKED_OPS or (name in ("elu", "elu_") and _elu_kink(args, kwargs)):
+            self.found.add(name)
+        return func(*args, **kwargs)
+
+
+def _elu_kink(args: Any, kwargs: Any) -> bool:
+    """``aten.elu(x, alpha, scale, input_scale)``: slope ``alpha * scale * input_scale`` left
+    of 0, ``scale`` right of it."""
+    alpha, scale, input_scale = (*args[1:4], *(None,) * 3)[:3]
+    alpha = kwargs.get("alpha", 1.0 if alpha is None else alpha)
+    scale = kwargs.get("scale", 1.0 if scale is None else scale)
+    input_scale = kwargs.get("input_scale", 1.0 if input_scale is None else input_scale)
+    return not math.isclose(float(alpha) * float(input_scale), 1.0)
 
 
 def random_sign_tangents(d: torch.Tensor, probes: int, gen: torch.Generator) -> torch.Tensor:

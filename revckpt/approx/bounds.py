@@ -247,11 +247,11 @@ def estimate_error(
         raise InvalidArgumentError(
             f"probes={probes}, power_iterations={power_iterations}: both must be >= 1"
         )
-    _warn_if_non_smooth(chain)
     # Forward-mode AD through attention needs the math kernel (the fused CPU kernels have no
     # JVP); the values are the same up to rounding.
     with sdpa_kernel(SDPBackend.MATH), _deterministic("estimate_error"):
         lin = linearise(chain, x, cotangent)
+        _warn_if_non_smooth(chain, lin.kinks)
         bounds = [codec.error_bound(z) for z in lin.xs]
         dx = [(codec.roundtrip(z).double() - z.double()) for z in lin.xs]
         gen = torch.Generator().manual_seed(seed)
@@ -304,13 +304,17 @@ def _parameter_table(
     return "\n".join(lines)
 
 
-def _warn_if_non_smooth(chain: Sequence[nn.Module]) -> None:
+def _warn_if_non_smooth(chain: Sequence[nn.Module], ops: Iterable[str]) -> None:
+    """Warn for the kinked modules of ``chain`` and the kinked operations ``ops`` its forward
+    ran (functional calls, and modules not on the list: adaptive max pooling, SELU...)."""
     kinks = sorted(
         {type(m).__name__ for b in chain for m in b.modules() if isinstance(m, _NON_SMOOTH)}
     )
-    if kinks:
+    ran = ", ".join(f"aten.{op}" for op in sorted(ops))
+    if kinks or ran:
+        what = " and run ".join(filter(None, (", ".join(kinks), ran)))
         warnings.warn(
-            f"the blocks contain {', '.join(kinks)}: a compressed input can move "
+            f"the blocks contain {what}: a compressed input can move "
             "pre-activations across the kink, which the first-order bound and estimate do not "
             "see (e.g. ReLU bias gradients have zero first-order sensitivity). Treat both as "
             "indicative and measure with revckpt.testing.assert_error_within_bound, or use a "

@@ -169,3 +169,42 @@ def test_the_bound_check_leaves_batchnorm_statistics_and_refuses_dropout_clearly
     dropout = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.2), nn.GELU(), nn.Linear(16, 16))
     with pytest.raises(InvalidArgumentError, match="draw random numbers"):
         assert_error_within_bound(dropout, torch.randn(4, 16), Approx(store="e4m3"))
+
+
+@pytest.mark.parametrize(
+    "kink",
+    [nn.AdaptiveMaxPool1d(32), nn.SELU(), nn.ELU(alpha=0.5), "functional relu", "clamp"],
+    ids=str,
+)
+def test_kinks_are_found_by_the_operations_the_forward_runs(kink):
+    # A fixed list of module types missed these; the bound then read 0 for parameters whose
+    # measured error was 3.2 (adaptive max pooling, e5m2).
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln, self.up = nn.LayerNorm(32), nn.Linear(32, 64 if kink is not None else 32)
+
+        def forward(self, x):
+            h = self.up(self.ln(x))
+            if kink == "functional relu":
+                return x + torch.nn.functional.relu(h[..., :32])
+            if kink == "clamp":
+                return x + h[..., :32].clamp(-0.5, 0.5)
+            if isinstance(kink, nn.AdaptiveMaxPool1d):
+                return x + kink(h)
+            return x + kink(h[..., :32])
+
+    torch.manual_seed(0)
+    with pytest.warns(NonSmoothWarning, match="aten"):
+        estimate_error(nn.Sequential(Block(), Block()), torch.randn(8, 32), Codec("e4m3"))
+
+
+def test_smooth_blocks_do_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NonSmoothWarning)
+        estimate_error(smooth_chain(2, 8, 1), torch.randn(4, 8), Codec("e4m3"))
+        elus = nn.Sequential(
+            nn.Sequential(nn.Linear(8, 8), nn.CELU(alpha=0.5)),
+            nn.Sequential(nn.Linear(8, 8), nn.ELU()),
+        )  # smooth: CELU for any alpha, ELU with alpha 1
+        estimate_error(elus, torch.randn(4, 8), Codec("bf16"))
