@@ -46,7 +46,7 @@ from ._call_options import (
 from .approx import recompute as _approx
 from .approx.recompute import Approx, keep_of
 from .approx.saved import compress_saved
-from .engine.autograd import modules_of
+from .engine.autograd import modules_of, refuse_functorch
 from .engine.chain import Segment, as_chain, run_nodes
 from .engine.frame import FrameCall, run_checkpoint
 from .errors import InvalidArgumentError, InvalidInputTypeError
@@ -97,6 +97,8 @@ def _checkpoint(
         return _compiled_checkpoint(fn, args, kwargs, determinism_check, policy)
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)  # nothing will be differentiated: torch runs it plainly too
+    if policy is not None:
+        refuse_functorch(label, "selective")
     call = FrameCall(
         fn,
         kwargs,

@@ -114,8 +114,9 @@ class Linearised:
     kinks: frozenset[str] = frozenset()
 
     def push(self, v: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """``J v``: the first-order change of every gradient for boundary changes ``v``."""
-        return jvp(self.grads, (self.zs,), (v,))[1]
+        """``J v``: the first-order change of every gradient for boundary changes ``v``
+        (contiguous, as :attr:`zs` are: torch's JVP of group_norm fails on channels_last)."""
+        return jvp(self.grads, (self.zs,), (tuple(t.contiguous() for t in v),))[1]
 
 
 def linearise(
@@ -144,7 +145,7 @@ def linearise(
         names.append(INPUT)
     ct = (torch.ones_like(out) if cotangent is None else cotangent).detach().double()
     grads_fn = chain_gradients(blocks64, params, buffers, ct, with_input)
-    zs = tuple(z.double() for z in xs)
+    zs = tuple(z.double().contiguous() for z in xs)
     exact = grads_fn(zs)
     grad_norm = {n: float(g.norm()) for n, g in zip(names, exact, strict=True)}
     return Linearised(xs, names, grads_fn, zs, grad_norm, frozenset(kinks.found))

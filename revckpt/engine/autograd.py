@@ -22,7 +22,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._pytree import tree_flatten
 
 from .._module_state import layout_and_modules, submodules
-from ..errors import DoubleBackwardError, InvalidInputTypeError, RevckptError
+from ..errors import DoubleBackwardError, InvalidArgumentError, InvalidInputTypeError, RevckptError
 
 __all__ = [
     "differentiable_once",
@@ -31,6 +31,7 @@ __all__ = [
     "grad_keywords",
     "module_targets",
     "modules_of",
+    "refuse_functorch",
     "refuse_nested_grad_arguments",
     "vjp",
 ]
@@ -250,6 +251,19 @@ def grad_keywords(kwargs: dict[str, Any]) -> tuple[str, ...]:
     for k, v in kwargs.items():
         _refuse_nested_grad(v, f"keyword {k!r}", "keyword tensors", "as its own keyword")
     return tuple(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad)
+
+
+def refuse_functorch(label: str, strategy: str) -> None:
+    """Raise inside a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``): ``strategy``'s
+    autograd node (or torch's selective-checkpoint cache) has no batching rule there, and
+    torch's own error does not say which block or what to do."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+    if active():
+        raise InvalidArgumentError(
+            f"{label}: the {strategy} strategy cannot run inside a torch.func transform (vmap, "
+            "grad, jacrev...): its recompute has no batching rule there. Use the 'checkpoint' "
+            "or 'compress' strategy inside the transform, or call the block plainly"
+        )
 
 
 def refuse_nested_grad_arguments(args: Sequence[Any]) -> None:

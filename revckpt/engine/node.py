@@ -32,6 +32,7 @@ from .autograd import (
     grad_keywords,
     module_targets,
     modules_of,
+    refuse_functorch,
     refuse_nested_grad_arguments,
 )
 from .rerun import Rerun, first_forward, output_grads
@@ -345,6 +346,7 @@ def run_node(
         )
     grad_kwargs = grad_keywords(kwargs)
     refuse_nested_grad_arguments(args)
+    refuse_functorch(label, "approx or offload")
     needs_graph = any(t.requires_grad for t in tensors) or bool(params) or bool(grad_kwargs)
     if not torch.is_grad_enabled() or not needs_graph:
         return fn(*args, **kwargs)  # nothing to differentiate: keep nothing, plain call

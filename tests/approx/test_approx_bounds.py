@@ -208,3 +208,23 @@ def test_smooth_blocks_do_not_warn():
             nn.Sequential(nn.Linear(8, 8), nn.ELU()),
         )  # smooth: CELU for any alpha, ELU with alpha 1
         estimate_error(elus, torch.randn(4, 8), Codec("bf16"))
+
+
+def test_a_channels_last_chain_is_linearised():
+    # torch's JVP of group_norm failed on a channels_last primal ("view size is not
+    # compatible"); the boundaries are linearised contiguous.
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gn, self.conv = nn.GroupNorm(2, 8), nn.Conv2d(8, 8, 3, padding=1)
+
+        def forward(self, x):
+            return x + self.conv(nn.functional.silu(self.gn(x)))
+
+    torch.manual_seed(0)
+    chain = nn.Sequential(Block(), Block()).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 8, 6, 6).to(memory_format=torch.channels_last)
+    est = estimate_error(chain, x, Codec("e4m3"))
+    ref = estimate_error(chain, x.contiguous(), Codec("e4m3"))
+    for name, bound in ref.bound.items():
+        assert est.bound[name] == pytest.approx(bound, rel=1e-6)

@@ -480,3 +480,14 @@ def test_an_output_sharing_memory_changed_in_place_raises(strategy):
     h.mul_(2)
     with pytest.raises(ModifiedInputError, match="or with another of its outputs"):
         (flat * torch.arange(4.0)).sum().backward()
+
+
+@pytest.mark.parametrize("strategy", ["approx:bf16", "offload", "selective:matmul"])
+def test_a_torch_func_transform_is_refused_naming_the_strategies_that_run_there(strategy):
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    x = torch.randn(3, 4, 8)
+    run = torch.func.vmap(lambda t: revckpt.checkpoint(block, t, strategy=strategy))
+    with pytest.raises(InvalidArgumentError, match=r"cannot run inside a torch\.func transform"):
+        run(x)
+    for works in ("checkpoint", "compress:bf16"):  # as the message says
+        torch.func.vmap(lambda t, s=works: revckpt.checkpoint(block, t, strategy=s))(x)
