@@ -286,7 +286,7 @@ def test_the_autocast_recorded_is_the_one_the_blocks_ran_under() -> None:
     model = _AutocastOff()
     x = torch.randn(8, 64, 64)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        plan = revckpt.fit(model, (x,), memory_budget=0.8, loss_fn=lambda out: out)
+        plan = revckpt.fit(model, (x,), memory_budget=1.0, loss_fn=lambda out: out)
         model(x).backward()
     assert plan.autocast is None
     model(x).backward()
@@ -316,9 +316,10 @@ class _ScaledModel(nn.Module):
 
 
 def test_a_saved_plan_checks_no_dtype_on_an_argument_it_did_not_trace() -> None:
-    """A saved plan's blocks find their hidden state by a rule (the first floating positional
-    tensor, here a float32 table): no dtype is checked on it, so a bfloat16 model is not
-    refused for its float32 table (the review of the dtype check found it refused)."""
+    """A saved plan's blocks found their hidden state by a rule (the first floating positional
+    tensor, here a float32 table): no dtype was checked on it, so a bfloat16 model was not
+    refused for its float32 table (the review of the dtype check found it refused). Plans now
+    keep where the trace found it (``block_keys``); the bfloat16 model still trains."""
     torch.manual_seed(0)
     model = _ScaledModel().bfloat16()
     plain = copy.deepcopy(model)
@@ -330,6 +331,30 @@ def test_a_saved_plan_checks_no_dtype_on_an_argument_it_did_not_trace() -> None:
     plain(x).backward()
     for a, b in zip(again.parameters(), plain.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_a_saved_plan_finds_the_hidden_state_where_the_trace_found_it(tmp_path) -> None:
+    """A block taking ``(scale, h)``: the rule (the first floating positional tensor) took the
+    table for the hidden state, and the saved plan refused the very batch it was made on
+    ("planned for hidden states of shape [8, 64, 64] ... got [1, 1, 64]"). The plan keeps
+    where the trace found it."""
+    torch.manual_seed(0)
+    model = _ScaledModel()
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 64, 64)
+    plan = revckpt.fit(model, (x,), memory_budget=0.6, loss_fn=lambda out: out, segment_blocks=1)
+    assert plan.block_keys == (1, 1, 1, 1)
+    path = tmp_path / "plan.json"
+    plan.to_json(path)
+    again = copy.deepcopy(plain)
+    revckpt.fit(again, (x,), memory_budget=0.6, loss_fn=lambda out: out, plan=path)
+    again(x).backward()
+    plain(x).backward()
+    for a, b in zip(again.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    assert planned(again.blocks[0]).limit == (8, 64, 64)
+    older = {**plan.to_dict(), "block_keys": []}  # a plan saved before: found by the rule
+    assert revckpt.schedule.Plan.from_dict(older).block_keys == ()
 
 
 def test_hf_cache_in_training_is_off_as_with_hf_checkpointing() -> None:
@@ -1676,3 +1701,57 @@ def test_verify_measures_the_error_budgets_figure_as_fits_check_does() -> None:
     num = sum(float((got[n].grad - want[n].grad).double().norm() ** 2) for n in blocks)
     den = sum(float(want[n].grad.double().norm() ** 2) for n in blocks)
     assert measured == pytest.approx(math.sqrt(num / den), rel=1e-6)
+
+
+class _MaskedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.fc(h)
+        return h + (out if mask is None else out * mask)
+
+
+class _MaskedModel(nn.Module):
+    """Passes its blocks a mask only when some entry is padding, as Hugging Face does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_MaskedBlock() for _ in range(3))
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        mask = None if bool(pad.all()) else pad.unsqueeze(-1).to(x.dtype)
+        for block in self.blocks:
+            x = block(x, mask=mask)
+        return x.sum()
+
+
+def test_a_tensor_argument_the_example_did_not_have_warns() -> None:
+    """Fitted on a batch without padding (no mask given to the blocks), a padded batch of the
+    same shape passed a mask the plan did not price: a Hugging Face Llama's step then measured
+    1.12x its budget, silently."""
+    torch.manual_seed(0)
+    x, full = torch.randn(4, 16, 32), torch.ones(4, 16, dtype=torch.bool)
+    padded = full.clone()
+    padded[0, :5] = False
+    revckpt.inplace.install._more_tensors_warned.clear()
+    for saved in (False, True):
+        model = _MaskedModel()
+        plan = revckpt.fit(model, (x, full), memory_budget=1.0, loss_fn=lambda out: out)
+        if saved:
+            assert plan.block_tensors == ((0,), (0,), (0,))
+            revckpt.fit(model, (x, full), memory_budget=1.0, loss_fn=lambda o: o, plan=plan)
+            revckpt.inplace.install._more_tensors_warned.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model(x, full).backward()  # as fit's example: no warning
+        with pytest.warns(revckpt.PlanWarning, match="keyword 'mask', which the example"):
+            model(x, padded).backward()
+    revckpt.inplace.install._more_tensors_warned.clear()
+    model = _MaskedModel()
+    revckpt.fit(model, (x, padded), memory_budget=1.0, loss_fn=lambda out: out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x, padded).backward()  # fitted on a padded example: priced, no warning
+        model(x, full).backward()

@@ -37,7 +37,7 @@ from .blocks import Blocks, find_blocks, model_digest
 from .confirm import _within_budget, _within_error
 from .convert import convert, restore
 from .fit_stack import fit_converted
-from .install import Planned, install, is_fsdp, planned
+from .install import Planned, install, is_fsdp, planned, tensor_sites
 from .measure import profile_in_situ
 from .reversible import refuse_reversible, stack_of
 from .runners import runner_for, segment_runners
@@ -224,6 +224,7 @@ class Fitted:
     shapes: tuple[tuple[int, ...], ...] = ()  # the traced blocks' hidden-state shapes
     dtypes: tuple[str, ...] = ()  # and their dtypes' names
     autocast: str | None = None  # the autocast dtype the example ran under (None: off)
+    sites: tuple[frozenset[Any], ...] = ()  # per block, its arguments that held tensors
 
 
 def _fit(
@@ -264,6 +265,7 @@ def _fit(
         if o.strategies is None:  # of the defaults, those no block can run with are left out
             chosen = [s for s in chosen if s in strategy_names(profile.blocks)]
         keys = [c.key for c in traced.calls]
+        sites = tuple(tensor_sites(c.args, c.kwargs) for c in traced.calls)
         budget = parse_budget(memory_budget, traced.store_peak)
         shapes = tuple(tuple(c.input.shape) for c in traced.calls)
         dtypes = tuple(dtype_name(c.input.dtype) for c in traced.calls)
@@ -281,6 +283,8 @@ def _fit(
                     found_plan,
                     block_shapes=shapes,
                     block_dtypes=dtypes,
+                    block_keys=tuple(keys),
+                    block_tensors=tuple(tuple(sorted(s, key=str)) for s in sites),
                     autocast=autocast,
                     model_digest=model_digest(model),
                 )
@@ -300,8 +304,8 @@ def _fit(
                 return evaluate(profile.blocks, plan.segments, step=profile.step).error
 
             result = _agreed(_within_error(within, o.error_budget, modelled))
-        _apply(result, found, keys)
-        seen = (profile, traced.store_peak, shapes, dtypes, autocast)
+        _apply(result, found, keys, sites)
+        seen = (profile, traced.store_peak, shapes, dtypes, autocast, sites)
         return Fitted(result, found, keys, tuple(chosen), o.error_budget, budget, *seen)
     except BaseException:
         restore(model)
@@ -380,8 +384,8 @@ def _fit_saved(
             "this budget with revckpt.fit(model, example, memory_budget=...), or "
             "measure it against the simple recipes with verify=True"
         )
-    keys: list[Any] = [None] * len(found)
-    _apply(saved, found, keys)
+    keys: list[Any] = list(saved.block_keys) or [None] * len(found)  # older plans: by the rule
+    _apply(saved, found, keys, [frozenset(s) for s in saved.block_tensors])
     return Fitted(saved, found, keys, chosen, error_budget, budget)
 
 
@@ -452,8 +456,16 @@ def _recorder_slot(found: list[tuple[str, nn.Module]]) -> Callable[[Recorder | N
     return slot
 
 
-def _apply(plan: Plan, found: list[tuple[str, nn.Module]], keys: Sequence[Any]) -> None:
+def _apply(
+    plan: Plan,
+    found: list[tuple[str, nn.Module]],
+    keys: Sequence[Any],
+    sites: Sequence[frozenset[Any]] = (),
+) -> None:
+    """Install ``plan`` on the blocks ``found`` (``keys``: where their hidden states are;
+    ``sites``: which of their arguments held tensors in the traced step, if traced)."""
     shapes = plan.block_shapes or (None,) * len(found)
+    tensors = list(sites) or [None] * len(found)
     dtypes = [dtype_named(d) for d in plan.block_dtypes] or [None] * len(found)
     autocast = None if plan.autocast is None else dtype_named(plan.autocast)
     for seg in plan.segments:
@@ -473,6 +485,7 @@ def _apply(plan: Plan, found: list[tuple[str, nn.Module]], keys: Sequence[Any]) 
                 dtype=dtypes[i],
                 autocast=autocast,
                 threads=plan.threads,
+                tensors=tensors[i],
             )
             install(block, info)
 

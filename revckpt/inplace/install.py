@@ -48,6 +48,8 @@ class Planned:
     autocast: torch.dtype | None = None  # the autocast dtype it was planned under (None: off)
     threads: int | None = None  # the intra-op threads its times were measured with
     recorder: Any = None  # set while tracing (revckpt.inplace.trace.Recorder)
+    # the arguments that held tensors in the traced call (None: not traced, a saved plan)
+    tensors: frozenset[Key] | None = None
 
     def function(self, block: nn.Module) -> Callable[..., Any]:
         if self.original is not None:
@@ -84,12 +86,45 @@ def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         _check_dtype(info, hidden, self)
         _check_autocast(info, hidden)
     warn_if_threads_differ(info.threads)
+    if info.tensors is not None:
+        _warn_if_more_tensors(info, args, kwargs)
     if info.recorder is not None:
         info.recorder.called(self, args, kwargs)
     out = info.runner(self, fn, args, kwargs, key)
     if info.recorder is not None:
         info.recorder.returned(self, args, kwargs, out)
     return out
+
+
+def tensor_sites(args: tuple[Any, ...], kwargs: dict[str, Any]) -> frozenset[Key]:
+    """The positions and keyword names of a call's arguments that are tensors."""
+    return frozenset(
+        (*(i for i, a in enumerate(args) if isinstance(a, torch.Tensor)),
+         *(k for k, v in kwargs.items() if isinstance(v, torch.Tensor)))
+    )  # fmt: skip
+
+
+_more_tensors_warned: set[Key] = set()
+
+
+def _warn_if_more_tensors(info: Planned, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Warn, once per argument, for a tensor argument the traced call did not have
+    (``None`` there): Hugging Face passes an attention mask only for a batch with padding, and
+    that mask, and the attention kernels that keep more with one, are not in the plan."""
+    extra = tensor_sites(args, kwargs) - info.tensors  # type: ignore[operator]
+    for site in sorted(extra, key=str):
+        if site in _more_tensors_warned:
+            continue
+        _more_tensors_warned.add(site)
+        what = f"keyword {site!r}" if isinstance(site, str) else f"argument {site}"
+        warnings.warn(
+            f"revckpt: block {info.fqn} got a tensor as its {what}, which the example fit "
+            "planned with did not give it (a Hugging Face attention mask comes only with "
+            "padding): what it costs is not in the plan, whose memory budget may not hold. "
+            "Fit on an example that has it (a padded batch)",
+            PlanWarning,
+            stacklevel=1,
+        )
 
 
 def _warn_eval_backward() -> None:

@@ -107,6 +107,24 @@ class Recorder:
             hook("exit", i, (args, kwargs, out))
 
 
+def _first_key_as_the_next(calls: list[Call]) -> None:
+    """The first block's hidden state where the second block, of the same class, took the
+    first one's output: the rule alone (the first floating positional tensor) takes a table
+    passed first, ``forward(self, scale, h)``, for it."""
+    if len(calls) < 2 or type(calls[0].block) is not type(calls[1].block):
+        return
+    first, second = calls[0], calls[1]
+    key = second.key
+    if key == first.key or second.input is not first.output:
+        return
+    try:
+        candidate = get(first.args, first.kwargs, key)
+    except (IndexError, KeyError):
+        return
+    if isinstance(candidate, torch.Tensor) and candidate.is_floating_point():
+        first.key = key
+
+
 def trace(
     model: nn.Module,
     example: Any,
@@ -166,6 +184,7 @@ def trace(
                 loss = _loss(out, loss_fn)
                 del out
             _check_calls(recorder.counts, names, [c.fqn for c in calls])
+            _first_key_as_the_next(calls)
             held = tuple(i > 0 and outside.saved(c.input) for i, c in enumerate(calls))
             chained = all(c.input is p.output for p, c in itertools.pairwise(calls))
             if gradients:

@@ -113,7 +113,7 @@ def fit_verified(
     try:
         loss_fn = options.get("loss_fn")
         found = _agreed(_verified(model, example, loss_fn, fitted, rounds, warmup, seed))
-        _apply(found.plan, fitted.found, fitted.keys)
+        _apply(found.plan, fitted.found, fitted.keys, fitted.sites)
     except BaseException:
         restore(model)
         raise
@@ -262,6 +262,12 @@ def _winner(
         store_all_peak_bytes=fitted.store_peak,
         block_shapes=fitted.shapes,
         block_dtypes=fitted.dtypes,
+        block_keys=tuple(fitted.keys) if fitted.shapes else winner.block_keys,
+        block_tensors=(
+            tuple(tuple(sorted(s, key=str)) for s in fitted.sites)
+            if fitted.sites
+            else winner.block_tensors
+        ),
         autocast=fitted.autocast,
         model_digest=model_digest(model),
     )
@@ -280,7 +286,7 @@ class _InStep:
     fitted: Fitted
 
     def install(self, name: str) -> None:
-        _apply(self.plans[name], self.fitted.found, self.fitted.keys)
+        _apply(self.plans[name], self.fitted.found, self.fitted.keys, self.fitted.sites)
 
     def step(self) -> None:
         """One training step of the model as installed."""

@@ -33,8 +33,10 @@ from .costs import (
 from .plan_checks import (
     _check_fields,
     _checked_dtypes,
+    _checked_keys,
     _checked_names,
     _checked_segments,
+    _checked_tensor_arguments,
     _is_int,
     _json_list,
     _segments_from_json,
@@ -55,11 +57,16 @@ class Plan:
     a wider one, as after ``model.double()``, makes every kept tensor larger and is refused as
     a larger shape is), ``autocast`` the autocast dtype it was made under (``None``: autocast
     off; run without it, or in a wider one, the blocks keep wider activations and it is refused
-    too), ``model_digest`` a digest of the model's
-    parameter names and shapes (a saved plan is applied to the model it was made for only),
-    and the predictions are those of the whole step. ``threads``: the intra-op thread count
-    the times were measured with; running with another warns once (:class:`~revckpt.PlanWarning`):
-    the memory predictions hold, the time predictions do not. ``compiled``: solved from a
+    too), ``block_keys`` where each block's hidden state is among its arguments (a position or
+    a keyword name, as the traced step showed; a saved plan reused by ``fit(..., plan=)``
+    reads it there, not by a rule), ``block_tensors`` which of each block's arguments were
+    tensors there (a tensor argument the step did not have, as a Hugging Face attention mask
+    that comes only with padding, warns: its cost is not in the plan), ``model_digest`` a
+    digest of the model's parameter names and shapes (a saved plan is applied to the model it
+    was made for only), and the predictions are those of the whole step. ``threads``: the
+    intra-op thread count the times were measured with; running with another warns once
+    (:class:`~revckpt.PlanWarning`): the memory predictions hold, the time predictions do
+    not. ``compiled``: solved from a
     profile of the blocks under ``torch.compile`` (``profile(..., compiled=True)``): its
     predictions hold for ``torch.compile(apply(blocks, plan))``; run eagerly, it warns once
     (eager selective blocks keep more than compiled ones). ``blocks_digest``: a digest of the
@@ -93,12 +100,17 @@ class Plan:
     threads: int | None = None
     compiled: bool = False
     blocks_digest: str | None = None
+    block_keys: tuple[int | str | None, ...] = field(default=())
+    block_tensors: tuple[tuple[int | str, ...], ...] = field(default=())
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "segments", _checked_segments(self.segments))
         object.__setattr__(self, "block_names", _checked_names(self.block_names, self.length))
         dtypes = _checked_dtypes(self.block_dtypes, self.length)
         object.__setattr__(self, "block_dtypes", dtypes)
+        object.__setattr__(self, "block_keys", _checked_keys(self.block_keys, self.length))
+        tensors = _checked_tensor_arguments(self.block_tensors, self.length)
+        object.__setattr__(self, "block_tensors", tensors)
         _check_fields(self)
 
     @property
@@ -153,6 +165,8 @@ class Plan:
         d["block_names"] = list(self.block_names)
         d["block_shapes"] = [list(s) for s in self.block_shapes]
         d["block_dtypes"] = list(self.block_dtypes)
+        d["block_keys"] = list(self.block_keys)
+        d["block_tensors"] = [list(t) for t in self.block_tensors]
         if self.input_signature is not None:
             shape, dtype, device = self.input_signature
             d["input_signature"] = [list(shape), dtype, device]
@@ -201,6 +215,9 @@ class Plan:
             raise InvalidInputTypeError("block_shapes in plan JSON is a list of lists of ints")
         fields["block_shapes"] = tuple(tuple(s) for s in shapes)
         fields["block_dtypes"] = tuple(_json_list(fields.get("block_dtypes", []), "block_dtypes"))
+        fields["block_keys"] = tuple(_json_list(fields.get("block_keys", []), "block_keys"))
+        tensors = _json_list(fields.get("block_tensors", []), "block_tensors")
+        fields["block_tensors"] = tuple(tuple(_json_list(t, "block_tensors")) for t in tensors)
         return cls(**fields)
 
     @classmethod

@@ -172,6 +172,44 @@ def _check_fields(plan: Plan) -> None:
         )
 
 
+def _checked_keys(keys: Any, length: int) -> tuple[int | str | None, ...]:
+    """``block_keys``: none, or per block where its hidden state is among its arguments: a
+    position (an int >= 0), a keyword name, or ``None`` (found by the rule)."""
+    if not isinstance(keys, (tuple, list)) or not all(
+        k is None or isinstance(k, str) or (_is_int(k) and k >= 0) for k in keys
+    ):
+        raise InvalidInputTypeError(
+            f"block_keys must be a list of argument positions (ints >= 0), keyword names or "
+            f"nulls, got {keys!r}"
+        )
+    if keys and len(keys) != length:
+        raise InvalidArgumentError(
+            f"block_keys has {len(keys)} entries but the segments cover {length} blocks; give "
+            "one entry per block, or none"
+        )
+    return tuple(keys)
+
+
+def _checked_tensor_arguments(sites: Any, length: int) -> tuple[tuple[int | str, ...], ...]:
+    """``block_tensors``: none, or per block the positions (ints >= 0) and keyword names of
+    its arguments that were tensors in the traced step."""
+    if not isinstance(sites, (tuple, list)) or not all(
+        isinstance(s, (tuple, list))
+        and all(isinstance(k, str) or (_is_int(k) and k >= 0) for k in s)
+        for s in sites
+    ):
+        raise InvalidInputTypeError(
+            "block_tensors must be a list, per block, of lists of argument positions (ints "
+            f">= 0) and keyword names, got {sites!r}"
+        )
+    if sites and len(sites) != length:
+        raise InvalidArgumentError(
+            f"block_tensors has {len(sites)} entries but the segments cover {length} blocks; "
+            "give one entry per block, or none"
+        )
+    return tuple(tuple(s) for s in sites)
+
+
 def _checked_dtypes(dtypes: Any, length: int) -> tuple[str, ...]:
     """``block_dtypes``: none, or one torch dtype name per block (``"float32"``)."""
     dtypes = _per_block(dtypes, length, "block_dtypes", ("entry", "entries"))
