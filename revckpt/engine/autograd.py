@@ -226,6 +226,9 @@ def first_unregistered_leaf(
     except TypeError:
         pass
     known = {id(t) for t in sources}
+    # a source with a history (a fast weight torch.func.functional_call swapped in, made from
+    # the parameter) ends the walk: the node differentiates it, autograd the rest
+    ends = {(t.grad_fn, t.output_nr) for t in sources if t.grad_fn is not None}
     seen: set[Any] = set()
     todo = [
         t.grad_fn for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor) and t.grad_fn
@@ -238,7 +241,7 @@ def first_unregistered_leaf(
         leaf = getattr(fn, "variable", None)
         if leaf is not None and id(leaf) not in known and leaf.requires_grad:
             return leaf
-        todo.extend(next_fn for next_fn, _ in fn.next_functions)
+        todo.extend(n for n, nr in fn.next_functions if (n, nr) not in ends)
     with contextlib.suppress(TypeError):
         _CHECKED.add(owner)
     return None

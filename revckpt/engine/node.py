@@ -157,7 +157,9 @@ class _RecomputeNode(torch.autograd.Function):
         kw = dict(call.kwargs)
         for name, t in zip(ctx.kw_names, saved[ctx.kw_start :], strict=True):
             kw[name] = t  # through saved_tensors: an in-place change since forward raises
-        rerun = Rerun(call.fn, call.params, kw, call.grad_kwargs, label=call.label)
+        rerun = Rerun(
+            call.fn, call.params, kw, call.grad_kwargs, label=call.label, modules=call.modules
+        )
         floats = [t for t in args_in if t.is_floating_point()]
         device_type = (floats or args_in)[0].device.type
         replay = ctx.state.replay(label=call.label, exact_draws=True)

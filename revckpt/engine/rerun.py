@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.utils.stateless
 from torch import nn
 
 from ..errors import InvalidArgumentError, ModifiedInputError
@@ -113,7 +114,7 @@ class Rerun:
     gradients: the given leaves, then :attr:`params`, then :attr:`kw_leaves`.
     """
 
-    __slots__ = ("aliases", "fn", "kw_leaves", "kwargs", "params")
+    __slots__ = ("aliases", "fn", "kw_leaves", "kwargs", "owner", "params")
 
     def __init__(
         self,
@@ -123,6 +124,7 @@ class Rerun:
         grad_kwargs: tuple[str, ...],
         *,
         label: str,
+        modules: tuple[nn.Module, ...] = (),
     ) -> None:
         self.fn = fn
         self.kw_leaves: tuple[torch.Tensor, ...] = ()
@@ -133,21 +135,22 @@ class Rerun:
             self.kw_leaves = tuple(kwargs[name] for name in grad_kwargs)
         self.kwargs = kwargs
         self.aliases: dict[str, torch.Tensor] | None = None
+        self.owner: nn.Module | None = None
         if any(p._backward_hooks for p in params):
-            if not isinstance(fn, nn.Module):
-                raise InvalidArgumentError(
-                    f"{label}: a parameter has a backward hook, which needs the block as "
-                    "an nn.Module to recompute through detached aliases; pass nn.Module blocks"
-                )
-            names = {id(p): name for name, p in fn.named_parameters()}
+            self.owner = _owner_of(fn, params, modules, label)
+            names = {id(p): name for name, p in self.owner.named_parameters()}
             self.aliases = {names[id(p)]: p.detach().requires_grad_(True) for p in params}
             params = tuple(self.aliases.values())
         self.params = params
 
     def __call__(self, *args: Any) -> Any:
         if self.aliases is not None:
-            fn, aliases = self.fn, self.aliases
-            return torch.func.functional_call(fn, aliases, args, self.kwargs, strict=False)
+            fn, aliases, owner = self.fn, self.aliases, self.owner
+            if fn is owner:
+                return torch.func.functional_call(fn, aliases, args, self.kwargs, strict=False)
+            assert _reparametrized is not None and owner is not None  # (by _owner_of)
+            with _reparametrized(owner, aliases):  # a function of the module (a bound forward)
+                return fn(*args, **self.kwargs)
         return self.fn(*args, **self.kwargs)
 
     def sources(self, leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -159,6 +162,32 @@ class Rerun:
         """A tensor ``out`` depends on that requires grad but is not in ``sources`` (its
         gradient would be lost), or ``None`` (the graph is walked once per block)."""
         return first_unregistered_leaf(self.fn, out, sources)
+
+
+def _owner_of(
+    fn: Callable[..., Any],
+    params: tuple[torch.Tensor, ...],
+    modules: tuple[nn.Module, ...],
+    label: str,
+) -> nn.Module:
+    """The module whose parameters the recompute swaps for detached aliases (a parameter with
+    a backward hook would otherwise fire it in the recompute and again when the node hands
+    its gradient over): ``fn`` itself, or one of the ``modules`` it calls holding them all."""
+    wanted = {id(p) for p in params}
+    for module in (fn, *modules) if isinstance(fn, nn.Module) else modules:
+        usable = module is fn or _reparametrized is not None
+        if usable and wanted <= {id(p) for p in module.parameters()}:
+            return module
+    raise InvalidArgumentError(
+        f"{label}: a parameter has a backward hook, which the recompute runs through detached "
+        "aliases of the parameters, and no one module it calls holds them all; pass the block "
+        "as an nn.Module (one holding every parameter it uses)"
+    )
+
+
+# torch.func.functional_call's machinery, for a function of a module (its bound forward with
+# other arguments bound): it swaps the module's parameters for the call
+_reparametrized = getattr(torch.nn.utils.stateless, "_reparametrize_module", None)
 
 
 def output_grads(

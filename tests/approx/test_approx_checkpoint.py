@@ -491,3 +491,45 @@ def test_a_torch_func_transform_is_refused_naming_the_strategies_that_run_there(
         run(x)
     for works in ("checkpoint", "compress:bf16"):  # as the message says
         torch.func.vmap(lambda t, s=works: revckpt.checkpoint(block, t, strategy=s))(x)
+
+
+@pytest.mark.parametrize("strategy", ["approx:bf16", "offload"])
+def test_a_parameter_hook_in_a_converted_block_fires_once_with_its_gradient(strategy):
+    # convert runs the block's bound forward with its other arguments bound (not the module):
+    # a parameter with a hook was refused ("pass nn.Module blocks"), though the user did.
+    torch.manual_seed(0)
+    plain = nn.Sequential(*(ResidualMLPBlock(16, 32) for _ in range(3))).double()
+    model = twin(plain)
+    revckpt.convert(model, strategy)
+    seen = {"plain": [], "model": []}
+    for name, m in (("plain", plain), ("model", model)):
+        m[1].fc1.weight.register_hook(lambda g, n=name: seen[n].append(g.clone()))
+    x = torch.randn(4, 16, dtype=torch.float64)
+    for m in (plain, model):
+        m(x).pow(2).sum().backward()
+    assert len(seen["plain"]) == len(seen["model"]) == 1
+    tol = 0 if strategy == "offload" else 1e-2
+    assert float((seen["model"][0] - seen["plain"][0]).norm()) <= tol * seen["plain"][0].norm()
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        assert float((a.grad - b.grad).norm()) <= tol * float(a.grad.norm()) + 1e-12
+
+
+@pytest.mark.parametrize("strategy", ["approx:bf16", "offload"])
+def test_fast_weights_swapped_in_by_functional_call_get_their_gradient(strategy):
+    # MAML-style weights made from the parameters: the recompute's graph check walked past
+    # them to the parameters and refused "a tensor ... neither an argument nor a parameter".
+    torch.manual_seed(0)
+    plain = nn.Sequential(*(ResidualMLPBlock(16, 32) for _ in range(3))).double()
+    model = twin(plain)
+    revckpt.convert(model, strategy)
+    x = torch.randn(4, 16, dtype=torch.float64)
+
+    def meta_grads(m):
+        params = dict(m.named_parameters())
+        fast = {n: p - 0.1 * p.detach().sign() for n, p in params.items()}
+        loss = torch.func.functional_call(m, fast, (x,)).pow(2).sum()
+        return torch.autograd.grad(loss, list(params.values()))
+
+    tol = 0 if strategy == "offload" else 1e-2
+    for a, b in zip(meta_grads(plain), meta_grads(model), strict=True):
+        assert float((a - b).norm()) <= tol * float(a.norm())
