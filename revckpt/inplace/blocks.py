@@ -18,7 +18,7 @@ from torch import nn
 
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 
-__all__ = ["Blocks", "find_blocks", "model_digest"]
+__all__ = ["Blocks", "enclosing_blocks", "find_blocks", "model_digest"]
 
 #: What ``blocks=`` takes: an attribute path (``"model.layers"``) or a filter
 #: ``(module, fqn) -> bool`` selecting the blocks themselves.
@@ -68,11 +68,26 @@ def _runs(name: str, container: nn.Module) -> list[list[tuple[str, nn.Module]]]:
     return runs
 
 
-def _repeated(model: nn.Module, option: str) -> list[tuple[str, nn.Module]]:
+def enclosing_blocks(
+    model: nn.Module, found: list[tuple[str, nn.Module]]
+) -> list[tuple[str, nn.Module]] | None:
+    """The repeated blocks of another class that hold every one of ``found`` (the layers
+    around a layer's experts), or ``None``."""
+    try:
+        outer = _repeated(model, "blocks", exclude={type(m) for _, m in found})
+    except InvalidArgumentError:
+        return None
+    prefixes = tuple(f"{fqn}." for fqn, _ in outer)
+    return outer if all(fqn.startswith(prefixes) for fqn, _ in found) else None
+
+
+def _repeated(
+    model: nn.Module, option: str, exclude: set[type] | None = None
+) -> list[tuple[str, nn.Module]]:
     by_class: dict[type, list[tuple[str, nn.Module]]] = {}
     for name, container in _containers(model):
         for run in _runs(name, container):
-            if len(run) >= 2:
+            if len(run) >= 2 and not (exclude and type(run[0][1]) in exclude):
                 by_class.setdefault(type(run[0][1]), []).extend(run)
     # blocks with trainable parameters first; else frozen ones (a backward to a trainable
     # embedding or prompt still runs through them and keeps their activations)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -33,7 +34,7 @@ from ..schedule.plan_checks import dtype_name, dtype_named
 from ..schedule.profile import Profile
 from ..schedule.solver import solve
 from ..strategy import Strategy, StrategyLike, argument_of, kind_of
-from .blocks import Blocks, find_blocks, model_digest
+from .blocks import Blocks, enclosing_blocks, find_blocks, model_digest
 from .confirm import _within_budget, _within_error
 from .convert import convert, restore
 from .fit_stack import fit_converted
@@ -241,7 +242,7 @@ def _fit(
     o = _FitOptions(**options)
     chosen = _checked(model, memory_budget, o)
     restore(model)
-    found = find_blocks(model, o.blocks)
+    found = find_blocks(model, o.blocks if o.blocks is not None else _planned_names(o.plan, model))
     _refuse_sharded(found)
     if o.plan is None or profiled:
         _refuse_eval_mode(found)
@@ -258,6 +259,17 @@ def _fit(
         traced = trace(
             model, example, o.loss_fn, found, slot, gradients=priced, reference_seed=seed
         )
+        outer = _around_parallel(model, found, traced.calls) if o.blocks is None else None
+        if outer is not None:  # a layer's experts: plan the layers
+            restore(model)
+            names = {fqn for fqn, _ in outer}
+            return _fit(
+                model,
+                example,
+                memory_budget=memory_budget,
+                profiled=profiled,
+                **{**options, "blocks": lambda _m, fqn: fqn in names},
+            )
         if o.segment_blocks is not None:
             step = dataclasses.replace(traced.step, max_span=o.segment_blocks)
             traced = dataclasses.replace(traced, step=step)
@@ -310,6 +322,17 @@ def _fit(
     except BaseException:
         restore(model)
         raise
+
+
+def _around_parallel(
+    model: nn.Module, found: list[tuple[str, nn.Module]], calls: Sequence[Any]
+) -> list[tuple[str, nn.Module]] | None:
+    """The repeated blocks around ``found`` where no found block took the one before's output
+    (parallel branches, as a hand-written mixture of experts' experts: each gets the tokens
+    routed to it, a number the plan cannot hold to), or ``None``."""
+    if len(calls) < 2 or any(c.input is p.output for p, c in itertools.pairwise(calls)):
+        return None
+    return enclosing_blocks(model, found)
 
 
 def _seedable(found: list[tuple[str, nn.Module]]) -> bool:
@@ -488,6 +511,20 @@ def _apply(
                 tensors=tensors[i],
             )
             install(block, info)
+
+
+def _planned_names(plan: Any, model: nn.Module) -> Blocks:
+    """The blocks a saved plan names, where the model has every one of them (fit picked them,
+    perhaps not by the default rule: the layers around a layer's experts); else ``None``."""
+    if plan is None:
+        return None
+    if not isinstance(plan, Plan):
+        plan = Plan.from_json(plan)
+    names = set(plan.block_names)
+    present = {fqn for fqn, _ in model.named_modules()}
+    if not names or not names <= present:
+        return None
+    return lambda _m, fqn: fqn in names
 
 
 def _load(plan: Any, model: nn.Module, found: list[tuple[str, nn.Module]]) -> Plan:
