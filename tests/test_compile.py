@@ -289,3 +289,26 @@ def test_a_converted_hugging_face_model_compiles():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for a, b in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_a_converted_model_compiles_as_one_graph_not_one_per_block():
+    # The installed forward built the block's bound forward with types.MethodType, which
+    # Dynamo cannot trace: the model's forward ran eagerly and each block was compiled apart,
+    # recompiled per block (its name is guarded on) until Dynamo's limit of 8, then eager.
+    import revckpt
+    from revckpt.models import transformer_chain
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    model = transformer_chain(12, 16, heads=2)
+    plain = copy.deepcopy(model)
+    revckpt.convert(model, "checkpoint")
+    x = torch.randn(2, 8, 16)
+    torch.compile(model)(x).sum().backward()
+    plain(x).sum().backward()
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)

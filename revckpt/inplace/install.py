@@ -11,7 +11,7 @@ training hands it to the block's runner (a strategy of :mod:`revckpt.inplace.run
 
 from __future__ import annotations
 
-import types
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,7 +54,10 @@ class Planned:
     def function(self, block: nn.Module) -> Callable[..., Any]:
         if self.original is not None:
             return self.original
-        return types.MethodType(type(block).forward, block)
+        # a partial, not types.MethodType, which Dynamo cannot trace: a graph break there
+        # made torch.compile run the model's own forward eagerly and compile each block's
+        # forward apart, recompiling per block (its name is guarded on) up to its limit of 8
+        return functools.partial(type(block).forward, block)
 
 
 def is_fsdp(module: nn.Module) -> bool:
