@@ -57,7 +57,6 @@ from torch import nn
 
 from ._autocast import AutocastState, autocast_device_types
 from ._devices import devices_of, get_rng, set_rng
-from ._host_rng import HostRng
 from ._module_state import ModuleState, layout_learnt
 from ._running_stats import freeze_called, freeze_running_stats, swapped_statistics
 from .errors import ReplayError
@@ -83,20 +82,11 @@ _CPU = torch.device("cpu")
 _DRAWS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
-# Whether a module's forward drew from the host's global generators (Python's random, NumPy's)
-# on its first captured call: those are captured for the blocks that do, and the first call of
-# every other (a forward without modules is not captured: the two reads cost ~70 us a call).
-_HOST_DRAWS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-
-
-def _known_draws(
-    modules: tuple[nn.Module, ...], known: weakref.WeakKeyDictionary[Any, bool] = _DRAWS
-) -> bool | None:
-    """Whether the forward of ``modules`` drew random numbers last time (from torch's
-    generators, or with ``known=_HOST_DRAWS`` the host's); ``None``: not known."""
+def _known_draws(modules: tuple[nn.Module, ...]) -> bool | None:
+    """Whether the forward of ``modules`` drew random numbers last time; ``None``: not known."""
     if not modules:
         return None
-    seen = [known.get(m) for m in modules]
+    seen = [_DRAWS.get(m) for m in modules]
     return True if True in seen else (None if None in seen else False)
 
 
@@ -159,18 +149,7 @@ class ForwardState:
     new masks, as with ``torch.utils.checkpoint(preserve_rng_state=False)``).
     """
 
-    __slots__ = (
-        "_end",
-        "_host",
-        "_host_end",
-        "_locked",
-        "_owners",
-        "_rng",
-        "autocast",
-        "devices",
-        "modules",
-        "norms",
-    )
+    __slots__ = ("_end", "_locked", "_owners", "_rng", "autocast", "devices", "modules", "norms")
 
     def __init__(
         self,
@@ -181,8 +160,6 @@ class ForwardState:
         self.devices = devices
         self._rng = rng
         self._end: dict[torch.device, int] = {}
-        self._host: HostRng | None = None  # the host generators' state, for a block drawing
-        self._host_end: HostRng | None = None
         self._locked = False
         self._owners: tuple[nn.Module, ...] = ()
         self.autocast = autocast
@@ -227,9 +204,6 @@ class ForwardState:
                         rng[device] = get_rng(device)
             autocast = tuple([AutocastState.capture(t) for t in autocast_device_types(devices)])
             state = cls(devices, rng, autocast)
-            host = preserve_rng_state and modules and not compiling
-            if host and _known_draws(modules, _HOST_DRAWS) is not False:
-                state._host = HostRng()
             state.norms = norms
             state._owners = modules
             if modules and not compiling:
@@ -250,7 +224,6 @@ class ForwardState:
         try:
             if not completed:
                 self._rng.clear()
-                self._host = None
                 if self.modules is not None:
                     self.modules.forward_failed()
                 return
@@ -263,7 +236,6 @@ class ForwardState:
                     # for replay an ordinary tensor that memory meters see.
                     self._rng[device] = before.clone()
                     self._end[device] = _digest(now)
-            self._host_finished()
             if self.modules is not None:
                 self.modules.forward_finished()
             for m in self._owners:
@@ -272,19 +244,6 @@ class ForwardState:
             if self._locked:
                 self._locked = False
                 _RNG_LOCK.release()
-
-    def _host_finished(self) -> None:
-        """Keep the host generators' state only where the forward drew from them."""
-        if self._host is None:
-            return
-        now = HostRng()
-        drew = not self._host.same(now)
-        if drew:
-            self._host_end = now
-        else:
-            self._host = None
-        for m in self._owners:
-            _HOST_DRAWS[m] = drew
 
     @property
     def rng_devices(self) -> tuple[torch.device, ...]:
@@ -320,16 +279,7 @@ class _Replay:
     """The context of :meth:`ForwardState.replay` (a class: cheaper than a generator and an
     ``ExitStack`` on a path that runs once per block and step)."""
 
-    __slots__ = (
-        "_contexts",
-        "_exact",
-        "_host_outer",
-        "_label",
-        "_locked",
-        "_outer",
-        "_state",
-        "_undo",
-    )
+    __slots__ = ("_contexts", "_exact", "_label", "_locked", "_outer", "_state", "_undo")
 
     def __init__(self, state: ForwardState, label: str, exact_draws: bool) -> None:
         self._state = state
@@ -337,7 +287,6 @@ class _Replay:
         self._exact = exact_draws
         self._locked = False
         self._outer: dict[torch.device, torch.Tensor] = {}
-        self._host_outer: HostRng | None = None
         self._undo: list[tuple[Any, ...]] = []
         self._contexts: list[contextlib.AbstractContextManager[Any]] = []
 
@@ -352,9 +301,6 @@ class _Replay:
             self._outer = {device: get_rng(device) for device in state._rng}
             for device, rng in state._rng.items():
                 set_rng(device, rng)
-            if state._host is not None:
-                self._host_outer = HostRng()
-                state._host.restore()
             if state.modules is not None:
                 self._undo = state.modules.enter()
             pending: list[contextlib.AbstractContextManager[Any]] = [
@@ -393,22 +339,11 @@ class _Replay:
             for device, rng in self._outer.items():
                 set_rng(device, rng)
             self._outer = {}
-            if self._host_outer is not None:
-                self._host_outer.restore()
-                self._host_outer = None
             if self._locked:
                 self._locked = False
                 _RNG_LOCK.release()
 
     def _check_draws(self) -> None:
-        end_host = self._state._host_end
-        if end_host is not None and not end_host.same(HostRng()):
-            raise ReplayError(
-                f"the recompute of {self._label} drew other numbers from Python's random (or "
-                "NumPy's global generator) than its forward did, so it would compute something "
-                "else: its draws depend on state that changed since the forward, or another "
-                "thread drew from the same generator meanwhile"
-            )
         for device, end in self._state._end.items():
             if _digest(get_rng(device)) != end:
                 raise ReplayError(

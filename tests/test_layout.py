@@ -22,12 +22,11 @@ import revckpt
 ROOT = pathlib.Path(revckpt.__file__).parent
 
 # Top-level parts of revckpt: a subpackage or module name (``replay`` includes its
-# ``_module_state``, ``_devices``, ``_host_rng``, ``_autocast`` and ``_running_stats`` parts,
-# ``offload`` its ``_host_copies``, ``checkpoint`` its ``policy``).
+# ``_module_state``, ``_devices``, ``_autocast`` and ``_running_stats`` parts, ``offload``
+# its ``_host_copies``, ``checkpoint`` its ``policy``).
 PART_OF = {
     "_module_state": "replay",
     "_devices": "replay",
-    "_host_rng": "replay",
     "_autocast": "replay",
     "_running_stats": "replay",
     "_host_copies": "offload",

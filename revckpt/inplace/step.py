@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import random
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +15,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .._host_rng import HostRng
 from .._numbers import relative
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..measure import MemoryMeter
@@ -129,30 +126,21 @@ def left_as_found(model: nn.Module, example: Any) -> Iterator[None]:
     and gets its own back on exit (the steps' gradients are not the caller's)."""
     params = [p for p in model.parameters() if p.requires_grad]
     tensors = [t for t in tree_leaves(split_example(example)) if isinstance(t, torch.Tensor)]
-    host = HostRng()  # Python's and NumPy's generators, which a block may draw from too
-    try:
-        with (
-            torch.random.fork_rng(devices=_cuda_devices(model)),
-            preserved(model, tensors=tensors),
-        ):
-            for p in params:  # the step creates them, as after zero_grad()
-                p.grad = None
-            yield
-    finally:
-        host.restore()
+    with (
+        torch.random.fork_rng(devices=_cuda_devices(model)),
+        preserved(model, tensors=tensors),
+    ):
+        for p in params:  # the step creates them, as after zero_grad()
+            p.grad = None
+        yield
 
 
 def seed_step(model: nn.Module, seed: int) -> None:
-    """Seed the generators :func:`left_as_found` puts back (the CPU's, Python's and NumPy's
-    global ones, and those of the CUDA devices the model's parameters are on), so that two
-    steps from ``seed`` draw the same dropout masks; call it inside :func:`left_as_found`.
-    Other devices' generators are left alone (``torch.manual_seed`` would change them for
-    good)."""
+    """Seed the generators :func:`left_as_found` puts back (the CPU's and those of the CUDA
+    devices the model's parameters are on), so that two steps from ``seed`` draw the same
+    dropout masks; call it inside :func:`left_as_found`. Other devices' generators are left
+    alone (``torch.manual_seed`` would change them for good)."""
     torch.random.default_generator.manual_seed(seed)
-    random.seed(seed)  # a block drawing from Python's or NumPy's generator (stochastic depth)
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed(seed)
     for device in _cuda_devices(model):
         torch.cuda.default_generators[device.index or 0].manual_seed(seed)
 
