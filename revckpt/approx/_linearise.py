@@ -165,8 +165,17 @@ KINKED_OPS = frozenset(
         *("fractional_max_pool3d", "max", "min", "maximum", "minimum", "amax", "amin", "fmax"),
         *("fmin", "abs", "abs_", "sign", "sgn", "floor", "ceil", "round", "trunc", "sort"),
         *("topk", "kthvalue", "median", "nanmedian", "mode", "cummax", "cummin", "heaviside"),
+        *("argmax", "argmin", "gt", "lt", "ge", "le"),  # selections, masks made of the data
     }
 )
+
+# Ops with a kink at a bound they are given: counted where an element lies near a bound
+_BOUNDED = {"clamp": (1, 2), "clamp_": (1, 2), "clip": (1, 2), "clamp_min": (1,)}
+_BOUNDED |= {"clamp_min_": (1,), "clamp_max": (1,), "clamp_max_": (1,), "threshold": (1,)}
+_BOUNDED |= {"threshold_": (1,), "hardtanh": (1, 2), "hardtanh_": (1, 2)}
+
+# How near: a codec moves an element by up to this fraction of its row's largest (e5m2: 2^-3)
+_NEAR = 0.125
 
 
 class _KinkedOps(TorchDispatchMode):
@@ -179,9 +188,37 @@ class _KinkedOps(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        if name in KINKED_OPS or (name in ("elu", "elu_") and _elu_kink(args, kwargs)):
+        if name not in self.found and _kinked(name, args, kwargs):
             self.found.add(name)
         return func(*args, **kwargs)
+
+
+def _kinked(name: str, args: Any, kwargs: Any) -> bool:
+    """Whether the op ``name`` runs a kink a compressed input can cross: on a floating-point
+    tensor (index arithmetic on integers has none), for a bounded op with an element near a
+    bound (``F.normalize``'s ``clamp_min(norm, 1e-12)`` has none there)."""
+    x = args[0] if args else None
+    if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel()):
+        return False
+    if name in ("elu", "elu_"):
+        return _elu_kink(args, kwargs)
+    if name not in KINKED_OPS:
+        return False
+    if name not in _BOUNDED:
+        return True
+    scale = float(x.detach().abs().max())
+    for i in _BOUNDED[name]:
+        bound = args[i] if len(args) > i else None
+        if bound is None:
+            continue
+        gap = (
+            (x.detach() - bound).abs()
+            if isinstance(bound, torch.Tensor)
+            else (x.detach() - float(bound)).abs()
+        )
+        if bool((gap <= _NEAR * scale).any()):
+            return True
+    return False
 
 
 def _elu_kink(args: Any, kwargs: Any) -> bool:

@@ -264,8 +264,9 @@ def refuse_functorch(label: str, strategy: str) -> None:
     if active():
         raise InvalidArgumentError(
             f"{label}: the {strategy} strategy cannot run inside a torch.func transform (vmap, "
-            "grad, jacrev...): its recompute has no batching rule there. Use the 'checkpoint' "
-            "or 'compress' strategy inside the transform, or call the block plainly"
+            "grad, jacrev...): its recompute has no batching rule there. Inside vmap the "
+            "'checkpoint' and 'compress' strategies run; inside torch.func.grad, vjp or jacrev "
+            "none does (torch supports no saved-tensor hooks there): call the block plainly"
         )
 
 

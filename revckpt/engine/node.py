@@ -17,7 +17,6 @@ and :mod:`revckpt.replay`.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -192,25 +191,27 @@ def _storage(t: torch.Tensor) -> int | None:
 
 def _aliasing(
     outs: Sequence[torch.Tensor], given: Sequence[Any]
-) -> list[tuple[weakref.ref[torch.Tensor], int]]:
+) -> list[tuple[torch.Tensor, int]]:
     """The outputs that share memory with a tensor the block was given or with another output
-    (a skipped layer returning its input, ``(h, h.view(-1))``), each with its version now.
-    The node's outputs are detached, so autograd does not see the sharing: an in-place change
-    through one would move the other's value under a history that does not say so."""
+    (a skipped layer returning its input, ``(h, h.view(-1))``), each as a detached alias (same
+    version counter) with its version now. The node's outputs are detached, so autograd does
+    not see the sharing: an in-place change through one would move the other's value under a
+    history that does not say so. The alias keeps that memory until the backward (a weak
+    reference missed the change in a layer loop, which rebinds the names before backward);
+    the blocks that share none keep nothing more."""
     given_storages = {_storage(t) for t in given if isinstance(t, torch.Tensor)}
     storages = [_storage(o) for o in outs]
     return [
-        (weakref.ref(o), o._version)
+        (o.detach(), o._version)
         for o, s in zip(outs, storages, strict=True)
         if s is not None and (s in given_storages or storages.count(s) > 1)
     ]
 
 
-def _check_aliases(aliases: list[tuple[weakref.ref[torch.Tensor], int]], label: str) -> None:
+def _check_aliases(aliases: list[tuple[torch.Tensor, int]], label: str) -> None:
     """Raise for an output of :func:`_aliasing` changed in place since the forward."""
-    for ref, version in aliases:
-        t = ref()
-        if t is not None and t._version != version:
+    for t, version in aliases:
+        if t._version != version:
             raise ModifiedInputError(
                 f"{label} returned a tensor sharing memory with its input or with another of "
                 "its outputs (a skipped layer's `return x`, a view of an output), and it was "
@@ -348,10 +349,10 @@ def run_node(
         )
     grad_kwargs = grad_keywords(kwargs)
     refuse_nested_grad_arguments(args)
-    refuse_functorch(label, "approx or offload")
     needs_graph = any(t.requires_grad for t in tensors) or bool(params) or bool(grad_kwargs)
     if not torch.is_grad_enabled() or not needs_graph:
         return fn(*args, **kwargs)  # nothing to differentiate: keep nothing, plain call
+    refuse_functorch(label, "approx or offload")
     call.tensors = []  # the node's inputs hold them; the call must not outlive them
     call.kwargs, call.grad_kwargs, call.params, call.keep = kwargs, grad_kwargs, params, keep
     call.modules = tuple(dict.fromkeys((*modules, *modules_of(fn))))

@@ -489,6 +489,7 @@ def _apply(
     ``sites``: which of their arguments held tensors in the traced step, if traced)."""
     shapes = plan.block_shapes or (None,) * len(found)
     tensors = list(sites) or [None] * len(found)
+    warned: set[Any] = set()  # one warning per argument for the blocks of this plan
     dtypes = [dtype_named(d) for d in plan.block_dtypes] or [None] * len(found)
     autocast = None if plan.autocast is None else dtype_named(plan.autocast)
     for seg in plan.segments:
@@ -509,6 +510,7 @@ def _apply(
                 autocast=autocast,
                 threads=plan.threads,
                 tensors=tensors[i],
+                warned=warned,
             )
             install(block, info)
 

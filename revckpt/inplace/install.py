@@ -50,6 +50,8 @@ class Planned:
     recorder: Any = None  # set while tracing (revckpt.inplace.trace.Recorder)
     # the arguments that held tensors in the traced call (None: not traced, a saved plan)
     tensors: frozenset[Key] | None = None
+    # the arguments warned about (shared by the blocks of one fit: one warning per argument)
+    warned: set[Key] | None = None
 
     def function(self, block: nn.Module) -> Callable[..., Any]:
         if self.original is not None:
@@ -107,18 +109,16 @@ def tensor_sites(args: tuple[Any, ...], kwargs: dict[str, Any]) -> frozenset[Key
     )  # fmt: skip
 
 
-_more_tensors_warned: set[Key] = set()
-
-
 def _warn_if_more_tensors(info: Planned, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Warn, once per argument, for a tensor argument the traced call did not have
     (``None`` there): Hugging Face passes an attention mask only for a batch with padding, and
     that mask, and the attention kernels that keep more with one, are not in the plan."""
     extra = tensor_sites(args, kwargs) - info.tensors  # type: ignore[operator]
+    warned = info.warned if info.warned is not None else set()
     for site in sorted(extra, key=str):
-        if site in _more_tensors_warned:
+        if site in warned:
             continue
-        _more_tensors_warned.add(site)
+        warned.add(site)
         what = f"keyword {site!r}" if isinstance(site, str) else f"argument {site}"
         warnings.warn(
             f"revckpt: block {info.fqn} got a tensor as its {what}, which the example fit "

@@ -226,6 +226,7 @@ def blocks_digest(blocks: Sequence[nn.Module]) -> str:
     applied to the chain it was profiled on only)."""
     h = hashlib.sha256()
     for i, block in enumerate(blocks):
+        block = getattr(block, "_orig_mod", block)  # torch.compile's wrapper: the same block
         for name, p in block.named_parameters():
             h.update(f"{i}.{name}:{tuple(p.shape)}:{p.dtype};".encode())
     return h.hexdigest()[:16]

@@ -173,7 +173,7 @@ def test_the_bound_check_leaves_batchnorm_statistics_and_refuses_dropout_clearly
 
 @pytest.mark.parametrize(
     "kink",
-    [nn.AdaptiveMaxPool1d(32), nn.SELU(), nn.ELU(alpha=0.5), "functional relu", "clamp"],
+    [nn.AdaptiveMaxPool1d(32), nn.SELU(), nn.ELU(alpha=0.5), "functional relu", "clamp", "where"],
     ids=str,
 )
 def test_kinks_are_found_by_the_operations_the_forward_runs(kink):
@@ -190,6 +190,8 @@ def test_kinks_are_found_by_the_operations_the_forward_runs(kink):
                 return x + torch.nn.functional.relu(h[..., :32])
             if kink == "clamp":
                 return x + h[..., :32].clamp(-0.5, 0.5)
+            if kink == "where":  # a leaky ReLU written with a comparison
+                return x + torch.where(h[..., :32] > 0, h[..., :32], 0.01 * h[..., :32])
             if isinstance(kink, nn.AdaptiveMaxPool1d):
                 return x + kink(h)
             return x + kink(h[..., :32])
@@ -208,6 +210,15 @@ def test_smooth_blocks_do_not_warn():
             nn.Sequential(nn.Linear(8, 8), nn.ELU()),
         )  # smooth: CELU for any alpha, ELU with alpha 1
         estimate_error(elus, torch.randn(4, 8), Codec("bf16"))
+        normalized = nn.Sequential(
+            *(nn.Sequential(nn.Linear(8, 8), _Normalize()) for _ in range(2))
+        )  # F.normalize's clamp_min(norm, 1e-12): no element near it
+        estimate_error(normalized, torch.randn(4, 8), Codec("bf16"))
+
+
+class _Normalize(nn.Module):
+    def forward(self, x):
+        return nn.functional.normalize(x, dim=-1) * 4
 
 
 def test_a_channels_last_chain_is_linearised():

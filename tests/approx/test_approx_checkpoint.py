@@ -481,6 +481,14 @@ def test_an_output_sharing_memory_changed_in_place_raises(strategy):
     with pytest.raises(ModifiedInputError, match="or with another of its outputs"):
         (flat * torch.arange(4.0)).sum().backward()
 
+    x = x0.clone().requires_grad_() * 1.0  # a layer loop: the names are rebound before backward
+    for _ in range(2):
+        y = revckpt.checkpoint(Skip(), x, strategy=strategy)
+        y.mul_(2)
+        x = x + y
+    with pytest.raises(ModifiedInputError, match="sharing memory with its input"):
+        x.sum().backward()
+
 
 @pytest.mark.parametrize("strategy", ["approx:bf16", "offload", "selective:matmul"])
 def test_a_torch_func_transform_is_refused_naming_the_strategies_that_run_there(strategy):

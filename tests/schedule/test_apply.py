@@ -102,6 +102,7 @@ def test_a_plan_is_applied_to_the_blocks_it_was_profiled_on_only():
         apply(copy.deepcopy(chain).double(), plan)
     apply(copy.deepcopy(chain), plan)(torch.randn(4, 16)).sum().backward()  # a copy is fine
     apply(list(chain), plan)  # and a list of the same blocks
+    apply([torch.compile(b) for b in chain], plan)  # and the blocks compiled (_orig_mod.)
     older = Plan.from_dict({**plan.to_dict(), "blocks_digest": None})  # plans made before
     apply(wider, older)
 
