@@ -46,7 +46,7 @@ from ._call_options import (
 from .approx import recompute as _approx
 from .approx.recompute import Approx, keep_of
 from .approx.saved import compress_saved
-from .engine.autograd import modules_of, refuse_functorch
+from .engine.autograd import label_of, modules_of, refuse_functorch
 from .engine.chain import Segment, as_chain, run_nodes
 from .engine.frame import FrameCall, run_checkpoint
 from .errors import InvalidArgumentError, InvalidInputTypeError
@@ -79,7 +79,7 @@ __all__ = [
 
 
 def _label(fn: Any) -> str:
-    return getattr(fn, "__qualname__", type(fn).__name__)
+    return label_of(fn)
 
 
 def _checkpoint(

@@ -56,6 +56,7 @@ from ._deprecation import warn_deprecated
 from ._host_copies import FORCED as _FORCED  # noqa: F401  (tests and tools append to it)
 from ._host_copies import LOCK, RECORDERS, HostHooks
 from .checkpoint import segment_bounds
+from .engine.autograd import label_of
 from .engine.chain import as_chain, run_nodes
 from .engine.node import EXACT, run_node
 from .errors import InvalidArgumentError, InvalidInputTypeError
@@ -189,7 +190,7 @@ def _checkpoint(
             kwargs,
             keep=EXACT,
             preserve_rng_state=preserve_rng_state,
-            label=f"offloaded {getattr(fn, '__qualname__', type(fn).__name__)}",
+            label=f"offloaded {label_of(fn)}",
         )
 
 

@@ -703,3 +703,21 @@ def test_only_a_block_that_drew_random_numbers_recomputes_past_its_last_saved_te
     x = torch.randn(8, 6, dtype=torch.float64, requires_grad=True)
     checkpoint(block, x).sum().backward()
     assert len(tail.seen) == (1 if p else 0)  # to the end: replay checks the draws matched
+
+
+@pytest.mark.parametrize("strategy", ["checkpoint", "approx:bf16", "offload"])
+def test_messages_name_a_converted_block_by_its_class(strategy):
+    # The installed forward is a functools.partial: messages named the block "partial".
+    class Blk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            x.add_(torch.tanh(self.lin(x * 1.0)))
+            return x
+
+    model = nn.Sequential(nn.Linear(8, 8), Blk(), Blk())
+    revckpt.convert(model, strategy, module_filter_fn=lambda m, n: isinstance(m, Blk))
+    with pytest.raises(revckpt.ModifiedInputError, match=r"^(offloaded )?Blk "):
+        model(torch.randn(2, 8)).sum().backward()

@@ -39,6 +39,7 @@ from typing import Any, Literal
 import torch
 
 from .._deprecation import warn_deprecated
+from ..engine.autograd import label_of
 from ..engine.node import EXACT, Keep, run_node
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from .formats import FORMATS, Codec, Encoded, NonFiniteInputError, Rounding, Scaling
@@ -205,7 +206,7 @@ def _checkpoint(
 ) -> Any:
     """``fn(*args, **kwargs)`` as one recompute node keeping its tensor arguments as ``config``
     says: what ``revckpt.checkpoint(fn, *args, strategy=config)`` runs (``fn`` checked)."""
-    label = getattr(fn, "__qualname__", type(fn).__name__)
+    label = label_of(fn)
     return run_node(
         fn, args, kwargs, keep=keep_of(config), preserve_rng_state=preserve_rng_state, label=label
     )

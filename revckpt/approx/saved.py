@@ -63,6 +63,7 @@ import torch
 from torch import nn
 
 from .._numbers import relative_error
+from ..engine.autograd import label_of
 from ..errors import InvalidArgumentError, InvalidInputTypeError, ModifiedInputError
 from .formats import FORMATS, Codec, Encoded, NonFiniteInputError, Rounding, Scaling
 from .recompute import Approx
@@ -313,7 +314,7 @@ def compress_saved(
         )
     if codec is None or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    hooks = _SavedCodec(codec, min_numel, getattr(fn, "__qualname__", type(fn).__name__))
+    hooks = _SavedCodec(codec, min_numel, label_of(fn))
     return _eager_with_hooks(hooks, fn, args, kwargs)
 
 

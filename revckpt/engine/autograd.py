@@ -29,6 +29,7 @@ __all__ = [
     "first_unregistered_leaf",
     "forward_as_plain",
     "grad_keywords",
+    "label_of",
     "module_targets",
     "modules_of",
     "refuse_functorch",
@@ -254,6 +255,19 @@ def grad_keywords(kwargs: dict[str, Any]) -> tuple[str, ...]:
     for k, v in kwargs.items():
         _refuse_nested_grad(v, f"keyword {k!r}", "keyword tensors", "as its own keyword")
     return tuple(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad)
+
+
+def label_of(fn: Any) -> str:
+    """How messages name a block: its qualified name, or for a ``functools.partial`` (the
+    forward of a block ``convert`` or ``fit`` planned) the class of the module it binds."""
+    if isinstance(fn, functools.partial):
+        for a in fn.args:
+            if isinstance(a, nn.Module):
+                return type(a).__name__
+            if isinstance(a, functools.partial):
+                return label_of(a)
+        return label_of(fn.func)
+    return getattr(fn, "__qualname__", type(fn).__name__)
 
 
 def refuse_functorch(label: str, strategy: str) -> None:

@@ -189,9 +189,7 @@ def _storage(t: torch.Tensor) -> int | None:
         return None
 
 
-def _aliasing(
-    outs: Sequence[torch.Tensor], given: Sequence[Any]
-) -> list[tuple[torch.Tensor, int]]:
+def _aliasing(outs: Sequence[torch.Tensor], given: Sequence[Any]) -> list[tuple[torch.Tensor, int]]:
     """The outputs that share memory with a tensor the block was given or with another output
     (a skipped layer returning its input, ``(h, h.view(-1))``), each as a detached alias (same
     version counter) with its version now. The node's outputs are detached, so autograd does

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from ..engine.autograd import differentiable_once, vjp
-from ..engine.rerun import Rerun, first_forward
-from ..errors import InvalidArgumentError, RevckptError
+from ..engine.rerun import Rerun, any_changed, first_forward
+from ..errors import InvalidArgumentError, ModifiedInputError, RevckptError
 from ..replay import ForwardState
 from .coupling import Coupling
 from .drift import ReconstructionWarning, auto_tolerance, finish_drift, record_drift, sample
@@ -61,6 +61,9 @@ class StackCall:
     scaled: bool = False  # a coupling divides by a scale (ScaledCoupling): drift is expected
     exact: bool = False  # couplings on the grid (GridCoupling): any drift is a recompute's
     pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # the keyword tensors with their versions at the forward (a mask changed in place since
+    # would reach every branch's recompute)
+    kw_versions: list[tuple[torch.Tensor, int]] = field(default_factory=list)
     values: dict[int, torch.Tensor] = field(default_factory=dict)
     owned: set[int] = field(default_factory=set)  # streams whose value this walk created
 
@@ -354,6 +357,13 @@ class OutputNode(torch.autograd.Function):
         else:
             y1, y2 = saved[0].chunk(2, dim=ctx.dim)
             d1, d2 = grads[0].chunk(2, dim=ctx.dim)
+        if any_changed(ctx.call.kw_versions):
+            raise ModifiedInputError(
+                "a keyword tensor given to a reversible stack (an attention mask, a position "
+                "table) was changed in place between its forward and its backward, so the "
+                "branches' recomputes would run on other values than the forward did. Change a "
+                "copy (mask = mask.clone()) or make the change after backward"
+            )
         ctx.call.values = {ctx.ids[0]: y1, ctx.ids[1]: y2}
         ctx.call.owned = set()  # the output is the caller's: never overwritten
         return None, None, None, d1, d2

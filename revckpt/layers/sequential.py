@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 from ..approx.recompute import Approx
-from ..engine.autograd import grad_keywords, module_targets
+from ..engine.autograd import grad_keywords, module_targets, refuse_functorch
+from ..engine.rerun import input_versions
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..replay import devices_of
 from .coupling import Coupling, ScaledCoupling, make_coupling
@@ -304,6 +305,7 @@ class ReversibleSequential(nn.Module):
         if not needs_graph:
             return None
         assert plan is not None
+        refuse_functorch(type(self).__name__, "reversible")
         call = StackCall(
             kwargs=kwargs,
             grad_kwargs=grad_kwargs,
@@ -315,6 +317,7 @@ class ReversibleSequential(nn.Module):
             on_drift=self.on_drift,
             drift=[None] * len(self.blocks),
             devices=devices_of(x1, x2, kwargs, self),
+            kw_versions=input_versions((), kwargs),
         )
         self.last_drift = call.drift
         return StackRun(plan, call, targets, x1, x2, [kwargs[k] for k in grad_kwargs])

@@ -53,8 +53,9 @@ class TensorError:
 
     @classmethod
     def between(cls, g: torch.Tensor, r: torch.Tensor) -> TensorError:
-        """Errors of ``g`` against the reference ``r``."""
-        g, r = g.detach().double().flatten(), r.detach().double().flatten()
+        """Errors of ``g`` against the reference ``r`` (complex ones as pairs of reals)."""
+        numel = r.numel()
+        g, r = _real_flat(g), _real_flat(r)
         d = g - r
         dn, rn, gn = d.norm().item(), r.norm().item(), g.norm().item()
         rmax = r.abs().max().item() if r.numel() else 0.0
@@ -65,8 +66,23 @@ class TensorError:
             max_abs_rel=relative(dmax, rmax),
             diff_norm=dn,
             ref_norm=rn,
-            numel=r.numel(),
+            numel=numel,
         )
+
+
+def _widened(t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point():
+        return t.to(torch.float64)
+    return t.to(torch.complex128) if t.is_complex() else t
+
+
+def _real_flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float64, flat; a complex one as its real and imaginary parts (``.double()``
+    drops the imaginary part: gradients differing there compared equal)."""
+    t = t.detach()
+    if t.is_complex():
+        return torch.view_as_real(t.to(torch.complex128)).flatten()
+    return t.double().flatten()
 
 
 def _one_minus_cos(g: torch.Tensor, r: torch.Tensor, dn: float, gn: float, rn: float) -> float:
@@ -130,8 +146,10 @@ def _prepare(obj: Any, dtype: torch.dtype | None) -> Any:
         y = x.detach()
         if dtype is not None and y.is_floating_point():
             y = y.to(dtype)
+        elif dtype is torch.float64 and y.is_complex():
+            y = y.to(torch.complex128)
         y = y.clone()
-        return y.requires_grad_(x.requires_grad and y.is_floating_point())
+        return y.requires_grad_(x.requires_grad and (y.is_floating_point() or y.is_complex()))
 
     return tree_map(one, obj)
 
@@ -205,23 +223,27 @@ def _grads(
     return dict(zip(names, grads, strict=True)), dtypes
 
 
+# What convert and fit put on a block they planned (revckpt.inplace.install._ATTR; measure
+# imports nothing of the planner, so the attribute is read by name): its ``strategy``.
+_PLANNED_ATTR = "_revckpt_planned"
+
+
 def _warn_if_installed(candidate: nn.Module) -> None:
-    """Warn when the float64 copy would run what revckpt installed on ``candidate``'s modules
-    (``convert``, ``fit``, ``make_reversible``: a ``forward`` object of revckpt's on the
-    instance): a lossy strategy then carries its error into the reference too."""
+    """Warn when the float64 copy would run a lossy strategy (approx, compress) that ``convert``
+    or ``fit`` installed on ``candidate``'s blocks: its error is then in the reference too."""
     installed = [
-        name
+        f"{name} ({strategy})"
         for name, m in candidate.named_modules()
-        if type(vars(m).get("forward")).__module__.startswith("revckpt.")
+        for strategy in [str(getattr(vars(m).get(_PLANNED_ATTR), "strategy", ""))]
+        if strategy.startswith(("approx", "compress"))
     ]
     if installed:
         warnings.warn(
-            f"gradient_error(model, None, ...): the float64 copy of the model runs what revckpt "
-            f"installed on {len(installed)} of its modules (e.g. {installed[0]!r}), so a lossy "
-            "strategy (approx, compress, a bf16 recompute) carries its error into the reference "
-            "too, and the figure is the float32 round-off alone. To measure a strategy's error, "
-            "pass a reference copied before convert or fit (or revckpt.restore(copy.deepcopy("
-            "model)))",
+            f"gradient_error(model, None, ...): the float64 copy of the model runs the lossy "
+            f"strategy revckpt installed on {len(installed)} of its blocks (e.g. "
+            f"{installed[0]}), so its error is in the reference too, and the figure is the "
+            "float32 round-off alone. To measure the strategy's error, pass a reference copied "
+            "before convert or fit (or revckpt.restore(copy.deepcopy(model)))",
             UserWarning,
             stacklevel=4,  # the caller of gradient_error
         )
@@ -247,7 +269,8 @@ def _paired_gradients(
     ref_dtype = None
     if reference is None:
         _warn_if_installed(candidate)
-        reference = copy.deepcopy(candidate).to(torch.float64)
+        # complex parameters to complex128: Module.to(torch.float64) drops their imaginary part
+        reference = copy.deepcopy(candidate)._apply(_widened)
         ref_dtype = torch.float64
     elif not isinstance(reference, nn.Module):
         raise InvalidInputTypeError(
@@ -314,7 +337,7 @@ def gradient_error(
         )
     per = {name: TensorError.between(g, r) for name, g, r in pairs}
     overall = TensorError.between(
-        torch.cat([g.detach().double().flatten().cpu() for _, g, _ in pairs]),
-        torch.cat([r.detach().double().flatten().cpu() for _, _, r in pairs]),
+        torch.cat([_real_flat(g).cpu() for _, g, _ in pairs]),
+        torch.cat([_real_flat(r).cpu() for _, _, r in pairs]),
     )
     return GradientError(per_tensor=per, overall=overall, skipped=skipped)

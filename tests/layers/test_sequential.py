@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from reversible_reference import assert_grads_match, plain_forward, step
 from torch import nn
 
-from revckpt import RevckptError
+from revckpt import ModifiedInputError, RevckptError
 from revckpt.layers import (
     ReversibleBlock,
     ReversibleSequential,
@@ -228,3 +228,25 @@ def test_a_scalar_input_is_refused_by_name():
     stack = ReversibleSequential(reversible_mlp_block(2, 4))
     with pytest.raises(RevckptError, match="0-dimensional"):
         stack(torch.tensor(1.0))
+
+
+def test_a_keyword_tensor_changed_in_place_after_the_forward_raises():
+    # The branches' recomputes read the changed mask: gradients 3.4e-3 off in float64, with
+    # a drift under the default tolerance, silently.
+    class Branch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, mask=None):
+            return self.lin((x @ x.transpose(-1, -2) + mask).softmax(-1) @ x)
+
+    torch.manual_seed(0)
+    stack = ReversibleSequential(*(ReversibleBlock(Branch(), Branch()) for _ in range(2))).double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    mask = torch.randn(5, 5, dtype=torch.float64)
+    y = stack(x, mask=mask)
+    mask.mul_(1.01)
+    with pytest.raises(ModifiedInputError, match="keyword tensor given to a reversible stack"):
+        y.sum().backward()
+    stack(x, mask=mask.clone()).sum().backward()  # unchanged: fine

@@ -94,9 +94,32 @@ def test_a_float64_copy_of_a_converted_model_warns_that_it_runs_the_strategy_too
     before = copy.deepcopy(model)
     revckpt.convert(model, "approx:e4m3")
     x = torch.randn(2, 8, 32)
-    with pytest.warns(UserWarning, match="float64 copy of the model runs what revckpt installed"):
+    with pytest.warns(UserWarning, match="float64 copy of the model runs the lossy"):
         floor = gradient_error(model, None, x).overall.rel_l2
     assert floor < 1e-5 < gradient_error(model, before, x).overall.rel_l2
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         gradient_error(before, None, x)  # an unconverted model: no warning
+        revckpt.convert(before, "checkpoint")
+        gradient_error(before, None, x)  # nor an exact strategy
+
+
+def test_complex_gradients_and_inputs_are_compared_whole():
+    # .double() dropped the imaginary part: gradients differing only there compared equal, a
+    # complex input requiring grad was left out, and reference=None kept it complex64.
+    class M(nn.Module):
+        def __init__(self, w):
+            super().__init__()
+            self.w = nn.Parameter(w)
+
+        def forward(self, z):
+            return torch.view_as_real(z * self.w).sum(-1)
+
+    w = torch.randn(4, dtype=torch.complex64)
+    a, b = M(w.clone()), M(w.clone())
+    z = torch.randn(3, 4, dtype=torch.complex64, requires_grad=True)
+    assert gradient_error(a, b, z).overall.rel_l2 == 0
+    b.register_forward_pre_hook(lambda m, args: (args[0] * (1 + 0.1j),))  # moves grads' phase
+    err = gradient_error(a, b, z)
+    assert "input.0" in err.per_tensor and err.per_tensor["w"].rel_l2 > 0.05
+    assert gradient_error(a, None, z).overall.rel_l2 < 1e-6  # complex128 reference
