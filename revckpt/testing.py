@@ -173,14 +173,17 @@ def _hypothesis_strategies() -> Any:
 
 def stack_specs(
     *,
-    depth: tuple[int, int] = (1, 8),
+    depth: tuple[int, int] = (2, 8),
     width: tuple[int, int] = (2, 16),
     batch: tuple[int, int] = (2, 8),
     dtypes: Sequence[torch.dtype] = (torch.float64,),
     dropout: Sequence[float] = (0.0, 0.3),
     norms: Sequence[Norm] = (None, "layer", "batch"),
 ) -> SearchStrategy[StackSpec]:
-    """Hypothesis strategy of :class:`StackSpec`: ranges are inclusive ``(low, high)``."""
+    """Hypothesis strategy of :class:`StackSpec`: ranges are inclusive ``(low, high)``. Stacks
+    have two blocks or more by default: ``convert`` and ``fit`` plan repeated blocks, and a
+    single one is refused ("no repeated blocks"); ``depth=(1, ...)`` draws single blocks too,
+    for ``revckpt.checkpoint_sequential``."""
     st = _hypothesis_strategies()
     for name, (lo, hi) in {"depth": depth, "width": width, "batch": batch}.items():
         if not 1 <= lo <= hi:

@@ -132,12 +132,17 @@ class MemoryMeter:
       create. Meters may be nested (the inner one measures its own block), and
       :attr:`live_bytes` and :meth:`reset_peak` work inside the block. It does not see
       tensors made outside the dispatcher (``torch.get_rng_state()``, so the RNG states a
-      checkpoint keeps) nor compiled code, and raises :class:`MeasurementError` when the
-      block runs compiled code (see the module docstring).
+      checkpoint keeps; ``copy.deepcopy`` of a tensor or a module's buffers, ``torch.load``,
+      ``pickle.loads`` and ``to_sparse``, whose storages are made outside and attached:
+      measured at 0 bytes where the allocator sees them) nor compiled code, and raises
+      :class:`MeasurementError` when the block runs compiled code (see the module docstring).
     * ``"allocator"`` (the only one on CUDA): every allocation of the device's allocator. On
       CPU it reads ``torch.profiler``'s memory events (:mod:`revckpt.measure.allocator`), so
-      it sees compiled code and RNG states; it cannot nest in another profiler, and has no
-      :attr:`live_bytes` or :meth:`reset_peak` on CPU.
+      it sees compiled code, RNG states and the copies above; it cannot nest in another
+      profiler, and has no :attr:`live_bytes` or :meth:`reset_peak` on CPU.
+
+    On CPU neither method counts what other threads allocate during the block (a worker
+    thread's 4 MB read 0); on CUDA the allocator's statistics are the device's, every thread's.
     """
 
     def __init__(

@@ -18,6 +18,7 @@ by scripted amounts, so the arithmetic is checked exactly and no test depends on
 
 from __future__ import annotations
 
+import numbers
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -88,10 +89,13 @@ def _summary(cand: list[float], base: list[float]) -> TimeRatio:
 
 
 def _check_rounds(repeats: int, warmup: int) -> None:
-    if repeats < 1 or warmup < 0:
+    whole = all(
+        isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in (repeats, warmup)
+    )
+    if not whole or repeats < 1 or warmup < 0:
         raise InvalidArgumentError(
-            f"time_ratio needs repeats >= 1 and warmup >= 0, got repeats={repeats}, "
-            f"warmup={warmup}; use e.g. repeats=15, warmup=2"
+            f"time_ratio needs whole numbers repeats >= 1 and warmup >= 0, got "
+            f"repeats={repeats!r}, warmup={warmup!r}; use e.g. repeats=15, warmup=2"
         )
 
 

@@ -250,3 +250,10 @@ def test_a_keyword_tensor_changed_in_place_after_the_forward_raises():
     with pytest.raises(ModifiedInputError, match="keyword tensor given to a reversible stack"):
         y.sum().backward()
     stack(x, mask=mask.clone()).sum().backward()  # unchanged: fine
+
+
+def test_a_torch_func_transform_is_refused_clearly():
+    stack = ReversibleSequential(*(reversible_mlp_block(4, 8) for _ in range(2)))
+    x = torch.randn(3, 2, 8)
+    with pytest.raises(RevckptError, match=r"cannot run inside a torch\.func transform"):
+        torch.func.vmap(stack)(x)  # torch's raw setup_context error before

@@ -93,6 +93,9 @@ def test_bad_arguments():
         time_ratio(lambda: None, lambda: None, repeats=0)
     with pytest.raises(InvalidArgumentError, match="warmup >= 0"):
         time_ratios({"a": lambda: None}, baseline="a", warmup=-1)
+    for bad in ({"repeats": 2.5}, {"warmup": 1.0}, {"repeats": "3"}, {"repeats": True}):
+        with pytest.raises(InvalidArgumentError, match="whole numbers"):  # raw TypeErrors before
+            time_ratio(lambda: None, lambda: None, **bad)
 
 
 def test_a_baseline_that_takes_no_time_is_refused():
