@@ -1813,3 +1813,34 @@ def test_a_layers_experts_are_not_planned_as_blocks_but_the_layers(tmp_path) -> 
             m(*batch).backward()
     for a, b, c in zip(model.parameters(), again.parameters(), plain.parameters(), strict=True):
         assert torch.equal(a.grad, c.grad) and torch.equal(b.grad, c.grad)
+
+
+class _StagedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class _Stage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_StagedBlock() for _ in range(3))
+        self.down = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.down(x)
+
+
+def test_blocks_that_chain_inside_repeated_stages_are_planned_not_the_stages() -> None:
+    """Swin, ConvNeXt: blocks inside stages that repeat. The experts rule (blocks that do not
+    chain: plan the layers around them) read the calls after they were detached, where no
+    block chains, and planned the 2 stages (the smallest budget 54.6% of store-all, against
+    31.9% with the 6 blocks)."""
+    model = nn.Sequential(_Stage(), _Stage())
+    plan = revckpt.fit(model, torch.randn(8, 16), memory_budget=1.0, loss_fn=lambda y: y.sum())
+    assert len(plan.block_names) == 6 and plan.block_names[0] == "0.blocks.0"

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -259,7 +258,7 @@ def _fit(
         traced = trace(
             model, example, o.loss_fn, found, slot, gradients=priced, reference_seed=seed
         )
-        outer = _around_parallel(model, found, traced.calls) if o.blocks is None else None
+        outer = _around_parallel(model, found, traced.links) if o.blocks is None else None
         if outer is not None:  # a layer's experts: plan the layers
             restore(model)
             names = {fqn for fqn, _ in outer}
@@ -325,12 +324,13 @@ def _fit(
 
 
 def _around_parallel(
-    model: nn.Module, found: list[tuple[str, nn.Module]], calls: Sequence[Any]
+    model: nn.Module, found: list[tuple[str, nn.Module]], links: Sequence[bool]
 ) -> list[tuple[str, nn.Module]] | None:
     """The repeated blocks around ``found`` where no found block took the one before's output
-    (parallel branches, as a hand-written mixture of experts' experts: each gets the tokens
-    routed to it, a number the plan cannot hold to), or ``None``."""
-    if len(calls) < 2 or any(c.input is p.output for p, c in itertools.pairwise(calls)):
+    (``links``, per pair of calls; parallel branches, as a hand-written mixture of experts'
+    experts: each gets the tokens routed to it, a number the plan cannot hold to), or
+    ``None``."""
+    if not links or any(links):
         return None
     return enclosing_blocks(model, found)
 

@@ -84,6 +84,9 @@ class Trace:
     gradients: Sensitivities | None = None
     input_held: tuple[bool, ...] = ()
     reference: Reference | None = None  # the metered step's block gradients, where asked for
+    # per pair of consecutive calls, whether the second took the first's output (read before
+    # the calls are detached, after which no pair would)
+    links: tuple[bool, ...] = ()
 
 
 class Recorder:
@@ -186,7 +189,8 @@ def trace(
             _check_calls(recorder.counts, names, [c.fqn for c in calls])
             _first_key_as_the_next(calls)
             held = tuple(i > 0 and outside.saved(c.input) for i, c in enumerate(calls))
-            chained = all(c.input is p.output for p, c in itertools.pairwise(calls))
+            links = tuple(c.input is p.output for p, c in itertools.pairwise(calls))
+            chained = all(links)
             if gradients:
                 weights = _sensitivities(loss, calls, chained, states)
             del loss
@@ -200,7 +204,7 @@ def trace(
         _check_calls(recorder.counts, names, names)  # a backward may run blocks again
     finally:
         recorder_slot(None)
-    return Trace(tuple(calls), chained, step, peak, weights, held, reference)
+    return Trace(tuple(calls), chained, step, peak, weights, held, reference, links)
 
 
 def _state_at(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -316,7 +320,9 @@ def _check_calls(counts: list[int], names: list[str], order: list[str]) -> None:
         raise InvalidArgumentError(
             f"each block must run exactly once per step, but the example never ran "
             f"{', '.join(unused[:4])}; leave such blocks out with blocks=lambda module, fqn: "
-            "... (or blocks='attribute.path' naming the blocks the step runs)"
+            "... (or blocks='attribute.path' naming the blocks the step runs). If the model "
+            "skips layers at random (LayerDrop: layerdrop=, stochastic depth), no plan holds "
+            "for every step: set it to 0 for fit, or use revckpt.convert, which plans nothing"
         )
     if order != names:
         raise InvalidArgumentError(
