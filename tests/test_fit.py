@@ -1813,6 +1813,12 @@ def test_a_layers_experts_are_not_planned_as_blocks_but_the_layers(tmp_path) -> 
             m(*batch).backward()
     for a, b, c in zip(model.parameters(), again.parameters(), plain.parameters(), strict=True):
         assert torch.equal(a.grad, c.grad) and torch.equal(b.grad, c.grad)
+    unused = copy.deepcopy(plain)
+    with torch.no_grad():
+        for layer in unused.blocks:
+            layer.router.bias[3] = -100.0  # no token for expert 3: it never runs
+    plan = revckpt.fit(unused, batch, memory_budget=1.0)  # refused ("never ran") before
+    assert plan.block_names == ("blocks.0", "blocks.1", "blocks.2")
 
 
 class _StagedBlock(nn.Module):
@@ -1825,14 +1831,15 @@ class _StagedBlock(nn.Module):
 
 
 class _Stage(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, residual_outside: bool = False) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(_StagedBlock() for _ in range(3))
         self.down = nn.Linear(16, 16)
+        self.residual_outside = residual_outside
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            x = block(x)
+            x = x + block(x) if self.residual_outside else block(x)
         return self.down(x)
 
 
@@ -1841,6 +1848,7 @@ def test_blocks_that_chain_inside_repeated_stages_are_planned_not_the_stages() -
     chain: plan the layers around them) read the calls after they were detached, where no
     block chains, and planned the 2 stages (the smallest budget 54.6% of store-all, against
     31.9% with the 6 blocks)."""
-    model = nn.Sequential(_Stage(), _Stage())
-    plan = revckpt.fit(model, torch.randn(8, 16), memory_budget=1.0, loss_fn=lambda y: y.sum())
-    assert len(plan.block_names) == 6 and plan.block_names[0] == "0.blocks.0"
+    for residual_outside in (False, True):  # x = x + block(x): made from the output, too
+        model = nn.Sequential(_Stage(residual_outside), _Stage(residual_outside))
+        plan = revckpt.fit(model, torch.randn(8, 16), memory_budget=1.0, loss_fn=lambda y: y.sum())
+        assert len(plan.block_names) == 6 and plan.block_names[0] == "0.blocks.0"

@@ -49,7 +49,7 @@ from .step import (
     measure_step,
     measured_gradients,
 )
-from .trace import Recorder, trace
+from .trace import CallCountError, Recorder, trace
 
 __all__ = ["convert", "fit", "restore"]
 
@@ -255,10 +255,18 @@ def _fit(
         checked_error = priced and o.error_budget > 0 and _seedable(found)
         seed = _ERROR_SEED if checked_error else None  # approx plans' errors measured
         slot = _recorder_slot(found)
-        traced = trace(
-            model, example, o.loss_fn, found, slot, gradients=priced, reference_seed=seed
-        )
-        outer = _around_parallel(model, found, traced.links) if o.blocks is None else None
+        try:
+            traced = trace(
+                model, example, o.loss_fn, found, slot, gradients=priced, reference_seed=seed
+            )
+        except CallCountError:
+            # experts the example routed no token to (or several times): the layers, if any
+            outer = enclosing_blocks(model, found) if o.blocks is None else None
+            if outer is None:
+                raise
+            traced = None
+        if traced is not None:
+            outer = _around_parallel(model, found, traced.links) if o.blocks is None else None
         if outer is not None:  # a layer's experts: plan the layers
             restore(model)
             names = {fqn for fqn, _ in outer}
@@ -269,6 +277,7 @@ def _fit(
                 profiled=profiled,
                 **{**options, "blocks": lambda _m, fqn: fqn in names},
             )
+        assert traced is not None
         if o.segment_blocks is not None:
             step = dataclasses.replace(traced.step, max_span=o.segment_blocks)
             traced = dataclasses.replace(traced, step=step)
@@ -326,11 +335,12 @@ def _fit(
 def _around_parallel(
     model: nn.Module, found: list[tuple[str, nn.Module]], links: Sequence[bool]
 ) -> list[tuple[str, nn.Module]] | None:
-    """The repeated blocks around ``found`` where no found block took the one before's output
-    (``links``, per pair of calls; parallel branches, as a hand-written mixture of experts'
-    experts: each gets the tokens routed to it, a number the plan cannot hold to), or
+    """The repeated blocks around ``found`` where most found blocks' inputs were not made from
+    the one before's output (``links``, per pair of calls; parallel branches, as a hand-written
+    mixture of experts' experts: each gets the tokens routed to it, a number the plan cannot
+    hold to; only the first expert of each layer is made from the layer before), or
     ``None``."""
-    if not links or any(links):
+    if not links or 2 * sum(links) >= len(links):
         return None
     return enclosing_blocks(model, found)
 

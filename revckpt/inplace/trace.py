@@ -48,7 +48,7 @@ from .step import (
     split_example,
 )
 
-__all__ = ["Call", "Recorder", "Trace", "trace"]
+__all__ = ["Call", "CallCountError", "Recorder", "Trace", "trace"]
 
 
 @dataclass
@@ -84,8 +84,9 @@ class Trace:
     gradients: Sensitivities | None = None
     input_held: tuple[bool, ...] = ()
     reference: Reference | None = None  # the metered step's block gradients, where asked for
-    # per pair of consecutive calls, whether the second took the first's output (read before
-    # the calls are detached, after which no pair would)
+    # per pair of consecutive calls, whether the second's input was made from the first's
+    # output (it, or a few operations on it: x = x + block(x)); read before the calls are
+    # detached, after which no pair would be
     links: tuple[bool, ...] = ()
 
 
@@ -189,8 +190,8 @@ def trace(
             _check_calls(recorder.counts, names, [c.fqn for c in calls])
             _first_key_as_the_next(calls)
             held = tuple(i > 0 and outside.saved(c.input) for i, c in enumerate(calls))
-            links = tuple(c.input is p.output for p, c in itertools.pairwise(calls))
-            chained = all(links)
+            chained = all(c.input is p.output for p, c in itertools.pairwise(calls))
+            links = tuple(_made_from(c.input, p.output) for p, c in itertools.pairwise(calls))
             if gradients:
                 weights = _sensitivities(loss, calls, chained, states)
             del loss
@@ -303,11 +304,37 @@ def _detached(call: Call) -> Call:
     return dataclasses.replace(call, args=cut(call.args), kwargs=cut(call.kwargs), output=output)
 
 
+def _made_from(x: torch.Tensor, y: torch.Tensor, *, nodes: int = 32) -> bool:
+    """Whether ``x`` is ``y`` or is made from it by a few operations (``y``'s autograd node
+    among the first ``nodes`` of ``x``'s history): a residual added outside the block, a norm
+    between blocks. A layer's experts each take a slice of one tensor made before any of
+    them runs, so none is made from the one before."""
+    if x is y:
+        return True
+    target, todo, seen = y.grad_fn, [x.grad_fn], set()
+    if target is None:
+        return False
+    while todo and len(seen) < nodes:
+        fn = todo.pop(0)
+        if fn is None or fn in seen:
+            continue
+        if fn is target:
+            return True
+        seen.add(fn)
+        todo.extend(n for n, _ in fn.next_functions)
+    return False
+
+
+class CallCountError(InvalidArgumentError):
+    """A block the step ran more than once, or never (fit tries the blocks that hold them: a
+    layer's experts, some of which the example routes no token to)."""
+
+
 def _check_calls(counts: list[int], names: list[str], order: list[str]) -> None:
     shared = [(n, c) for n, c in zip(names, counts, strict=True) if c > 1]
     if shared:
         shown = ", ".join(f"{n} {c} times" for n, c in shared[:4])
-        raise InvalidArgumentError(
+        raise CallCountError(
             f"each block must run exactly once per step, but the example ran {shown}: a module "
             "called at several places (shared weights, a loop) is one block for the planner "
             "but several calls in the step, which it cannot plan apart. Checkpoint each call "
@@ -317,7 +344,7 @@ def _check_calls(counts: list[int], names: list[str], order: list[str]) -> None:
         )
     unused = [n for n, c in zip(names, counts, strict=True) if c == 0]
     if unused:
-        raise InvalidArgumentError(
+        raise CallCountError(
             f"each block must run exactly once per step, but the example never ran "
             f"{', '.join(unused[:4])}; leave such blocks out with blocks=lambda module, fqn: "
             "... (or blocks='attribute.path' naming the blocks the step runs). If the model "
