@@ -169,13 +169,11 @@ KINKED_OPS = frozenset(
     }
 )
 
-# Ops with a kink at a bound they are given: counted where an element lies near a bound
+# Ops with a kink at a bound they are given (argument positions: the lower, then the upper):
+# counted where the bound acts on some element
 _BOUNDED = {"clamp": (1, 2), "clamp_": (1, 2), "clip": (1, 2), "clamp_min": (1,)}
 _BOUNDED |= {"clamp_min_": (1,), "clamp_max": (1,), "clamp_max_": (1,), "threshold": (1,)}
 _BOUNDED |= {"threshold_": (1,), "hardtanh": (1, 2), "hardtanh_": (1, 2)}
-
-# How near: a codec moves an element by up to this fraction of its row's largest (e5m2: 2^-3)
-_NEAR = 0.125
 
 
 class _KinkedOps(TorchDispatchMode):
@@ -195,10 +193,11 @@ class _KinkedOps(TorchDispatchMode):
 
 def _kinked(name: str, args: Any, kwargs: Any) -> bool:
     """Whether the op ``name`` runs a kink a compressed input can cross: on a floating-point
-    tensor (index arithmetic on integers has none), for a bounded op with an element near a
-    bound (``F.normalize``'s ``clamp_min(norm, 1e-12)`` has none there)."""
-    x = args[0] if args else None
-    if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel()):
+    tensor (index arithmetic on integers has none), for a bounded op one that acts on some
+    element (``F.normalize``'s ``clamp_min(norm, 1e-12)``, Mamba2's ``clamp(softplus(dt),
+    0, inf)`` never do)."""
+    x = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+    if x is None or not x.numel():
         return False
     if name in ("elu", "elu_"):
         return _elu_kink(args, kwargs)
@@ -206,17 +205,15 @@ def _kinked(name: str, args: Any, kwargs: Any) -> bool:
         return False
     if name not in _BOUNDED:
         return True
-    scale = float(x.detach().abs().max())
-    for i in _BOUNDED[name]:
+    x = x.detach()
+    for i, low in zip(_BOUNDED[name], (True, False), strict=False):
         bound = args[i] if len(args) > i else None
         if bound is None:
             continue
-        gap = (
-            (x.detach() - bound).abs()
-            if isinstance(bound, torch.Tensor)
-            else (x.detach() - float(bound)).abs()
-        )
-        if bool((gap <= _NEAR * scale).any()):
+        if name.startswith("clamp_max"):
+            low = False
+        active = x <= bound if low else x >= bound
+        if bool(active.any()):
             return True
     return False
 

@@ -149,7 +149,8 @@ class Rerun:
             if fn is owner:
                 return torch.func.functional_call(fn, aliases, args, self.kwargs, strict=False)
             assert _reparametrized is not None and owner is not None  # (by _owner_of)
-            with _reparametrized(owner, aliases):  # a function of the module (a bound forward)
+            # a function of the module (a bound forward); a weight tied to another gets its alias
+            with _reparametrized(owner, aliases, tie_weights=True):
                 return fn(*args, **self.kwargs)
         return self.fn(*args, **self.kwargs)
 

@@ -18,7 +18,7 @@ by scripted amounts, so the arithmetic is checked exactly and no test depends on
 
 from __future__ import annotations
 
-import numbers
+import operator
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -88,10 +88,20 @@ def _summary(cand: list[float], base: list[float]) -> TimeRatio:
     )
 
 
+def _whole(n: Any) -> bool:
+    """An integer (``3``, ``numpy.int64(3)``, ``torch.tensor(3)``: anything with
+    ``__index__``), not a bool."""
+    if isinstance(n, bool):
+        return False
+    try:
+        operator.index(n)
+    except TypeError:
+        return False
+    return True
+
+
 def _check_rounds(repeats: int, warmup: int) -> None:
-    whole = all(
-        isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in (repeats, warmup)
-    )
+    whole = all(_whole(n) for n in (repeats, warmup))
     if not whole or repeats < 1 or warmup < 0:
         raise InvalidArgumentError(
             f"time_ratio needs whole numbers repeats >= 1 and warmup >= 0, got "

@@ -2,7 +2,9 @@
 
 import statistics
 
+import numpy
 import pytest
+import torch
 
 from revckpt import InvalidArgumentError, time_ratio, time_ratios
 from revckpt.measure.timing import wall_time
@@ -96,6 +98,11 @@ def test_bad_arguments():
     for bad in ({"repeats": 2.5}, {"warmup": 1.0}, {"repeats": "3"}, {"repeats": True}):
         with pytest.raises(InvalidArgumentError, match="whole numbers"):  # raw TypeErrors before
             time_ratio(lambda: None, lambda: None, **bad)
+    clock, calls = FakeClock(), []
+    for whole in (numpy.int64(3), torch.tensor(3)):  # anything with __index__ is a whole number
+        one = clock.timed("a", [1.0] * 5, calls)
+        other = clock.timed("b", [2.0] * 5, calls)
+        assert time_ratio(one, other, repeats=whole, warmup=0, clock=clock).ratio == 0.5
 
 
 def test_a_baseline_that_takes_no_time_is_refused():
