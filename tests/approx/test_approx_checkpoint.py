@@ -508,18 +508,23 @@ def test_a_torch_func_transform_is_refused_naming_the_strategies_that_run_there(
         torch.func.vmap(lambda t, s=works: revckpt.checkpoint(block, t, strategy=s))(x)
 
 
-@pytest.mark.parametrize("strategy", ["approx:bf16", "offload"])
-def test_a_parameter_hook_in_a_converted_block_fires_once_with_its_gradient(strategy):
-    # convert runs the block's bound forward with its other arguments bound (not the module):
-    # a parameter with a hook was refused ("pass nn.Module blocks"), though the user did.
+def _converted_twins(strategy):
+    """A float64 chain, a copy converted to ``strategy``, and an input."""
     torch.manual_seed(0)
     plain = nn.Sequential(*(ResidualMLPBlock(16, 32) for _ in range(3))).double()
     model = twin(plain)
     revckpt.convert(model, strategy)
+    return plain, model, torch.randn(4, 16, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("strategy", ["approx:bf16", "offload"])
+def test_a_parameter_hook_in_a_converted_block_fires_once_with_its_gradient(strategy):
+    # convert runs the block's bound forward with its other arguments bound (not the module):
+    # a parameter with a hook was refused ("pass nn.Module blocks"), though the user did.
+    plain, model, x = _converted_twins(strategy)
     seen = {"plain": [], "model": []}
     for name, m in (("plain", plain), ("model", model)):
         m[1].fc1.weight.register_hook(lambda g, n=name: seen[n].append(g.clone()))
-    x = torch.randn(4, 16, dtype=torch.float64)
     for m in (plain, model):
         m(x).pow(2).sum().backward()
     assert len(seen["plain"]) == len(seen["model"]) == 1
@@ -533,11 +538,7 @@ def test_a_parameter_hook_in_a_converted_block_fires_once_with_its_gradient(stra
 def test_fast_weights_swapped_in_by_functional_call_get_their_gradient(strategy):
     # MAML-style weights made from the parameters: the recompute's graph check walked past
     # them to the parameters and refused "a tensor ... neither an argument nor a parameter".
-    torch.manual_seed(0)
-    plain = nn.Sequential(*(ResidualMLPBlock(16, 32) for _ in range(3))).double()
-    model = twin(plain)
-    revckpt.convert(model, strategy)
-    x = torch.randn(4, 16, dtype=torch.float64)
+    plain, model, x = _converted_twins(strategy)
 
     def meta_grads(m):
         params = dict(m.named_parameters())
