@@ -169,11 +169,12 @@ KINKED_OPS = frozenset(
     }
 )
 
-# Ops with a kink at a bound they are given (argument positions: the lower, then the upper):
+# Ops with a kink at a bound they are given: (argument position, whether it is a lower bound);
 # counted where the bound acts on some element
-_BOUNDED = {"clamp": (1, 2), "clamp_": (1, 2), "clip": (1, 2), "clamp_min": (1,)}
-_BOUNDED |= {"clamp_min_": (1,), "clamp_max": (1,), "clamp_max_": (1,), "threshold": (1,)}
-_BOUNDED |= {"threshold_": (1,), "hardtanh": (1, 2), "hardtanh_": (1, 2)}
+_LOW, _HIGH = (1, True), (2, False)
+_BOUNDED = {n: (_LOW, _HIGH) for n in ("clamp", "clamp_", "clip", "hardtanh", "hardtanh_")}
+_BOUNDED |= {n: (_LOW,) for n in ("clamp_min", "clamp_min_", "threshold", "threshold_")}
+_BOUNDED |= {n: ((1, False),) for n in ("clamp_max", "clamp_max_")}
 
 
 class _KinkedOps(TorchDispatchMode):
@@ -206,24 +207,18 @@ def _kinked(name: str, args: Any, kwargs: Any) -> bool:
     if name not in _BOUNDED:
         return True
     x = x.detach()
-    for i, low in zip(_BOUNDED[name], (True, False), strict=False):
+    for i, low in _BOUNDED[name]:
         bound = args[i] if len(args) > i else None
-        if bound is None:
-            continue
-        if name.startswith("clamp_max"):
-            low = False
-        active = x <= bound if low else x >= bound
-        if bool(active.any()):
+        if bound is not None and bool((x <= bound if low else x >= bound).any()):
             return True
     return False
 
 
 def _elu_kink(args: Any, kwargs: Any) -> bool:
     """``aten.elu(x, alpha, scale, input_scale)``: slope ``alpha * scale * input_scale`` left
-    of 0, ``scale`` right of it."""
-    alpha, scale, input_scale = (*args[1:4], *(None,) * 3)[:3]
+    of 0, ``scale`` right of it: a kink unless ``alpha * input_scale == 1``."""
+    alpha, _, input_scale = (*args[1:4], *(None,) * 3)[:3]
     alpha = kwargs.get("alpha", 1.0 if alpha is None else alpha)
-    scale = kwargs.get("scale", 1.0 if scale is None else scale)
     input_scale = kwargs.get("input_scale", 1.0 if input_scale is None else input_scale)
     return not math.isclose(float(alpha) * float(input_scale), 1.0)
 

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .._determinism import _storage_key
 from ..errors import InvalidArgumentError, InvalidInputTypeError, ModifiedInputError
 from ..replay import ForwardState
 from .autograd import (
@@ -180,10 +181,9 @@ class _RecomputeNode(torch.autograd.Function):
 
 
 def _storage(t: torch.Tensor) -> int | None:
-    try:
-        return t.untyped_storage().data_ptr() if t.numel() else None
-    except (RuntimeError, NotImplementedError):  # no storage (a subclass, a batched tensor)
-        return None
+    """Its storage's address; ``None`` for an empty tensor (all share address 0) or one with
+    no storage (a subclass, a batched tensor)."""
+    return _storage_key(t) if t.numel() else None
 
 
 def _realiased(outs: Sequence[torch.Tensor], given: Sequence[Any]) -> tuple[torch.Tensor, ...]:
