@@ -1,4 +1,5 @@
 import copy
+import functools
 import itertools
 
 import pytest
@@ -721,3 +722,22 @@ def test_messages_name_a_converted_block_by_its_class(strategy):
     revckpt.convert(model, strategy, module_filter_fn=lambda m, n: isinstance(m, Blk))
     with pytest.raises(revckpt.ModifiedInputError, match=r"^(offloaded )?Blk "):
         model(torch.randn(2, 8)).sum().backward()
+
+
+@pytest.mark.parametrize("strategy", ["approx:bf16", "offload"])
+def test_messages_name_a_block_checkpointed_as_hugging_face_does_by_its_class(strategy):
+    # Hugging Face checkpoints partial(layer.__call__, ...): messages read
+    # "Module._wrapped_call_impl"
+    class Blk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, *, scale):
+            x.add_(torch.tanh(self.lin(x * scale)))
+            return x
+
+    block = Blk()
+    fn = functools.partial(block.__call__, scale=1.0)
+    with pytest.raises(revckpt.ModifiedInputError, match=r"^(offloaded )?Blk "):
+        checkpoint(fn, torch.randn(2, 8), strategy=strategy).sum().backward()

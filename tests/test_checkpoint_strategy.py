@@ -197,3 +197,51 @@ def test_bad_strategies_raise_naming_the_forms():
         revckpt.checkpoint(block, x, strategy=3)
     with pytest.raises(InvalidArgumentError, match="pin_memory"):
         Offload(pin_memory="yes")
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
+@pytest.mark.parametrize(
+    "strategy", ["checkpoint", "approx:bf16", "offload", "selective:matmul", "compress:bf16"]
+)
+def test_an_output_the_loss_does_not_use_leaves_its_parameters_without_grad(strategy):
+    # plain autograd: .grad None on parameters reached only through an unused output (zeros
+    # would be moved by weight decay); approx and offload gave zeros
+    torch.manual_seed(0)
+    block = _TwoHeads().double()
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    used, _ = revckpt.checkpoint(block, x, strategy=strategy)
+    used.sum().backward()
+    assert block.b.weight.grad is None and block.b.bias.grad is None
+    assert block.a.weight.grad is not None and x.grad is not None
+
+
+@pytest.mark.parametrize("strategy", ["approx:bf16", "offload", "compress:bf16"])
+@pytest.mark.parametrize("unfreeze", [False, True])
+def test_a_parameter_frozen_or_unfrozen_between_forward_and_backward(strategy, unfreeze):
+    # plain autograd differentiates the graph as recorded and leaves that weight's .grad None;
+    # approx and offload raised torch's raw error (frozen) or named the block's own parameter
+    # "neither an argument nor a parameter" (unfrozen)
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    block = block.double()
+    ref = twin(block)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    for m in (block, ref):
+        m[0].weight.requires_grad_(unfreeze)
+    out = revckpt.checkpoint(block, x, strategy=strategy)
+    want = ref(x.detach().requires_grad_())
+    for m in (block, ref):
+        m[0].weight.requires_grad_(not unfreeze)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    assert block[0].weight.grad is None and ref[0].weight.grad is None
+    tol = dict(rtol=0.05, atol=1e-3) if strategy != "offload" else dict(rtol=0, atol=0)
+    torch.testing.assert_close(block[2].weight.grad, ref[2].weight.grad, **tol)

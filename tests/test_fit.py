@@ -397,6 +397,27 @@ def test_convert_applies_one_strategy_in_place(strategy: str) -> None:
     assert all(type(m).forward is m.forward.__func__ for m in model.modules())
 
 
+class _StaticForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))  # unused by the forward: found as a block
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(x)
+
+
+@pytest.mark.parametrize("strategy", ["checkpoint", "offload"])
+def test_a_block_with_a_static_forward_converts(strategy: str) -> None:
+    # the class's forward was called with the block as its first argument (raw TypeError)
+    model = nn.Sequential(*[_StaticForward() for _ in range(4)]).double()
+    x = torch.randn(2, 8, dtype=torch.float64, requires_grad=True)
+    want = torch.autograd.grad(model(x).sum(), x)[0]
+    assert revckpt.convert(model, strategy)
+    got = torch.autograd.grad(model(x).sum(), x)[0]
+    assert torch.equal(got, want)
+
+
 def test_a_backward_in_eval_mode_is_said_to_save_nothing(monkeypatch) -> None:
     """Planned blocks run plainly in eval mode (as HF's checkpointing does): with gradients
     on, that is said (PlanWarning, one message from one place: once under Python's default

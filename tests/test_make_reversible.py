@@ -359,6 +359,21 @@ def test_a_model_that_changes_the_hidden_state_between_layers_is_refused():
         model(torch.randn(2, 8))
 
 
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_full_backward_hook_on_a_layer_is_named(when):
+    # its wrapper hands the next layer another tensor: the message said the model changed the
+    # hidden state between the layers
+    model = _Layers()
+    hook = lambda module, grad_in, grad_out: None  # noqa: E731
+    if when == "before":
+        model.layers[1].register_full_backward_hook(hook)
+    model = make_reversible(model, blocks="layers", trainable="all")
+    if when == "after":
+        model.layers[1].register_full_backward_hook(hook)
+    with pytest.raises(RevckptError, match=r"layers\.1 has a full backward hook"):
+        model(torch.randn(2, 8))
+
+
 @pytest.mark.parametrize("grad", [True, False])
 def test_a_model_that_changes_the_hidden_state_in_place_between_layers_is_refused(grad):
     """``x.mul_(0.5)`` between two converted layers: the stack carries the hidden state in its
@@ -492,6 +507,32 @@ def test_a_nested_tensor_from_the_encoders_fast_path_is_refused_clearly():
     model.use_nested_tensor = False
     with torch.no_grad():
         assert torch.isfinite(model(x, src_key_padding_mask=pad)).all()
+
+
+def test_inside_torch_func_the_message_names_a_way_out_that_runs():
+    """torch.func.grad over a converted model: refused naming ``reversible = False``, which
+    then gives plain autograd's gradients (the exact coupling's node had no
+    ``setup_context``: torch's raw error, whatever the mode)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).double()
+    model = make_reversible(model, trainable="all")
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def loss(p):
+        return torch.func.functional_call(model, p, (x,)).square().sum()
+
+    with pytest.raises(
+        InvalidArgumentError, match=r"reversible_layers\(model\)\.reversible = False"
+    ):
+        torch.func.grad(loss)(params)
+    reversible_layers(model).reversible = False
+    got = torch.func.grad(loss)(params)
+    model(x).square().sum().backward()
+    for n, p in model.named_parameters():
+        want = torch.zeros_like(p) if p.grad is None else p.grad
+        torch.testing.assert_close(got[n], want, rtol=1e-12, atol=1e-14, msg=n)
 
 
 @pytest.mark.parametrize("reentrant", [True, False])

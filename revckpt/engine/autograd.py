@@ -267,20 +267,31 @@ def label_of(fn: Any) -> str:
             if isinstance(a, functools.partial):
                 return label_of(a)
         return label_of(fn.func)
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, nn.Module) and fn.__name__ in _CALLS:  # partial(layer.__call__, ...)
+        return type(owner).__name__
     return getattr(fn, "__qualname__", type(fn).__name__)
 
 
-def refuse_functorch(label: str, strategy: str) -> None:
+# the names of nn.Module's call (Hugging Face checkpoints partial(layer.__call__, ...))
+_CALLS = frozenset({"__call__", "_wrapped_call_impl", "_call_impl"})
+
+
+_STRATEGIES_IN_FUNCTORCH = (
+    "Inside vmap the 'checkpoint' and 'compress' strategies run; inside torch.func.grad, vjp "
+    "or jacrev none does (torch supports no saved-tensor hooks there): call the block plainly"
+)
+
+
+def refuse_functorch(label: str, strategy: str, instead: str = _STRATEGIES_IN_FUNCTORCH) -> None:
     """Raise inside a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``): ``strategy``'s
     autograd node (or torch's selective-checkpoint cache) has no batching rule there, and
-    torch's own error does not say which block or what to do."""
+    torch's own error does not say which block or what to do; ``instead`` says what to do."""
     active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
     if active():
         raise InvalidArgumentError(
             f"{label}: the {strategy} strategy cannot run inside a torch.func transform (vmap, "
-            "grad, jacrev...): its recompute has no batching rule there. Inside vmap the "
-            "'checkpoint' and 'compress' strategies run; inside torch.func.grad, vjp or jacrev "
-            "none does (torch supports no saved-tensor hooks there): call the block plainly"
+            f"grad, jacrev...): its recompute has no batching rule there. {instead}"
         )
 
 

@@ -118,6 +118,9 @@ class _RecomputeNode(torch.autograd.Function):
     def forward(ctx: Any, call: _BlockCall, *inputs: torch.Tensor) -> Any:
         tensors = inputs[: len(call.slots)]
         ctx.call = call
+        # an output the loss does not use gets None, not zeros: parameters reached only through
+        # it keep .grad None, as in plain autograd (zeros would move them under weight decay)
+        ctx.set_materialize_grads(False)
         ctx.state = ForwardState.capture(
             *tensors,
             call.kwargs,

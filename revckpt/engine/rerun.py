@@ -114,7 +114,7 @@ class Rerun:
     gradients: the given leaves, then :attr:`params`, then :attr:`kw_leaves`.
     """
 
-    __slots__ = ("aliases", "fn", "kw_leaves", "kwargs", "owner", "params")
+    __slots__ = ("aliases", "fn", "kw_leaves", "kwargs", "modules", "owner", "params")
 
     def __init__(
         self,
@@ -136,7 +136,10 @@ class Rerun:
         self.kwargs = kwargs
         self.aliases: dict[str, torch.Tensor] | None = None
         self.owner: nn.Module | None = None
-        if any(p._backward_hooks for p in params):
+        self.modules = modules
+        # a parameter frozen since the forward is differentiated through an alias too (the
+        # forward recorded it; its AccumulateGrad drops the gradient, as in plain autograd)
+        if any(p._backward_hooks or not p.requires_grad for p in params):
             self.owner = _owner_of(fn, params, modules, label)
             names = {id(p): name for name, p in self.owner.named_parameters()}
             self.aliases = {names[id(p)]: p.detach().requires_grad_(True) for p in params}
@@ -161,8 +164,16 @@ class Rerun:
 
     def unregistered(self, out: Any, sources: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
         """A tensor ``out`` depends on that requires grad but is not in ``sources`` (its
-        gradient would be lost), or ``None`` (the graph is walked once per block)."""
-        return first_unregistered_leaf(self.fn, out, sources)
+        gradient would be lost), or ``None`` (the graph is walked once per block). A parameter
+        of the block that was frozen in its forward and trains now is not one: the forward did
+        not record it, so plain autograd gives it no gradient from this call either."""
+        leaf = first_unregistered_leaf(self.fn, out, sources)
+        if leaf is None or not isinstance(leaf, nn.Parameter):
+            return leaf
+        roots = (self.fn, *self.modules) if isinstance(self.fn, nn.Module) else self.modules
+        if any(leaf is p for m in roots for p in m.parameters()):
+            return None
+        return leaf
 
 
 def _owner_of(
@@ -180,9 +191,10 @@ def _owner_of(
         if usable and wanted <= {id(p) for p in module.parameters()}:
             return module
     raise InvalidArgumentError(
-        f"{label}: a parameter has a backward hook, which the recompute runs through detached "
-        "aliases of the parameters, and no one module it calls holds them all; pass the block "
-        "as an nn.Module (one holding every parameter it uses)"
+        f"{label}: a parameter has a backward hook (or was frozen since the forward), which "
+        "the recompute runs through detached aliases of the parameters, and no one module it "
+        "calls holds them all; pass the block as an nn.Module (one holding every parameter it "
+        "uses)"
     )
 
 

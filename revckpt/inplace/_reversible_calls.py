@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError, RevckptError
-from .calls import Key, hidden_of, replaced
+from .calls import Key, hidden_of, replaced, static_forward
 
 if TYPE_CHECKING:
     from ._reversible_stack import Calls
@@ -130,8 +130,12 @@ class LayerCall:
         dtype = dtype_of(layer)
         v = u if dtype is None or dtype == u.dtype else u.to(dtype)
         a, k = replaced(args, kwargs, key, v)
-        fn = _own_forward(type(layer).forward) if self.before is None else self.before
-        out = fn(layer, *a, **k)
+        if self.before is not None:
+            out = self.before(layer, *a, **k)
+        elif static_forward(type(layer)):
+            out = type(layer).forward(*a, **k)
+        else:
+            out = _own_forward(type(layer).forward)(layer, *a, **k)
         if calls.forwarding:
             calls.output = _without_hidden(out)
         h = hidden_of(out, f"layer {index}")

@@ -388,8 +388,20 @@ class ReversibleLayers:
             )
         assert state.returned is not None
         if not passes(args, kwargs, state.returned):
+            before = self.layers[index - 1]
+            hooked = [n for n, layer in (before, self.layers[index]) if _backward_hooked(layer)]
+            if hooked:
+                raise RevckptError(
+                    f"layer {hooked[0]} has a full backward hook (register_full_backward_hook "
+                    "or a backward pre-hook; also nn.modules.module's global ones), which "
+                    "wraps the hidden state each layer returns and needs every layer's "
+                    "output gradient from autograd: a reversible stack rebuilds its layers "
+                    "in its own backward and cannot run it. Remove the hook (a gradient-norm "
+                    "log can read the parameters' .grad after backward instead), or convert "
+                    "without those layers (blocks=...)"
+                )
             raise RevckptError(
-                f"layer {name} did not get the hidden state layer {self.layers[index - 1][0]} "
+                f"layer {name} did not get the hidden state layer {before[0]} "
                 "returned: the model changed it between the two layers, which a reversible "
                 "stack cannot rebuild; convert a stack of layers that pass it on unchanged"
             )
@@ -432,3 +444,15 @@ def _early_exit_check(progress: _Progress, last: str) -> Any:
             )
 
     return check
+
+
+def _backward_hooked(layer: nn.Module) -> bool:
+    """Whether ``layer`` runs full backward hooks (its own or torch's global ones), whose
+    wrapper hands the next layer another tensor than the one the layer returned."""
+    module = nn.modules.module
+    return bool(
+        layer._backward_hooks
+        or layer._backward_pre_hooks
+        or module._global_backward_hooks
+        or module._global_backward_pre_hooks
+    )

@@ -4,6 +4,7 @@ from block to block, and the key/value caches a recompute must not update twice.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -17,11 +18,13 @@ __all__ = [
     "cache_holds_past",
     "cache_index",
     "carried_key",
+    "class_forward",
     "drop_caches",
     "has_cache",
     "hidden_of",
     "replaced",
     "run_with",
+    "static_forward",
 ]
 
 Key = int | str  # a positional index or a keyword name
@@ -33,6 +36,22 @@ _warned: set[str] = set()
 
 def _floating(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+@functools.cache
+def static_forward(cls: type) -> bool:
+    """Whether ``cls.forward`` is a ``staticmethod`` (called without the module)."""
+    for klass in cls.__mro__:
+        if "forward" in klass.__dict__:
+            return isinstance(klass.__dict__["forward"], staticmethod)
+    return False
+
+
+def class_forward(module: nn.Module) -> Callable[..., Any]:
+    """The forward of ``module``'s class as ``fn(*args, **kwargs)`` (a ``functools.partial``,
+    not a bound method, which Dynamo cannot trace); a ``staticmethod`` forward as it is."""
+    fn = type(module).forward
+    return fn if static_forward(type(module)) else functools.partial(fn, module)
 
 
 def carried_key(args: tuple[Any, ...], kwargs: dict[str, Any], previous: Any = None) -> Key | None:

@@ -11,7 +11,6 @@ training hands it to the block's runner (a strategy of :mod:`revckpt.inplace.run
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from torch import nn
 from .._autocast import autocast_dtype
 from ..errors import InvalidArgumentError, PlanWarning
 from ..schedule.plan import warn_if_threads_differ
-from .calls import Key, carried_key, drop_caches
+from .calls import Key, carried_key, class_forward, drop_caches
 
 __all__ = ["Planned", "Runner", "install", "is_fsdp", "planned", "uninstall"]
 
@@ -56,10 +55,10 @@ class Planned:
     def function(self, block: nn.Module) -> Callable[..., Any]:
         if self.original is not None:
             return self.original
-        # a partial, not types.MethodType, which Dynamo cannot trace: a graph break there
-        # made torch.compile run the model's own forward eagerly and compile each block's
-        # forward apart, recompiling per block (its name is guarded on) up to its limit of 8
-        return functools.partial(type(block).forward, block)
+        # not types.MethodType, which Dynamo cannot trace: a graph break there made
+        # torch.compile run the model's own forward eagerly and compile each block's forward
+        # apart, recompiling per block (its name is guarded on) up to its limit of 8
+        return class_forward(block)
 
 
 def is_fsdp(module: nn.Module) -> bool:

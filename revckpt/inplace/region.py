@@ -140,8 +140,10 @@ class Region:
             raise ReplayError(
                 f"{self.labels[position]} is planned inside a checkpoint segment with "
                 f"{self.labels[0]}, but it was not called right after {self.labels[position - 1]} "
-                "on that block's output; plan with revckpt.fit again (it checks how the model "
-                "calls its blocks), or use one-block segments"
+                "on that block's output (a module hook added since fit, a full backward hook "
+                "or a forward hook returning a new output, also changes what the next block "
+                "gets); plan with revckpt.fit again (it checks how the model calls its "
+                "blocks), or use one-block segments"
             )
         self._local.run = run
         # the segment's first input is kept by the run; later ones are rebuilt in backward

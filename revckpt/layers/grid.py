@@ -25,6 +25,7 @@ through as the identity; they move values by at most ``2^-bits``).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -149,14 +150,19 @@ class GridCoupling(Coupling):
 
 
 class _AsLinear(torch.autograd.Function):
-    """``y`` (computed without a graph) with the gradients of ``scale * x + h``."""
+    """``y`` (computed without a graph) with the gradients of ``scale * x + h``; written
+    with ``setup_context`` so that ``torch.func`` transforms run it (a stack run plainly,
+    ``reversible = False``, inside ``torch.func.grad``)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(
-        ctx: object, x: torch.Tensor, h: torch.Tensor, y: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        ctx.scale = scale  # type: ignore[attr-defined]
+    def forward(x: torch.Tensor, h: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
         return y
+
+    @staticmethod
+    def setup_context(ctx: object, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.scale = inputs[3]  # type: ignore[attr-defined]
 
     @staticmethod
     def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:

@@ -124,6 +124,7 @@ class HalfStepNode(torch.autograd.Function):
     ) -> torch.Tensor:
         anchor = step.anchor
         ctx.call, ctx.step, ctx.params = call, step, targets[0]
+        ctx.set_materialize_grads(False)  # a stream the loss does not use: None, as autograd
         ctx.state = state = ForwardState.capture(
             norms=targets[1], devices=call.devices, modules=(step.branch,)
         )
@@ -185,15 +186,27 @@ class HalfStepNode(torch.autograd.Function):
                 a_leaf = a.detach().requires_grad_(True)
                 y_again = step.coupling.combine(a_leaf, h)
         sources = rerun.sources((u_leaf,) if a_leaf is None else (u_leaf, a_leaf))
-        if y_again.dtype != dy.dtype and a_leaf is None:  # a low-precision recompute: h's dtype
-            dy = dy.to(y_again.dtype)
-        grads = vjp(y_again, sources, dy)
+        grads = _stream_grads(y_again, sources, dy, linear=a_leaf is None)
         del y, h, y_again
         _hand_down(call, step, a)
+        if dy is None:  # the loss does not use this stream: no gradient, as in plain autograd
+            return (None,) * 6 + grads[1 if a_leaf is None else 2 :]
         da = _linear_grad(step.linear, dy, ctx) if a_leaf is None else _zeros_if_none(grads[1], a)
         du = _zeros_if_none(grads[0], u)
         rest = grads[1 if a_leaf is None else 2 :]
         return (None, None, None, da, du, None, *rest)
+
+
+def _stream_grads(
+    y: torch.Tensor, sources: tuple[torch.Tensor, ...], dy: torch.Tensor | None, *, linear: bool
+) -> tuple[torch.Tensor | None, ...]:
+    """The half step's VJP for ``sources`` (all ``None`` when ``dy`` is: a stream the loss
+    does not use leaves its branch's parameters without ``.grad``, as plain autograd does)."""
+    if dy is None:
+        return (None,) * len(sources)
+    if y.dtype != dy.dtype and linear:  # a low-precision recompute: h's dtype
+        dy = dy.to(y.dtype)
+    return vjp(y, sources, dy)
 
 
 def _linear_grad(s: float | None, dy: torch.Tensor, ctx: Any) -> torch.Tensor | None:
@@ -339,6 +352,7 @@ class OutputNode(torch.autograd.Function):
         y2: torch.Tensor,
     ) -> Any:
         ctx.call, ctx.ids, ctx.dim = call, ids, dim
+        ctx.set_materialize_grads(False)  # an unused stream's gradient stays None
         if dim is None:
             y1, y2 = y1.view_as(y1), y2.view_as(y2)
             ctx.save_for_backward(y1, y2)
@@ -356,7 +370,8 @@ class OutputNode(torch.autograd.Function):
             d1, d2 = grads
         else:
             y1, y2 = saved[0].chunk(2, dim=ctx.dim)
-            d1, d2 = grads[0].chunk(2, dim=ctx.dim)
+            whole = grads[0] if grads[0] is not None else torch.zeros_like(saved[0])
+            d1, d2 = whole.chunk(2, dim=ctx.dim)
         if any_changed(ctx.call.kw_versions):
             raise ModifiedInputError(
                 "a keyword tensor given to a reversible stack (an attention mask, a position "

@@ -47,6 +47,13 @@ __all__ = ["ReconstructionWarning", "ReversibleBlock", "ReversibleSequential", "
 
 Streams = tuple[torch.Tensor, torch.Tensor]
 
+# what to do inside a torch.func transform, for a stack of either kind
+_PLAINLY = (
+    "Run the stack's blocks in a loop of your own (x1, x2 = block(x1, x2) for each of "
+    "stack.blocks), which plain autograd differentiates; for a model make_reversible "
+    "converted, set revckpt.inplace.reversible_layers(model).reversible = False"
+)
+
 
 def _call(branch: Callable[..., Any], u: torch.Tensor, kwargs: dict[str, Any]) -> Any:
     return branch(u, **kwargs) if kwargs else branch(u)
@@ -305,7 +312,7 @@ class ReversibleSequential(nn.Module):
         if not needs_graph:
             return None
         assert plan is not None
-        refuse_functorch(type(self).__name__, "reversible")
+        refuse_functorch(type(self).__name__, "reversible", _PLAINLY)
         call = StackCall(
             kwargs=kwargs,
             grad_kwargs=grad_kwargs,

@@ -124,6 +124,31 @@ def test_tuple_streams_and_keyword_tensor_gradients():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("used", [0, 1])
+def test_a_stream_the_loss_does_not_use_leaves_its_branch_without_grad(used):
+    # plain autograd leaves .grad None on parameters the loss does not reach; zeros would be
+    # moved by AdamW's weight decay (the last block's g when only the first stream is used)
+    torch.manual_seed(0)
+    rev = ReversibleSequential(*[reversible_mlp_block(4, 8) for _ in range(3)]).double()
+    ref = copy.deepcopy(rev)
+    x1 = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    x2 = torch.randn(3, 4, dtype=torch.float64)
+    rev((x1, x2))[used].sum().backward()
+    leaf = x1.detach().requires_grad_()
+    a, b = leaf, x2
+    for block in ref.blocks:
+        a, b = block(a, b)
+    (a, b)[used].sum().backward()
+    nones = 0
+    for (name, got), want in zip(rev.named_parameters(), ref.parameters(), strict=True):
+        assert (got.grad is None) == (want.grad is None), name
+        nones += got.grad is None
+        if got.grad is not None:
+            torch.testing.assert_close(got.grad, want.grad, rtol=1e-10, atol=1e-12)
+    assert nones == (4 if used == 0 else 0)  # g of the last block: two linear layers
+    torch.testing.assert_close(x1.grad, leaf.grad, rtol=1e-10, atol=1e-12)
+
+
 def test_autograd_grad_inputs_without_grad_and_second_backward():
     torch.manual_seed(0)
     rev = ReversibleSequential(*[reversible_mlp_block(4, 8, dropout=0.2) for _ in range(4)])
@@ -255,5 +280,14 @@ def test_a_keyword_tensor_changed_in_place_after_the_forward_raises():
 def test_a_torch_func_transform_is_refused_clearly():
     stack = ReversibleSequential(*(reversible_mlp_block(4, 8) for _ in range(2)))
     x = torch.randn(3, 2, 8)
-    with pytest.raises(RevckptError, match=r"cannot run inside a torch\.func transform"):
+    with pytest.raises(RevckptError, match=r"cannot run inside a torch\.func transform") as e:
         torch.func.vmap(stack)(x)  # torch's raw setup_context error before
+    assert "for each of stack.blocks" in str(e.value)  # not "call the block plainly"
+
+    def looped(x):  # the way out the message gives runs, as plain autograd
+        x1, x2 = x.chunk(2, dim=-1)
+        for block in stack.blocks:
+            x1, x2 = block(x1, x2)
+        return torch.cat([x1, x2], dim=-1)
+
+    torch.testing.assert_close(torch.func.vmap(looped)(x), stack(x))
