@@ -163,10 +163,12 @@ class Report:
         return not row.within_error(self.error_budget, floor=self.error_floor)
 
     def table(self) -> str:
-        """Markdown: measured and predicted peak, time ratio, gradient error per plan."""
+        """Markdown: measured and predicted peak, time ratio, gradient error per plan. Both
+        time columns are ratios to the store-all step (the predicted one is
+        ``1 + predicted_overhead``); a retained size not measured reads ``-``."""
         lines = [
             "| plan | measured peak MiB | % of store-all | retained MiB | predicted MiB | "
-            "measured/predicted | budget MiB | time vs store-all | predicted overhead | "
+            "measured/predicted | budget MiB | time vs store-all | predicted time | "
             "gradient error | predicted error |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
@@ -180,7 +182,8 @@ class Report:
                 f"{r.name}{mark}",
                 mib(r.measured_peak_bytes, unit=False),
                 f"{r.measured_peak_bytes / self.store_all_peak_bytes:.1%}",
-                mib(r.measured_retained_bytes, unit=False),
+                # 0: not measured (fit_verified meters whole steps only)
+                mib(r.measured_retained_bytes, unit=False) if r.measured_retained_bytes else "-",
                 mib(r.predicted_peak_bytes, unit=False),
                 f"{r.peak_ratio:.3f}",
                 budget,

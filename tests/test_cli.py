@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_demo_writes_report_plots_and_table(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "demo"
-    args = ["demo", "--size", "tiny", "--budget", "0.9", "--out", str(out), "--repeats", "2"]
+    args = ["demo", "--size", "tiny", "--out", str(out), "--repeats", "2"]  # its default budget
     assert main(args) == 0
     text = capsys.readouterr()
     for name in ("store-all", "checkpoint per block", "checkpoint sqrt", "approx bf16"):
@@ -125,6 +125,9 @@ def test_plan_with_offload_on_the_cpu_profiles_only_what_is_asked(monkeypatch, c
             ["plan", "examples.user_model:build", "--budget", "0.5", "--error-budget", "nan"],
             "--error-budget nan: pass a number >= 0",
         ),
+        (["plan", "examples.user_model:build", "--budget", "0.5", "--out", "."], "is a folder"),
+        (["demo", "--error-budget", "-1"], "--error-budget -1.0: pass a number >= 0"),
+        (["demo", "--budget", "0"], "--budget 0: memory_budget='0'"),
         (["frobnicate"], "invalid choice"),
     ],
 )

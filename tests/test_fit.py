@@ -178,6 +178,49 @@ def test_a_saved_plan_applies_to_its_model_only(tmp_path) -> None:
         revckpt.fit(other, example, memory_budget=0.7, plan=path)
 
 
+def _gpt2(heads: int) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=4, n_embd=64, n_head=heads, n_positions=64, vocab_size=256,
+                        bos_token_id=0, eos_token_id=0, use_cache=False)  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def test_a_saved_plan_is_measured_on_the_model_it_is_loaded_into(tmp_path) -> None:
+    # 16 heads instead of 4: the same parameters (the digest agreed), and the plan's step
+    # measured 1.20x its budget, silently
+    pytest.importorskip("transformers")
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
+    batch = dict(input_ids=ids, labels=ids)
+    path = tmp_path / "plan.json"
+    revckpt.fit(_gpt2(4), batch, memory_budget="70%").to_json(path)
+    revckpt.fit(_gpt2(4), batch, memory_budget="70%", plan=path)  # its own model: accepted
+    model = _gpt2(16)
+    with pytest.raises(InvalidArgumentError, match=r"other settings .attention heads"):
+        revckpt.fit(model, batch, memory_budget="70%", plan=path)
+    assert all(planned(m) is None for m in model.modules())  # left as it was
+
+
+def test_a_saved_lossy_plan_needs_an_error_budget(tmp_path) -> None:
+    case = _case("nanogpt")
+    example = case.make_example(4, 32)
+    plan = revckpt.fit(case.make_model(), example, memory_budget=0.7, loss_fn=case.loss_fn)
+    lossy = dataclasses.replace(
+        plan,
+        segments=tuple(dataclasses.replace(s, strategy="approx:bf16") for s in plan.segments),
+        predicted_error=1e-3,
+    )
+    fit = functools.partial(
+        revckpt.fit, case.make_model(), example, memory_budget=0.7, loss_fn=case.loss_fn
+    )
+    with pytest.raises(InvalidArgumentError, match=r"lossy.*error_budget=0"):
+        fit(plan=lossy)  # exact strategies only, as without plan=
+    with pytest.raises(InvalidArgumentError, match="leaves out"):
+        fit(plan=lossy, error_budget=1e-2, strategies=["checkpoint"])
+    assert fit(plan=lossy, error_budget=1e-2).strategies == lossy.strategies
+
+
 def test_a_larger_batch_names_the_planned_shape() -> None:
     case = _case("nanogpt")
     model = case.make_model()
@@ -713,6 +756,10 @@ def test_bad_input_is_one_clear_error() -> None:
         revckpt.fit(model, example, memory_budget="150%")
     with pytest.raises(revckpt.InvalidArgumentError, match="does not price 'offload'"):
         revckpt.fit(model, example, memory_budget=0.5, strategies=["offload"])
+    with pytest.raises(revckpt.InvalidInputTypeError, match=r"needs an nn\.Module"):
+        revckpt.fit("model", example, memory_budget=0.5)  # a raw AttributeError before
+    with pytest.raises(revckpt.InvalidInputTypeError, match="progress=5"):
+        revckpt.fit(model, example, memory_budget=0.5, loss_fn=case.loss_fn, progress=5)
     assert not any("forward" in m.__dict__ for m in model.modules())  # nothing left behind
     plan = revckpt.fit(model, example, memory_budget=1.0, loss_fn=case.loss_fn)
     with pytest.raises(revckpt.InvalidArgumentError, match="above memory_budget"):

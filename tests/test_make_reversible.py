@@ -233,6 +233,23 @@ def test_scale_auto_keeps_the_start_within_the_tolerance():
     assert reversible_layers(looser).scale > layers.scale
 
 
+def test_scale_auto_judges_the_logits_of_a_tuple_with_a_loss_first():
+    """``return_dict=False`` with labels: ``(loss, logits, ...)``; the loss moved 3600x less
+    than the logits, and scale 2^-1 was taken for a start of 0.19 reported as 5e-5."""
+    case = zoo.CASES["gpt2"]
+    ids = case.make_example(4, 32)["input_ids"]
+    example = {"input_ids": ids, "labels": ids, "return_dict": False}
+    original = case.make_model()
+    model = make_reversible(copy.deepcopy(original), scale="auto", example=example)
+    layers = reversible_layers(model)
+    assert layers.scale <= 2**-8
+    with torch.no_grad():
+        before = original.eval()(input_ids=ids).logits.double()
+        after = model.eval()(input_ids=ids).logits.double()
+    change = ((after - before).norm() / before.norm()).item()
+    assert change <= 1e-3 and layers.start == pytest.approx(change, rel=1e-3)
+
+
 def test_scale_auto_refuses_what_it_cannot_do():
     case = zoo.CASES["nanogpt"]
     idx, _ = case.make_example(2, 16)
@@ -493,20 +510,28 @@ def test_a_second_stack_converts_through_the_parent():
         torch.testing.assert_close(got[name], want, rtol=1e-10, atol=1e-12, msg=name)
 
 
-def test_a_nested_tensor_from_the_encoders_fast_path_is_refused_clearly():
+def test_the_encoders_nested_tensor_fast_path_is_off_while_converted():
     """``nn.TransformerEncoder`` (``enable_nested_tensor=True``, its default) in eval mode under
-    ``no_grad`` with a padding mask hands its layers a nested tensor: a raw ``RuntimeError``
-    (``NestedTensorImpl doesn't support sizes``) before; the documented way out works."""
+    ``no_grad`` with a padding mask hands its layers a nested tensor, which the stack cannot
+    split: a raw ``RuntimeError`` at first, then a refusal at every validation step. The
+    fast path is off while converted (scale="auto" measures the start without it too) and back
+    on after restore."""
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
-    model = make_reversible(nn.TransformerEncoder(layer, 2)).eval()
+    encoder = nn.TransformerEncoder(layer, 2)
     x, pad = torch.randn(2, 5, 16), torch.zeros(2, 5, dtype=torch.bool)
     pad[0, 3:] = True
-    with torch.no_grad(), pytest.raises(InvalidArgumentError, match="nested tensor"):
-        model(x, src_key_padding_mask=pad)
-    model.use_nested_tensor = False
+    example = dict(src=x, src_key_padding_mask=pad)
+    model = make_reversible(copy.deepcopy(encoder), scale="auto", example=example).eval()
+    assert not model.use_nested_tensor and reversible_layers(model).start <= 1e-3
     with torch.no_grad():
-        assert torch.isfinite(model(x, src_key_padding_mask=pad)).all()
+        got = model(x, src_key_padding_mask=pad)
+    encoder.use_nested_tensor = False
+    with torch.no_grad():
+        want = encoder.eval()(x, src_key_padding_mask=pad)
+    assert (got - want).norm() <= 1e-3 * want.norm()
+    revckpt.restore(model)
+    assert model.use_nested_tensor
 
 
 def test_inside_torch_func_the_message_names_a_way_out_that_runs():
@@ -1419,3 +1444,44 @@ def test_an_anchor_on_every_layer_is_said():
     double.float()
     with pytest.warns(ReconstructionWarning, match=r"torch\.float32 at scale=0\.00390625"):
         zoo.step(double, example, None)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(rank=0), dict(exact=False, anchor_every=0), dict(check_inverse=-1.0)],
+)
+def test_a_refused_option_leaves_the_model_as_it_was(options):
+    # the layers were frozen and the adapters added before the adapters or the stack checked
+    # their options: restore() had nothing to undo, and a retry recorded requires_grad=False
+    model = _Layers()
+    keys = set(model.state_dict())
+    with pytest.raises(InvalidArgumentError):
+        make_reversible(model, blocks="layers", **options)
+    assert set(model.state_dict()) == keys
+    assert all(p.requires_grad for p in model.parameters())
+    make_reversible(model, blocks="layers")
+    revckpt.restore(model)
+    assert set(model.state_dict()) == keys
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_a_stack_anchored_at_every_layer_is_not_refused_for_a_drift_nothing_uses():
+    # scale 2^-20 (a floating-point rebuild, anchors on every layer): the default check read
+    # the rebuild of an anchored input (8e-2 off), which the backward does not use, and raised
+    case = zoo.CASES["gpt2"]
+    example = case.make_example(2, 16)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = make_reversible(case.make_model(), trainable="all", scale=2**-20)
+    layers = reversible_layers(model)
+    assert layers.stack.anchor_every == 1
+    layers.mode = "store"
+    zoo.step(model, example, case.loss_fn)
+    want = _grads(model)
+    model.zero_grad(set_to_none=True)
+    layers.mode = "reversible"
+    zoo.step(model, example, case.loss_fn)
+    assert max(d for d in layers.last_drift if d is not None) > 1e-2  # what the check read
+    for name, got in _grads(model).items():
+        torch.testing.assert_close(got, want[name], rtol=1e-4, atol=1e-5, msg=name)

@@ -107,6 +107,9 @@ def test_report_table_json_plot(tmp_path):
     assert 0.5 < fp8.predicted_error / fp8.gradient_error < 2  # ... that was predicted
     assert fp8.measured_retained_bytes < rep.row("per-block").measured_retained_bytes
     assert "| optimal (chosen) |" in rep.table()
+    # the predicted column is a time ratio as the measured one beside it (store-all: 1.000)
+    header, _, first = rep.table().splitlines()[:3]
+    assert "| predicted time |" in header and first.split(" | ")[8] == "1.000"
     data = json.loads(rep.to_json(tmp_path / "r.json"))
     assert data["format"] == "revckpt.Report/1"
     assert [r["name"] for r in data["rows"]] == rep.names

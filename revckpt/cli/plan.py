@@ -156,6 +156,8 @@ def _plan(args: argparse.Namespace) -> int:
     _profile_options(strategies, False)
     if args.out and not Path(args.out).resolve().parent.is_dir():
         raise _UsageError(f"--out {args.out}: its folder does not exist; create it first")
+    if args.out and Path(args.out).is_dir():
+        raise _UsageError(f"--out {args.out} is a folder: give a file path (e.g. plan.json)")
     factory = _load_factory(args.factory)
     _check_callable_without_arguments(factory, args.factory)
     result = factory()
@@ -242,7 +244,7 @@ def _plan_model(
         + (f" in {time.perf_counter() - start:.1f} s" if args.verbose else "")
     )
     print(plan.table())
-    plan.to_json(out)
+    _write(plan, out)
     print(f"wrote {out.resolve()}")
     print(
         f"apply it with revckpt.fit(model, example, memory_budget={args.budget!r}, "
@@ -321,7 +323,7 @@ def _plan_chain(
     plan = solve(prof, memory_budget=budget, error_budget=args.error_budget, strategies=strategies)
     print(plan.table())
     if args.out:
-        plan.to_json(args.out)
+        _write(plan, Path(args.out))
         print(f"wrote {Path(args.out).resolve()}")
     if args.measure:
         peak = measure_peak(apply(blocks, plan), x, kwargs=kwargs)
@@ -334,3 +336,11 @@ def _plan_chain(
         if peak > budget:
             return 1
     return 0
+
+
+def _write(plan: Any, out: Path) -> None:
+    """The plan as JSON at ``out``; a path that cannot be written is a usage error."""
+    try:
+        plan.to_json(out)
+    except OSError as err:
+        raise _UsageError(f"--out {out}: cannot write the plan ({err.strerror})") from err

@@ -163,6 +163,8 @@ class ReversibleLayers:
         #: the parameters make_reversible froze, with their requires_grad before
         self.forwards: list[Any] = []
         self.frozen: list[tuple[nn.Parameter, bool]] = []
+        #: the nn.TransformerEncoders whose nested-tensor fast path conversion turned off
+        self.nested_off: list[nn.Module] = []
         self._warned: set[str] = set()  # the cache warning: once per conversion
         self._what = f"make_reversible({layers[0][0]} .. {layers[-1][0]})"
         self._pass: _Pass | None = None

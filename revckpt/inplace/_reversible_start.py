@@ -31,7 +31,8 @@ REFERENCE_SHIFT = 8  # the scale 2^-8 the start is first measured at
 
 def output_of(out: Any) -> torch.Tensor:
     """The tensor a model's output is judged by: itself, its ``logits`` or
-    ``last_hidden_state`` (Hugging Face outputs), or the first tensor of a tuple or dict."""
+    ``last_hidden_state`` (Hugging Face outputs), or the first tensor of a tuple or dict that is
+    not a scalar (a loss), else the first."""
     if isinstance(out, torch.Tensor):
         return out
     for name in ("logits", "last_hidden_state"):
@@ -43,9 +44,11 @@ def output_of(out: Any) -> torch.Tensor:
         values = out.values()
     elif isinstance(out, (tuple, list)):
         values = out
-    for value in values:
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value
+    floats = [v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    # a 0-dimensional one is a loss (a Hugging Face tuple with labels: (loss, logits, ...)),
+    # which moves far less than the logits: the first that is not, if any
+    for value in sorted(floats, key=lambda v: v.dim() == 0):
+        return value
     raise InvalidArgumentError(
         f"scale='auto' compares the model's output before and after conversion, and it "
         f"returned {type(out).__name__} with no floating-point tensor (logits, "

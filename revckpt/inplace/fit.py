@@ -133,7 +133,9 @@ def fit(
         blocks: the blocks to plan: an attribute path (``"model.layers"``) or a function
             ``(module, fqn) -> bool``; default: the model's repeated blocks.
         plan: a plan saved by :meth:`Plan.to_json` (a path or JSON text) or a :class:`Plan` to
-            apply instead of solving, after checking it was made for this model.
+            apply instead of solving, after checking it was made for this model, that its
+            lossy segments fit ``error_budget``, and that one metered step on ``example``
+            with it installed fits ``memory_budget``.
         repeats: timing repeats of the profile (median).
         error_stride: with codecs to price (``error_budget > 0``): ``1`` (default) measures
             their gradient errors on every block, one forward and backward of the block per
@@ -166,6 +168,12 @@ def fit(
     rank applies rank 0's plan; the budget is per rank.
     """
     # over 60 lines for its docstring alone: the front door's contract, kept whole
+    if not isinstance(model, nn.Module):
+        raise InvalidInputTypeError(f"fit(model, ...) needs an nn.Module, got {type(model)}")
+    if progress is not None and not callable(progress):
+        raise InvalidInputTypeError(
+            f"progress={progress!r}: pass a function progress(done, total), or None"
+        )
     checked_stride(error_stride)  # also where a reversible stack ignores it (no codec errors)
     if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1:
         raise InvalidArgumentError(f"repeats={repeats!r}: pass an int >= 1 (timing repeats)")
@@ -250,7 +258,7 @@ def _fit(
         for fqn, block in found:
             install(block, Planned(fqn, "store", runner_for("store")))
         if saved is not None and not profiled:
-            return _fit_saved(saved, found, memory_budget, tuple(chosen), o.error_budget)
+            return _fit_saved(saved, found, memory_budget, tuple(chosen), o, model, example)
         priced = any(kind_of(s) in ("approx", "compress") for s in chosen)  # errors measured
         checked_error = priced and o.error_budget > 0 and _seedable(found)
         seed = _ERROR_SEED if checked_error else None  # approx plans' errors measured
@@ -406,9 +414,13 @@ def _fit_saved(
     found: list[tuple[str, nn.Module]],
     memory_budget: Any,
     chosen: tuple[str, ...],
-    error_budget: float,
+    o: _FitOptions,
+    model: nn.Module,
+    example: Any,
 ) -> Fitted:
-    """A saved plan installed as it is, when its prediction fits the budget."""
+    """A saved plan installed as it is, when its prediction fits the budget, its strategies
+    the error budget and ``strategies=``, and one metered step on ``example`` the budget (a
+    model with the same parameters but more attention heads, or a larger batch, does not)."""
     budget = parse_budget(memory_budget, saved.store_all_peak_bytes)
     if saved.predicted_peak_bytes > budget:
         raise InvalidArgumentError(
@@ -417,9 +429,40 @@ def _fit_saved(
             "this budget with revckpt.fit(model, example, memory_budget=...), or "
             "measure it against the simple recipes with verify=True"
         )
+    _check_saved_strategies(saved, chosen, o)
     keys: list[Any] = list(saved.block_keys) or [None] * len(found)  # older plans: by the rule
     _apply(saved, found, keys, [frozenset(s) for s in saved.block_tensors])
-    return Fitted(saved, found, keys, chosen, error_budget, budget)
+    measured = measure_step(model, example, o.loss_fn)
+    if measured > budget:
+        raise InvalidArgumentError(
+            f"the saved plan, installed, peaked at {measured:,} bytes in a step on this "
+            f"example, above memory_budget={memory_budget!r} ({budget:,} bytes; it predicted "
+            f"{saved.predicted_peak_bytes:,}): it was made for a model of other settings "
+            "(attention heads, an intermediate size the parameters do not show) or a "
+            "smaller batch. Make a plan for this model and batch with revckpt.fit(model, "
+            "example, memory_budget=...)"
+        )
+    return Fitted(saved, found, keys, chosen, o.error_budget, budget)
+
+
+def _check_saved_strategies(saved: Plan, chosen: tuple[str, ...], o: _FitOptions) -> None:
+    """A saved plan's lossy segments need an error budget its predicted error fits, and with
+    ``strategies=`` every segment one of them."""
+    lossy = sorted({s for s in saved.strategies if kind_of(s) in ("approx", "compress")})
+    if lossy and not saved.predicted_error <= o.error_budget:
+        raise InvalidArgumentError(
+            f"the saved plan uses {lossy} (lossy: predicted gradient error "
+            f"{saved.predicted_error:.3g}), above error_budget={o.error_budget!r}; pass "
+            "error_budget= at least that to use it, or make an exact plan with "
+            "revckpt.fit(model, example, memory_budget=...)"
+        )
+    if o.strategies is not None:
+        outside = sorted(set(saved.strategies) - set(chosen) - {"store"})
+        if outside:
+            raise InvalidArgumentError(
+                f"the saved plan uses {outside}, which strategies={list(chosen)} leaves out; "
+                "pass those too, or make a plan with these strategies"
+            )
 
 
 def _profile(model: nn.Module, traced: Any, chosen: list[str], o: _FitOptions) -> Profile:

@@ -176,16 +176,24 @@ def make_reversible(
         raise InvalidArgumentError(f"feature_dim={feature_dim!r}: pass -1, 1 or None")
     features = [features_of(layer, fqn, width, feature_dim) for fqn, layer in layers]
     frozen = _frozen(layers) if trainable == "adapters" else []  # the first change to the model
-    built = [
-        _layer_block(i, fqn, layer, variant, scale, rank, features[i], exact)
-        for i, (fqn, layer) in enumerate(layers)
-    ]
-    if variant == "layer_f":  # the last layer's auxiliary output reaches nothing: the adapter
-        layers[-1][1].revckpt_adapter_g.requires_grad_(False)  # that makes it cannot learn
-    k = auto_anchors(scale, model_dtype, len(layers)) if anchor_every == "auto" else anchor_every
-    stack = ReversibleSequential(
-        *(block for block, _ in built), anchor_every=k, check_inverse=check_inverse
-    )
+    try:  # an option the adapters or the stack refuse leaves the model as it was
+        built = [
+            _layer_block(i, fqn, layer, variant, scale, rank, features[i], exact)
+            for i, (fqn, layer) in enumerate(layers)
+        ]
+        if variant == "layer_f":  # the last layer's auxiliary output reaches nothing: the
+            layers[-1][1].revckpt_adapter_g.requires_grad_(False)  # adapter making it can't learn
+        k = (
+            auto_anchors(scale, model_dtype, len(layers))
+            if anchor_every == "auto"
+            else anchor_every
+        )
+        stack = ReversibleSequential(
+            *(block for block, _ in built), anchor_every=k, check_inverse=check_inverse
+        )
+    except BaseException:
+        _undo(layers, frozen)
+        raise
     # the first layer is rebuilt exactly (its auxiliary input is zeros): anchors k, 2k, ...
     stack.first_anchor = k or 0
     hidden = 1 if variant == "layer_f" else 0
@@ -199,6 +207,7 @@ def make_reversible(
     converted.width, converted.feature_dim = features[0]
     converted.forwards = [before for _, before in built]
     converted.frozen = frozen
+    converted.nested_off = _nested_tensors_off(model, layers)
     for i, (_, layer) in enumerate(layers):
         object.__setattr__(layer, _ATTR, (i, converted))
         object.__setattr__(layer, "forward", InstalledForward(layer))
@@ -220,14 +229,22 @@ def _with_start(
     def convert(s: float) -> None:
         make_reversible(model, scale=s, **options)
 
-    if scale == "auto":
-        _, start = measure_start(convert, lambda: remove_reversible(model), model, example,
-                                 tolerance)  # fmt: skip
-    else:
-        before = run_output(model, example)
-        convert(scale)
-        start = relative_change(before, run_output(model, example))
+    # the output before is measured as the converted model will run (no nested tensors)
+    nested_off = _nested_tensors_off(model, _layers_of(model, options["blocks"]))
+    try:
+        if scale == "auto":
+            _, start = measure_start(convert, lambda: remove_reversible(model), model, example,
+                                     tolerance)  # fmt: skip
+        else:
+            before = run_output(model, example)
+            convert(scale)
+            start = relative_change(before, run_output(model, example))
+    except BaseException:
+        for encoder in nested_off:
+            encoder.use_nested_tensor = True
+        raise
     reversible_layers(model).start = start
+    reversible_layers(model).nested_off.extend(nested_off)
     return model
 
 
@@ -277,6 +294,33 @@ def _frozen(layers: list[tuple[str, nn.Module]]) -> list[tuple[nn.Parameter, boo
         frozen.append((p, p.requires_grad))
         p.requires_grad_(False)
     return frozen
+
+
+def _nested_tensors_off(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> list[nn.Module]:
+    """Turn off the nested-tensor fast path of each ``nn.TransformerEncoder`` whose layers are
+    converted: in eval mode under ``no_grad`` with a padding mask it hands its layers a nested
+    tensor, which a reversible stack cannot split into streams (restore turns it back on)."""
+    converted = {id(layer) for _, layer in layers}
+    found = []
+    for m in model.modules():
+        if (
+            isinstance(m, nn.TransformerEncoder)
+            and getattr(m, "use_nested_tensor", False)
+            and any(id(layer) in converted for layer in m.layers)
+        ):
+            m.use_nested_tensor = False
+            found.append(m)
+    return found
+
+
+def _undo(layers: list[tuple[str, nn.Module]], frozen: list[tuple[nn.Parameter, bool]]) -> None:
+    """Take back what a conversion refused midway did: the adapters it added and the
+    ``requires_grad`` it changed."""
+    for _, layer in layers:
+        for name in _ADAPTERS:
+            layer._modules.pop(name, None)
+    for p, requires_grad in frozen:
+        p.requires_grad_(requires_grad)
 
 
 def _check_options(variant: str, trainable: str, scale: float, exact: Any) -> None:
@@ -423,6 +467,8 @@ def remove_reversible(model: nn.Module) -> int:
                 layer._modules.pop(name, None)
         for p, requires_grad in converted.frozen:
             p.requires_grad_(requires_grad)
+        for encoder in getattr(converted, "nested_off", ()):  # (a conversion pickled before)
+            encoder.use_nested_tensor = True
         converted.removed = True  # its model, if it holds it still, forgets it
         count += len(converted.layers)
     return count

@@ -41,7 +41,7 @@ def finish_drift(call: StackCall) -> None:
         tol = call.check_inverse
         if tol is not None and err > tol and (worst is None or err > worst[0]):
             worst = (err, index)
-    if worst is None:
+    if worst is None or (call.strict and call.anchored):
         return
     err, index = worst
     if call.strict and call.exact:

@@ -320,6 +320,7 @@ class ReversibleSequential(nn.Module):
             strict=self.check_inverse == "auto",
             scaled=any(isinstance(step.coupling, ScaledCoupling) for step in plan.steps),
             exact=any(isinstance(step.coupling, GridCoupling) for step in plan.steps),
+            anchored=self.anchor_every == 1,
             recompute_dtype=None if self.approx is None else self.approx.recompute_dtype,
             on_drift=self.on_drift,
             drift=[None] * len(self.blocks),

@@ -111,6 +111,11 @@ class Plan:
         object.__setattr__(self, "block_keys", _checked_keys(self.block_keys, self.length))
         tensors = _checked_tensor_arguments(self.block_tensors, self.length)
         object.__setattr__(self, "block_tensors", tensors)
+        if self.block_shapes and len(self.block_shapes) != self.length:
+            raise InvalidArgumentError(
+                f"block_shapes has {len(self.block_shapes)} shapes but the segments cover "
+                f"{self.length} blocks; give one shape per block, or none"
+            )
         _check_fields(self)
 
     @property

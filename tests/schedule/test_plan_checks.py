@@ -155,3 +155,12 @@ def test_malformed_block_dtypes_raise(good, dtypes, error, message):
     assert fine.block_dtypes == ("bfloat16",) * 4
     spelt = dataclasses.replace(plan, block_dtypes=["torch.float32"] * 4)  # a list, torch's name
     assert spelt.block_dtypes == ("torch.float32",) * 4
+
+
+def test_block_shapes_of_another_length_raise(good):
+    # a hand-edited plan passed validation and raised a raw IndexError when fit applied it
+    _, plan = good
+    with pytest.raises(InvalidArgumentError, match="block_shapes has 1 shapes but the segments"):
+        Plan.from_json(json.dumps({**plan.to_dict(), "block_shapes": [[2, 8]]}))
+    fine = Plan.from_json(json.dumps({**plan.to_dict(), "block_shapes": [[2, 8]] * 4}))
+    assert fine.block_shapes == ((2, 8),) * 4
