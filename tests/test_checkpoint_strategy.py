@@ -245,3 +245,27 @@ def test_a_parameter_frozen_or_unfrozen_between_forward_and_backward(strategy, u
     assert block[0].weight.grad is None and ref[0].weight.grad is None
     tol = dict(rtol=0.05, atol=1e-3) if strategy != "offload" else dict(rtol=0, atol=0)
     torch.testing.assert_close(block[2].weight.grad, ref[2].weight.grad, **tol)
+
+
+class _Closure(torch.nn.Module):
+    def __init__(self, ext):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.ext = [ext]  # requires grad, not registered
+
+    def forward(self, x):
+        return self.ext[0] * self.a(x)
+
+
+@pytest.mark.parametrize("strategy", ["approx:bf16", "offload"])
+def test_an_unfrozen_parameter_does_not_hide_an_unregistered_tensor(strategy):
+    # the walk stopped at the block's own parameter (frozen in the forward, trainable since)
+    # and let the closure's tensor lose its gradient silently
+    ext = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    block = _Closure(ext).double()
+    block.a.weight.requires_grad_(False)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    out = revckpt.checkpoint(block, x, strategy=strategy)
+    block.a.weight.requires_grad_(True)
+    with pytest.raises(InvalidArgumentError, match="neither an argument nor a parameter"):
+        out.sum().backward()

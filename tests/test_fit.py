@@ -196,6 +196,9 @@ def test_a_saved_plan_is_measured_on_the_model_it_is_loaded_into(tmp_path) -> No
     path = tmp_path / "plan.json"
     revckpt.fit(_gpt2(4), batch, memory_budget="70%").to_json(path)
     revckpt.fit(_gpt2(4), batch, memory_budget="70%", plan=path)  # its own model: accepted
+    eval_mode = _gpt2(4).eval()  # as from_pretrained returns it: measured in train mode
+    assert revckpt.fit(eval_mode, batch, memory_budget="70%", plan=path).segments
+    assert not eval_mode.training
     model = _gpt2(16)
     with pytest.raises(InvalidArgumentError, match=r"other settings .attention heads"):
         revckpt.fit(model, batch, memory_budget="70%", plan=path)
@@ -219,6 +222,8 @@ def test_a_saved_lossy_plan_needs_an_error_budget(tmp_path) -> None:
     with pytest.raises(InvalidArgumentError, match="leaves out"):
         fit(plan=lossy, error_budget=1e-2, strategies=["checkpoint"])
     assert fit(plan=lossy, error_budget=1e-2).strategies == lossy.strategies
+    with pytest.raises(InvalidArgumentError, match="leaves out"):  # measured, not installed
+        fit(plan=lossy, error_budget=1e-2, strategies=["checkpoint"], verify=True)
 
 
 def test_a_larger_batch_names_the_planned_shape() -> None:
@@ -756,6 +761,8 @@ def test_bad_input_is_one_clear_error() -> None:
         revckpt.fit(model, example, memory_budget="150%")
     with pytest.raises(revckpt.InvalidArgumentError, match="does not price 'offload'"):
         revckpt.fit(model, example, memory_budget=0.5, strategies=["offload"])
+    with pytest.raises(revckpt.InvalidArgumentError, match=r"allows exact strategies only"):
+        revckpt.fit(model, example, memory_budget=0.5, strategies=["store", "approx:bf16"])
     with pytest.raises(revckpt.InvalidInputTypeError, match=r"needs an nn\.Module"):
         revckpt.fit("model", example, memory_budget=0.5)  # a raw AttributeError before
     with pytest.raises(revckpt.InvalidInputTypeError, match="progress=5"):

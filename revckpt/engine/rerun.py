@@ -167,13 +167,14 @@ class Rerun:
         gradient would be lost), or ``None`` (the graph is walked once per block). A parameter
         of the block that was frozen in its forward and trains now is not one: the forward did
         not record it, so plain autograd gives it no gradient from this call either."""
-        leaf = first_unregistered_leaf(self.fn, out, sources)
-        if leaf is None or not isinstance(leaf, nn.Parameter):
-            return leaf
         roots = (self.fn, *self.modules) if isinstance(self.fn, nn.Module) else self.modules
-        if any(leaf is p for m in roots for p in m.parameters()):
-            return None
-        return leaf
+        while True:
+            leaf = first_unregistered_leaf(self.fn, out, sources)
+            if leaf is None or not isinstance(leaf, nn.Parameter):
+                return leaf
+            if not any(leaf is p for m in roots for p in m.parameters()):
+                return leaf
+            sources = (*sources, leaf)  # the block's own: look on for another
 
 
 def _owner_of(

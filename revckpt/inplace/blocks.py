@@ -94,10 +94,18 @@ def _repeated(
     trainable = {k: v for k, v in by_class.items() if _has_parameters(v)}
     by_class = trainable or {k: v for k, v in by_class.items() if _has_weights(v)}
     if not by_class:
+        shared = [name for name, c in _containers(model) if len(set(map(id, c))) < len(c)]
+        because = (
+            f" ({shared[0]} holds one module several times: shared weights, which run as one "
+            "block called several times per step and are not planned)"
+            if shared
+            else ""
+        )
         raise InvalidArgumentError(
             f"{type(model).__name__} has no repeated blocks (no two or more consecutive "
-            "modules of one class with parameters in an nn.ModuleList or nn.Sequential); name "
-            f"them with {option}='attribute.path' or {option}=lambda module, fqn: ..."
+            "modules of one class with parameters in an nn.ModuleList or nn.Sequential)"
+            f"{because}; name them with {option}='attribute.path' or "
+            f"{option}=lambda module, fqn: ..."
         )
 
     def rank(kind: type) -> tuple[int, int]:

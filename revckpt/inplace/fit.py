@@ -90,6 +90,14 @@ def _strategies(strategies: Sequence[StrategyLike] | None, error_budget: float) 
                 "segments only for blocks that already are reversible (revckpt.layers), and "
                 "this model's blocks are not; leave 'reversible' out"
             )
+    lossy = [str(s) for s in parsed if s.kind in ("approx", "compress")]
+    if lossy and not error_budget > 0:
+        raise InvalidArgumentError(
+            f"strategies={[str(s) for s in parsed]} includes {lossy}, whose gradients are "
+            f"approximate, and error_budget={error_budget!r} allows exact strategies only: "
+            "pass error_budget= (e.g. 1e-2, the largest relative gradient error you accept), "
+            "or leave them out"
+        )
     return [str(s) for s in parsed]
 
 
@@ -254,6 +262,8 @@ def _fit(
     if o.plan is None or profiled:
         _refuse_eval_mode(found)
     saved = _load(o.plan, model, found) if o.plan is not None else None
+    if saved is not None:
+        _check_saved_strategies(saved, tuple(chosen), o)
     try:
         for fqn, block in found:
             install(block, Planned(fqn, "store", runner_for("store")))
@@ -429,10 +439,15 @@ def _fit_saved(
             "this budget with revckpt.fit(model, example, memory_budget=...), or "
             "measure it against the simple recipes with verify=True"
         )
-    _check_saved_strategies(saved, chosen, o)
     keys: list[Any] = list(saved.block_keys) or [None] * len(found)  # older plans: by the rule
     _apply(saved, found, keys, [frozenset(s) for s in saved.block_tensors])
-    measured = measure_step(model, example, o.loss_fn)
+    modes = [(m, m.training) for m in model.modules()]
+    try:  # the training step (a model from from_pretrained is in eval mode: left so)
+        model.train()
+        measured = measure_step(model, example, o.loss_fn)
+    finally:
+        for m, training in modes:
+            m.training = training
     if measured > budget:
         raise InvalidArgumentError(
             f"the saved plan, installed, peaked at {measured:,} bytes in a step on this "

@@ -229,6 +229,7 @@ def _with_start(
     def convert(s: float) -> None:
         make_reversible(model, scale=s, **options)
 
+    held = stack_of(model)  # a conversion before this call is left alone on failure
     # the output before is measured as the converted model will run (no nested tensors)
     nested_off = _nested_tensors_off(model, _layers_of(model, options["blocks"]))
     try:
@@ -240,6 +241,8 @@ def _with_start(
             convert(scale)
             start = relative_change(before, run_output(model, example))
     except BaseException:
+        if scale != "auto" and held is None and stack_of(model) is not None:  # this one
+            remove_reversible(model)
         for encoder in nested_off:
             encoder.use_nested_tensor = True
         raise

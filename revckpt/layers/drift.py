@@ -41,7 +41,7 @@ def finish_drift(call: StackCall) -> None:
         tol = call.check_inverse
         if tol is not None and err > tol and (worst is None or err > worst[0]):
             worst = (err, index)
-    if worst is None or (call.strict and call.anchored):
+    if worst is None:
         return
     err, index = worst
     if call.strict and call.exact:
@@ -55,13 +55,19 @@ def finish_drift(call: StackCall) -> None:
             "floating-point rebuild with anchors) to tolerate rounding differences"
         )
     if call.strict and call.scaled:
+        fix = (
+            "Every block input is anchored already (anchor_every=1): one block's rebuild is "
+            "that far off, either from the scale (use a larger one, or a scale 2^-k, k <= 16, "
+            "with exact=True) or from a branch whose recompute differs from its forward"
+            if call.anchored
+            else "Set anchor_every=k to store every k-th block input exactly (smaller k, "
+            "smaller drift), use a larger scale, or keep the streams in a wider dtype"
+        )
         raise ReconstructionError(
             f"reversible block {index}: its rebuilt input differs from the original by "
             f"{err:.3e} (relative), past the default tolerance {call.check_inverse:g}: the "
             "scaled couplings (ScaledCoupling, revckpt.make_reversible) amplify rounding by "
-            "about 1 / scale per block. Set anchor_every=k to store every k-th block input "
-            "exactly (smaller k, smaller drift), use a larger scale, or keep the streams in a "
-            "wider dtype"
+            f"about 1 / scale per block. {fix}"
         )
     if call.strict:
         raise ReconstructionError(

@@ -60,9 +60,7 @@ class StackCall:
     strict: bool = False  # the default check: a drift past it raises whatever on_drift says
     scaled: bool = False  # a coupling divides by a scale (ScaledCoupling): drift is expected
     exact: bool = False  # couplings on the grid (GridCoupling): any drift is a recompute's
-    # every block input kept (anchor_every=1): no rebuilt input is used, so the default check
-    # has nothing to guard (the drift is still recorded)
-    anchored: bool = False
+    anchored: bool = False  # every block input kept (anchor_every=1): said in the message
     pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     # the keyword tensors with their versions at the forward (a mask changed in place since
     # would reach every branch's recompute)

@@ -165,7 +165,10 @@ def profile(
     """
     # over 60 lines for its signature and docstring: every option of the profiler, explained
     kwargs = cut_from_graph(_block_kwargs(kwargs, block_kwargs))
-    chain = list(blocks)
+    chain = _chain_of(blocks)
+    for name, value in (("codecs", codecs), ("compress", compress), ("policies", policies)):
+        if isinstance(value, str) and not (name == "policies" and value == "auto"):
+            raise InvalidInputTypeError(f"{name}={value!r}: pass a list, e.g. [{value!r}]")
     offload, policies = _checked_options(
         chain,
         x,
@@ -177,8 +180,8 @@ def profile(
         policies=policies,
     )
     error_stride = checked_stride(error_stride)
-    names = (
-        tuple(n for n, _ in blocks.named_children())
+    names = (  # by slot: a block the chain holds twice has a name at each place
+        tuple(blocks._modules)
         if isinstance(blocks, nn.Sequential)
         else tuple(str(i) for i in range(len(chain)))
     )
@@ -282,3 +285,20 @@ def _checked_options(
             )
         return offload, tuple(canonical_policy(p) for p in policies)  # raises on a bad spec
     return offload, AUTO
+
+
+def _chain_of(blocks: Any) -> list[nn.Module]:
+    """The chain's blocks in order; one module that is not a container of blocks is refused."""
+    if isinstance(blocks, nn.Module) and not isinstance(blocks, (nn.Sequential, nn.ModuleList)):
+        raise InvalidInputTypeError(
+            f"profile(blocks, x) takes a chain of blocks (nn.Sequential, nn.ModuleList or a "
+            f"list of modules), got one {type(blocks).__name__}: pass [block] for one block, "
+            "or revckpt.fit(model, example, ...) for a whole model"
+        )
+    try:
+        return list(blocks)
+    except TypeError as err:
+        raise InvalidInputTypeError(
+            f"profile(blocks, x) takes a chain of blocks (nn.Sequential or a list of modules), "
+            f"got {type(blocks).__name__}"
+        ) from err

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -397,8 +398,9 @@ def solve(
     budget = parse_budget(memory_budget, store_peak)
     if not error_budget >= 0 or not math.isfinite(error_budget):
         raise InvalidArgumentError(f"error_budget={error_budget!r}: pass a number >= 0")
-    if slots < 1 or error_slots < 1:
-        raise InvalidArgumentError("slots and error_slots must be positive")
+    for name, value in (("slots", slots), ("error_slots", error_slots)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise InvalidArgumentError(f"{name}={value!r}: pass an int >= 1")
     chosen = _chosen(blocks, strategies)
     if STORE in chosen and store_peak <= budget:  # nothing to recompute: optimal, no rounding
         segments = [Segment(0, len(blocks), STORE)]

@@ -451,3 +451,23 @@ def test_a_first_profile_times_no_first_call_learning(monkeypatch):
     profile(chain, torch.randn(16, 8), codecs=())
     assert learnt == {"layouts": 0, "norm hooks": 0}
     assert all(replay.learnt(b) for b in chain)
+
+
+def test_profile_refuses_what_is_not_a_chain_clearly():
+    # one block: a raw TypeError (not iterable); codecs="bf16": read letter by letter
+    x = torch.randn(2, 8)
+    with pytest.raises(InvalidInputTypeError, match=r"got one Linear: pass \[block\]"):
+        profile(nn.Linear(8, 8), x)
+    with pytest.raises(InvalidInputTypeError, match=r"codecs='bf16': pass a list"):
+        profile(mlp_chain(2, 8, 16), x, codecs="bf16")
+
+
+def test_a_chain_holding_one_block_twice_is_named_per_place_and_solves():
+    # named_children() named it once: solve said "block_names has 1 names but the segments
+    # cover 4 blocks", an argument the caller never passed
+    from revckpt.schedule import solve
+
+    block = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+    prof = profile(nn.Sequential(*[block] * 3), torch.randn(4, 8), repeats=1)
+    assert prof.names == ("0", "1", "2")
+    assert solve(prof, memory_budget=1.0).length == 3
