@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import revckpt
 from revckpt import InvalidArgumentError
@@ -67,7 +68,12 @@ def test_plan_on_the_example_model_measures_within_budget(monkeypatch, tmp_path,
     monkeypatch.chdir(ROOT)
     out = tmp_path / "plan.json"
     args = ["plan", "examples.user_model:build", "--budget", "0.3", "--measure", "--out", str(out)]
-    assert main([*args, "--repeats", "1"]) == 0
+    threads = torch.get_num_threads()
+    try:
+        assert main([*args, "--repeats", "1", "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 1  # profiled with the threads asked for
+    finally:
+        torch.set_num_threads(threads)
     text = capsys.readouterr().out
     assert "within the budget" in text
     assert json.loads(out.read_text())["format"] == "revckpt.Plan/1"
@@ -126,6 +132,10 @@ def test_plan_with_offload_on_the_cpu_profiles_only_what_is_asked(monkeypatch, c
             "--error-budget nan: pass a number >= 0",
         ),
         (["plan", "examples.user_model:build", "--budget", "0.5", "--out", "."], "is a folder"),
+        (
+            ["plan", "examples.user_model:build", "--budget", "0.5", "--threads", "0"],
+            "--threads: must be a whole number of at least 1",
+        ),
         (["demo", "--error-budget", "-1"], "--error-budget -1.0: pass a number >= 0"),
         (["demo", "--budget", "0"], "--budget 0: memory_budget='0'"),
         (["frobnicate"], "invalid choice"),

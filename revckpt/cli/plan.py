@@ -98,6 +98,13 @@ def _add_plan_output(plan: argparse.ArgumentParser) -> None:
         default=None,
         help="timing rounds (default: 3 for a whole model, 5 for blocks)",
     )
+    plan.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="CPU threads to profile with: the number your training runs with (plans record "
+        "it and warn when trained with another; default: torch's, often every core)",
+    )
     plan.add_argument("--no-progress", action="store_true", help="no progress bar")
     plan.add_argument(
         "-v", "--verbose", action="store_true", help="print the profile table (blocks) or the time"
@@ -160,6 +167,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise _UsageError(f"--out {args.out} is a folder: give a file path (e.g. plan.json)")
     factory = _load_factory(args.factory)
     _check_callable_without_arguments(factory, args.factory)
+    _steady_cpu(args.threads)
     result = factory()
     if not (isinstance(result, tuple) and len(result) in (2, 3)):
         raise _UsageError(f"{args.factory} returned {type(result).__name__}; return {_RETURNS}")
@@ -344,3 +352,15 @@ def _write(plan: Any, out: Path) -> None:
         plan.to_json(out)
     except OSError as err:
         raise _UsageError(f"--out {out}: cannot write the plan ({err.strerror})") from err
+
+
+def _steady_cpu(threads: int | None) -> None:
+    """Profile with ``threads`` (when given) and freed memory kept in the process, so that
+    step times do not depend on the step before (glibc's page faults; measure/host.py)."""
+    import torch
+
+    from ..measure import keep_freed_memory
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    keep_freed_memory()
