@@ -19,6 +19,7 @@ __all__ = [
     "DeterminismCheck",
     "check_applies",
     "check_options",
+    "pop_torch_options",
     "resolve",
     "sequential_strategy_of",
     "strategy_of",
@@ -126,6 +127,36 @@ def check_options(determinism_check: str, preserve_rng_state: bool) -> None:
             "determinism_check='values' with preserve_rng_state=False flags every block that "
             "draws random numbers (its recompute draws new ones); keep preserve_rng_state=True "
             "or use determinism_check='metadata'"
+        )
+
+
+# torch.utils.checkpoint's own keywords, which a call swapped to revckpt may still pass: read
+# here (what revckpt does anyway is accepted), never handed to the block
+_TORCH_OPTIONS = {
+    "use_reentrant": (False, "revckpt recomputes non-reentrantly (use_reentrant=False)"),
+    "early_stop": (True, "revckpt's recompute stops at the last tensor backward needs"),
+    "debug": (False, "for a recompute that differs, pass determinism_check='values'"),
+}
+
+
+def pop_torch_options(kwargs: dict[str, Any], what: str) -> None:
+    """Take ``torch.utils.checkpoint``'s keywords out of ``kwargs`` (they would reach the
+    block, which does not take them, or silently mean nothing): the value revckpt follows is
+    accepted, another or ``context_fn`` raises, saying what to use."""
+    for name, (follows, why) in _TORCH_OPTIONS.items():
+        if name in kwargs:
+            value = kwargs.pop(name)
+            if value is not follows:
+                raise InvalidArgumentError(
+                    f"{what}({name}={value!r}): torch.utils.checkpoint's option; {why}: pass "
+                    f"{name}={follows!r} or leave it out"
+                )
+    if "context_fn" in kwargs:
+        kwargs.pop("context_fn")
+        raise InvalidArgumentError(
+            f"{what}(context_fn=...): torch.utils.checkpoint's option; choose what to keep "
+            "with strategy='selective:<policy>' (or revckpt.policy.Selective(<function op -> "
+            "bool>)) instead"
         )
 
 

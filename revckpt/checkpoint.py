@@ -40,6 +40,7 @@ from ._call_options import (
     DeterminismCheck,
     check_applies,
     check_options,
+    pop_torch_options,
     sequential_strategy_of,
     strategy_of,
 )
@@ -218,9 +219,13 @@ def checkpoint(
 
     .. warning:: The names ``strategy``, ``preserve_rng_state``, ``determinism_check`` and
        ``policy`` are taken by this function; ``fn`` cannot receive keyword arguments of those
-       names through it.
+       names through it. Nor of ``torch.utils.checkpoint``'s: ``use_reentrant=False``,
+       ``early_stop=True`` and ``debug=False`` (what revckpt does) are accepted, so a call
+       swapped from torch runs as it is; another value, or ``context_fn``, raises
+       :class:`~revckpt.InvalidArgumentError` naming revckpt's way.
     """
     # (over 60 lines for its docstring: the body is the dozen lines below)
+    pop_torch_options(kwargs, "revckpt.checkpoint")
     kind, options = strategy_of(strategy, policy)
     if not callable(fn):
         raise _not_callable(fn)
@@ -371,6 +376,7 @@ def checkpoint_sequential(
         approx: deprecated: ``strategy=<the Approx>``.
     """
     # (over 60 lines for its signature and docstring: the body is the 30 lines below)
+    pop_torch_options(kwargs, "revckpt.checkpoint_sequential")
     kind, options = sequential_strategy_of(strategy, policy, approx, determinism_check)
     chain = as_chain(blocks, input, what="checkpoint_sequential")
     check_options(determinism_check, preserve_rng_state)

@@ -1,6 +1,7 @@
 """revckpt.checkpoint / checkpoint_sequential with strategy=: every form, the options that do not
 apply, and the deprecated spellings (a FutureWarning naming the new call, the same result)."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -269,3 +270,103 @@ def test_an_unfrozen_parameter_does_not_hide_an_unregistered_tensor(strategy):
     block.a.weight.requires_grad_(True)
     with pytest.raises(InvalidArgumentError, match="neither an argument nor a parameter"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("strategy", ["approx:bf16", "offload"])
+def test_a_module_reached_through_a_closure_is_named_not_dropped(strategy):
+    # lambda h: model(h): the module's parameters are not the node's inputs; this session's
+    # unfrozen-parameter rule took them for the block's own and dropped their gradients
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()).double()
+    fn = (lambda m: lambda h: m(h))(model)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(InvalidArgumentError, match="through a closure"):
+        revckpt.checkpoint(fn, x, strategy=strategy).sum().backward()
+
+
+@pytest.mark.parametrize("strategy", [None, "approx:bf16", "offload"])
+def test_torch_checkpoint_options_are_read_not_passed_to_the_block(strategy):
+    # use_reentrant=False reached nn.Linear.forward (a raw TypeError), or was taken silently by
+    # a block with **kwargs, as were use_reentrant=True and context_fn
+    block = torch.nn.Linear(4, 4).double()
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    out = revckpt.checkpoint(block, x, strategy=strategy, use_reentrant=False, debug=False)
+    torch.testing.assert_close(out, block(x))
+    chain = torch.nn.Sequential(block, torch.nn.Tanh())
+    revckpt.checkpoint_sequential(chain, 1, x, strategy=strategy, use_reentrant=False)
+    with pytest.raises(InvalidArgumentError, match=r"use_reentrant=True\): torch"):
+        revckpt.checkpoint(block, x, strategy=strategy, use_reentrant=True)
+    with pytest.raises(InvalidArgumentError, match="strategy='selective:<policy>'"):
+        revckpt.checkpoint(block, x, strategy=strategy, context_fn=lambda: None)
+
+
+@dataclasses.dataclass
+class _Out:
+    hidden: torch.Tensor
+    aux: torch.Tensor
+    note: str = "kept"
+
+
+class _DataclassBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return _Out(h.tanh(), h.detach() + 1)
+
+
+@pytest.mark.parametrize("strategy", ["approx:bf16", "offload"])
+def test_a_dataclass_output_and_a_constant_output_as_plain_autograd(strategy):
+    # a plain @dataclass was refused ("no tensor in it"); an output with no graph in the
+    # forward (h.detach() + 1) came back requiring grad
+    torch.manual_seed(0)
+    block = _DataclassBlock().double()
+    ref = twin(block)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    out = revckpt.checkpoint(block, x, strategy=strategy)
+    want = ref(x)
+    assert isinstance(out, _Out) and out.note == "kept"
+    assert out.hidden.requires_grad and not out.aux.requires_grad
+    out.hidden.sum().backward()
+    want.hidden.sum().backward()
+    tol = dict(rtol=0, atol=0) if strategy == "offload" else dict(rtol=0.05, atol=1e-3)
+    torch.testing.assert_close(block.lin.weight.grad, ref.lin.weight.grad, **tol)
+
+
+def test_offload_takes_complex_inputs():
+    # refused with approx's message, though offload keeps its inputs exactly
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.complex128))
+
+        def forward(self, x):
+            return (x @ self.w).abs()
+
+    block = Block()
+    ref = twin(block)
+    x = torch.randn(2, 4, dtype=torch.complex128, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    revckpt.checkpoint(block, x, strategy="offload").sum().backward()
+    ref(x2).sum().backward()
+    assert torch.equal(x.grad, x2.grad) and torch.equal(block.w.grad, ref.w.grad)
+
+
+@pytest.mark.parametrize("strategy", [None, "selective:matmul"])
+def test_a_tensor_in_a_positional_dict_changed_after_the_forward_raises(strategy):
+    # as a keyword the change was caught; in a positional dict the recompute read it (2.66 off)
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+
+        def forward(self, x, extra):
+            return ((x @ self.w).tanh() * extra["scale"]).sin()
+
+    scale = torch.randn(4, dtype=torch.float64)
+    x = torch.randn(2, 4, dtype=torch.float64)
+    out = revckpt.checkpoint(Block(), x, {"scale": scale}, strategy=strategy)
+    scale.mul_(3)
+    with pytest.raises(revckpt.ModifiedInputError, match="in a list, tuple or dict"):
+        out.square().sum().backward()

@@ -4,6 +4,7 @@ changes but its memory."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -203,6 +204,46 @@ def test_a_saved_plan_is_measured_on_the_model_it_is_loaded_into(tmp_path) -> No
     with pytest.raises(InvalidArgumentError, match=r"other settings .attention heads"):
         revckpt.fit(model, batch, memory_budget="70%", plan=path)
     assert all(planned(m) is None for m in model.modules())  # left as it was
+
+
+class _DropBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = nn.LayerNorm(32), nn.Linear(32, 128), nn.Linear(128, 32)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.drop(torch.relu(self.fc1(self.ln(x)))))
+
+
+class _DropNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_DropBlock() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_saved_plan_is_measured_as_its_model_trains(autocast: bool) -> None:
+    # dropout turned off by the user (its modules in eval mode): the check step put the whole
+    # model in train mode and refused the model's own plan; a plan made under autocast was
+    # refused when fit(plan=) ran outside it (training runs under it)
+    torch.manual_seed(0)
+    model = _DropNet().train()
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.eval()
+    x = torch.randn(8, 64, 32)
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with context:
+        plan = revckpt.fit(model, x, memory_budget="60%")
+    revckpt.restore(model)
+    assert revckpt.fit(model, x, memory_budget="60%", plan=plan.to_json()).segments
+    assert all(not m.training for m in model.modules() if isinstance(m, nn.Dropout))
 
 
 def test_a_saved_lossy_plan_needs_an_error_budget(tmp_path) -> None:

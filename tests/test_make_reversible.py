@@ -1496,3 +1496,31 @@ def test_a_conversion_refused_on_the_example_leaves_the_model_as_it_was(scale):
         make_reversible(model, blocks="layers", scale=scale, example=torch.randn(2, 8))
     assert set(model.state_dict()) == keys and all(p.requires_grad for p in model.parameters())
     assert revckpt.restore(model) == 0
+
+
+class _Part(nn.Module):
+    def __init__(self, halve: bool = False) -> None:
+        super().__init__()
+        self.halve = halve
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(3)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x) * (0.5 if self.halve else 1)  # halve: refused once converted
+        return x
+
+
+@pytest.mark.parametrize("scale", [2**-8, "auto"])
+def test_a_refused_second_stack_leaves_the_first_as_it_was(scale):
+    # the undo removed every stack of the model (scale="auto": the first one's adapters were
+    # dropped), or none when another existed (a scale given: the refused one stayed)
+    model = nn.Sequential(_Part(), _Part(halve=True))
+    make_reversible(model[0], blocks="layers", scale=2**-8)
+    keys = set(model.state_dict())
+    with pytest.raises(RevckptError, match="did not get the hidden state"):
+        make_reversible(model, blocks="1.layers", scale=scale, example=torch.randn(2, 8))
+    assert set(model.state_dict()) == keys
+    assert all(p.requires_grad for p in model[1].parameters())
+    assert reversible_layers(model[0]).scale == 2**-8

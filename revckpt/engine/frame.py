@@ -88,8 +88,8 @@ class FrameCall:
         self.device_context: Any = None
         self.recomputed = False
         self.watched: Watched = []  # outputs that alias kept ones (selective): engine.kept
-        # the keyword tensors as the forward left them: torch checks the positional inputs it
-        # saves, not these, which the recompute reads (rerun.input_versions)
+        # the tensors given (and those in lists, tuples and dicts of them) as the forward
+        # left them, which the recompute reads: torch checks only those it saves
         self.given: list[tuple[torch.Tensor, int]] = []
 
     def forward_contexts(self) -> list[contextlib.AbstractContextManager[Any]]:
@@ -118,8 +118,9 @@ class FrameCall:
             )
         if any_changed(self.given):
             raise ModifiedInputError(
-                f"{self.label}: a tensor it was given as a keyword argument was changed in "
-                "place after its forward, before its backward: its recompute and backward "
+                f"{self.label}: a tensor it was given (an argument, a keyword, or in a list, "
+                "tuple or dict of them) was changed in place after its forward, before its "
+                "backward: its recompute and backward "
                 "would read the changed value (plain autograd raises for a tensor it saved that "
                 "was changed so; a keyword the block never reads, such as position_ids beside "
                 "rotary tables, is refused too, as revckpt cannot tell). Change it out of "
@@ -335,7 +336,7 @@ def run_checkpoint(call: FrameCall, args: tuple[Any, ...], determinism_check: st
     versions = input_versions(args, call.kwargs)
     out = _run_checkpoint(call, args, determinism_check)
     check_versions(versions, call.label)
-    call.given = input_versions((), call.kwargs)
+    call.given = input_versions(args, call.kwargs)
     call.watched = watch(call.kept, out)
     return out
 

@@ -17,6 +17,8 @@ and :mod:`revckpt.replay`.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -77,6 +79,7 @@ class _BlockCall:
         "modules",
         "norms",
         "out_spec",
+        "own",
         "params",
         "preserve_rng_state",
         "slots",
@@ -101,6 +104,7 @@ class _BlockCall:
         self.grad_kwargs: tuple[str, ...] = ()
         self.params: tuple[torch.Tensor, ...] = ()
         self.modules: tuple[nn.Module, ...] = ()
+        self.own: tuple[nn.Module, ...] = ()
         self.norms: tuple[nn.Module, ...] | None = None
         self.keep: Keep = EXACT
         self.preserve_rng_state = True
@@ -131,7 +135,7 @@ class _RecomputeNode(torch.autograd.Function):
         )
         out = first_forward(ctx.state, call.label, call.fn, *call.args(tensors), **call.kwargs)
         saved, ctx.recipe = call.keep.keep(tensors, call.label)
-        ctx.leaves = [t.is_floating_point() for t in tensors]
+        ctx.leaves = [t.is_floating_point() or t.is_complex() for t in tensors]
         # an inference tensor cannot be saved (nor changed in place outside inference mode):
         # it stays in the call's keywords as it is
         kw = call.kwargs
@@ -141,7 +145,11 @@ class _RecomputeNode(torch.autograd.Function):
         ctx.save_for_backward(*saved)
         outs, call.out_spec = _OutSpec.split(out, call.label)
         del out
-        return tuple(o.detach() for o in outs)  # the node is their history, not forward's
+        detached = tuple(o.detach() for o in outs)  # the node is their history, not forward's
+        # an output without a graph in the forward (a constant, h.detach()) stays without one
+        constant = [d for d, o in zip(detached, outs, strict=True) if not o.requires_grad]
+        ctx.mark_non_differentiable(*constant)
+        return detached
 
     @staticmethod
     @differentiable_once("an approximate-recompute or offloaded block")
@@ -158,7 +166,13 @@ class _RecomputeNode(torch.autograd.Function):
         for name, t in zip(ctx.kw_names, saved[ctx.kw_start :], strict=True):
             kw[name] = t  # through saved_tensors: an in-place change since forward raises
         rerun = Rerun(
-            call.fn, call.params, kw, call.grad_kwargs, label=call.label, modules=call.modules
+            call.fn,
+            call.params,
+            kw,
+            call.grad_kwargs,
+            label=call.label,
+            modules=call.modules,
+            own=call.own,
         )
         floats = [t for t in args_in if t.is_floating_point()]
         device_type = (floats or args_in)[0].device.type
@@ -168,12 +182,7 @@ class _RecomputeNode(torch.autograd.Function):
         sources = rerun.sources(leaves)
         leaf = rerun.unregistered(out, sources)
         if leaf is not None:
-            raise InvalidArgumentError(
-                f"{call.label} uses a tensor of shape {tuple(leaf.shape)} that requires grad "
-                "but is neither an argument nor a parameter of the checkpointed module, so its "
-                "gradient would be lost; pass an nn.Module that registers it, or pass the "
-                "tensor as an argument"
-            )
+            raise _unregistered(call, leaf)
         result = output_grads(_rerun_outputs(out, call), grads, sources)
         del out
         arg_grads, i = [], 0
@@ -181,6 +190,24 @@ class _RecomputeNode(torch.autograd.Function):
             arg_grads.append(result[i] if leaf else None)
             i += leaf
         return (None, *arg_grads, *result[len(leaves) :])
+
+
+def _unregistered(call: _BlockCall, leaf: torch.Tensor) -> InvalidArgumentError:
+    """The error for a tensor the re-run differentiates that is none of the node's inputs."""
+    held = [m for m in call.modules if m not in call.own and any(leaf is p for p in m.parameters())]
+    if held:  # a closure's module: its parameters are not the node's inputs
+        return InvalidArgumentError(
+            f"{call.label} uses a parameter of a {type(held[0]).__name__} it reaches through a "
+            "closure (a lambda or nested function capturing the module), whose gradient would "
+            "be lost: approx and offload differentiate the parameters of the block itself, "
+            "of a bound method's module and of the modules a functools.partial holds; pass "
+            "the module, its bound method or functools.partial(module, ...) instead"
+        )
+    return InvalidArgumentError(
+        f"{call.label} uses a tensor of shape {tuple(leaf.shape)} that requires grad but is "
+        "neither an argument nor a parameter of the checkpointed module, so its gradient "
+        "would be lost; pass an nn.Module that registers it, or pass the tensor as an argument"
+    )
 
 
 def _storage(t: torch.Tensor) -> int | None:
@@ -244,7 +271,7 @@ class _OutSpec:
     def split(out: Any, label: str) -> tuple[list[torch.Tensor], _OutSpec]:
         if isinstance(out, torch.Tensor):  # the common case, without walking a tree
             return [out], _BARE
-        leaves, spec = tree_flatten(out)
+        leaves, spec = _flatten(out)
         slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         if not slots:
             raise InvalidInputTypeError(
@@ -262,7 +289,47 @@ class _OutSpec:
         leaves = list(self.leaves)
         for i, t in zip(self.slots, tensors, strict=True):
             leaves[i] = t
-        return tree_unflatten(leaves, self.spec)
+        return _unflatten(leaves, self.spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fields:
+    """The spec of a dataclass output that pytree does not flatten: its first forward's
+    object (copied, its fields set, for the output) and the pytree spec of its fields."""
+
+    template: Any
+    names: tuple[str, ...]
+    inner: Any
+
+    def __eq__(self, other: object) -> bool:  # a re-run's: the same class and fields
+        return (
+            isinstance(other, _Fields)
+            and type(other.template) is type(self.template)
+            and (other.names, other.inner) == (self.names, self.inner)
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _flatten(out: Any) -> tuple[list[Any], Any]:
+    """``tree_flatten``, and a plain ``@dataclass`` output (which pytree takes for a leaf)
+    flattened by its fields, as ``torch.utils.checkpoint`` passes it through."""
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        leaves, inner = tree_flatten(out)
+        if len(leaves) == 1 and leaves[0] is out:  # not a registered pytree node
+            names = tuple(f.name for f in dataclasses.fields(out))
+            leaves, inner = tree_flatten([getattr(out, n) for n in names])
+            return leaves, _Fields(out, names, inner)
+    return tree_flatten(out)
+
+
+def _unflatten(leaves: list[Any], spec: Any) -> Any:
+    if not isinstance(spec, _Fields):
+        return tree_unflatten(leaves, spec)
+    out = copy.copy(spec.template)
+    for name, value in zip(spec.names, tree_unflatten(leaves, spec.inner), strict=True):
+        object.__setattr__(out, name, value)  # (a frozen dataclass too)
+    return out
 
 
 _BARE = _OutSpec([None], [0], None)  # an output that is one tensor
@@ -276,7 +343,7 @@ def _rerun_outputs(out: Any, call: _BlockCall) -> list[torch.Tensor]:
         if isinstance(out, torch.Tensor):
             return [out]
         raise _changed_structure(call, type(out).__name__, "a tensor")
-    leaves, spec = tree_flatten(out)
+    leaves, spec = _flatten(out)
     slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     if spec != first.spec or slots != first.slots:
         raise _changed_structure(call, spec, first.spec)
@@ -333,7 +400,7 @@ def run_node(
         raise InvalidInputTypeError(
             f"{label} got no tensor argument; pass the block input as a positional tensor"
         )
-    if any(t.is_complex() for t in tensors):
+    if keep is not EXACT and any(t.is_complex() for t in tensors):  # a codec's
         raise InvalidInputTypeError(
             f"{label} got a complex tensor; approximate recompute supports real floating-point "
             "tensors (and keeps integer and boolean ones exact): split complex values into "
@@ -348,6 +415,7 @@ def run_node(
     call.tensors = []  # the node's inputs hold them; the call must not outlive them
     call.kwargs, call.grad_kwargs, call.params, call.keep = kwargs, grad_kwargs, params, keep
     call.modules = tuple(dict.fromkeys((*modules, *modules_of(fn))))
+    call.own = tuple(modules)  # the modules whose parameters are the node's inputs
     call.norms = tuple(norms) if complete else None
     call.preserve_rng_state = preserve_rng_state
     outs = _RecomputeNode.apply(call, *tensors, *params, *(kwargs[k] for k in grad_kwargs))

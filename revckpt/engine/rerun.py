@@ -114,7 +114,7 @@ class Rerun:
     gradients: the given leaves, then :attr:`params`, then :attr:`kw_leaves`.
     """
 
-    __slots__ = ("aliases", "fn", "kw_leaves", "kwargs", "modules", "owner", "params")
+    __slots__ = ("aliases", "fn", "kw_leaves", "kwargs", "own", "owner", "params")
 
     def __init__(
         self,
@@ -125,6 +125,7 @@ class Rerun:
         *,
         label: str,
         modules: tuple[nn.Module, ...] = (),
+        own: tuple[nn.Module, ...] | None = None,
     ) -> None:
         self.fn = fn
         self.kw_leaves: tuple[torch.Tensor, ...] = ()
@@ -136,7 +137,8 @@ class Rerun:
         self.kwargs = kwargs
         self.aliases: dict[str, torch.Tensor] | None = None
         self.owner: nn.Module | None = None
-        self.modules = modules
+        # the modules whose trainable parameters the node takes (not those a closure reaches)
+        self.own = own if own is not None else (fn,) if isinstance(fn, nn.Module) else ()
         # a parameter frozen since the forward is differentiated through an alias too (the
         # forward recorded it; its AccumulateGrad drops the gradient, as in plain autograd)
         if any(p._backward_hooks or not p.requires_grad for p in params):
@@ -167,13 +169,12 @@ class Rerun:
         gradient would be lost), or ``None`` (the graph is walked once per block). A parameter
         of the block that was frozen in its forward and trains now is not one: the forward did
         not record it, so plain autograd gives it no gradient from this call either."""
-        roots = (self.fn, *self.modules) if isinstance(self.fn, nn.Module) else self.modules
         while True:
             leaf = first_unregistered_leaf(self.fn, out, sources)
             if leaf is None or not isinstance(leaf, nn.Parameter):
                 return leaf
-            if not any(leaf is p for m in roots for p in m.parameters()):
-                return leaf
+            if not any(leaf is p for m in self.own for p in m.parameters()):
+                return leaf  # a closure's module's, say: not among the node's inputs
             sources = (*sources, leaf)  # the block's own: look on for another
 
 

@@ -94,7 +94,11 @@ def _repeated(
     trainable = {k: v for k, v in by_class.items() if _has_parameters(v)}
     by_class = trainable or {k: v for k, v in by_class.items() if _has_weights(v)}
     if not by_class:
-        shared = [name for name, c in _containers(model) if len(set(map(id, c))) < len(c)]
+        shared = [
+            name
+            for name, c in _containers(model)
+            if len(set(map(id, c))) < len(c) and _has_parameters([(name, m) for m in c])
+        ]
         because = (
             f" ({shared[0]} holds one module several times: shared weights, which run as one "
             "block called several times per step and are not planned)"

@@ -12,6 +12,7 @@ model's forward stay as they were. ``convert`` installs one strategy without pro
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError, InvalidInputTypeError
@@ -441,23 +443,56 @@ def _fit_saved(
         )
     keys: list[Any] = list(saved.block_keys) or [None] * len(found)  # older plans: by the rule
     _apply(saved, found, keys, [frozenset(s) for s in saved.block_tensors])
-    modes = [(m, m.training) for m in model.modules()]
-    try:  # the training step (a model from from_pretrained is in eval mode: left so)
-        model.train()
-        measured = measure_step(model, example, o.loss_fn)
-    finally:
-        for m, training in modes:
-            m.training = training
+    measured = _agreed_peak(_saved_step_peak(saved, found, model, example, o.loss_fn))
     if measured > budget:
         raise InvalidArgumentError(
             f"the saved plan, installed, peaked at {measured:,} bytes in a step on this "
             f"example, above memory_budget={memory_budget!r} ({budget:,} bytes; it predicted "
             f"{saved.predicted_peak_bytes:,}): it was made for a model of other settings "
-            "(attention heads, an intermediate size the parameters do not show) or a "
-            "smaller batch. Make a plan for this model and batch with revckpt.fit(model, "
-            "example, memory_budget=...)"
+            "(attention heads, an intermediate size the parameters do not show), a smaller "
+            "batch, or other module settings (dropout on where it was off). Make a plan for "
+            "this model and batch with revckpt.fit(model, example, memory_budget=...)"
         )
     return Fitted(saved, found, keys, chosen, o.error_budget, budget)
+
+
+def _saved_step_peak(
+    saved: Plan, found: list[tuple[str, nn.Module]], model: nn.Module, example: Any, loss_fn: Any
+) -> int:
+    """The peak of one step with the saved plan installed, as training runs it: the planned
+    blocks in train mode (their submodules, dropout among them, as the user set them; a model
+    from ``from_pretrained`` is in eval mode, where planned blocks run plainly) and under the
+    autocast the plan was made under, modes and autocast left as found."""
+    modes = [(block, block.training) for _, block in found]
+    dtype = None if saved.autocast is None else dtype_named(saved.autocast)
+    device = next((p.device.type for p in model.parameters()), "cpu")
+    under = dtype is not None and not torch.is_autocast_enabled(device)
+    # without the weight-cast cache: fit measured its plan with the cache filled before
+    context = (
+        torch.autocast(device, dtype=dtype, cache_enabled=False)
+        if under
+        else contextlib.nullcontext()
+    )
+    try:
+        for _, block in found:
+            block.training = True
+        with context:
+            return measure_step(model, example, loss_fn)
+    finally:
+        for block, training in modes:
+            block.training = training
+
+
+def _agreed_peak(measured: int) -> int:
+    """Under ``torch.distributed``, the largest of the ranks' peaks: every rank then takes the
+    same decision on a saved plan (one refusing while another trains would hang both)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return measured
+    peaks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, measured)
+    return max(peaks)
 
 
 def _check_saved_strategies(saved: Plan, chosen: tuple[str, ...], o: _FitOptions) -> None:

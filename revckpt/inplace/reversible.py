@@ -229,20 +229,24 @@ def _with_start(
     def convert(s: float) -> None:
         make_reversible(model, scale=s, **options)
 
-    held = stack_of(model)  # a conversion before this call is left alone on failure
+    layers = _layers_of(model, options["blocks"])
+    first = layers[0][1]
+
+    def undo() -> None:  # this conversion only (another stack of the model stays)
+        if _ATTR in first.__dict__:
+            remove_reversible(first)
+
     # the output before is measured as the converted model will run (no nested tensors)
-    nested_off = _nested_tensors_off(model, _layers_of(model, options["blocks"]))
+    nested_off = _nested_tensors_off(model, layers)
     try:
         if scale == "auto":
-            _, start = measure_start(convert, lambda: remove_reversible(model), model, example,
-                                     tolerance)  # fmt: skip
+            _, start = measure_start(convert, undo, model, example, tolerance)
         else:
             before = run_output(model, example)
             convert(scale)
             start = relative_change(before, run_output(model, example))
     except BaseException:
-        if scale != "auto" and held is None and stack_of(model) is not None:  # this one
-            remove_reversible(model)
+        undo()
         for encoder in nested_off:
             encoder.use_nested_tensor = True
         raise
