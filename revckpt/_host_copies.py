@@ -76,7 +76,10 @@ class _InPlace:
     __slots__ = ("tensor", "version")
 
     def __init__(self, t: torch.Tensor) -> None:
-        self.tensor = t
+        # detached: a saved output held with its own grad_fn is a reference cycle through
+        # autograd that Python's collector cannot see (a graph dropped without backward
+        # would leak); the version counter is shared
+        self.tensor = t.detach()
         self.version = t._version
 
 

@@ -246,6 +246,25 @@ def test_a_saved_plan_is_measured_as_its_model_trains(autocast: bool) -> None:
     assert all(not m.training for m in model.modules() if isinstance(m, nn.Dropout))
 
 
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_hugging_face_gradient_checkpointing_leaves_planned_blocks_to_the_plan(order) -> None:
+    # HF's wrapper sits on the layer class's forward, which the installed forward called: a
+    # converted layer ran three forwards per step (HF's checkpoint around revckpt's)
+    pytest.importorskip("transformers")
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    model = _gpt2(4).train()  # dropout 0.1: HF's checkpoint re-runs the layer in backward
+    if order == "before":
+        model.gradient_checkpointing_enable()
+    revckpt.convert(model, "checkpoint")
+    if order == "after":
+        model.gradient_checkpointing_enable()
+    runs = []
+    for layer in model.transformer.h:
+        layer.mlp.register_forward_pre_hook(lambda *_: runs.append(1))  # at entry
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert len(runs) == 2 * len(model.transformer.h)  # forward and one recompute
+
+
 def test_a_saved_lossy_plan_needs_an_error_budget(tmp_path) -> None:
     case = _case("nanogpt")
     example = case.make_example(4, 32)
@@ -1871,6 +1890,21 @@ def test_a_tensor_argument_the_example_did_not_have_warns() -> None:
         warnings.simplefilter("error")
         model(x, padded).backward()  # fitted on a padded example: priced, no warning
         model(x, full).backward()
+
+
+def test_a_scalar_tensor_argument_the_example_did_not_have_does_not_warn() -> None:
+    # Trainer passes num_items_in_batch (a 0-dim tensor) through the model to its layers: the
+    # warning's advice (fit on a padded batch) could not silence it, and it costs nothing
+    torch.manual_seed(0)
+    x, full = torch.randn(4, 16, 32), torch.ones(4, 16, dtype=torch.bool)
+    model = _MaskedModel()
+    revckpt.fit(model, (x, full), memory_budget=1.0, loss_fn=lambda out: out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        h = x
+        for block in model.blocks:
+            h = block(h, mask=torch.tensor(1.0))  # a 0-dim tensor the trace did not see
+        h.sum().backward()
 
 
 class _MoELayer(nn.Module):

@@ -463,6 +463,29 @@ def test_a_cache_in_eval_mode_with_autograd_on_is_kept():
         step.logits.sum().backward()
 
 
+def test_an_eval_pass_filling_a_cache_leaves_no_graph_behind():
+    # the stack's record of the pass held the cache it filled, which the graph's nodes held in
+    # a cycle the collector cannot see: every eval forward with use_cache=True leaked its
+    # cache and graph (and resize_token_embeddings then broke backward)
+    import gc
+
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = make_reversible(zoo.deeper("llama", 2)()).eval()
+    ids = torch.randint(0, zoo.VOCAB, (2, 8))
+
+    def graphs() -> int:
+        gc.collect()
+        return sum(isinstance(o, torch.Tensor) and o.grad_fn is not None for o in gc.get_objects())
+
+    before = graphs()
+    for _ in range(2):
+        out = model(input_ids=ids, use_cache=True)
+        assert out.past_key_values.get_seq_length() == 8
+        del out
+    assert graphs() == before
+
+
 def test_converting_again_through_a_parent_or_a_part_is_refused():
     """``make_reversible(model.transformer)`` after ``make_reversible(model)``, or of a wrapper
     holding it: accepted, and the next forward raised ``RecursionError``."""
@@ -1524,3 +1547,32 @@ def test_a_refused_second_stack_leaves_the_first_as_it_was(scale):
     assert set(model.state_dict()) == keys
     assert all(p.requires_grad for p in model[1].parameters())
     assert reversible_layers(model[0]).scale == 2**-8
+
+
+def test_a_layer_output_besides_the_hidden_state_keeps_its_gradient_by_autograd():
+    # T5's first layer returns the position bias its later layers take: refused in reversible
+    # mode (documented), and the way out the message names (reversible = False) raised the
+    # same error, the bias still cut from its gradient
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.T5Config(d_model=16, d_ff=32, num_layers=2, num_decoder_layers=1,
+                                   num_heads=2, d_kv=8, vocab_size=64, decoder_start_token_id=0,
+                                   pad_token_id=0, use_cache=False, dropout_rate=0.0)  # fmt: skip
+    model = transformers.T5ForConditionalGeneration(config).double()
+    ids, labels = torch.randint(1, 64, (2, 8)), torch.randint(1, 64, (2, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_reversible(model, trainable="all", blocks="encoder.block")
+    layers = reversible_layers(model)
+    with pytest.raises(InvalidArgumentError, match="reversible = False"):
+        model(input_ids=ids, labels=labels)
+    grads = {}
+    for mode in ("store", "checkpoint"):
+        layers.mode = mode
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=labels).loss.backward()
+        grads[mode] = _grads(model)
+    bias = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    assert grads["store"][bias].abs().sum() > 0
+    for name, g in grads["store"].items():
+        torch.testing.assert_close(grads["checkpoint"][name], g, rtol=1e-12, atol=1e-14)

@@ -97,7 +97,11 @@ def test_bf16_autocast_gradients_against_plain_autocast(name):
     else:
         error = _relative(got, reference)
         print(f"\n{name}: relative gradient error {error:.2e} against plain bf16 autocast")
-        assert 0 < error < tolerance, error
+        assert error < tolerance, error
+        # an approx boundary rounds (its error is not 0); a reversible rebuild may be exact
+        # (since session 31 the streams' gradients are no longer rounded to the branches'
+        # bf16 at each half step: 1.59e-3 before, 0 on this chain)
+        assert error > 0 or "approx" not in name
 
 
 class _AutocastInside(nn.Module):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError, RevckptError
-from .calls import Key, hidden_of, replaced, static_forward
+from .calls import Key, hidden_of, own_forward, replaced, static_forward
 
 if TYPE_CHECKING:
     from ._reversible_stack import Calls
@@ -135,9 +135,9 @@ class LayerCall:
         elif static_forward(type(layer)):
             out = type(layer).forward(*a, **k)
         else:
-            out = _own_forward(type(layer).forward)(layer, *a, **k)
+            out = own_forward(type(layer).forward)(layer, *a, **k)
         if calls.forwarding:
-            calls.output = _without_hidden(out)
+            calls.output = _without_hidden(out, keep=calls.by_autograd)
         h = hidden_of(out, f"layer {index}")
         if h.shape != v.shape:  # the coupling would broadcast it, or fail deep inside
             raise InvalidArgumentError(
@@ -150,24 +150,12 @@ class LayerCall:
         return h if h.dtype == u.dtype else h.to(u.dtype)
 
 
-def _own_forward(forward: Any) -> Any:
-    """A Hugging Face layer's forward without the gradient-checkpointing wrapper
-    ``GradientCheckpointingLayer`` puts on its class: the stack already keeps only its output,
-    and a reentrant checkpoint inside it (``use_reentrant=True``, peft's
-    ``prepare_model_for_kbit_training`` default) failed in backward ("incompatible with
-    .grad()"), a non-reentrant one recomputed each layer a second time."""
-    code = getattr(forward, "__code__", None)
-    inner = getattr(forward, "__wrapped__", None)
-    if inner is not None and code is not None and code.co_name == "forward_with_checkpointing":
-        return inner
-    return forward
-
-
-def _without_hidden(out: Any) -> Any:
+def _without_hidden(out: Any, *, keep: bool = False) -> Any:
     """The layer's output with its hidden state left out; a further output that requires grad
     (attention weights, which BLOOM's layers return whether asked or not; a position bias) is
-    given back detached, its gradient refused in backward (:class:`_NoGradient`)."""
-    if isinstance(out, torch.Tensor):
+    given back detached, its gradient refused in backward (:class:`_NoGradient`), unless
+    ``keep`` (the pass runs by autograd: its gradient flows)."""
+    if isinstance(out, torch.Tensor) or keep:
         return out
     rest = list(out[1:]) if isinstance(out, (tuple, list)) else []
     for i, t in enumerate(rest):

@@ -56,6 +56,9 @@ class Calls:
     )
     output: Any = None
     forwarding: bool = False
+    # run by autograd (stored or checkpointed, not rebuilt): the layers' further outputs keep
+    # their gradients (T5's position bias), as in plain autograd
+    by_autograd: bool = False
 
 
 @dataclass
@@ -231,6 +234,9 @@ class ReversibleLayers:
             streams = self._block(state, index)
         finally:
             state.calls.forwarding = False
+            # the cache the forward filled is the model's: held here, the graph's nodes would
+            # hold it (and its tensors their graph) in a cycle the collector cannot see
+            state.calls.forward_args.pop(index, None)
         out, state.calls.output = state.calls.output, None
         return self._returned(state, index, streams, out)
 
@@ -296,6 +302,7 @@ class ReversibleLayers:
             and cache_holds_past(args, kwargs, cache_index(self.layers[0][1]))
         )
         run = self.stack.stepwise(*streams, calls=calls) if self.reversible and not plain else None
+        calls.by_autograd = run is None
         self._pass = _Pass(calls, run, streams, _Progress(self.layers[0][0]), plain=plain)
         return self._pass
 

@@ -22,6 +22,7 @@ __all__ = [
     "drop_caches",
     "has_cache",
     "hidden_of",
+    "own_forward",
     "replaced",
     "run_with",
     "static_forward",
@@ -49,9 +50,26 @@ def static_forward(cls: type) -> bool:
 
 def class_forward(module: nn.Module) -> Callable[..., Any]:
     """The forward of ``module``'s class as ``fn(*args, **kwargs)`` (a ``functools.partial``,
-    not a bound method, which Dynamo cannot trace); a ``staticmethod`` forward as it is."""
-    fn = type(module).forward
+    not a bound method, which Dynamo cannot trace; without Hugging Face's checkpointing
+    wrapper, :func:`own_forward`); a ``staticmethod`` forward as it is."""
+    fn = own_forward(type(module).forward)
     return fn if static_forward(type(module)) else functools.partial(fn, module)
+
+
+def own_forward(forward: Any) -> Any:
+    """A Hugging Face layer's forward without the gradient-checkpointing wrapper
+    ``GradientCheckpointingLayer`` puts on its class: a planned block or a reversible stack
+    already decides what it keeps. Inside a reversible stack a reentrant checkpoint
+    (``use_reentrant=True``, peft's ``prepare_model_for_kbit_training`` default) failed in
+    backward ("incompatible with .grad()"), a non-reentrant one recomputed each layer a second
+    time; a planned block under ``gradient_checkpointing_enable()`` (a Trainer with
+    ``gradient_checkpointing=True``) ran its plan inside Hugging Face's checkpoint: each layer
+    three times, stored blocks checkpointed."""
+    code = getattr(forward, "__code__", None)
+    inner = getattr(forward, "__wrapped__", None)
+    if inner is not None and code is not None and code.co_name == "forward_with_checkpointing":
+        return inner
+    return forward
 
 
 def carried_key(args: tuple[Any, ...], kwargs: dict[str, Any], previous: Any = None) -> Key | None:

@@ -115,7 +115,8 @@ def _warn_if_more_tensors(info: Planned, args: tuple[Any, ...], kwargs: dict[str
     extra = tensor_sites(args, kwargs) - info.tensors  # type: ignore[operator]
     warned = info.warned if info.warned is not None else set()
     for site in sorted(extra, key=str):
-        if site in warned:
+        value = args[site] if isinstance(site, int) else kwargs[site]
+        if site in warned or value.dim() == 0:  # a scalar (Trainer's num_items_in_batch)
             continue
         warned.add(site)
         what = f"keyword {site!r}" if isinstance(site, str) else f"argument {site}"

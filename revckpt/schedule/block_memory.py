@@ -116,7 +116,7 @@ def _saved_storages(
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         packed.add(t.untyped_storage()._cdata)
-        return t
+        return t.detach()  # no reference cycle through a saved output's grad_fn (a leak)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = block(x, **kwargs)

@@ -136,7 +136,7 @@ def record_forward(
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         saved.add(_key(t))
-        return t
+        return t.detach()  # no reference cycle through a saved output's grad_fn (a leak)
 
     with _untouched(block, devices):
         recorder = _Recorder(devices, record=True)
