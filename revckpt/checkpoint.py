@@ -362,7 +362,10 @@ def checkpoint_sequential(
             :func:`segment_bounds`). Unlike ``torch.utils.checkpoint.checkpoint_sequential``,
             the last segment is checkpointed too.
         input: the chain's input tensor.
-        **kwargs: passed to every block (``block(x, **kwargs)``): attention masks, positions.
+        **kwargs: passed to every block (``block(x, **kwargs)``): attention masks, positions;
+            but the names :func:`checkpoint` reserves (its options, and
+            ``torch.utils.checkpoint``'s ``use_reentrant``, ``early_stop``, ``debug`` and
+            ``context_fn``, read as in :func:`checkpoint`).
         strategy: as in :func:`checkpoint`, for every segment: with ``"approx:<codec>"`` or an
             :class:`revckpt.approx.Approx` each segment input is kept compressed (and the
             segment optionally re-run in bf16); with ``"offload"`` or an

@@ -370,3 +370,23 @@ def test_a_tensor_in_a_positional_dict_changed_after_the_forward_raises(strategy
     scale.mul_(3)
     with pytest.raises(revckpt.ModifiedInputError, match="in a list, tuple or dict"):
         out.square().sum().backward()
+
+
+@pytest.mark.parametrize("strategy", ["approx:bf16", "offload"])
+def test_a_dataclass_output_is_checked_for_unregistered_tensors(strategy):
+    # the check walked the output with pytree, which takes a dataclass for a leaf: no tensor,
+    # nothing reported, and the closure's tensor lost its gradient silently
+    scale = torch.randn(4, dtype=torch.float64, requires_grad=True)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4).double()
+
+        def forward(self, x):
+            return _Out(self.lin(x) * scale, x)
+
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    out = revckpt.checkpoint(Block(), x, strategy=strategy)
+    with pytest.raises(InvalidArgumentError, match="neither an argument nor a parameter"):
+        out.hidden.sum().backward()

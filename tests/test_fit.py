@@ -244,6 +244,15 @@ def test_a_saved_plan_is_measured_as_its_model_trains(autocast: bool) -> None:
     revckpt.restore(model)
     assert revckpt.fit(model, x, memory_budget="60%", plan=plan.to_json()).segments
     assert all(not m.training for m in model.modules() if isinstance(m, nn.Dropout))
+    if autocast:
+        return
+    # a copy in eval mode (as from_pretrained returns it) trains after model.train(), dropout
+    # on: measured so, above the budget (only the blocks' own flag set, it passed at 1.00x)
+    copy_ = _DropNet().eval()
+    copy_.load_state_dict(model.state_dict())
+    with pytest.raises(InvalidArgumentError, match="dropout on where it was off"):
+        revckpt.fit(copy_, x, memory_budget=plan.predicted_peak_bytes, plan=plan.to_json())
+    assert not any(m.training for m in copy_.modules())
 
 
 @pytest.mark.parametrize("order", ["before", "after"])

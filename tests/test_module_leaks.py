@@ -59,7 +59,8 @@ def _graph_bytes() -> int:
     gc.collect()
     seen: dict[int, int] = {}
     for o in gc.get_objects():
-        if isinstance(o, torch.Tensor) and o.grad_fn is not None:
+        # plain tensors only: a FakeTensor another test's compile left has no data pointer
+        if type(o) is torch.Tensor and o.grad_fn is not None:
             storage = o.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
@@ -87,4 +88,4 @@ def test_fit_leaves_no_graph_behind():
     before = _graph_bytes()
     plan = revckpt.fit(model, ids, memory_budget="90%")
     revckpt.fit(model, ids, memory_budget="90%", plan=plan)
-    assert _graph_bytes() == before
+    assert _graph_bytes() <= before  # (what other tests left may go meanwhile)

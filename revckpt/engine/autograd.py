@@ -11,6 +11,8 @@ recomputes the block with autograd on and returns the VJP for exactly those tens
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import functools
 import weakref
 from collections.abc import Callable, Sequence
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._module_state import layout_and_modules, submodules
 from ..errors import DoubleBackwardError, InvalidArgumentError, InvalidInputTypeError, RevckptError
@@ -27,6 +29,7 @@ from ..errors import DoubleBackwardError, InvalidArgumentError, InvalidInputType
 __all__ = [
     "differentiable_once",
     "first_unregistered_leaf",
+    "flatten_output",
     "forward_as_plain",
     "grad_keywords",
     "label_of",
@@ -34,6 +37,7 @@ __all__ = [
     "modules_of",
     "refuse_functorch",
     "refuse_nested_grad_arguments",
+    "unflatten_output",
     "vjp",
 ]
 
@@ -214,6 +218,46 @@ def vjp(
 _CHECKED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Fields:
+    """The spec of a dataclass output that pytree does not flatten: its first forward's
+    object (copied, its fields set, for the output) and the pytree spec of its fields."""
+
+    template: Any
+    names: tuple[str, ...]
+    inner: Any
+
+    def __eq__(self, other: object) -> bool:  # a re-run's: the same class and fields
+        return (
+            isinstance(other, _Fields)
+            and type(other.template) is type(self.template)
+            and (other.names, other.inner) == (self.names, self.inner)
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def flatten_output(out: Any) -> tuple[list[Any], Any]:
+    """``tree_flatten``, and a plain ``@dataclass`` output (which pytree takes for a leaf)
+    flattened by its fields, as ``torch.utils.checkpoint`` passes it through."""
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        leaves, inner = tree_flatten(out)
+        if len(leaves) == 1 and leaves[0] is out:  # not a registered pytree node
+            names = tuple(f.name for f in dataclasses.fields(out))
+            leaves, inner = tree_flatten([getattr(out, n) for n in names])
+            return leaves, _Fields(out, names, inner)
+    return tree_flatten(out)
+
+
+def unflatten_output(leaves: list[Any], spec: Any) -> Any:
+    if not isinstance(spec, _Fields):
+        return tree_unflatten(leaves, spec)
+    out = copy.copy(spec.template)
+    for name, value in zip(spec.names, tree_unflatten(leaves, spec.inner), strict=True):
+        object.__setattr__(out, name, value)  # (a frozen dataclass too)
+    return out
+
+
 def first_unregistered_leaf(
     owner: Any, outputs: Any, sources: tuple[torch.Tensor, ...]
 ) -> torch.Tensor | None:
@@ -232,7 +276,7 @@ def first_unregistered_leaf(
     ends = {(t.grad_fn, t.output_nr) for t in sources if t.grad_fn is not None}
     seen: set[Any] = set()
     todo = [
-        t.grad_fn for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor) and t.grad_fn
+        t.grad_fn for t in flatten_output(outputs)[0] if isinstance(t, torch.Tensor) and t.grad_fn
     ]
     while todo:
         fn = todo.pop()

@@ -17,25 +17,24 @@ and :mod:`revckpt.replay`.
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._determinism import _storage_key
 from ..errors import InvalidArgumentError, InvalidInputTypeError, ModifiedInputError
 from ..replay import ForwardState
 from .autograd import (
     differentiable_once,
+    flatten_output,
     grad_keywords,
     module_targets,
     modules_of,
     refuse_functorch,
     refuse_nested_grad_arguments,
+    unflatten_output,
 )
 from .rerun import Rerun, first_forward, output_grads
 
@@ -271,7 +270,7 @@ class _OutSpec:
     def split(out: Any, label: str) -> tuple[list[torch.Tensor], _OutSpec]:
         if isinstance(out, torch.Tensor):  # the common case, without walking a tree
             return [out], _BARE
-        leaves, spec = _flatten(out)
+        leaves, spec = flatten_output(out)
         slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         if not slots:
             raise InvalidInputTypeError(
@@ -289,47 +288,7 @@ class _OutSpec:
         leaves = list(self.leaves)
         for i, t in zip(self.slots, tensors, strict=True):
             leaves[i] = t
-        return _unflatten(leaves, self.spec)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Fields:
-    """The spec of a dataclass output that pytree does not flatten: its first forward's
-    object (copied, its fields set, for the output) and the pytree spec of its fields."""
-
-    template: Any
-    names: tuple[str, ...]
-    inner: Any
-
-    def __eq__(self, other: object) -> bool:  # a re-run's: the same class and fields
-        return (
-            isinstance(other, _Fields)
-            and type(other.template) is type(self.template)
-            and (other.names, other.inner) == (self.names, self.inner)
-        )
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-def _flatten(out: Any) -> tuple[list[Any], Any]:
-    """``tree_flatten``, and a plain ``@dataclass`` output (which pytree takes for a leaf)
-    flattened by its fields, as ``torch.utils.checkpoint`` passes it through."""
-    if dataclasses.is_dataclass(out) and not isinstance(out, type):
-        leaves, inner = tree_flatten(out)
-        if len(leaves) == 1 and leaves[0] is out:  # not a registered pytree node
-            names = tuple(f.name for f in dataclasses.fields(out))
-            leaves, inner = tree_flatten([getattr(out, n) for n in names])
-            return leaves, _Fields(out, names, inner)
-    return tree_flatten(out)
-
-
-def _unflatten(leaves: list[Any], spec: Any) -> Any:
-    if not isinstance(spec, _Fields):
-        return tree_unflatten(leaves, spec)
-    out = copy.copy(spec.template)
-    for name, value in zip(spec.names, tree_unflatten(leaves, spec.inner), strict=True):
-        object.__setattr__(out, name, value)  # (a frozen dataclass too)
-    return out
+        return unflatten_output(leaves, self.spec)
 
 
 _BARE = _OutSpec([None], [0], None)  # an output that is one tensor
@@ -343,7 +302,7 @@ def _rerun_outputs(out: Any, call: _BlockCall) -> list[torch.Tensor]:
         if isinstance(out, torch.Tensor):
             return [out]
         raise _changed_structure(call, type(out).__name__, "a tensor")
-    leaves, spec = _flatten(out)
+    leaves, spec = flatten_output(out)
     slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     if spec != first.spec or slots != first.slots:
         raise _changed_structure(call, spec, first.spec)

@@ -459,11 +459,13 @@ def _fit_saved(
 def _saved_step_peak(
     saved: Plan, found: list[tuple[str, nn.Module]], model: nn.Module, example: Any, loss_fn: Any
 ) -> int:
-    """The peak of one step with the saved plan installed, as training runs it: the planned
-    blocks in train mode (their submodules, dropout among them, as the user set them; a model
-    from ``from_pretrained`` is in eval mode, where planned blocks run plainly) and under the
-    autocast the plan was made under, modes and autocast left as found."""
-    modes = [(block, block.training) for _, block in found]
+    """The peak of one step with the saved plan installed, as training runs it, under the
+    autocast the plan was made under; modes and autocast left as found. A model in eval mode
+    (as ``from_pretrained`` returns it; planned blocks run plainly there) is measured as
+    ``model.train()`` will train it, dropout on; a model in train mode as it is (dropout
+    modules the user put in eval mode stay so)."""
+    idle = all(not block.training for _, block in found)
+    modes = [(m, m.training) for m in (model.modules() if idle else (b for _, b in found))]
     dtype = None if saved.autocast is None else dtype_named(saved.autocast)
     device = next((p.device.type for p in model.parameters()), "cpu")
     under = dtype is not None and not torch.is_autocast_enabled(device)
@@ -474,13 +476,13 @@ def _saved_step_peak(
         else contextlib.nullcontext()
     )
     try:
-        for _, block in found:
-            block.training = True
+        for m, _ in modes:
+            m.training = True
         with context:
             return measure_step(model, example, loss_fn)
     finally:
-        for block, training in modes:
-            block.training = training
+        for m, training in modes:
+            m.training = training
 
 
 def _agreed_peak(measured: int) -> int:
