@@ -375,8 +375,10 @@ def test_bench_step_context_quick(tmp_path, capsys):
     assert layouts["alternating"] == ["checkpoint"] * 2 + ["store"] * 2 + ["checkpoint"] * 2 + [
         "store"
     ]
-    for row in result["models"].values():
-        assert row["profile_extra_over_forward"] > 0 and row["checkpoint_step_extra_over_forward"]
+    for row in result["models"].values():  # timings: present and finite, never compared (a
+        # loaded machine read a profile's extra 0.0, clamped, and failed a "> 0" here)
+        for key in ("profile_extra_over_forward", "checkpoint_step_extra_over_forward"):
+            assert math.isfinite(row[key]) and row[key] >= 0, key
         assert row["checkpointed_blocks_alternating_over_all_checkpoint"] > 0
 
 
@@ -456,5 +458,6 @@ def test_bench_segment_length_quick(tmp_path, capsys):
     assert load("bench_segment_length").lengths(5) == [1, 2, 3, 4, 5]
     for row in result["models"].values():
         assert row["rows"][0]["blocks_per_segment"] == 1
-        assert all(r["predicted_overhead"] > 0 for r in row["rows"])
+        # measured times (a noisy profile can clamp one to 0): finite, not compared
+        assert all(0 <= r["predicted_overhead"] < float("inf") for r in row["rows"])
     assert "| GPT-like | 1 |" in capsys.readouterr().out

@@ -95,7 +95,7 @@ class GridCoupling(Coupling):
         scale`` below it (``uint8`` for ``k <= 8``, else ``int16`` less ``2^15``; ``None``
         when nothing is dropped)."""
         with torch.no_grad():  # in place where it can: float64 temporaries are the cost
-            hq = self._grid(h)
+            hq = _laid_out_as(self._grid(h), x)
             if self.scale == 0:
                 y, lost = hq, None
             elif self.k == 0:
@@ -121,11 +121,14 @@ class GridCoupling(Coupling):
         return _AsLinear.apply(x, h, y, self.scale)
 
     def rebuild(self, y: torch.Tensor, h: torch.Tensor, lost: torch.Tensor | None) -> torch.Tensor:
-        """``x``, exactly, from ``y``, the recomputed ``h`` and the bits :meth:`split` kept."""
+        """``x``, exactly, from ``y``, the recomputed ``h`` and the bits :meth:`split` kept,
+        laid out as ``y`` (the stream's layout in the forward: a branch output laid out
+        otherwise, channels-last from a broadcast with an ``(N, C, 1, 1)`` gate, made the
+        next branch's recompute pick other kernels, which round differently)."""
         with torch.no_grad():
             if self.scale == 0:
                 return torch.zeros_like(y)
-            q = self._grid(h).neg_().add_(y)  # y - h_q, exact
+            q = _laid_out_as(self._grid(h), y).neg_().add_(y)  # y - h_q, exact
             if lost is None:
                 return q
             q.mul_(2.0**self.k).add_(lost, alpha=2.0**-self.bits)
@@ -147,6 +150,16 @@ class GridCoupling(Coupling):
 
     def __repr__(self) -> str:
         return f"GridCoupling(scale={self.scale:g}, bits={self.bits})"
+
+
+def _laid_out_as(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` (a fresh tensor) with ``like``'s strides: the streams keep one layout whatever a
+    branch returns (a broadcast with an ``(N, C, 1, 1)`` gate came out channels-last, and a
+    stream taking its layout made the next branch's recompute pick other kernels than its
+    forward did, which round differently: a rebuild 5e-5 off, gradients 1e-2 off)."""
+    if t.stride() == like.stride():
+        return t
+    return torch.empty_like(like, dtype=t.dtype).copy_(t)
 
 
 class _AsLinear(torch.autograd.Function):

@@ -313,13 +313,17 @@ class ReversibleSequential(nn.Module):
             return None
         assert plan is not None
         refuse_functorch(type(self).__name__, "reversible", _PLAINLY)
+        exact = any(isinstance(step.coupling, GridCoupling) for step in plan.steps)
+        strict = self.check_inverse == "auto"
         call = StackCall(
             kwargs=kwargs,
             grad_kwargs=grad_kwargs,
-            check_inverse=self._tolerance(x1),
-            strict=self.check_inverse == "auto",
+            # an exact stack rebuilds bit for bit: by default any drift is refused (a
+            # recompute that differs), not only one past the floating-point tolerance
+            check_inverse=0.0 if exact and strict else self._tolerance(x1),
+            strict=strict,
             scaled=any(isinstance(step.coupling, ScaledCoupling) for step in plan.steps),
-            exact=any(isinstance(step.coupling, GridCoupling) for step in plan.steps),
+            exact=exact,
             anchored=self.anchor_every == 1,
             recompute_dtype=None if self.approx is None else self.approx.recompute_dtype,
             on_drift=self.on_drift,
