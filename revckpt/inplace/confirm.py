@@ -46,18 +46,27 @@ def _within_budget(
                     memory_budget_bytes=budget,
                     store_all_peak_bytes=store_peak,
                 )
-            smallest, _ = checked(err.smallest_budget_bytes)
-            if smallest.predicted_peak_bytes <= budget:  # measured within it: it fits
+            smallest, gap = checked(err.smallest_budget_bytes)
+            measured = smallest.predicted_peak_bytes + min(gap, 0)
+            if measured <= budget:  # measured within it: it fits
                 # (a retry's lowered target can fall below the least peak while the
                 # least-peak plan itself meets the budget, as when fit is called again at
-                # the smallest budget an earlier fit named, and times pick another plan)
+                # the smallest budget an earlier fit named, and times pick another plan; or
+                # the cost model read it high: an FPN's stages, whose outputs leave the
+                # chain too, read 484,104 bytes and measured 426,760 under a 460,116 budget)
                 return dataclasses.replace(
-                    smallest, memory_budget_bytes=budget, store_all_peak_bytes=store_peak
+                    smallest,
+                    predicted_peak_bytes=measured,
+                    memory_budget_bytes=budget,
+                    store_all_peak_bytes=store_peak,
                 )
             # the solver's smallest budget, or what its plan measured: not a lower peak that
             # a plan the times chose measured (here or in the retries), which a fit at that
             # budget may not find again; the least-peak plan it finds there
             least = max(err.smallest_budget_bytes, smallest.predicted_peak_bytes)
+            if gap < 0:  # the model read that plan high: what it measured is the least
+                least = measured
+                smallest = dataclasses.replace(smallest, predicted_peak_bytes=measured)
             where = _where(phases(smallest)) if phases is not None else ""
             infeasible = _infeasible(err, budget, least, store_peak, where)
             # the least-peak plan, measured within that smallest budget: a fit at it with
@@ -71,7 +80,7 @@ def _within_budget(
                 plan, memory_budget_bytes=budget, store_all_peak_bytes=store_peak
             )
         tried.append(plan.predicted_peak_bytes)
-        worst = max(worst, short)
+        worst = max(worst, short)  # (0 at least: a plan read high lowers nothing)
         target = min(target - 1, budget - worst)
     raise InfeasibleBudgetError(  # pragma: no cover - eight plans each short of the model
         f"no plan met {budget:,} bytes in a measured step (the cost model was up to {worst:,} "

@@ -541,7 +541,8 @@ def _measured(
     reference: Reference | None = None,
 ) -> tuple[Plan, int]:
     """``plan`` installed and checked in one metered step: the plan, its predictions raised to
-    what the step measured, and by how much the cost model was short of the peak. With a
+    what the step measured, and by how much the cost model was short of the peak (negative
+    where it read high). With a
     :class:`Reference` (the store-all step's gradients), a plan with approximate segments runs
     its step from the reference's generator state and its gradient error is measured too."""
     _apply(plan, found, keys)
@@ -554,9 +555,9 @@ def _measured(
             plan = dataclasses.replace(plan, predicted_error=error if error > 0 else math.inf)
     else:
         measured = measure_step(model, example, loss_fn)
-    if measured <= plan.predicted_peak_bytes:
-        return plan, 0
-    short = measured - plan.predicted_peak_bytes
+    short = measured - plan.predicted_peak_bytes  # below 0: the model read high
+    if short <= 0:
+        return plan, short
     return dataclasses.replace(plan, predicted_peak_bytes=measured), short
 
 
