@@ -312,3 +312,37 @@ def test_a_converted_model_compiles_as_one_graph_not_one_per_block():
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
     for a, b in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "model.compile"])
+def test_fit_plans_a_compiled_model(how):
+    # a compiled step cannot be metered: fit refused the example ("the model cannot run it")
+    import revckpt
+    from revckpt.inplace.install import planned
+    from revckpt.models import gpt_like
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = gpt_like(4, 32, 4)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model, x = Net(), torch.randn(4, 32, 32)
+    plain = copy.deepcopy(model)
+    if how == "torch.compile":
+        compiled = torch.compile(model)
+    else:
+        model.compile()
+        compiled = model
+    plan = revckpt.fit(compiled, x, memory_budget="90%", segment_blocks=1)
+    assert plan.segments and all(planned(b) is not None for b in model.blocks)
+    compiled(x).backward()
+    plain(x).backward()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)

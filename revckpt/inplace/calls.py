@@ -39,9 +39,10 @@ def _floating(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point()
 
 
-@functools.cache
 def static_forward(cls: type) -> bool:
-    """Whether ``cls.forward`` is a ``staticmethod`` (called without the module)."""
+    """Whether ``cls.forward`` is a ``staticmethod`` (called without the module). Not cached:
+    it runs in compiled code, where Dynamo warns about a ``functools`` cache, and its walk
+    of the class's MRO is a few dictionary lookups."""
     for klass in cls.__mro__:
         if "forward" in klass.__dict__:
             return isinstance(klass.__dict__["forward"], staticmethod)

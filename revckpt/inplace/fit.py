@@ -12,7 +12,6 @@ model's forward stay as they were. ``convert`` installs one strategy without pro
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -38,6 +37,7 @@ from ..strategy import Strategy, StrategyLike, argument_of, kind_of
 from .blocks import Blocks, enclosing_blocks, find_blocks, model_digest
 from .confirm import _within_budget, _within_error
 from .convert import convert, restore
+from .fit_checks import agreed_peak, check_saved_strategies, saved_step_peak, uncompiled
 from .fit_stack import fit_converted
 from .install import Planned, install, is_fsdp, planned, tensor_sites
 from .measure import profile_in_situ
@@ -180,6 +180,28 @@ def fit(
     # over 60 lines for its docstring alone: the front door's contract, kept whole
     if not isinstance(model, nn.Module):
         raise InvalidInputTypeError(f"fit(model, ...) needs an nn.Module, got {type(model)}")
+    with uncompiled(model) as model:
+        return _fit_front(model, example, memory_budget, error_budget, loss_fn, strategies,
+                          blocks, plan, repeats, progress, segment_blocks, verify,
+                          error_stride)  # fmt: skip
+
+
+def _fit_front(
+    model: nn.Module,
+    example: Any,
+    memory_budget: Any,
+    error_budget: float,
+    loss_fn: LossFn,
+    strategies: Any,
+    blocks: Blocks,
+    plan: Any,
+    repeats: int,
+    progress: Any,
+    segment_blocks: int | None,
+    verify: bool,
+    error_stride: int,
+) -> Plan:
+    """:func:`fit` on the (uncompiled) model."""
     if progress is not None and not callable(progress):
         raise InvalidInputTypeError(
             f"progress={progress!r}: pass a function progress(done, total), or None"
@@ -265,7 +287,7 @@ def _fit(
         _refuse_eval_mode(found)
     saved = _load(o.plan, model, found) if o.plan is not None else None
     if saved is not None:
-        _check_saved_strategies(saved, tuple(chosen), o)
+        check_saved_strategies(saved, tuple(chosen), o)
     try:
         for fqn, block in found:
             install(block, Planned(fqn, "store", runner_for("store")))
@@ -443,7 +465,12 @@ def _fit_saved(
         )
     keys: list[Any] = list(saved.block_keys) or [None] * len(found)  # older plans: by the rule
     _apply(saved, found, keys, [frozenset(s) for s in saved.block_tensors])
-    measured = _agreed_peak(_saved_step_peak(saved, found, model, example, o.loss_fn))
+    if saved.autocast is not None:
+        # made under autocast: its figures were measured with autocast's weight casts
+        # cached, which a check step here reads otherwise (higher outside the caller's
+        # autocast, lower inside it); left to the training step's own checks
+        return Fitted(saved, found, keys, chosen, o.error_budget, budget)
+    measured = agreed_peak(saved_step_peak(found, model, example, o.loss_fn))
     if measured > budget:
         raise InvalidArgumentError(
             f"the saved plan, installed, peaked at {measured:,} bytes in a step on this "
@@ -454,67 +481,6 @@ def _fit_saved(
             "this model and batch with revckpt.fit(model, example, memory_budget=...)"
         )
     return Fitted(saved, found, keys, chosen, o.error_budget, budget)
-
-
-def _saved_step_peak(
-    saved: Plan, found: list[tuple[str, nn.Module]], model: nn.Module, example: Any, loss_fn: Any
-) -> int:
-    """The peak of one step with the saved plan installed, as training runs it, under the
-    autocast the plan was made under; modes and autocast left as found. A model in eval mode
-    (as ``from_pretrained`` returns it; planned blocks run plainly there) is measured as
-    ``model.train()`` will train it, dropout on; a model in train mode as it is (dropout
-    modules the user put in eval mode stay so)."""
-    idle = all(not block.training for _, block in found)
-    modes = [(m, m.training) for m in (model.modules() if idle else (b for _, b in found))]
-    dtype = None if saved.autocast is None else dtype_named(saved.autocast)
-    device = next((p.device.type for p in model.parameters()), "cpu")
-    under = dtype is not None and not torch.is_autocast_enabled(device)
-    # without the weight-cast cache: fit measured its plan with the cache filled before
-    context = (
-        torch.autocast(device, dtype=dtype, cache_enabled=False)
-        if under
-        else contextlib.nullcontext()
-    )
-    try:
-        for m, _ in modes:
-            m.training = True
-        with context:
-            return measure_step(model, example, loss_fn)
-    finally:
-        for m, training in modes:
-            m.training = training
-
-
-def _agreed_peak(measured: int) -> int:
-    """Under ``torch.distributed``, the largest of the ranks' peaks: every rank then takes the
-    same decision on a saved plan (one refusing while another trains would hang both)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return measured
-    peaks: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, measured)
-    return max(peaks)
-
-
-def _check_saved_strategies(saved: Plan, chosen: tuple[str, ...], o: _FitOptions) -> None:
-    """A saved plan's lossy segments need an error budget its predicted error fits, and with
-    ``strategies=`` every segment one of them."""
-    lossy = sorted({s for s in saved.strategies if kind_of(s) in ("approx", "compress")})
-    if lossy and not saved.predicted_error <= o.error_budget:
-        raise InvalidArgumentError(
-            f"the saved plan uses {lossy} (lossy: predicted gradient error "
-            f"{saved.predicted_error:.3g}), above error_budget={o.error_budget!r}; pass "
-            "error_budget= at least that to use it, or make an exact plan with "
-            "revckpt.fit(model, example, memory_budget=...)"
-        )
-    if o.strategies is not None:
-        outside = sorted(set(saved.strategies) - set(chosen) - {"store"})
-        if outside:
-            raise InvalidArgumentError(
-                f"the saved plan uses {outside}, which strategies={list(chosen)} leaves out; "
-                "pass those too, or make a plan with these strategies"
-            )
 
 
 def _profile(model: nn.Module, traced: Any, chosen: list[str], o: _FitOptions) -> Profile:
@@ -557,8 +523,16 @@ def _measured(
         measured = measure_step(model, example, loss_fn)
     short = measured - plan.predicted_peak_bytes  # below 0: the model read high
     if short <= 0:
-        return plan, short
+        # under autocast a check step inside the caller's one autocast context finds the
+        # weights cast already, and reads low (a user's step, casting them, measured 24%
+        # over a budget taken from it): a low reading lowers nothing there
+        return plan, 0 if _under_autocast(model) else short
     return dataclasses.replace(plan, predicted_peak_bytes=measured), short
+
+
+def _under_autocast(model: nn.Module) -> bool:
+    device = next((p.device.type for p in model.parameters()), "cpu")
+    return torch.is_autocast_enabled(device)
 
 
 def _agreed(plan: _T) -> _T:

@@ -1,0 +1,93 @@
+"""What :func:`revckpt.fit` checks beside the plan it solves: a saved plan (``plan=``) against
+the model it is loaded into (its lossy segments against the error budget and ``strategies=``,
+its whole step measured once, every rank taking the same decision), and a model already
+compiled (planned as the eager module it wraps)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import InvalidArgumentError
+from ..schedule.plan import Plan
+from ..strategy import kind_of
+from .step import measure_step
+
+__all__ = ["agreed_peak", "check_saved_strategies", "saved_step_peak", "uncompiled"]
+
+
+@contextlib.contextmanager
+def uncompiled(model: nn.Module) -> Iterator[nn.Module]:
+    """The module to plan, run eagerly while ``fit`` measures it (a compiled step cannot be
+    metered: fit refused the example as one the model cannot run): ``torch.compile(model)``'s
+    module itself, or one compiled in place (``model.compile()``) with its compiled call set
+    aside meanwhile. The plan installed, the compiled model runs it (compiled again)."""
+    model = getattr(model, "_orig_mod", model) if _is_optimized(model) else model
+    compiled = model.__dict__.get("_compiled_call_impl")
+    if compiled is not None:
+        model._compiled_call_impl = None
+    try:
+        yield model
+    finally:
+        if compiled is not None:
+            model._compiled_call_impl = compiled
+
+
+def _is_optimized(model: nn.Module) -> bool:
+    optimized = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    kind = getattr(optimized, "OptimizedModule", None)
+    return kind is not None and isinstance(model, kind)
+
+
+def saved_step_peak(
+    found: list[tuple[str, nn.Module]], model: nn.Module, example: Any, loss_fn: Any
+) -> int:
+    """The peak of one step with the saved plan installed, as training runs it, modes left as
+    found. A model in eval mode (as ``from_pretrained`` returns it; planned blocks run plainly
+    there) is measured as ``model.train()`` will train it, dropout on; a model in train mode
+    as it is (dropout modules the user put in eval mode stay so)."""
+    idle = all(not block.training for _, block in found)
+    modes = [(m, m.training) for m in (model.modules() if idle else (b for _, b in found))]
+    try:
+        for m, _ in modes:
+            m.training = True
+        return measure_step(model, example, loss_fn)
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def agreed_peak(measured: int) -> int:
+    """Under ``torch.distributed``, the largest of the ranks' peaks: every rank then takes the
+    same decision on a saved plan (one refusing while another trains would hang both)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return measured
+    peaks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, measured)
+    return max(peaks)
+
+
+def check_saved_strategies(saved: Plan, chosen: tuple[str, ...], o: Any) -> None:
+    """A saved plan's lossy segments need an error budget its predicted error fits, and with
+    ``strategies=`` every segment one of them."""
+    lossy = sorted({s for s in saved.strategies if kind_of(s) in ("approx", "compress")})
+    if lossy and not saved.predicted_error <= o.error_budget:
+        raise InvalidArgumentError(
+            f"the saved plan uses {lossy} (lossy: predicted gradient error "
+            f"{saved.predicted_error:.3g}), above error_budget={o.error_budget!r}; pass "
+            "error_budget= at least that to use it, or make an exact plan with "
+            "revckpt.fit(model, example, memory_budget=...)"
+        )
+    if o.strategies is not None:
+        outside = sorted(set(saved.strategies) - set(chosen) - {"store"})
+        if outside:
+            raise InvalidArgumentError(
+                f"the saved plan uses {outside}, which strategies={list(chosen)} leaves out; "
+                "pass those too, or make a plan with these strategies"
+            )
