@@ -317,6 +317,36 @@ def test_a_budget_the_least_peak_plan_meets_by_measurement_is_met() -> None:
     assert peak <= plan.memory_budget_bytes and peak <= plan.predicted_peak_bytes
 
 
+class _TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from revckpt.models import gpt_like
+
+        self.emb, self.blocks = nn.Embedding(256, 64), gpt_like(4, 64, 4)
+        self.ln, self.head = nn.LayerNorm(64), nn.Linear(64, 256)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.ln(self.blocks(self.emb(ids))))
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def test_a_fit_under_autocast_holds_for_a_loop_that_enters_autocast_per_step() -> None:
+    # fit's steps, inside the caller's one autocast context, found the weights cast already;
+    # a loop entering autocast per step casts them in each step: 1.13x the budget at 50%
+    torch.manual_seed(0)
+    model = _TinyLM().train()
+    ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plan = revckpt.fit(model, ids, memory_budget="50%")
+    for p in model.parameters():
+        p.grad = None
+    with MemoryMeter("cpu") as meter:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids)
+        loss.backward()
+    assert meter.peak_bytes <= plan.memory_budget_bytes, (meter.peak_bytes, plan.table())
+
+
 def test_a_saved_lossy_plan_needs_an_error_budget(tmp_path) -> None:
     case = _case("nanogpt")
     example = case.make_example(4, 32)

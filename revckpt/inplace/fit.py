@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError, InvalidInputTypeError
@@ -465,12 +464,7 @@ def _fit_saved(
         )
     keys: list[Any] = list(saved.block_keys) or [None] * len(found)  # older plans: by the rule
     _apply(saved, found, keys, [frozenset(s) for s in saved.block_tensors])
-    if saved.autocast is not None:
-        # made under autocast: its figures were measured with autocast's weight casts
-        # cached, which a check step here reads otherwise (higher outside the caller's
-        # autocast, lower inside it); left to the training step's own checks
-        return Fitted(saved, found, keys, chosen, o.error_budget, budget)
-    measured = agreed_peak(saved_step_peak(found, model, example, o.loss_fn))
+    measured = agreed_peak(saved_step_peak(saved, found, model, example, o.loss_fn))
     if measured > budget:
         raise InvalidArgumentError(
             f"the saved plan, installed, peaked at {measured:,} bytes in a step on this "
@@ -523,16 +517,8 @@ def _measured(
         measured = measure_step(model, example, loss_fn)
     short = measured - plan.predicted_peak_bytes  # below 0: the model read high
     if short <= 0:
-        # under autocast a check step inside the caller's one autocast context finds the
-        # weights cast already, and reads low (a user's step, casting them, measured 24%
-        # over a budget taken from it): a low reading lowers nothing there
-        return plan, 0 if _under_autocast(model) else short
+        return plan, short
     return dataclasses.replace(plan, predicted_peak_bytes=measured), short
-
-
-def _under_autocast(model: nn.Module) -> bool:
-    device = next((p.device.type for p in model.parameters()), "cpu")
-    return torch.is_autocast_enabled(device)
 
 
 def _agreed(plan: _T) -> _T:

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..errors import InvalidArgumentError
 from ..schedule.plan import Plan
+from ..schedule.plan_checks import dtype_named
 from ..strategy import kind_of
 from .step import measure_step
 
@@ -44,7 +45,11 @@ def _is_optimized(model: nn.Module) -> bool:
 
 
 def saved_step_peak(
-    found: list[tuple[str, nn.Module]], model: nn.Module, example: Any, loss_fn: Any
+    saved: Plan,
+    found: list[tuple[str, nn.Module]],
+    model: nn.Module,
+    example: Any,
+    loss_fn: Any,
 ) -> int:
     """The peak of one step with the saved plan installed, as training runs it, modes left as
     found. A model in eval mode (as ``from_pretrained`` returns it; planned blocks run plainly
@@ -52,10 +57,16 @@ def saved_step_peak(
     as it is (dropout modules the user put in eval mode stay so)."""
     idle = all(not block.training for _, block in found)
     modes = [(m, m.training) for m in (model.modules() if idle else (b for _, b in found))]
+    dtype = None if saved.autocast is None else dtype_named(saved.autocast)
+    device = next((p.device.type for p in model.parameters()), "cpu")
+    under = dtype is not None and not torch.is_autocast_enabled(device)
+    # under the autocast the plan was made under (measure_step turns its cast cache off)
+    context = torch.autocast(device, dtype=dtype) if under else contextlib.nullcontext()
     try:
         for m, _ in modes:
             m.training = True
-        return measure_step(model, example, loss_fn)
+        with context:
+            return measure_step(model, example, loss_fn)
     finally:
         for m, training in modes:
             m.training = training

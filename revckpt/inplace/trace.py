@@ -40,6 +40,7 @@ from .step import (
     LossFn,
     Reference,
     block_parameters,
+    casts_in_step,
     gradient_copies,
     left_as_found,
     loss_of,
@@ -384,7 +385,7 @@ def _metered(
     with left_as_found(model, example):
         if seed is not None:
             seed_step(model, seed)
-        with MemoryMeter(device) as meter:
+        with casts_in_step(device), MemoryMeter(device) as meter:
 
             def mark(name: str) -> None:
                 times[name] = _now(device)
