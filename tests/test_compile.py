@@ -314,7 +314,7 @@ def test_a_converted_model_compiles_as_one_graph_not_one_per_block():
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("how", ["torch.compile", "model.compile"])
+@pytest.mark.parametrize("how", ["torch.compile", "model.compile", "block.compile"])
 def test_fit_plans_a_compiled_model(how):
     # a compiled step cannot be metered: fit refused the example ("the model cannot run it")
     import revckpt
@@ -337,8 +337,12 @@ def test_fit_plans_a_compiled_model(how):
     plain = copy.deepcopy(model)
     if how == "torch.compile":
         compiled = torch.compile(model)
-    else:
+    elif how == "model.compile":
         model.compile()
+        compiled = model
+    else:
+        for block in model.blocks:
+            block.compile()
         compiled = model
     plan = revckpt.fit(compiled, x, memory_budget="90%", segment_blocks=1)
     assert plan.segments and all(planned(b) is not None for b in model.blocks)
@@ -346,3 +350,16 @@ def test_fit_plans_a_compiled_model(how):
     plain(x).backward()
     for a, b in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_fit_names_a_compiled_module_inside_the_model():
+    # DDP(torch.compile(model)): the compiled step cannot be metered, and fit said the model
+    # "cannot run the example"
+    import revckpt
+    from revckpt.models import gpt_like
+
+    torch._dynamo.reset()
+    inner = torch.compile(gpt_like(2, 16, 2))
+    wrapper = torch.nn.Sequential(inner)
+    with pytest.raises(revckpt.InvalidArgumentError, match=r"torch\.compile'd module inside"):
+        revckpt.fit(wrapper, torch.randn(2, 8, 16), memory_budget="90%", loss_fn=torch.sum)

@@ -25,17 +25,31 @@ __all__ = ["agreed_peak", "check_saved_strategies", "saved_step_peak", "uncompil
 def uncompiled(model: nn.Module) -> Iterator[nn.Module]:
     """The module to plan, run eagerly while ``fit`` measures it (a compiled step cannot be
     metered: fit refused the example as one the model cannot run): ``torch.compile(model)``'s
-    module itself, or one compiled in place (``model.compile()``) with its compiled call set
-    aside meanwhile. The plan installed, the compiled model runs it (compiled again)."""
+    module itself, or one compiled in place (``model.compile()``, ``block.compile()``) with
+    its compiled calls set aside meanwhile; a compiled module inside the model is refused,
+    saying so. The plan installed, the compiled model runs it (compiled again)."""
     model = getattr(model, "_orig_mod", model) if _is_optimized(model) else model
-    compiled = model.__dict__.get("_compiled_call_impl")
-    if compiled is not None:
-        model._compiled_call_impl = None
+    nested = [name for name, m in model.named_modules() if name and _is_optimized(m)]
+    if nested:
+        raise InvalidArgumentError(
+            f"fit measures the training step eagerly, and {nested[0]} is a torch.compile'd "
+            "module inside the model (DDP(torch.compile(model)), say): fit the uncompiled "
+            "model, then compile it (or compile the model in place, model.compile(), which "
+            "fit sets aside while it measures)"
+        )
+    # modules compiled in place (model.compile(), or block.compile() per block)
+    aside = [(m, m._compiled_call_impl) for m in model.modules() if _compiled_in_place(m)]
+    for m, _ in aside:
+        m._compiled_call_impl = None
     try:
         yield model
     finally:
-        if compiled is not None:
-            model._compiled_call_impl = compiled
+        for m, compiled in aside:
+            m._compiled_call_impl = compiled
+
+
+def _compiled_in_place(module: nn.Module) -> bool:
+    return module.__dict__.get("_compiled_call_impl") is not None
 
 
 def _is_optimized(model: nn.Module) -> bool:
