@@ -336,7 +336,7 @@ def run_checkpoint(call: FrameCall, args: tuple[Any, ...], determinism_check: st
     versions = input_versions(args, call.kwargs)
     out = _run_checkpoint(call, args, determinism_check)
     check_versions(versions, call.label)
-    call.given = input_versions(args, call.kwargs)
+    call.given = versions  # unchanged by the forward (checked): what the recompute reads
     call.watched = watch(call.kept, out)
     return out
 

@@ -470,10 +470,7 @@ def remove_reversible(model: nn.Module) -> int:
             original = instance_forward(layer, before)
             if original is not None:
                 object.__setattr__(layer, "forward", original)
-            for name in _ADAPTERS:
-                layer._modules.pop(name, None)
-        for p, requires_grad in converted.frozen:
-            p.requires_grad_(requires_grad)
+        _undo(converted.layers, converted.frozen)  # the adapters and requires_grad
         for encoder in getattr(converted, "nested_off", ()):  # (a conversion pickled before)
             encoder.use_nested_tensor = True
         converted.removed = True  # its model, if it holds it still, forgets it
