@@ -461,3 +461,22 @@ def test_bench_segment_length_quick(tmp_path, capsys):
         # measured times (a noisy profile can clamp one to 0): finite, not compared
         assert all(0 <= r["predicted_overhead"] < float("inf") for r in row["rows"])
     assert "| GPT-like | 1 |" in capsys.readouterr().out
+
+
+def test_thread_clock_runs_a_benchmark_with_the_threads_cpu_clock(tmp_path):
+    import subprocess
+
+    script = tmp_path / "bench_probe.py"
+    script.write_text(
+        "import sys, time\n"
+        "import revckpt.measure.timing as timing\n"
+        "clock = timing.wall_time.__kwdefaults__['clock']\n"
+        "print(time.perf_counter is time.thread_time, clock is time.thread_time, sys.argv[1:])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "thread_clock.py"), str(script), "--x", "1"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.strip() == "True True ['--x', '1']", out
