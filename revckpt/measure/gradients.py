@@ -21,15 +21,17 @@ are restored afterwards and ``.grad`` is not touched.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map
 
 from .._numbers import relative
 from ..errors import InvalidArgumentError, InvalidInputTypeError
@@ -78,8 +80,11 @@ def _widened(t: torch.Tensor) -> torch.Tensor:
 
 def _real_flat(t: torch.Tensor) -> torch.Tensor:
     """``t`` in float64, flat; a complex one as its real and imaginary parts (``.double()``
-    drops the imaginary part: gradients differing there compared equal)."""
+    drops the imaginary part: gradients differing there compared equal); a sparse one dense
+    (``nn.Embedding(sparse=True)``'s gradient)."""
     t = t.detach()
+    if t.layout != torch.strided:
+        t = t.to_dense()
     if t.is_complex():
         return torch.view_as_real(t.to(torch.complex128)).flatten()
     return t.double().flatten()
@@ -100,7 +105,8 @@ class GradientError:
     """Per-tensor and overall gradient errors; ``per_tensor`` maps names to :class:`TensorError`.
 
     Parameter names are those of ``named_parameters()``; inputs are ``"input.0"``, ``"input.1"``,
-    ... (positional) and ``"input.<name>"`` (keyword).
+    ... (positional) and ``"input.<name>"`` (keyword), a tensor inside a list, tuple or dict
+    with its place appended (``"input.1.0"``, ``"input.feats.key"``).
     """
 
     per_tensor: dict[str, TensorError]
@@ -109,6 +115,9 @@ class GradientError:
 
     def worst(self, k: int = 5, *, by: str = "rel_l2") -> list[tuple[str, TensorError]]:
         """The ``k`` tensors with the largest error (``by`` one of the TensorError fields)."""
+        fields = [f.name for f in dataclasses.fields(TensorError)]
+        if by not in fields:
+            raise InvalidArgumentError(f"worst(by={by!r}): use one of {fields}")
         return sorted(self.per_tensor.items(), key=lambda kv: -getattr(kv[1], by))[:k]
 
     def table(self, k: int | None = None) -> str:
@@ -185,6 +194,53 @@ def _fork_all_rng() -> Any:
     return torch.random.fork_rng(devices=cuda)
 
 
+def _key(entry: Any) -> str:
+    """One step of a pytree path as a name part: a list index, a dict key, an attribute."""
+    for attr in ("idx", "key", "name"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def _input_tensors(args: Any, kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The inputs that require grad, nested ones too, named ``input.<place>``."""
+    for path, a in tree_flatten_with_path((args, kwargs))[0]:
+        if isinstance(a, torch.Tensor) and a.requires_grad:
+            yield "input." + ".".join(_key(k) for k in path[1:]), a
+
+
+def _checked_loss(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor):
+        raise InvalidInputTypeError(
+            f"loss_fn returned a {type(loss).__name__}; it must return a scalar tensor that "
+            "depends on the model's output (e.g. lambda out: out.logits.square().mean())"
+        )
+    if loss.numel() != 1:
+        raise InvalidArgumentError(
+            f"loss_fn returned a tensor of shape {tuple(loss.shape)}; it must return a scalar "
+            "(reduce it, e.g. with .sum() or .mean())"
+        )
+    if not loss.requires_grad:
+        raise InvalidArgumentError(
+            "the loss does not depend on anything that requires grad; give the model "
+            "parameters that require grad or an input with requires_grad=True"
+        )
+    return loss
+
+
+def _differentiated(loss: torch.Tensor, tensors: list[torch.Tensor]) -> tuple[Any, ...]:
+    try:
+        return torch.autograd.grad(loss, tensors, allow_unused=True) if tensors else ()
+    except RuntimeError as err:
+        if ".grad()" not in str(err) or "checkpoint" not in str(err).lower():
+            raise
+        raise InvalidArgumentError(
+            "the model runs torch.utils.checkpoint with use_reentrant=True, which works with "
+            ".backward() only; gradient_error takes gradients with torch.autograd.grad, leaving "
+            ".grad alone: checkpoint with use_reentrant=False (or revckpt.checkpoint)"
+        ) from err
+
+
 def _grads(
     model: nn.Module,
     args: tuple[Any, ...],
@@ -198,28 +254,25 @@ def _grads(
         if p.requires_grad:
             names.append(n)
             tensors.append(p)
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor) and a.requires_grad:
-            names.append(f"input.{i}")
-            tensors.append(a)
-    for k, a in kwargs.items():
-        if isinstance(a, torch.Tensor) and a.requires_grad:
-            names.append(f"input.{k}")
-            tensors.append(a)
+    params = set(names)
+    for name, a in _input_tensors(args, kwargs):
+        if name in params:
+            raise InvalidArgumentError(
+                f"an input that requires grad would be named {name!r}, as a parameter of the "
+                "model is: rename the parameter, or pass the input without requires_grad"
+            )
+        names.append(name)
+        tensors.append(a)
     dtypes = None
     with _fork_all_rng(), preserved(model, grads=False):  # buffers (BatchNorm) as they were
         torch.manual_seed(seed)
         out = model(*args, **kwargs)
         if loss_fn is not None:
-            loss = loss_fn(out)
+            loss = _checked_loss(loss_fn(out))
         else:
             loss, dtypes = _projection_loss(out, seed, round_to)
-        if not loss.requires_grad:
-            raise InvalidArgumentError(
-                "the loss does not depend on anything that requires grad; give the model "
-                "parameters that require grad or an input with requires_grad=True"
-            )
-        grads = torch.autograd.grad(loss, tensors, allow_unused=True) if tensors else ()
+            loss = _checked_loss(loss)
+        grads = _differentiated(loss, tensors)
     return dict(zip(names, grads, strict=True)), dtypes
 
 
@@ -249,6 +302,52 @@ def _warn_if_installed(candidate: nn.Module) -> None:
         )
 
 
+def _check_materialised(model: nn.Module, role: str, inputs: Any) -> None:
+    """Refuse what has no values to compare: lazy parameters not made yet (a float64 copy
+    would make different ones), tensors on the ``meta`` device."""
+    for name, p in model.named_parameters():
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            raise InvalidArgumentError(
+                f"the {role}'s parameter {name!r} is a lazy module's, not made yet: run the model "
+                "once (a forward on an example input) before comparing gradients, so that both "
+                "sides have the same weights"
+            )
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
+    if any(t.is_meta for t in tensors):
+        raise InvalidArgumentError(
+            f"the {role} or its inputs are on the 'meta' device, which holds shapes and no "
+            "values: materialise the model (e.g. model.to_empty(device='cpu') and load its "
+            "weights) before comparing gradients"
+        )
+
+
+def _with_parameter_hooks(copied: nn.Module, original: nn.Module) -> nn.Module:
+    """``copied`` with the hooks registered on ``original``'s parameters
+    (``p.register_hook``: a gradient mask or scale): ``deepcopy`` keeps module hooks only."""
+    for (_, p), (_, q) in zip(
+        original.named_parameters(remove_duplicate=False),
+        copied.named_parameters(remove_duplicate=False),
+        strict=True,
+    ):
+        if p._backward_hooks:
+            q._backward_hooks = OrderedDict(p._backward_hooks)
+    return copied
+
+
+def _floating_dtype(model: nn.Module) -> torch.dtype | None:
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def _inputs_dtype_for(reference: nn.Module, candidate: nn.Module) -> torch.dtype | None:
+    """The dtype to give a reference's floating-point inputs: its parameters' one dtype where
+    it differs from the candidate's (a float64 copy made by hand, a float32 original of a
+    bf16 model), else as given."""
+    ref, cand = _floating_dtype(reference), _floating_dtype(candidate)
+    return ref if ref is not None and cand is not None and ref != cand else None
+
+
 def _paired_gradients(
     candidate: nn.Module,
     reference: nn.Module | None,
@@ -266,22 +365,30 @@ def _paired_gradients(
         raise InvalidInputTypeError(
             f"candidate must be an nn.Module, got {type(candidate).__name__}"
         )
-    ref_dtype = None
-    if reference is None:
-        _warn_if_installed(candidate)
-        # complex parameters to complex128: Module.to(torch.float64) drops their imaginary part
-        reference = copy.deepcopy(candidate)._apply(_widened)
-        ref_dtype = torch.float64
-    elif not isinstance(reference, nn.Module):
+    if reference is not None and not isinstance(reference, nn.Module):
         raise InvalidInputTypeError(
             f"reference must be an nn.Module or None (a float64 copy of candidate), got "
             f"{type(reference).__name__}"
         )
     args, kw = _as_args(inputs), dict(kwargs or {})
-    cand, dtypes = _grads(candidate, _prepare(args, None), _prepare(kw, None), loss_fn, seed)
-    ref, _ = _grads(
-        reference, _prepare(args, ref_dtype), _prepare(kw, ref_dtype), loss_fn, seed, dtypes
-    )
+    _check_materialised(candidate, "candidate", (args, kw))
+    ref_dtype = None
+    if reference is not None:
+        _check_materialised(reference, "reference", ())
+        ref_dtype = _inputs_dtype_for(reference, candidate)
+    # gradients are what is asked for, also when called under no_grad or inference_mode (where
+    # the float64 copy would be made of inference tensors)
+    with torch.inference_mode(False), torch.enable_grad():
+        if reference is None:
+            _warn_if_installed(candidate)
+            # complex parameters to complex128: Module.to(torch.float64) drops their imaginary
+            # part
+            reference = _with_parameter_hooks(copy.deepcopy(candidate)._apply(_widened), candidate)
+            ref_dtype = torch.float64
+        cand, dtypes = _grads(candidate, _prepare(args, None), _prepare(kw, None), loss_fn, seed)
+        ref, _ = _grads(
+            reference, _prepare(args, ref_dtype), _prepare(kw, ref_dtype), loss_fn, seed, dtypes
+        )
     if cand.keys() != ref.keys():
         only_c, only_r = sorted(cand.keys() - ref.keys()), sorted(ref.keys() - cand.keys())
         raise InvalidArgumentError(

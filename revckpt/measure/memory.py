@@ -11,8 +11,10 @@ again), and a weak reference on the storage subtracts it the moment it is freed.
     peak     = max_t live(t)          (checked after every operation)
     end      = live(exit)
 
-Storages resized outside the dispatcher (``untyped_storage().resize_(0)``) are re-read when
-the block ends: ``end`` is exact for them, ``peak`` an upper bound.
+Storages resized outside the dispatcher (``untyped_storage().resize_()``, as FSDP does) are
+re-read when the block ends: ``end`` is exact for them, and ``peak`` at least ``end``, but a
+storage grown and shrunk again outside the dispatcher inside the block is not in ``peak``
+(``method="allocator"`` sees it).
 
 Scope of the CPU figures: tensor storages only (not allocator slack or kernel workspace), and
 only storages created inside the block: a tensor created before entry and freed inside is not
@@ -159,6 +161,11 @@ class MemoryMeter:
         self._stats: MemoryStats | None = None
 
     def __enter__(self) -> MemoryMeter:
+        if self._tracker is not None or self._events is not None or self in _ACTIVE_CUDA:
+            raise InvalidArgumentError(
+                "this MemoryMeter is measuring already (its `with` block has not ended): nest "
+                "a new MemoryMeter() for the inner block"
+            )
         self._stats = None
         self._before_reset, self._reset = 0, False
         if self.device.type == "cuda":
@@ -209,7 +216,7 @@ class MemoryMeter:
     def _exit_storages(self, exc: Any) -> tuple[int, int, str | None]:
         tracker, self._tracker = self._tracker, None
         assert tracker is not None
-        tracker.__exit__(*exc)
+        tracker.leave(exc)
         with tracker.lock:
             tracker.resync()
             tracker.refs.clear()  # dropping the weak references cancels their callbacks

@@ -23,7 +23,12 @@ from typing import Any
 
 import torch
 from torch._C._dynamo.eval_frame import get_eval_frame_callback
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    _pop_mode,
+    _push_mode,
+)
 from torch.utils._pytree import tree_flatten
 
 __all__: list[str] = []
@@ -149,6 +154,14 @@ def _kind(func: Any) -> tuple[Any, bool, bool]:
     return kind
 
 
+# What ``TorchDispatchMode.__enter__`` saves of torch's mode flags, restored by its ``__exit__``
+_SAVED_FLAGS = (
+    "old_dispatch_mode_flags",
+    "old_non_infra_dispatch_mode_flags",
+    "old_without_ignore_compile_internals_dispatch_mode_flags",
+)
+
+
 class _StorageTracker(TorchDispatchMode):
     """Counts live bytes of storages created by operations, on one device type. ``fast``:
     the fast path (the default) or the general one (see the module docstring)."""
@@ -182,6 +195,7 @@ class _StorageTracker(TorchDispatchMode):
                 nbytes = storage.nbytes()
                 self.live += nbytes - self.sizes[key]
                 self.sizes[key] = nbytes
+        self.peak = max(self.peak, self.live)  # what grew unseen was live at least at the end
 
     def _add(self, storage: torch.UntypedStorage) -> None:
         key = storage._cdata
@@ -309,6 +323,29 @@ class _StorageTracker(TorchDispatchMode):
         if changes:
             self._apply(changes)
         return out
+
+    def leave(self, exc: Any) -> None:
+        """Exit the mode wherever it is on torch's dispatch-mode stack. ``__exit__`` pops the
+        top one: a meter exited before one entered after it (not innermost first) would pop
+        the other's tracker and leave its own, counting every later operation of the process.
+        Here the modes above it stay, and the one right above inherits the state this one
+        saved at its entry, which its own exit then restores."""
+        stack = _get_current_dispatch_mode_stack()
+        if not any(m is self for m in stack):
+            return  # taken off already (another mode's exit out of order popped it)
+        if stack[-1] is self:
+            self.__exit__(*exc)
+            return
+        above = []
+        while (top := _pop_mode()) is not self:
+            above.append(top)
+        for mode in reversed(above):
+            _push_mode(mode)
+        upper = above[-1]
+        for name in _SAVED_FLAGS:
+            mine, theirs = getattr(self, name, None), getattr(upper, name, None)
+            if mine and theirs:
+                theirs[-1] = mine.pop()
 
     def _apply(self, changes: list[int]) -> None:
         with self.lock:

@@ -123,3 +123,101 @@ def test_complex_gradients_and_inputs_are_compared_whole():
     err = gradient_error(a, b, z)
     assert "input.0" in err.per_tensor and err.per_tensor["w"].rel_l2 > 0.05
     assert gradient_error(a, None, z).overall.rel_l2 < 1e-6  # complex128 reference
+
+
+class _Fuse(nn.Module):
+    def __init__(self, cut: bool = False):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.cut = cut
+
+    def forward(self, x, feats):
+        f = feats[0].detach() if self.cut else feats[0]
+        return self.lin(x) + f
+
+
+def test_inputs_nested_in_lists_and_dicts_have_their_gradients_compared():
+    ref = _Fuse()
+    cand = copy.deepcopy(ref)
+    cand.cut = True  # its gradient to feats[0] is wrong (none)
+    x, feat = torch.randn(3, 4), torch.randn(3, 4, requires_grad=True)
+    err = gradient_error(cand, ref, (x, [feat]))
+    assert err.per_tensor["input.1.0"].rel_l2 == 1.0
+    err = gradient_error(cand, ref, x, kwargs={"feats": {0: feat}})
+    assert err.per_tensor["input.feats.0"].rel_l2 == 1.0
+    assert gradient_error(ref, None, (x, [feat])).per_tensor["input.1.0"].rel_l2 < 1e-6
+
+
+def test_an_input_named_as_a_parameter_is_refused():
+    model = nn.Module()
+    model.input = nn.ParameterList([nn.Parameter(torch.randn(4))])
+    model.forward = lambda x: x * model.input[0]
+    with pytest.raises(InvalidArgumentError, match=r"named 'input\.0'"):
+        gradient_error(model, None, torch.randn(4, requires_grad=True))
+
+
+def test_the_float64_copy_keeps_the_parameters_hooks():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    mask = torch.tensor([1.0, 1.0, 0.0, 0.0])[:, None]
+    model[0].weight.register_hook(lambda g: g * mask)
+    err = gradient_error(model, None, torch.randn(2, 4))
+    assert err.per_tensor["0.weight"].rel_l2 < 1e-6
+
+
+def test_unmade_lazy_parameters_and_meta_tensors_are_refused():
+    with pytest.raises(InvalidArgumentError, match="lazy"):
+        gradient_error(nn.Sequential(nn.LazyLinear(3)), None, torch.randn(2, 4))
+    with pytest.raises(InvalidArgumentError, match="meta"):
+        gradient_error(nn.Linear(4, 3, device="meta"), None, torch.randn(2, 4, device="meta"))
+
+
+def test_gradients_are_taken_under_no_grad_and_inference_mode():
+    model, x = nn.Linear(4, 3), torch.randn(2, 4)
+    expected = gradient_error(model, None, x).overall.rel_l2
+    with torch.no_grad():
+        assert gradient_error(model, None, x).overall.rel_l2 == expected
+    with torch.inference_mode():
+        assert gradient_error(model, None, torch.randn(2, 4)).overall.rel_l2 < 1e-6
+
+
+def test_a_reference_in_another_dtype_gets_its_inputs_in_that_dtype():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    assert (
+        gradient_error(model, copy.deepcopy(model).double(), torch.randn(2, 4)).overall.rel_l2
+        < 1e-6
+    )
+    bf16 = copy.deepcopy(model).bfloat16()
+    assert (
+        gradient_error(bf16, model, torch.randn(2, 4, dtype=torch.bfloat16)).overall.rel_l2 < 0.05
+    )
+
+
+def test_sparse_gradients_are_compared_dense():
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    err = gradient_error(model, None, torch.tensor([[1, 2, 2]]))
+    assert err.per_tensor["0.weight"].rel_l2 < 1e-6
+
+
+def test_bad_losses_worst_fields_and_reentrant_checkpoints_are_named():
+    from torch.utils.checkpoint import checkpoint
+
+    from revckpt import InvalidInputTypeError
+
+    model, x = nn.Linear(4, 3), torch.randn(2, 4)
+    with pytest.raises(InvalidArgumentError, match="scalar"):
+        gradient_error(model, None, x, loss_fn=lambda y: y)
+    with pytest.raises(InvalidInputTypeError, match="returned a float"):
+        gradient_error(model, None, x, loss_fn=lambda y: float(y.sum()))
+    with pytest.raises(InvalidArgumentError, match="use one of"):
+        gradient_error(model, None, x).worst(by="rel")
+
+    class Reentrant(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return checkpoint(self.lin, x, use_reentrant=True)
+
+    with pytest.raises(InvalidArgumentError, match="use_reentrant=False"):
+        gradient_error(Reentrant(), None, torch.randn(2, 4, requires_grad=True))

@@ -307,3 +307,40 @@ def test_eager_code_under_dynamo_disable_is_not_taken_for_compiled_code():
         torch.utils.checkpoint.checkpoint(lin, x, use_reentrant=False).sum().backward()
         torch.compiler.disable(lin)(x)
     assert m.peak_bytes > 0
+
+
+def test_a_meter_entered_again_while_measuring_is_refused_and_leaves_no_mode():
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    meter = MemoryMeter("cpu")
+    with meter, pytest.raises(InvalidArgumentError, match="measuring already"):
+        meter.__enter__()
+    assert _get_current_dispatch_mode_stack() == []
+
+
+def test_meters_exited_out_of_order_count_right_and_leave_torchs_mode_state_as_it_was():
+    from torch.utils._python_dispatch import (
+        _get_current_dispatch_mode_stack,
+        is_in_torch_dispatch_mode,
+    )
+
+    a, b = MemoryMeter("cpu"), MemoryMeter("cpu")
+    a.__enter__()
+    x = torch.ones(1000)
+    b.__enter__()
+    y = torch.ones(1000)
+    a.__exit__(None, None, None)
+    z = torch.ones(1000)
+    b.__exit__(None, None, None)
+    assert (a.end_bytes, b.end_bytes) == (8000, 8000)
+    assert _get_current_dispatch_mode_stack() == [] and not is_in_torch_dispatch_mode()
+    del x, y, z
+
+
+def test_a_storage_grown_outside_the_dispatcher_counts_in_the_peak_too():
+    t = torch.empty(0)
+    with MemoryMeter("cpu") as m:
+        u = torch.empty(0)
+        u.untyped_storage().resize_(4000)
+    assert m.end_bytes == 4000 and m.peak_bytes >= m.end_bytes
+    del t, u
