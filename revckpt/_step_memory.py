@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from ._numbers import storage_bytes
-from .errors import InvalidInputTypeError
+from .errors import InvalidArgumentError, InvalidInputTypeError
 from .measure import MemoryMeter
-from .measure.state import preserved
+from .measure.state import cut_from_graph, preserved
 
 __all__ = ["StepMemory", "measure_peak", "measure_step"]
 
@@ -42,10 +42,12 @@ def measure_step(
     gradient (a full tensor made during backward, as a real loss produces) and the input
     gradient, and not the parameters nor their gradients (allocated before the meter starts).
     The chain input counts from the start: a leaf that requires grad stays alive to the end of
-    the step. The parameters' ``.grad`` and the buffers (BatchNorm statistics) are restored
-    afterwards.
+    the step. The parameters' ``.grad``, the buffers (BatchNorm statistics) and the random
+    number generators' states are restored afterwards; tensors among ``kwargs`` that require
+    grad are cut from the caller's graph (their ``.grad`` stays as it was). Runs with gradients
+    on, also when called under ``torch.no_grad()``.
     """
-    kw = dict(kwargs or {})
+    kw = cut_from_graph(dict(kwargs or {}))
     params = [p for p in model.parameters() if p.requires_grad]
     retained: list[int] = []
     weight: list[torch.Tensor] = []
@@ -58,6 +60,11 @@ def measure_step(
             raise InvalidInputTypeError(
                 f"measure_step needs a model returning one tensor, got {type(y).__name__}"
             )
+        if not y.requires_grad:
+            raise InvalidArgumentError(
+                "measure_step: the model's output does not require grad (every parameter "
+                "frozen and an integer input?), so there is no training step to measure"
+            )
         if meter is not None:
             retained.append(meter.live_bytes - storage_bytes(y) - storage_bytes(leaf))
         if not weight:  # allocated in the warm-up step, outside the meter
@@ -66,7 +73,13 @@ def measure_step(
         # engine, as a real loss head's is; y stays alive (a head saves its input)
         (y * weight[0]).sum().backward()
 
-    with preserved(model):
+    cuda = [x.device.index or 0] if x.is_cuda else []
+    with (
+        torch.random.fork_rng(devices=cuda),
+        torch.inference_mode(False),
+        torch.enable_grad(),
+        preserved(model),
+    ):
         for p in params:
             p.grad = torch.zeros_like(p)
         step()

@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from torch import nn
 
 from revckpt import InvalidArgumentError
 from revckpt.models import gpt_like, mlp_chain, revnet_like
@@ -223,3 +224,35 @@ def test_offload_plans_within_five_percent(make):
     for plan in plans:
         ratio = measure_peak(apply(chain, plan), x) / plan.predicted_peak_bytes
         assert 0.95 <= ratio <= 1.05, (plan.strategies, ratio)
+
+
+def test_measure_peak_leaves_the_rng_and_the_callers_keyword_tensors_alone_under_no_grad():
+    from revckpt.report import measure_peak
+
+    class Biased(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x, bias):
+            return self.drop(self.lin(x)) + bias
+
+    model, x = Biased(), torch.randn(4, 8)
+    prompt, w = torch.zeros(8, requires_grad=True), torch.ones(8, requires_grad=True)
+    state = torch.get_rng_state()
+    peak = measure_peak(model, x, kwargs={"bias": prompt})
+    assert torch.equal(torch.get_rng_state(), state)
+    assert prompt.grad is None
+    with torch.no_grad():
+        assert measure_peak(model, x, kwargs={"bias": prompt}) == peak
+    measure_peak(model, x, kwargs={"bias": w * 2})  # through the caller's graph: cut
+    assert w.grad is None
+
+
+def test_measure_peak_of_a_step_that_trains_nothing_is_refused():
+    from revckpt.report import measure_peak
+
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4)).requires_grad_(False)
+    with pytest.raises(InvalidArgumentError, match="does not require grad"):
+        measure_peak(model, torch.tensor([[1, 2]]))
