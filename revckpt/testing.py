@@ -277,7 +277,11 @@ def _chain_grads(blocks: nn.Sequential, x: torch.Tensor, ct: torch.Tensor, **kw:
         p.grad = None
     y = checkpoint_sequential(blocks, len(blocks), x, **kw) if kw else blocks(x)
     y.backward(ct.to(y.dtype))
-    return [p.grad.detach().clone() for p in blocks.parameters() if p.requires_grad]
+    return [
+        torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()  # unused: zero
+        for p in blocks.parameters()
+        if p.requires_grad
+    ]
 
 
 def _as_approx(approx: Any) -> Any:
@@ -326,7 +330,9 @@ def assert_error_within_bound(
     :class:`~revckpt.GradientMismatchError` with the per-parameter table when a parameter is
     above; returns the :class:`ErrorCheck` (print it for the table) otherwise. The blocks must
     be deterministic (see :mod:`revckpt.approx.bounds`); they are left as they were (gradients,
-    BatchNorm statistics).
+    BatchNorm statistics), and so is ``x`` (taken detached: a non-leaf's graph is not run). A
+    parameter the chain does not use counts as a zero gradient; blocks sharing a parameter, an
+    integer or empty ``x`` are refused.
     """
     if not roundoff_ulps >= 0:
         raise InvalidArgumentError(
@@ -335,10 +341,36 @@ def assert_error_within_bound(
         )
     approx = _as_approx(approx)
     chain = blocks if isinstance(blocks, nn.Sequential) else nn.Sequential(*blocks)
-    with preserved(chain, tensors=(x,)):  # statistics, gradients (x's too) as they were
+    _check_bound_inputs(chain, x)
+    x = x.detach()  # the check's own leaf: the caller's graph and gradients are left alone
+    with preserved(chain):  # statistics, gradients (x's too) as they were
         return _checked_within_bound(
             chain, x, approx, cotangent, probes, power_iterations, roundoff_ulps
         )
+
+
+def _check_bound_inputs(chain: nn.Sequential, x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or not x.numel():
+        what = (
+            f"a {type(x).__name__}"
+            if not isinstance(x, torch.Tensor)
+            else ("an empty tensor" if x.is_floating_point() else f"a {x.dtype} tensor")
+        )
+        raise InvalidArgumentError(
+            f"assert_error_within_bound: the chain's input is {what}; the codec keeps "
+            "floating-point block inputs, so pass a non-empty floating-point one (start the "
+            "chain after an embedding of token ids)"
+        )
+    owner: dict[int, int] = {}
+    for k, block in enumerate(chain):
+        for name, p in block.named_parameters():
+            first = owner.setdefault(id(p), k)
+            if first != k:
+                raise InvalidArgumentError(
+                    f"assert_error_within_bound: blocks {first} and {k} share the parameter "
+                    f"{name!r}; the bound is taken block by block over each block's own "
+                    "parameters: check a chain whose blocks own theirs"
+                )
 
 
 def _checked_within_bound(

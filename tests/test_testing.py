@@ -145,3 +145,38 @@ def test_default_block_stacks_convert(pair):
     model = copy.deepcopy(plain)
     assert len(revckpt.convert(model, "checkpoint")) == len(plain) >= 2
     assert_gradients_close(model, plain, x, rtol=0.0)
+
+
+class _Spare(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.spare = nn.Linear(8, 8)  # registered, never called: no gradient
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
+
+
+def _tanh_block() -> nn.Module:
+    return nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.Tanh())
+
+
+def test_error_bound_check_takes_unused_parameters_as_zero_and_leaves_the_callers_graph():
+    embed = nn.Linear(8, 8)
+    h = embed(torch.randn(4, 8))  # a non-leaf of the caller's graph
+    check = assert_error_within_bound(
+        nn.Sequential(_Spare(), _tanh_block()), h, Approx(store="bf16")
+    )
+    assert check.measured["0.spare.weight"] == 0.0
+    assert embed.weight.grad is None
+
+
+def test_error_bound_check_refuses_shared_parameters_and_inputs_without_values_to_keep():
+    shared = _tanh_block()
+    with pytest.raises(InvalidArgumentError, match="share the parameter"):
+        assert_error_within_bound(nn.Sequential(shared, shared), torch.randn(4, 8), Approx())
+    chain = nn.Sequential(_tanh_block(), _tanh_block())
+    with pytest.raises(InvalidArgumentError, match="empty tensor"):
+        assert_error_within_bound(chain, torch.randn(0, 8), Approx())
+    with pytest.raises(InvalidArgumentError, match="int64"):
+        assert_error_within_bound(chain, torch.tensor([1, 2]), Approx())

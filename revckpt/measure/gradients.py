@@ -430,8 +430,9 @@ def gradient_error(
             copy of ``candidate``, which runs what ``convert``, ``fit`` or ``make_reversible``
             installed on it too (a lossy strategy's error is then in both, and it warns): for a
             strategy's error, pass a copy made before them.
-        inputs: a tensor or a tuple of positional inputs. Inputs with ``requires_grad=True`` get
-            their gradients compared too.
+        inputs: a tensor or a tuple of positional inputs. Inputs with ``requires_grad=True``
+            (also inside lists, tuples and dicts, and among ``kwargs``) get their gradients
+            compared too.
         kwargs: keyword inputs for both models (masks, positions).
         loss_fn: maps the model's output to a scalar; default a seeded random projection.
         seed: seeds the RNG for both forwards and the projection.
