@@ -1613,3 +1613,65 @@ def test_a_cnn_whose_layers_return_another_layout_is_rebuilt_bit_for_bit():
     assert layers.last_drift[0] == 0.0
     for name, g in grads["store"].items():
         assert torch.equal(grads["reversible"][name], g), name
+
+
+def test_a_conversion_is_found_from_a_part_of_the_model_it_was_made_on():
+    """peft's ``merge_and_unload()`` returns the base model, still converted, while the
+    conversion was recorded on the peft wrapper: ``convert`` accepted it and dropped the
+    trained adapters (52 of 66 gradients changed), ``reversible_layers`` said it was not
+    converted."""
+    model = make_reversible(_Holding(_Layers()), blocks="inner.layers", trainable="all")
+    inner, x = model.inner, torch.randn(2, 8)
+    with pytest.raises(InvalidArgumentError, match="holds a reversible stack"):
+        revckpt.convert(inner, "checkpoint", module_filter_fn=lambda m, n: n.startswith("layers."))
+    assert reversible_layers(inner) is reversible_layers(model)
+    assert reversible_layers(_Holding(model)) is reversible_layers(model)  # a wrapper added after
+    inner(x).sum().backward()  # still the converted function, adapters trained
+    assert model.inner.layers[0].revckpt_adapter_f.up.weight.grad is not None
+
+
+class _LoraLike(nn.Module):
+    """What peft puts in place of a linear layer: the frozen base and two trainable factors."""
+
+    def __init__(self, base: nn.Linear) -> None:
+        super().__init__()
+        self.base_layer = base.requires_grad_(False)
+        self.a = nn.Parameter(torch.randn(2, base.in_features) * 0.01)
+        self.b = nn.Parameter(torch.zeros(base.out_features, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + x @ self.a.t() @ self.b.t()
+
+
+def test_restore_leaves_frozen_what_a_library_added_after_the_conversion_trains_beside():
+    """``make_reversible`` then peft then ``restore``: the base weights make_reversible froze
+    were given back ``requires_grad=True`` (48 base weights trained, moved by AdamW)."""
+    model = make_reversible(_Layers())
+    for layer in model.layers:
+        layer[1] = _LoraLike(layer[1])
+    with pytest.warns(UserWarning, match="stay frozen"):
+        revckpt.restore(model)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {f"layers.{i}.1.{f}" for i in range(3) for f in ("a", "b")}
+    plain = make_reversible(_Layers())
+    revckpt.restore(plain)  # nothing added after: every parameter trains again
+    assert all(p.requires_grad for p in plain.parameters())
+
+
+def test_a_cache_holding_keys_before_the_layer_runs_is_refused_in_training():
+    """peft's prefix tuning passes its trainable prefix as a filled cache; revckpt dropped it
+    in training (a raw shape error inside the attention, or fit blaming the batch)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = zoo.deeper("gpt2", 2)().train()
+    cfg = model.config
+    head = cfg.n_embd // cfg.n_head
+    prefix = transformers.DynamicCache()
+    for i in range(cfg.n_layer):
+        kv = torch.randn(1, cfg.n_head, 3, head)
+        prefix.update(kv, kv.clone(), i)
+    ids = torch.randint(0, zoo.VOCAB, (1, 5))
+    mask = torch.ones(1, 8, dtype=torch.long)
+    revckpt.convert(model, "checkpoint")
+    with pytest.raises(InvalidArgumentError, match="holds keys and values already"):
+        model(input_ids=ids, attention_mask=mask, cache=prefix, use_cache=True)

@@ -223,7 +223,14 @@ class ReversibleLayers:
             keep = not self.layers[0][1].training and has_cache(args, kwargs)
             if keep:
                 forward_args = (*replaced(args, kwargs, key, None), key)
-            args, kwargs = drop_caches(args, kwargs, self._what, seen=self._warned, warn=not keep)
+            args, kwargs = drop_caches(
+                args,
+                kwargs,
+                self._what,
+                layer=cache_index(self.layers[index][1]),
+                seen=self._warned,
+                warn=not keep,
+            )
         if torch.is_grad_enabled() and state.run is not None:
             check_constant(name, args, kwargs, key)
         state.calls.args[index] = (*replaced(args, kwargs, key, None), key)

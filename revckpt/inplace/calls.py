@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import InvalidInputTypeError
+from ..errors import InvalidArgumentError, InvalidInputTypeError
 
 __all__ = [
     "cache_holds_past",
@@ -151,6 +151,28 @@ def cache_holds_past(args: tuple[Any, ...], kwargs: dict[str, Any], layer: int =
     return any(not _fresh(cache, layer) for cache in found)
 
 
+def _filled(cache: Any, layer: int) -> bool:
+    """Whether a transformers cache holds keys and values at ``layer`` (other objects: not
+    known, taken as not)."""
+    parts = [getattr(cache, n, None) for n in ("self_attention_cache", "cross_attention_cache")]
+    if all(p is not None for p in parts):  # transformers' EncoderDecoderCache
+        return any(_filled(p, layer) for p in parts)
+    return _is_cache(cache) and cache.get_seq_length(layer) > 0
+
+
+def _refuse_filled(args: tuple[Any, ...], kwargs: dict[str, Any], layer: int, what: str) -> None:
+    found = [kwargs.get(name) for name in _CACHE_KEYWORDS if kwargs.get(name) is not None]
+    found += [a for a in args if _is_cache(a)]
+    if any(_filled(cache, layer) for cache in found):
+        raise InvalidArgumentError(
+            f"{what}: the call passes a key/value cache that holds keys and values already "
+            "(peft's prefix tuning passes its trainable prefix so). In training revckpt drops "
+            "caches (a recompute would update them twice), and dropping this one would change "
+            "what the layer computes: leave these layers to plain autograd (revckpt.restore), "
+            "or train an adapter that does not go through the cache (LoRA)"
+        )
+
+
 def _fresh(cache: Any, layer: int) -> bool:
     parts = [getattr(cache, n, None) for n in ("self_attention_cache", "cross_attention_cache")]
     if all(p is not None for p in parts):  # transformers' EncoderDecoderCache
@@ -174,6 +196,7 @@ def drop_caches(
     kwargs: dict[str, Any],
     what: str,
     *,
+    layer: int = 0,
     seen: set[str] | None = None,
     warn: bool = True,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -181,9 +204,12 @@ def drop_caches(
     layer would append its keys and values to the cache a second time, so caches passed to a
     planned block while training are dropped (``use_cache=False``, cache arguments ``None``),
     with one warning per block class (per ``what``'s first word in ``seen``, when given;
-    none with ``warn=False``)."""
+    none with ``warn=False``). A transformers cache that holds keys and values at ``layer``
+    (the block's index in it) already is refused: dropping it would change what the layer
+    computes (peft's prefix tuning passes its trainable prefix so)."""
     if not has_cache(args, kwargs):
         return args, kwargs  # the usual training call: nothing to drop, nothing copied
+    _refuse_filled(args, kwargs, layer, what)
     changed = False
     new_kwargs = dict(kwargs)
     if new_kwargs.get("use_cache"):

@@ -22,7 +22,7 @@ from torch import nn
 from .._autocast import autocast_dtype
 from ..errors import InvalidArgumentError, PlanWarning
 from ..schedule.plan import warn_if_threads_differ
-from .calls import Key, carried_key, class_forward, drop_caches
+from .calls import Key, cache_index, carried_key, class_forward, drop_caches
 
 __all__ = ["Planned", "Runner", "install", "is_fsdp", "planned", "uninstall"]
 
@@ -79,7 +79,9 @@ def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled() and info.strategy != "store":
             _warn_eval_backward()
         return fn(*args, **kwargs)
-    args, kwargs = drop_caches(args, kwargs, f"{type(self).__name__} ({info.fqn})")
+    args, kwargs = drop_caches(
+        args, kwargs, f"{type(self).__name__} ({info.fqn})", layer=cache_index(self)
+    )
     key = info.key if info.key is not None else carried_key(args, kwargs)
     if key is None:
         return fn(*args, **kwargs)  # nothing to carry: nothing to plan

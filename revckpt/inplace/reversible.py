@@ -391,13 +391,20 @@ def _layer_block(
 
 
 def reversible_layers(model: nn.Module) -> ReversibleLayers:
-    """What :func:`make_reversible` installed on ``model``."""
+    """What :func:`make_reversible` installed on ``model``, or on the model it holds (a peft
+    wrapper added after the conversion, the base model ``merge_and_unload()`` returns)."""
     found = model.__dict__.get(_ATTR)
-    if not isinstance(found, ReversibleLayers):
-        raise InvalidArgumentError(
-            f"{type(model).__name__} was not converted by revckpt.make_reversible"
-        )
-    return found
+    if isinstance(found, ReversibleLayers) and not found.removed:
+        return found
+    stacks = _stacks_in(model)
+    if len(stacks) == 1:
+        return stacks[0]
+    raise InvalidArgumentError(
+        f"{type(model).__name__} holds {len(stacks)} reversible stacks (revckpt.make_reversible): "
+        "ask the model each was converted on"
+        if stacks
+        else f"{type(model).__name__} was not converted by revckpt.make_reversible"
+    )
 
 
 def _layers_of(model: nn.Module, blocks: Blocks) -> list[tuple[str, nn.Module]]:
@@ -448,6 +455,19 @@ def _conversions(model: nn.Module) -> list[nn.Module]:
     return found
 
 
+def _stacks_in(model: nn.Module) -> list[ReversibleLayers]:
+    """The conversions ``model`` holds: those of its modules (itself included) and those whose
+    layers it holds while their converted model is elsewhere (peft's ``merge_and_unload()``
+    returns the base model; a part of the converted model)."""
+    stacks = [owner.__dict__[_ATTR] for owner in _conversions(model)]
+    for m in model.modules():
+        held = m.__dict__.get(_ATTR)
+        fresh = isinstance(held, tuple) and not held[1].removed
+        if fresh and not any(held[1] is s for s in stacks):
+            stacks.append(held[1])
+    return stacks
+
+
 def remove_reversible(model: nn.Module) -> int:
     """Undo :func:`make_reversible` on ``model`` and its submodules (what
     :func:`revckpt.restore` calls): each converted layer gets back the forward it had, its
@@ -457,11 +477,9 @@ def remove_reversible(model: nn.Module) -> int:
     layers are in ``model`` and whose converted model is not (peft's ``merge_and_unload()``
     returns the base model; or a part of the converted model) is undone too. Returns how
     many layers were restored (0: nothing was converted)."""
-    stacks = [owner.__dict__.pop(_ATTR) for owner in _conversions(model)]
-    for m in model.modules():
-        held = m.__dict__.get(_ATTR)
-        if isinstance(held, tuple) and held[1] not in stacks:
-            stacks.append(held[1])
+    stacks = _stacks_in(model)
+    for owner in _conversions(model):
+        del owner.__dict__[_ATTR]
     count = 0
     for converted in stacks:
         for (_, layer), before in zip(converted.layers, converted.forwards, strict=True):
@@ -470,7 +488,7 @@ def remove_reversible(model: nn.Module) -> int:
             original = instance_forward(layer, before)
             if original is not None:
                 object.__setattr__(layer, "forward", original)
-        _undo(converted.layers, converted.frozen)  # the adapters and requires_grad
+        _undo(converted.layers, _frozen_to_give_back(converted))  # adapters, requires_grad
         for encoder in getattr(converted, "nested_off", ()):  # (a conversion pickled before)
             encoder.use_nested_tensor = True
         converted.removed = True  # its model, if it holds it still, forgets it
@@ -478,10 +496,43 @@ def remove_reversible(model: nn.Module) -> int:
     return count
 
 
+def _frozen_to_give_back(converted: ReversibleLayers) -> list[tuple[nn.Parameter, bool]]:
+    """The ``requires_grad`` to give back of what ``trainable="adapters"`` froze: all of it,
+    unless the layers now hold trainable parameters the conversion did not make nor find
+    (peft's LoRA, added after it): their library then decides what trains (peft froze the
+    base weights too), and they stay frozen, with a warning."""
+    at_conversion = {id(p) for p, _ in converted.frozen}
+    at_conversion |= {
+        id(p)
+        for _, layer in converted.layers
+        for name in _ADAPTERS
+        if name in layer._modules
+        for p in layer._modules[name].parameters()
+    }
+    added = [
+        p
+        for p in nn.ModuleList(layer for _, layer in converted.layers).parameters()
+        if p.requires_grad and id(p) not in at_conversion
+    ]
+    unfrozen = [p for p, was in converted.frozen if was and not p.requires_grad]
+    if not added or not unfrozen:
+        return converted.frozen
+    warnings.warn(
+        f"revckpt.restore: the converted layers hold {len(added)} trainable parameters added "
+        "after make_reversible (e.g. peft's LoRA), whose library decides what trains, so the "
+        f"{len(unfrozen)} parameters make_reversible(trainable='adapters') froze stay frozen; "
+        "call requires_grad_(True) on those you mean to train",
+        UserWarning,
+        stacklevel=4,
+    )
+    return []
+
+
 def refuse_reversible(model: nn.Module, what: str) -> None:
     """Raise if ``model`` holds a :func:`make_reversible` conversion (``what``: the caller,
-    e.g. ``"fit"``), which a plan must not silently undo."""
-    found = _conversions(model)
+    e.g. ``"fit"``), which a plan must not silently undo: on one of its modules, or on layers
+    it holds whose converted model is elsewhere (peft's ``merge_and_unload()``)."""
+    found = _stacks_in(model)
     if found:
         raise InvalidArgumentError(
             f"{what}: this model holds a reversible stack (revckpt.make_reversible), which "
@@ -494,10 +545,10 @@ def refuse_reversible(model: nn.Module, what: str) -> None:
 
 def stack_of(model: nn.Module) -> ReversibleLayers | None:
     """The reversible stack ``model`` holds (``None``: none); one at the most."""
-    found = _conversions(model)
+    found = _stacks_in(model)
     if len(found) > 1:
         raise InvalidArgumentError(
             f"this model holds {len(found)} reversible stacks (revckpt.make_reversible): fit "
             "plans one; convert one stack per model"
         )
-    return found[0].__dict__[_ATTR] if found else None
+    return found[0] if found else None
