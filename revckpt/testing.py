@@ -361,9 +361,18 @@ def _check_bound_inputs(chain: nn.Sequential, x: torch.Tensor) -> None:
             "floating-point block inputs, so pass a non-empty floating-point one (start the "
             "chain after an embedding of token ids)"
         )
+    dtypes = {p.dtype for p in chain.parameters() if p.is_floating_point()}
+    if len(dtypes) == 1 and x.dtype not in dtypes:
+        raise InvalidArgumentError(
+            f"assert_error_within_bound: the chain's input is {x.dtype} and its parameters "
+            f"{dtypes.pop()}: pass the input in the parameters' dtype (the check makes its own "
+            "float64 copy)"
+        )
     owner: dict[int, int] = {}
     for k, block in enumerate(chain):
         for name, p in block.named_parameters():
+            if not p.requires_grad:
+                continue  # not checked: a frozen table the blocks share is fine
             first = owner.setdefault(id(p), k)
             if first != k:
                 raise InvalidArgumentError(

@@ -164,6 +164,31 @@ def test_a_checkpoint_segment_spans_blocks_the_model_loops_over() -> None:
         assert torch.equal(g, plain_grads[n]), n
 
 
+def test_a_checkpoint_segment_refuses_tensors_changed_in_place_that_its_recompute_reads() -> None:
+    """A forward hook editing a block's output in place inside a segment (steering), or the
+    segment's input changed after the forward: the recompute read the unchanged or changed
+    values, gradients 0.30 and 1.1 off, silently."""
+    case = _case("nanogpt")
+    example = case.make_example(*PLANNED["nanogpt"])
+    model = case.make_model()
+    plan = revckpt.fit(model, example, memory_budget=1.0, loss_fn=case.loss_fn)
+    two = dataclasses.replace(plan, segments=(Segment(0, 3, "checkpoint"), Segment(3, 4, "store")))
+    revckpt.fit(model, example, memory_budget=1.0, loss_fn=case.loss_fn, plan=two)
+    first = model.get_submodule(plan.block_names[0])
+    handle = first.register_forward_hook(lambda m, args, out: out.mul_(0.5))
+    with pytest.raises(revckpt.ReplayError, match="changing it in place"):
+        zoo.step(model, example, case.loss_fn)
+    handle.remove()
+    seen = []
+    handle = first.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    loss = case.loss_fn(model(*example) if isinstance(example, tuple) else model(example))
+    handle.remove()
+    with torch.no_grad():
+        seen[0].mul_(2.0)  # the segment's input, after the forward
+    with pytest.raises(revckpt.ModifiedInputError, match="changed in place after its forward"):
+        loss.backward()
+
+
 def test_a_saved_plan_applies_to_its_model_only(tmp_path) -> None:
     case = _case("nanogpt")
     example = case.make_example(4, 32)

@@ -1675,3 +1675,56 @@ def test_a_cache_holding_keys_before_the_layer_runs_is_refused_in_training():
     revckpt.convert(model, "checkpoint")
     with pytest.raises(InvalidArgumentError, match="holds keys and values already"):
         model(input_ids=ids, attention_mask=mask, cache=prefix, use_cache=True)
+
+
+def test_a_model_with_planned_blocks_is_refused_until_restored():
+    """``make_reversible`` after ``convert``/``fit`` was accepted; ``restore`` then left each
+    layer calling a removed plan (a raw ``KeyError``)."""
+    model = _Layers()
+    revckpt.convert(model, "checkpoint")
+    with pytest.raises(InvalidArgumentError, match="planned by revckpt"):
+        make_reversible(model)
+    revckpt.restore(model)
+    make_reversible(model)(torch.randn(2, 8)).sum().backward()
+
+
+def test_restore_gives_requires_grad_back_to_parameters_replaced_since_the_conversion():
+    """``load_state_dict(assign=True)`` or ``to_empty`` after the conversion: restore gave
+    ``requires_grad`` back to the parameter objects it froze, gone from the model, and every
+    layer weight stayed frozen."""
+    source = make_reversible(_Layers())
+    for how in ("assign", "to_empty"):
+        model = make_reversible(_Layers())
+        if how == "assign":
+            model.load_state_dict(source.state_dict(), assign=True)
+        else:
+            model.to("meta").to_empty(device="cpu").load_state_dict(source.state_dict())
+        revckpt.restore(model)
+        assert all(p.requires_grad for p in model.parameters()), how
+
+
+def test_restore_keeps_a_forward_wrapper_added_after_the_conversion():
+    """accelerate's ``add_hook_to_module`` (or ``layer.forward = wrap(layer.forward)``) after
+    ``make_reversible`` or ``convert``: ``restore`` dropped the wrapper, logits moved by 0.74."""
+
+    def shifted(layer: nn.Module) -> None:
+        inner = layer.forward
+        layer.forward = lambda *a, **k: inner(*a, **k) + 1.0
+
+    x = torch.randn(2, 8)
+    plain = _Layers()
+    expected_model = copy.deepcopy(plain)
+    shifted(expected_model.layers[1])
+    expected = expected_model(x)
+    for how in ("make_reversible", "convert", "convert again"):
+        model = copy.deepcopy(plain)
+        if how == "make_reversible":
+            make_reversible(model, trainable="all", scale=1.0, exact=False)
+        else:
+            revckpt.convert(model, "checkpoint")
+        shifted(model.layers[1])
+        if how == "convert again":
+            revckpt.convert(model, "checkpoint")
+            model(x).sum().backward()
+        revckpt.restore(model)
+        torch.testing.assert_close(model(x), expected, msg=how)

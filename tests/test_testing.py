@@ -180,3 +180,21 @@ def test_error_bound_check_refuses_shared_parameters_and_inputs_without_values_t
         assert_error_within_bound(chain, torch.randn(0, 8), Approx())
     with pytest.raises(InvalidArgumentError, match="int64"):
         assert_error_within_bound(chain, torch.tensor([1, 2]), Approx())
+
+
+def test_error_bound_check_accepts_a_frozen_table_the_blocks_share_and_names_a_wrong_dtype():
+    table = nn.Parameter(torch.randn(8), requires_grad=False)
+
+    class Shifted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = table
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.tanh(self.lin(x + self.table))
+
+    chain = nn.Sequential(Shifted(), Shifted())
+    assert_error_within_bound(chain, torch.randn(4, 8), Approx(store="bf16"))
+    with pytest.raises(InvalidArgumentError, match="float64 and its parameters"):
+        assert_error_within_bound(chain, torch.randn(4, 8, dtype=torch.float64), Approx())

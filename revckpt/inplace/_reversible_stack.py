@@ -90,7 +90,10 @@ class InstalledForward(ModuleForward):
     __slots__ = ()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        index, layers = self.block.__dict__[REVERSIBLE_ATTR]
+        held = self.block.__dict__.get(REVERSIBLE_ATTR)
+        if not isinstance(held, tuple) or (self.owner is not None and held[1] is not self.owner):
+            return self.plain(*args, **kwargs)  # restored under a wrapper added after it
+        index, layers = held
         return layers.call(index, args, kwargs)
 
 
@@ -132,6 +135,7 @@ class ReversibleLayers:
     removed = False  # undone by revckpt.restore through its layers (remove_reversible)
     start: float | None = None  # the output's relative change at conversion, where measured
     feature_dim = -1  # the adapters' dimension of the hidden state
+    frozen_names: list[tuple[int, str, bool]] | None = None  # (pickled before it existed)
 
     def __init__(
         self,
@@ -165,7 +169,9 @@ class ReversibleLayers:
         #: for revckpt.restore: each layer's instance forward before (as LayerCall.before), and
         #: the parameters make_reversible froze, with their requires_grad before
         self.forwards: list[Any] = []
-        self.frozen: list[tuple[nn.Parameter, bool]] = []
+        # what trainable="adapters" froze: (layer index, parameter name, requires_grad before)
+        self.frozen_names: list[tuple[int, str, bool]] | None = []
+        self.frozen: list[tuple[nn.Parameter, bool]] = []  # a conversion pickled before names
         #: the nn.TransformerEncoders whose nested-tensor fast path conversion turned off
         self.nested_off: list[nn.Module] = []
         self._warned: set[str] = set()  # the cache warning: once per conversion

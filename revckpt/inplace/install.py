@@ -214,16 +214,35 @@ class ModuleForward:
     ``getattr(module, "forward")``, which loads the class's forward: what was installed is
     dropped silently). Subclasses define ``__call__``."""
 
-    __slots__ = ("block",)
+    __slots__ = ("block", "owner", "previous")
 
-    def __init__(self, block: nn.Module) -> None:
+    def __init__(self, block: nn.Module, owner: Any = None, previous: Any = None) -> None:
         self.block = block
+        self.owner = (
+            owner  # what it runs for (a plan, a conversion): in force while the block holds it
+        )
+        self.previous = previous  # the instance forward it replaced (None: the class's)
 
-    def __getstate__(self) -> nn.Module:
-        return self.block
+    def __getstate__(self) -> tuple[nn.Module, Any, Any]:
+        return self.block, self.owner, self.previous
 
-    def __setstate__(self, block: nn.Module) -> None:
-        self.block = block
+    def __setstate__(self, state: Any) -> None:
+        # (a model pickled before ``owner`` and ``previous`` were kept: the block alone)
+        self.block, self.owner, self.previous = (
+            state if isinstance(state, tuple) else (state, None, None)
+        )
+
+    def plain(self, *args: Any, **kwargs: Any) -> Any:
+        """What the block ran before revckpt installed this: once revckpt takes it off while a
+        wrapper added after it (accelerate's hooks, ``block.forward = wrap(block.forward)``)
+        still calls it, the wrapper stays and calls through to that."""
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.block).forward(self.block, *args, **kwargs)
+
+    def installed_on(self, block: nn.Module) -> bool:
+        """Whether this is ``block``'s ``forward`` still (nothing wrapped it since)."""
+        return self is block.__dict__.get("forward") and self.block is block
 
 
 class PlannedForward(ModuleForward):
@@ -233,6 +252,9 @@ class PlannedForward(ModuleForward):
     __slots__ = ()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        info = self.block.__dict__.get(_ATTR)
+        if info is None or (self.owner is not None and info is not self.owner):
+            return self.plain(*args, **kwargs)  # restored under a wrapper added after it
         return forward(self.block, *args, **kwargs)
 
 
@@ -249,7 +271,7 @@ def install(block: nn.Module, info: Planned) -> None:
         info.original = old.original
     else:
         info.original = block.__dict__.get("forward")
-    object.__setattr__(block, "forward", PlannedForward(block))
+    object.__setattr__(block, "forward", PlannedForward(block, info, info.original))
     object.__setattr__(block, _ATTR, info)
 
 
@@ -258,7 +280,10 @@ def uninstall(block: nn.Module) -> bool:
     info = planned(block)
     if info is None:
         return False
+    current = block.__dict__.get("forward")
     del block.__dict__[_ATTR]
+    if not (isinstance(current, PlannedForward) and current.installed_on(block)):
+        return True  # wrapped since: the wrapper stays, and calls through to the plain forward
     if info.original is not None:
         object.__setattr__(block, "forward", info.original)
     else:

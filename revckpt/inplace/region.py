@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import CheckpointMismatchError, InvalidArgumentError, ReplayError
+from ..engine.rerun import any_changed, check_versions, input_versions
+from ..errors import CheckpointMismatchError, InvalidArgumentError, ModifiedInputError, ReplayError
 from ..replay import ForwardState
 from .calls import Key, hidden_of, replaced
 from .install import is_fsdp
@@ -37,6 +38,7 @@ class _Record:
     key: Key
     state: ForwardState
     label: str
+    versions: list[tuple[torch.Tensor, int]]
     packed: int = 0
 
 
@@ -49,6 +51,7 @@ class _Run:
         self.count = 0
         self.store: dict[int, torch.Tensor] = {}
         self.last_output: torch.Tensor | None = None
+        self.last_version = 0
         self.lock = threading.Lock()
 
     def pack(self, t: torch.Tensor) -> Any:
@@ -77,6 +80,16 @@ class _Run:
         def keep(t: torch.Tensor) -> None:
             store[len(store)] = t
 
+        changed = [r.label for r in self.records if any_changed(r.versions)]
+        if changed:
+            raise ModifiedInputError(
+                f"{changed[0]}, in a checkpoint segment ({self.records[0].label} .. "
+                f"{self.records[-1].label}): a tensor it was given (the segment's input, an "
+                "argument or keyword) was changed in place after its forward, before its "
+                "backward, so the segment's recompute would read the changed value (plain "
+                "autograd raises for a tensor it saved that was changed so). Change it out of "
+                "place, or pass a copy (t.clone())"
+            )
         x = self.first_input
         h = x.detach().requires_grad_(x.requires_grad)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(keep, _never):
@@ -135,21 +148,28 @@ class Region:
         run: _Run | None = getattr(self._local, "run", None)
         if position == 0:
             run = _Run(hidden)
-        elif run is None or len(run.records) != position or run.last_output is not hidden:
+        elif (
+            run is None
+            or len(run.records) != position
+            or run.last_output is not hidden
+            or hidden._version != run.last_version
+        ):
             self._local.run = None
             raise ReplayError(
                 f"{self.labels[position]} is planned inside a checkpoint segment with "
                 f"{self.labels[0]}, but it was not called right after {self.labels[position - 1]} "
-                "on that block's output (a module hook added since fit, a full backward hook "
-                "or a forward hook returning a new output, also changes what the next block "
-                "gets); plan with revckpt.fit again (it checks how the model calls its "
-                "blocks), or use one-block segments"
+                "on that block's output as it returned it (a module hook added since fit, a "
+                "full backward hook, a forward hook returning a new output or changing it in "
+                "place, also changes what the next block gets, which the segment's recompute "
+                "would not see); plan with revckpt.fit again (it checks how the model calls its "
+                "blocks), or use one-block segments (revckpt.fit(..., segment_blocks=1))"
             )
         self._local.run = run
         # the segment's first input is kept by the run; later ones are rebuilt in backward
         kept_args, kept_kwargs = replaced(args, kwargs, key, None) if position else (args, kwargs)
         state = ForwardState.capture(args, kwargs, modules=(block,))
-        record = _Record(fn, kept_args, kept_kwargs, key, state, self.labels[position])
+        versions = input_versions(kept_args, kept_kwargs)
+        record = _Record(fn, kept_args, kept_kwargs, key, state, self.labels[position], versions)
         run.records.append(record)
         start = run.count
         try:
@@ -159,8 +179,10 @@ class Region:
             state.forward_finished(completed=False)
             raise
         state.forward_finished()
+        check_versions(versions, self.labels[position])  # changed its input: recompute differs
         record.packed = run.count - start
         run.last_output = hidden_of(out, self.labels[position])
+        run.last_version = run.last_output._version
         if position == self.size - 1:
             self._local.run = None
             run.last_output = None

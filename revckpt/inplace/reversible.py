@@ -38,7 +38,7 @@ from ._reversible_calls import (
 from ._reversible_stack import SIXTEEN_BITS, InstalledForward, ReversibleLayers, auto_anchors
 from ._reversible_start import measure_start, relative_change, run_output
 from .blocks import Blocks, find_blocks
-from .install import REVERSIBLE_ATTR
+from .install import REVERSIBLE_ATTR, planned
 
 __all__ = [
     "ReversibleLayers",
@@ -206,11 +206,12 @@ def make_reversible(
     converted.auto_exact = not exact and model_dtype not in SIXTEEN_BITS
     converted.width, converted.feature_dim = features[0]
     converted.forwards = [before for _, before in built]
-    converted.frozen = frozen
+    converted.frozen_names = _names_of(layers, frozen)
     converted.nested_off = _nested_tensors_off(model, layers)
     for i, (_, layer) in enumerate(layers):
         object.__setattr__(layer, _ATTR, (i, converted))
-        object.__setattr__(layer, "forward", InstalledForward(layer))
+        previous = layer.__dict__.get("forward")
+        object.__setattr__(layer, "forward", InstalledForward(layer, converted, previous))
     object.__setattr__(model, _ATTR, converted)
     return model
 
@@ -320,6 +321,34 @@ def _nested_tensors_off(model: nn.Module, layers: list[tuple[str, nn.Module]]) -
     return found
 
 
+def _names_of(
+    layers: list[tuple[str, nn.Module]], frozen: list[tuple[nn.Parameter, bool]]
+) -> list[tuple[int, str, bool]]:
+    """What ``trainable="adapters"`` froze, by layer and name (a model whose parameters are
+    replaced since, ``load_state_dict(assign=True)`` or ``to_empty``, has other objects)."""
+    was = {id(p): w for p, w in frozen}
+    named, seen = [], set()
+    for i, (_, layer) in enumerate(layers):
+        for name, p in layer.named_parameters():
+            if id(p) in was and id(p) not in seen:
+                seen.add(id(p))
+                named.append((i, name, was[id(p)]))
+    return named
+
+
+def _frozen_now(converted: ReversibleLayers) -> list[tuple[nn.Parameter, bool]]:
+    """What ``trainable="adapters"`` froze, as the parameters the layers hold now."""
+    if converted.frozen_names is None:  # a conversion pickled before the names were kept
+        return converted.frozen
+    found = []
+    for i, name, was in converted.frozen_names:
+        try:
+            found.append((converted.layers[i][1].get_parameter(name), was))
+        except AttributeError:
+            continue  # the layer no longer has it
+    return found
+
+
 def _undo(layers: list[tuple[str, nn.Module]], frozen: list[tuple[nn.Parameter, bool]]) -> None:
     """Take back what a conversion refused midway did: the adapters it added and the
     ``requires_grad`` it changed."""
@@ -414,6 +443,13 @@ def _layers_of(model: nn.Module, blocks: Blocks) -> list[tuple[str, nn.Module]]:
             "this model was converted by make_reversible already; revckpt.restore(model) "
             "undoes it (and drops the adapters) before converting again"
         )
+    plans = [name for name, m in model.named_modules() if planned(m) is not None]
+    if plans:  # restore would take the plan's forwards from under the stack
+        raise InvalidArgumentError(
+            f"this model has blocks planned by revckpt.fit or convert ({plans[0]}, ...): "
+            "revckpt.restore(model) undoes the plan before make_reversible; revckpt.fit on "
+            "the converted model then picks the stack's mode for a budget"
+        )
     layers = find_blocks(model, blocks)
     again = [fqn for fqn, layer in layers if _ATTR in layer.__dict__]
     if again:  # converting them again (through a parent, or a part of the model) recursed
@@ -484,6 +520,9 @@ def remove_reversible(model: nn.Module) -> int:
     for converted in stacks:
         for (_, layer), before in zip(converted.layers, converted.forwards, strict=True):
             layer.__dict__.pop(_ATTR, None)
+            current = layer.__dict__.get("forward")
+            if not (isinstance(current, InstalledForward) and current.installed_on(layer)):
+                continue  # wrapped since: the wrapper stays, calling through to the plain one
             layer.__dict__.pop("forward", None)
             original = instance_forward(layer, before)
             if original is not None:
@@ -501,7 +540,8 @@ def _frozen_to_give_back(converted: ReversibleLayers) -> list[tuple[nn.Parameter
     unless the layers now hold trainable parameters the conversion did not make nor find
     (peft's LoRA, added after it): their library then decides what trains (peft froze the
     base weights too), and they stay frozen, with a warning."""
-    at_conversion = {id(p) for p, _ in converted.frozen}
+    frozen = _frozen_now(converted)
+    at_conversion = {id(p) for p, _ in frozen}
     at_conversion |= {
         id(p)
         for _, layer in converted.layers
@@ -514,9 +554,9 @@ def _frozen_to_give_back(converted: ReversibleLayers) -> list[tuple[nn.Parameter
         for p in nn.ModuleList(layer for _, layer in converted.layers).parameters()
         if p.requires_grad and id(p) not in at_conversion
     ]
-    unfrozen = [p for p, was in converted.frozen if was and not p.requires_grad]
+    unfrozen = [p for p, was in frozen if was and not p.requires_grad]
     if not added or not unfrozen:
-        return converted.frozen
+        return frozen
     warnings.warn(
         f"revckpt.restore: the converted layers hold {len(added)} trainable parameters added "
         "after make_reversible (e.g. peft's LoRA), whose library decides what trains, so the "

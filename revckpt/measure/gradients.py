@@ -24,14 +24,13 @@ import copy
 import dataclasses
 import math
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_map
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 
 from .._numbers import relative
 from ..errors import InvalidArgumentError, InvalidInputTypeError
@@ -106,7 +105,7 @@ class GradientError:
 
     Parameter names are those of ``named_parameters()``; inputs are ``"input.0"``, ``"input.1"``,
     ... (positional) and ``"input.<name>"`` (keyword), a tensor inside a list, tuple or dict
-    with its place appended (``"input.1.0"``, ``"input.feats.key"``).
+    with its place in brackets (``"input.1[0]"``, ``"input.feats['key']"``).
     """
 
     per_tensor: dict[str, TensorError]
@@ -146,6 +145,9 @@ def _as_args(inputs: Inputs) -> tuple[Any, ...]:
     )
 
 
+_COMPLEX = {torch.float64: torch.complex128, torch.float32: torch.complex64}
+
+
 def _prepare(obj: Any, dtype: torch.dtype | None) -> Any:
     """Fresh leaf copies of floating tensors (cast to ``dtype`` if given), same requires_grad."""
 
@@ -155,8 +157,8 @@ def _prepare(obj: Any, dtype: torch.dtype | None) -> Any:
         y = x.detach()
         if dtype is not None and y.is_floating_point():
             y = y.to(dtype)
-        elif dtype is torch.float64 and y.is_complex():
-            y = y.to(torch.complex128)
+        elif dtype in _COMPLEX and y.is_complex():
+            y = y.to(_COMPLEX[dtype])
         y = y.clone()
         return y.requires_grad_(x.requires_grad and (y.is_floating_point() or y.is_complex()))
 
@@ -194,19 +196,24 @@ def _fork_all_rng() -> Any:
     return torch.random.fork_rng(devices=cuda)
 
 
-def _key(entry: Any) -> str:
-    """One step of a pytree path as a name part: a list index, a dict key, an attribute."""
-    for attr in ("idx", "key", "name"):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return str(entry)
-
-
 def _input_tensors(args: Any, kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """The inputs that require grad, nested ones too, named ``input.<place>``."""
-    for path, a in tree_flatten_with_path((args, kwargs))[0]:
-        if isinstance(a, torch.Tensor) and a.requires_grad:
-            yield "input." + ".".join(_key(k) for k in path[1:]), a
+    """The inputs that require grad, named ``input.<position or keyword>``, one inside a list,
+    tuple or dict with its place in brackets (``input.1[0]``, ``input.feats['key']``)."""
+    for top, value in [*enumerate(args), *kwargs.items()]:
+        for place, a in _leaves_with_places(value):
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                yield f"input.{top}{place}", a
+
+
+def _leaves_with_places(value: Any) -> list[tuple[str, Any]]:
+    """``value``'s pytree leaves with their places; by their order (``[#2]``) inside a
+    container registered without keys (``register_pytree_node`` without
+    ``flatten_with_keys_fn``)."""
+    try:
+        return [(keystr(path), leaf) for path, leaf in tree_flatten_with_path(value)[0]]
+    except ValueError:
+        leaves = tree_flatten(value)[0]
+        return [(f"[#{i}]", leaf) for i, leaf in enumerate(leaves)]
 
 
 def _checked_loss(loss: Any) -> torch.Tensor:
@@ -254,13 +261,15 @@ def _grads(
         if p.requires_grad:
             names.append(n)
             tensors.append(p)
-    params = set(names)
+    taken = set(names)
     for name, a in _input_tensors(args, kwargs):
-        if name in params:
+        if name in taken:
             raise InvalidArgumentError(
                 f"an input that requires grad would be named {name!r}, as a parameter of the "
-                "model is: rename the parameter, or pass the input without requires_grad"
+                "model or another input is: rename the parameter or the keyword, or pass the "
+                "input without requires_grad"
             )
+        taken.add(name)
         names.append(name)
         tensors.append(a)
     dtypes = None
@@ -322,30 +331,44 @@ def _check_materialised(model: nn.Module, role: str, inputs: Any) -> None:
         )
 
 
-def _with_parameter_hooks(copied: nn.Module, original: nn.Module) -> nn.Module:
-    """``copied`` with the hooks registered on ``original``'s parameters
-    (``p.register_hook``: a gradient mask or scale): ``deepcopy`` keeps module hooks only."""
-    for (_, p), (_, q) in zip(
-        original.named_parameters(remove_duplicate=False),
-        copied.named_parameters(remove_duplicate=False),
-        strict=True,
-    ):
-        if p._backward_hooks:
-            q._backward_hooks = OrderedDict(p._backward_hooks)
-    return copied
+def _warn_if_parameter_hooks(candidate: nn.Module) -> None:
+    """``copy.deepcopy`` keeps module hooks but not the hooks registered on parameters
+    (``p.register_hook``): the float64 copy runs without them. They are not copied over: a
+    hook may have side effects (accumulating into a buffer of the caller's) or return the
+    candidate's dtype. Warn, naming them, where they would make the figure."""
+    hooked = [n for n, p in candidate.named_parameters() if p.requires_grad and p._backward_hooks]
+    if hooked:
+        warnings.warn(
+            f"gradient_error(model, None, ...): {len(hooked)} parameters of the model have "
+            f"hooks (p.register_hook, e.g. {hooked[0]!r}), which the float64 copy does not "
+            "carry (deepcopy drops them; copied, a hook with side effects would run twice), "
+            "so the reference's gradients are taken without them. Pass a reference with the "
+            "same hooks registered (e.g. a float64 copy you make and hook yourself)",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
-def _floating_dtype(model: nn.Module) -> torch.dtype | None:
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    return dtypes.pop() if len(dtypes) == 1 else None
+def _real_dtypes(model: nn.Module) -> set[torch.dtype]:
+    """The real dtypes of the model's floating-point and complex parameters (complex128 as
+    float64)."""
+    dtypes = set()
+    for p in model.parameters():
+        if p.is_complex():
+            dtypes.add(p.real.dtype)
+        elif p.is_floating_point():
+            dtypes.add(p.dtype)
+    return dtypes
 
 
 def _inputs_dtype_for(reference: nn.Module, candidate: nn.Module) -> torch.dtype | None:
-    """The dtype to give a reference's floating-point inputs: its parameters' one dtype where
-    it differs from the candidate's (a float64 copy made by hand, a float32 original of a
-    bf16 model), else as given."""
-    ref, cand = _floating_dtype(reference), _floating_dtype(candidate)
-    return ref if ref is not None and cand is not None and ref != cand else None
+    """The dtype to give a reference's floating-point (and complex) inputs: its parameters'
+    one dtype where the candidate's are not all of it (a float64 copy made by hand, a float32
+    original of a bf16 model, a candidate of mixed dtypes), else as given."""
+    ref = _real_dtypes(reference)
+    if len(ref) != 1 or _real_dtypes(candidate) == ref:
+        return None
+    return ref.pop()
 
 
 def _paired_gradients(
@@ -383,7 +406,8 @@ def _paired_gradients(
             _warn_if_installed(candidate)
             # complex parameters to complex128: Module.to(torch.float64) drops their imaginary
             # part
-            reference = _with_parameter_hooks(copy.deepcopy(candidate)._apply(_widened), candidate)
+            _warn_if_parameter_hooks(candidate)
+            reference = copy.deepcopy(candidate)._apply(_widened)
             ref_dtype = torch.float64
         cand, dtypes = _grads(candidate, _prepare(args, None), _prepare(kw, None), loss_fn, seed)
         ref, _ = _grads(

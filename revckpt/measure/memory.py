@@ -216,7 +216,12 @@ class MemoryMeter:
     def _exit_storages(self, exc: Any) -> tuple[int, int, str | None]:
         tracker, self._tracker = self._tracker, None
         assert tracker is not None
-        tracker.leave(exc)
+        if not tracker.leave(exc):
+            raise MeasurementError(
+                "MemoryMeter('cpu') exited on another thread than the one that entered it "
+                "(torch's dispatch modes are per thread): its tracker stays on that thread's "
+                "mode stack. Enter and exit a meter on one thread"
+            )
         with tracker.lock:
             tracker.resync()
             tracker.refs.clear()  # dropping the weak references cancels their callbacks

@@ -324,18 +324,21 @@ class _StorageTracker(TorchDispatchMode):
             self._apply(changes)
         return out
 
-    def leave(self, exc: Any) -> None:
+    def leave(self, exc: Any) -> bool:
         """Exit the mode wherever it is on torch's dispatch-mode stack. ``__exit__`` pops the
         top one: a meter exited before one entered after it (not innermost first) would pop
         the other's tracker and leave its own, counting every later operation of the process.
         Here the modes above it stay, and the one right above inherits the state this one
-        saved at its entry, which its own exit then restores."""
+        saved at its entry, which its own exit then restores. ``False``: this thread has no
+        mode to take (the meter was entered on another thread)."""
         stack = _get_current_dispatch_mode_stack()
-        if not any(m is self for m in stack):
-            return  # taken off already (another mode's exit out of order popped it)
-        if stack[-1] is self:
+        if not stack:
+            return False  # exited on another thread than it was entered on
+        # not on the stack: another mode exited out of order before it took this one off
+        # (torch's exit pops the top mode), and taking the top one leaves the stack as it was
+        if stack[-1] is self or not any(m is self for m in stack):
             self.__exit__(*exc)
-            return
+            return True
         above = []
         while (top := _pop_mode()) is not self:
             above.append(top)
@@ -346,6 +349,7 @@ class _StorageTracker(TorchDispatchMode):
             mine, theirs = getattr(self, name, None), getattr(upper, name, None)
             if mine and theirs:
                 theirs[-1] = mine.pop()
+        return True
 
     def _apply(self, changes: list[int]) -> None:
         with self.lock:

@@ -142,10 +142,18 @@ def test_inputs_nested_in_lists_and_dicts_have_their_gradients_compared():
     cand.cut = True  # its gradient to feats[0] is wrong (none)
     x, feat = torch.randn(3, 4), torch.randn(3, 4, requires_grad=True)
     err = gradient_error(cand, ref, (x, [feat]))
-    assert err.per_tensor["input.1.0"].rel_l2 == 1.0
+    assert err.per_tensor["input.1[0]"].rel_l2 == 1.0
     err = gradient_error(cand, ref, x, kwargs={"feats": {0: feat}})
-    assert err.per_tensor["input.feats.0"].rel_l2 == 1.0
-    assert gradient_error(ref, None, (x, [feat])).per_tensor["input.1.0"].rel_l2 < 1e-6
+    assert err.per_tensor["input.feats[0]"].rel_l2 == 1.0
+    assert gradient_error(ref, None, (x, [feat])).per_tensor["input.1[0]"].rel_l2 < 1e-6
+
+    class Two(nn.Module):
+        def forward(self, x, **kw):
+            return x * kw["f.0"] + kw["f"][0]
+
+    a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    err = gradient_error(Two(), None, torch.randn(3), kwargs={"f.0": a, "f": [b]})
+    assert {"input.f.0", "input.f[0]"} <= err.per_tensor.keys()
 
 
 def test_an_input_named_as_a_parameter_is_refused():
@@ -156,12 +164,36 @@ def test_an_input_named_as_a_parameter_is_refused():
         gradient_error(model, None, torch.randn(4, requires_grad=True))
 
 
-def test_the_float64_copy_keeps_the_parameters_hooks():
+def test_parameter_hooks_the_float64_copy_does_not_carry_are_named_and_not_run_twice():
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
-    mask = torch.tensor([1.0, 1.0, 0.0, 0.0])[:, None]
-    model[0].weight.register_hook(lambda g: g * mask)
-    err = gradient_error(model, None, torch.randn(2, 4))
-    assert err.per_tensor["0.weight"].rel_l2 < 1e-6
+    calls = []
+    model[0].weight.register_hook(lambda g: calls.append(g.dtype))  # a side effect
+    with pytest.warns(UserWarning, match="does not carry"):
+        gradient_error(model, None, torch.randn(2, 4))
+    assert calls == [torch.float32]  # the candidate's, once
+
+
+def test_inputs_inside_a_container_registered_without_keys_are_compared():
+    from torch.utils import _pytree
+
+    class Box:
+        def __init__(self, t):
+            self.t = t
+
+    _pytree.register_pytree_node(Box, lambda b: ([b.t], None), lambda v, _: Box(v[0]))
+    try:
+
+        class Boxed(nn.Linear):
+            def forward(self, x, box):
+                return super().forward(x) + box.t
+
+        model = Boxed(4, 3)
+        err = gradient_error(
+            model, None, torch.randn(2, 4), kwargs={"box": Box(torch.zeros(3, requires_grad=True))}
+        )
+        assert "weight" in err.per_tensor and "input.box[#0]" in err.per_tensor
+    finally:
+        _pytree._deregister_pytree_node(Box)
 
 
 def test_unmade_lazy_parameters_and_meta_tensors_are_refused():

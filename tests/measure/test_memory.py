@@ -344,3 +344,40 @@ def test_a_storage_grown_outside_the_dispatcher_counts_in_the_peak_too():
         u.untyped_storage().resize_(4000)
     assert m.end_bytes == 4000 and m.peak_bytes >= m.end_bytes
     del t, u
+
+
+def test_a_meter_whose_tracker_another_modes_exit_took_leaves_the_stack_empty():
+    from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    other, meter = Passing(), MemoryMeter("cpu")
+    other.__enter__()
+    meter.__enter__()
+    other.__exit__(None, None, None)  # out of order: torch pops the meter's tracker
+    meter.__exit__(None, None, None)
+    assert _get_current_dispatch_mode_stack() == []
+
+
+def test_a_meter_exited_on_another_thread_is_refused():
+    import threading
+
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    meter, raised = MemoryMeter("cpu"), []
+    meter.__enter__()
+
+    def leave():
+        try:
+            meter.__exit__(None, None, None)
+        except MeasurementError as e:
+            raised.append(e)
+
+    worker = threading.Thread(target=leave)
+    worker.start()
+    worker.join()
+    assert raised and "another thread" in str(raised[0])
+    _get_current_dispatch_mode_stack()[-1].__exit__(None, None, None)  # this test's cleanup
+    assert _get_current_dispatch_mode_stack() == []
