@@ -1728,3 +1728,13 @@ def test_restore_keeps_a_forward_wrapper_added_after_the_conversion():
             model(x).sum().backward()
         revckpt.restore(model)
         torch.testing.assert_close(model(x), expected, msg=how)
+
+
+def test_a_layer_held_twice_is_refused_and_an_alias_elsewhere_is_not():
+    model = _Layers()
+    model.layers[2] = model.layers[0]
+    with pytest.raises(InvalidArgumentError, match="the same layer twice"):
+        make_reversible(model)
+    aliased = _Layers()
+    aliased.first = aliased.layers[0]  # a second name outside the layers' container
+    make_reversible(aliased, blocks="layers")(torch.randn(2, 8)).sum().backward()

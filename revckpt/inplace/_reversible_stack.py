@@ -406,7 +406,9 @@ class ReversibleLayers:
             raise RevckptError(
                 f"layer {name} was called out of order: make_reversible runs layers "
                 f"{self.layers[0][0]} .. {self.layers[-1][0]} as one reversible stack, called "
-                "one after the other in every forward pass"
+                "one after the other in every forward pass (a layer replaced, removed or added "
+                "since the conversion, or one module called twice, breaks the order: "
+                "revckpt.restore, then make_reversible on the model as it is now)"
             )
         assert state.returned is not None
         if not passes(args, kwargs, state.returned):

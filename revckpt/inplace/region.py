@@ -161,8 +161,9 @@ class Region:
                 "on that block's output as it returned it (a module hook added since fit, a "
                 "full backward hook, a forward hook returning a new output or changing it in "
                 "place, also changes what the next block gets, which the segment's recompute "
-                "would not see); plan with revckpt.fit again (it checks how the model calls its "
-                "blocks), or use one-block segments (revckpt.fit(..., segment_blocks=1))"
+                "would not see; so does a planned block removed, replaced or added since fit); "
+                "plan with revckpt.fit again (it checks how the model calls its blocks), or use "
+                "one-block segments (revckpt.fit(..., segment_blocks=1))"
             )
         self._local.run = run
         # the segment's first input is kept by the run; later ones are rebuilt in backward

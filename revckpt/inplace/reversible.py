@@ -451,6 +451,7 @@ def _layers_of(model: nn.Module, blocks: Blocks) -> list[tuple[str, nn.Module]]:
             "the converted model then picks the stack's mode for a budget"
         )
     layers = find_blocks(model, blocks)
+    _refuse_shared_layers(model, layers)
     again = [fqn for fqn, layer in layers if _ATTR in layer.__dict__]
     if again:  # converting them again (through a parent, or a part of the model) recursed
         raise InvalidArgumentError(
@@ -475,6 +476,23 @@ def _layers_of(model: nn.Module, blocks: Blocks) -> list[tuple[str, nn.Module]]:
             "pick a run of consecutive layers"
         )
     return layers
+
+
+def _refuse_shared_layers(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> None:
+    """A layer held twice (``nn.ModuleList([a, b, b])``; ``find_blocks`` names each module
+    once) would be called twice per pass, which a stack of its layers cannot run."""
+    ids = {id(layer) for _, layer in layers}
+    parents = {fqn.rpartition(".")[0] for fqn, _ in layers}  # another name elsewhere is an alias
+    first: dict[int, str] = {}
+    for fqn, m in model.named_modules(remove_duplicate=False):
+        if id(m) not in ids or fqn.rpartition(".")[0] not in parents:
+            continue
+        if first.setdefault(id(m), fqn) != fqn:
+            raise InvalidArgumentError(
+                f"{first[id(m)]} and {fqn} are one module (the same layer twice): a reversible "
+                "stack runs each of its layers once per pass; convert a model whose layers are "
+                "distinct modules (copy.deepcopy the repeated one)"
+            )
 
 
 def _conversions(model: nn.Module) -> list[nn.Module]:
