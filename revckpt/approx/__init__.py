@@ -14,18 +14,27 @@
   float64.
 """
 
-from .bounds import ErrorEstimate, TotalEstimate, estimate_error, estimate_totals
+from .bounds import (
+    FIRST_ORDER_LIMIT,
+    ErrorEstimate,
+    NonSmoothWarning,
+    TotalEstimate,
+    estimate_error,
+    estimate_totals,
+)
 from .formats import FORMATS, Codec, Encoded, NonFiniteInputError
 from .recompute import Approx, checkpoint
 from .saved import RelativeErrors, compress_saved, compress_saved_error
 
 __all__ = [
+    "FIRST_ORDER_LIMIT",
     "FORMATS",
     "Approx",
     "Codec",
     "Encoded",
     "ErrorEstimate",
     "NonFiniteInputError",
+    "NonSmoothWarning",
     "RelativeErrors",
     "TotalEstimate",
     "checkpoint",
