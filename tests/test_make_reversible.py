@@ -1738,3 +1738,43 @@ def test_a_layer_held_twice_is_refused_and_an_alias_elsewhere_is_not():
     aliased = _Layers()
     aliased.first = aliased.layers[0]  # a second name outside the layers' container
     make_reversible(aliased, blocks="layers")(torch.randn(2, 8)).sum().backward()
+
+
+def test_a_cache_slot_that_keeps_nothing_counts_as_fresh():
+    """transformers' ``DummyLayer`` (a layer reusing another's keys, NemotronH's MLP layers)
+    has no ``get_seq_length``: training with the default ``use_cache=True`` raised a raw
+    ``AttributeError`` once filled caches were refused."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.cache_utils import DummyLayer
+
+    from revckpt.inplace.calls import drop_caches
+
+    cache = transformers.DynamicCache()
+    cache.layers = [DummyLayer(), *cache.layers]
+    _, kwargs = drop_caches((), {"cache": cache, "use_cache": True}, "Layer (h.0)", warn=False)
+    assert kwargs == {"cache": None, "use_cache": False}
+
+
+def test_restore_leaves_frozen_what_a_prefix_added_outside_the_layers_trains_beside():
+    model = make_reversible(_Layers())
+    model.prefix = nn.Parameter(torch.zeros(8))  # peft's prefix or prompt: outside the layers
+    with pytest.warns(UserWarning, match="stay frozen"):
+        revckpt.restore(model)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {"prefix"}
+
+
+def test_planned_blocks_outside_the_layers_converted_are_fine_and_a_renamed_weight_thaws():
+    model = _Holding(_Layers())
+    model.head = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    revckpt.convert(model, "checkpoint", module_filter_fn=lambda m, n: n.startswith("head."))
+    make_reversible(model, blocks="inner.layers")  # the plan is on other blocks
+    from torch.nn.utils import parametrize
+
+    class Same(nn.Module):
+        def forward(self, w):
+            return w
+
+    # moves the weight, the same object, to parametrizations.weight.original
+    parametrize.register_parametrization(model.inner.layers[0][1], "weight", Same())
+    revckpt.restore(model)
+    assert all(p.requires_grad for p in model.parameters())

@@ -157,7 +157,12 @@ def _filled(cache: Any, layer: int) -> bool:
     parts = [getattr(cache, n, None) for n in ("self_attention_cache", "cross_attention_cache")]
     if all(p is not None for p in parts):  # transformers' EncoderDecoderCache
         return any(_filled(p, layer) for p in parts)
-    return _is_cache(cache) and cache.get_seq_length(layer) > 0
+    if not _is_cache(cache):
+        return False
+    try:
+        return cache.get_seq_length(layer) > 0
+    except (AttributeError, IndexError, TypeError):
+        return False  # a slot that keeps nothing (transformers' DummyLayer: a shared-KV layer)
 
 
 def _refuse_filled(args: tuple[Any, ...], kwargs: dict[str, Any], layer: int, what: str) -> None:

@@ -17,6 +17,7 @@ registered on their layers (``<layer>.revckpt_adapter_f`` / ``_g``), so an optim
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Literal
 
 import torch
@@ -207,6 +208,8 @@ def make_reversible(
     converted.width, converted.feature_dim = features[0]
     converted.forwards = [before for _, before in built]
     converted.frozen_names = _names_of(layers, frozen)
+    converted.frozen = frozen
+    _KNOWN[converted] = frozenset(id(p) for p in model.parameters())
     converted.nested_off = _nested_tensors_off(model, layers)
     for i, (_, layer) in enumerate(layers):
         object.__setattr__(layer, _ATTR, (i, converted))
@@ -324,28 +327,28 @@ def _nested_tensors_off(model: nn.Module, layers: list[tuple[str, nn.Module]]) -
 def _names_of(
     layers: list[tuple[str, nn.Module]], frozen: list[tuple[nn.Parameter, bool]]
 ) -> list[tuple[int, str, bool]]:
-    """What ``trainable="adapters"`` froze, by layer and name (a model whose parameters are
-    replaced since, ``load_state_dict(assign=True)`` or ``to_empty``, has other objects)."""
-    was = {id(p): w for p, w in frozen}
-    named, seen = [], set()
+    """What ``trainable="adapters"`` froze, by layer and name, in ``frozen``'s order (a model
+    whose parameters are replaced since, ``load_state_dict(assign=True)`` or ``to_empty``,
+    has other objects)."""
+    where: dict[int, tuple[int, str]] = {}
     for i, (_, layer) in enumerate(layers):
         for name, p in layer.named_parameters():
-            if id(p) in was and id(p) not in seen:
-                seen.add(id(p))
-                named.append((i, name, was[id(p)]))
-    return named
+            where.setdefault(id(p), (i, name))
+    return [(*where[id(p)], was) for p, was in frozen]
 
 
 def _frozen_now(converted: ReversibleLayers) -> list[tuple[nn.Parameter, bool]]:
-    """What ``trainable="adapters"`` froze, as the parameters the layers hold now."""
+    """What ``trainable="adapters"`` froze, as the parameters the layers hold now: by name,
+    else the object frozen (renamed since: a parametrization registered after moves it)."""
     if converted.frozen_names is None:  # a conversion pickled before the names were kept
         return converted.frozen
     found = []
-    for i, name, was in converted.frozen_names:
+    for k, (i, name, was) in enumerate(converted.frozen_names):
         try:
             found.append((converted.layers[i][1].get_parameter(name), was))
         except AttributeError:
-            continue  # the layer no longer has it
+            if k < len(converted.frozen):
+                found.append((converted.frozen[k][0], was))
     return found
 
 
@@ -443,14 +446,19 @@ def _layers_of(model: nn.Module, blocks: Blocks) -> list[tuple[str, nn.Module]]:
             "this model was converted by make_reversible already; revckpt.restore(model) "
             "undoes it (and drops the adapters) before converting again"
         )
-    plans = [name for name, m in model.named_modules() if planned(m) is not None]
+    layers = find_blocks(model, blocks)
+    plans = [
+        f"{fqn}.{name}".rstrip(".")
+        for fqn, layer in layers
+        for name, m in layer.named_modules()
+        if planned(m) is not None
+    ]
     if plans:  # restore would take the plan's forwards from under the stack
         raise InvalidArgumentError(
-            f"this model has blocks planned by revckpt.fit or convert ({plans[0]}, ...): "
-            "revckpt.restore(model) undoes the plan before make_reversible; revckpt.fit on "
-            "the converted model then picks the stack's mode for a budget"
+            f"layers to convert hold blocks planned by revckpt.fit or convert ({plans[0]}, "
+            "...): revckpt.restore(model) undoes the plan before make_reversible; revckpt.fit "
+            "on the converted model then picks the stack's mode for a budget"
         )
-    layers = find_blocks(model, blocks)
     _refuse_shared_layers(model, layers)
     again = [fqn for fqn, layer in layers if _ATTR in layer.__dict__]
     if again:  # converting them again (through a parent, or a part of the model) recursed
@@ -493,6 +501,11 @@ def _refuse_shared_layers(model: nn.Module, layers: list[tuple[str, nn.Module]])
                 "stack runs each of its layers once per pass; convert a model whose layers are "
                 "distinct modules (copy.deepcopy the repeated one)"
             )
+
+
+# Per conversion, the ids of the converted model's parameters at conversion (kept out of the
+# conversion itself: ids mean nothing in another process, after torch.save and load)
+_KNOWN: weakref.WeakKeyDictionary[ReversibleLayers, frozenset[int]] = weakref.WeakKeyDictionary()
 
 
 def _conversions(model: nn.Module) -> list[nn.Module]:
@@ -545,7 +558,7 @@ def remove_reversible(model: nn.Module) -> int:
             original = instance_forward(layer, before)
             if original is not None:
                 object.__setattr__(layer, "forward", original)
-        _undo(converted.layers, _frozen_to_give_back(converted))  # adapters, requires_grad
+        _undo(converted.layers, _frozen_to_give_back(converted, model))  # adapters, grads
         for encoder in getattr(converted, "nested_off", ()):  # (a conversion pickled before)
             encoder.use_nested_tensor = True
         converted.removed = True  # its model, if it holds it still, forgets it
@@ -553,11 +566,15 @@ def remove_reversible(model: nn.Module) -> int:
     return count
 
 
-def _frozen_to_give_back(converted: ReversibleLayers) -> list[tuple[nn.Parameter, bool]]:
+def _frozen_to_give_back(
+    converted: ReversibleLayers, model: nn.Module
+) -> list[tuple[nn.Parameter, bool]]:
     """The ``requires_grad`` to give back of what ``trainable="adapters"`` froze: all of it,
-    unless the layers now hold trainable parameters the conversion did not make nor find
-    (peft's LoRA, added after it): their library then decides what trains (peft froze the
-    base weights too), and they stay frozen, with a warning."""
+    unless the layers, or ``model`` (the one restore was given), now hold trainable
+    parameters the conversion did not make nor find (peft's LoRA, a prefix or prompt added
+    after it): their library then decides what trains (peft froze the base weights too), and
+    they stay frozen, with a warning. (The model's parameters at conversion are known in the
+    process that converted it; after a copy or a reload, the layers' only.)"""
     frozen = _frozen_now(converted)
     at_conversion = {id(p) for p, _ in frozen}
     at_conversion |= {
@@ -567,17 +584,17 @@ def _frozen_to_give_back(converted: ReversibleLayers) -> list[tuple[nn.Parameter
         if name in layer._modules
         for p in layer._modules[name].parameters()
     }
-    added = [
-        p
-        for p in nn.ModuleList(layer for _, layer in converted.layers).parameters()
-        if p.requires_grad and id(p) not in at_conversion
-    ]
+    at_conversion |= _KNOWN.get(converted, frozenset())
+    candidates = [*nn.ModuleList(layer for _, layer in converted.layers).parameters()]
+    if converted in _KNOWN:
+        candidates += list(model.parameters())
+    added = [p for p in candidates if p.requires_grad and id(p) not in at_conversion]
     unfrozen = [p for p, was in frozen if was and not p.requires_grad]
     if not added or not unfrozen:
         return frozen
     warnings.warn(
-        f"revckpt.restore: the converted layers hold {len(added)} trainable parameters added "
-        "after make_reversible (e.g. peft's LoRA), whose library decides what trains, so the "
+        f"revckpt.restore: the model holds {len(added)} trainable parameters added after "
+        "make_reversible (e.g. peft's LoRA or prefix), whose library decides what trains, so the "
         f"{len(unfrozen)} parameters make_reversible(trainable='adapters') froze stay frozen; "
         "call requires_grad_(True) on those you mean to train",
         UserWarning,
