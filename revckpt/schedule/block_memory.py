@@ -24,7 +24,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from .._module_state import copy_bytes
 from .._numbers import tensor_bytes
-from ..approx import Approx
+from ..approx import Approx, NonFiniteInputError
 from ..checkpoint import checkpoint, parse_policy
 from ..layers import ReversibleSequential, ReversibleUnit
 from ..measure import MemoryMeter
@@ -239,8 +239,18 @@ def memory_costs(
     accounted = {modes.approx[codec]: n for codec, n in approx_bytes.items()}
     compress_alone = {}
     for c, mode in modes.compress.items():  # the forward alone: what it keeps, its peak
-        compress_alone[c] = _forward_alone(lambda mode=mode: runs.forward(mode), device, out_bytes)
+        try:
+            compress_alone[c] = _forward_alone(
+                lambda mode=mode: runs.forward(mode), device, out_bytes
+            )
+        except NonFiniteInputError:
+            continue  # it saves an inf or nan (a -inf mask's log_softmax): not for compress
         accounted[mode] = compress_alone[c][0]
+    if len(compress_alone) < len(modes.compress):  # priced without what cannot run
+        modes = _Modes.of(
+            leaf, policies, approx_bytes, list(compress_alone), reversible is not None,
+            offload, capture,
+        )  # fmt: skip
     metered = _metered_modes(
         runs, modes.all, grad_out, accounted, device, backward=bool(wrt), grads_new=grads_new
     )

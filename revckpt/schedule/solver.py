@@ -76,6 +76,9 @@ def _chosen(blocks: Sequence[BlockCost], strategies: Sequence[str] | None) -> li
             " (offload is priced by profile(..., offload=True), by default only when the input "
             "is on a CUDA device: on a CPU the host is the device and it saves nothing)"
             if OFFLOAD in unknown
+            else " (compress is priced on the blocks that can keep their saved tensors "
+            "compressed: not one that saves an inf or nan, as a -inf mask's log_softmax does)"
+            if any(s.startswith("compress:") for s in unknown)
             else ""
         )
         raise InvalidArgumentError(

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from revckpt import InvalidArgumentError
 from revckpt.measure import gradient_error
 from revckpt.models import gpt_like, mlp_chain
 from revckpt.report import measure_peak
@@ -92,3 +93,37 @@ def test_auto_policies_give_each_block_its_own_keep_sets_and_plans_hold():
         assert torch.equal(model(x), chain(x))
     with pytest.raises(Exception, match="policies='matmul'"):
         profile(chain, x, policies="matmul")
+
+
+class _Masked(torch.nn.Module):
+    """Attention over a causal ``-inf`` mask through ``log_softmax``: it saves ``-inf``."""
+
+    def __init__(self, masked: bool) -> None:
+        super().__init__()
+        self.q, self.k = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.masked = masked
+
+    def forward(self, x):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)
+        if self.masked:
+            t = x.shape[1]
+            causal = torch.ones(t, t, dtype=torch.bool).tril()
+            scores = scores.masked_fill(~causal, float("-inf"))
+        return x + torch.log_softmax(scores, -1).exp() @ x
+
+
+class _Open(_Masked):  # another class: profiled apart (identical blocks share one profile)
+    pass
+
+
+def test_compress_is_priced_only_on_blocks_that_can_keep_their_saved_tensors():
+    """A block saving ``-inf`` made the whole profile (and ``fit``) raise
+    ``NonFiniteInputError`` naming an internal wrapper."""
+    chain = torch.nn.Sequential(_Masked(True), _Open(False))
+    prof = profile(chain, torch.randn(4, 64, 16), compress=["bf16"], repeats=1)
+    assert [list(b.compress) for b in prof.blocks] == [[], ["bf16"]]
+    plan = solve(prof, memory_budget=1.0, error_budget=0.05)
+    assert plan.segments[0].strategy in ("store", "checkpoint")
+    with pytest.raises(InvalidArgumentError, match="saves an inf or nan"):
+        solve(profile(chain[:1], torch.randn(4, 64, 16), compress=["bf16"], repeats=1),
+              memory_budget=1.0, error_budget=0.05, strategies=["compress:bf16"])  # fmt: skip
