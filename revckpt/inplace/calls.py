@@ -146,9 +146,7 @@ def cache_holds_past(args: tuple[Any, ...], kwargs: dict[str, Any], layer: int =
     transformers ``DynamicCache`` empty there (an ``EncoderDecoderCache`` of two) counts as
     fresh; any other (a pre-allocated ``StaticCache``, whose keys a forward attends over in
     full; a cross-attention cache filled before) as holding them."""
-    found = [kwargs.get(name) for name in _CACHE_KEYWORDS if kwargs.get(name) is not None]
-    found += [a for a in args if _is_cache(a)]
-    return any(not _fresh(cache, layer) for cache in found)
+    return any(not _fresh(cache, layer) for cache in _caches(args, kwargs))
 
 
 def _filled(cache: Any, layer: int) -> bool:
@@ -165,10 +163,14 @@ def _filled(cache: Any, layer: int) -> bool:
         return False  # a slot that keeps nothing (transformers' DummyLayer: a shared-KV layer)
 
 
-def _refuse_filled(args: tuple[Any, ...], kwargs: dict[str, Any], layer: int, what: str) -> None:
+def _caches(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The caches a call passes: under a cache keyword, or positionally."""
     found = [kwargs.get(name) for name in _CACHE_KEYWORDS if kwargs.get(name) is not None]
-    found += [a for a in args if _is_cache(a)]
-    if any(_filled(cache, layer) for cache in found):
+    return found + [a for a in args if _is_cache(a)]
+
+
+def _refuse_filled(args: tuple[Any, ...], kwargs: dict[str, Any], layer: int, what: str) -> None:
+    if any(_filled(cache, layer) for cache in _caches(args, kwargs)):
         raise InvalidArgumentError(
             f"{what}: the call passes a key/value cache that holds keys and values already "
             "(peft's prefix tuning passes its trainable prefix so). In training revckpt drops "

@@ -218,9 +218,8 @@ class ModuleForward:
 
     def __init__(self, block: nn.Module, owner: Any = None, previous: Any = None) -> None:
         self.block = block
-        self.owner = (
-            owner  # what it runs for (a plan, a conversion): in force while the block holds it
-        )
+        # what it runs for (a plan, a conversion): in force while the block holds it
+        self.owner = owner
         self.previous = previous  # the instance forward it replaced (None: the class's)
 
     def __getstate__(self) -> tuple[nn.Module, Any, Any]:
