@@ -127,3 +127,28 @@ def test_compress_is_priced_only_on_blocks_that_can_keep_their_saved_tensors():
     with pytest.raises(InvalidArgumentError, match="saves an inf or nan"):
         solve(profile(chain[:1], torch.randn(4, 64, 16), compress=["bf16"], repeats=1),
               memory_budget=1.0, error_budget=0.05, strategies=["compress:bf16"])  # fmt: skip
+
+
+class ReluEnding(torch.nn.Module):
+    """A block whose last operation (a ReLU) saves its output: the next block's input."""
+
+    def __init__(self, d: int = 128) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return torch.relu(self.fc2(torch.relu(self.fc1(x))))
+
+
+@pytest.mark.parametrize("first", ["store", "compress:bf16"])
+def test_compress_after_a_block_that_keeps_its_output_holds_the_predicted_peak(first):
+    """The block before saved its output (its ReLU), which the compress block takes as input:
+    a compressed copy of that input came on top of it, unpriced (1.02x the prediction)."""
+    torch.manual_seed(0)
+    chain = torch.nn.Sequential(*[ReluEnding() for _ in range(6)])
+    x = torch.randn(64, 128)
+    prof = profile(chain, x, repeats=1, codecs=(), compress=("bf16",))
+    other = "compress:bf16" if first == "store" else "store"
+    plan = make_plan(prof, [Segment(i, i + 1, first if i % 2 == 0 else other) for i in range(6)])
+    measured = measure_peak(apply(chain, plan), x)
+    assert measured <= plan.predicted_peak_bytes
