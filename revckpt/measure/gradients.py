@@ -21,19 +21,21 @@ are restored afterwards and ``.grad`` is not touched.
 from __future__ import annotations
 
 import copy
-import dataclasses
-import math
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 
-from .._numbers import relative
 from ..errors import InvalidArgumentError, InvalidInputTypeError
+from ._gradient_checks import (
+    _check_materialised,
+    _inputs_dtype_for,
+    _warn_if_installed,
+    _warn_if_parameter_hooks,
+)
+from .gradient_records import GradientError, TensorError, real_flat
 from .state import preserved
 
 __all__ = ["GradientError", "TensorError", "gradient_error"]
@@ -41,98 +43,10 @@ __all__ = ["GradientError", "TensorError", "gradient_error"]
 Inputs = torch.Tensor | Sequence[Any]
 
 
-@dataclass(frozen=True)
-class TensorError:
-    """Error of one gradient tensor (or of all of them, concatenated)."""
-
-    rel_l2: float
-    one_minus_cos: float
-    max_abs_rel: float
-    diff_norm: float
-    ref_norm: float
-    numel: int
-
-    @classmethod
-    def between(cls, g: torch.Tensor, r: torch.Tensor) -> TensorError:
-        """Errors of ``g`` against the reference ``r`` (complex ones as pairs of reals)."""
-        numel = r.numel()
-        g, r = _real_flat(g), _real_flat(r)
-        d = g - r
-        dn, rn, gn = d.norm().item(), r.norm().item(), g.norm().item()
-        rmax = r.abs().max().item() if r.numel() else 0.0
-        dmax = d.abs().max().item() if d.numel() else 0.0
-        return cls(
-            rel_l2=relative(dn, rn),
-            one_minus_cos=_one_minus_cos(g, r, dn, gn, rn),
-            max_abs_rel=relative(dmax, rmax),
-            diff_norm=dn,
-            ref_norm=rn,
-            numel=numel,
-        )
-
-
 def _widened(t: torch.Tensor) -> torch.Tensor:
     if t.is_floating_point():
         return t.to(torch.float64)
     return t.to(torch.complex128) if t.is_complex() else t
-
-
-def _real_flat(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in float64, flat; a complex one as its real and imaginary parts (``.double()``
-    drops the imaginary part: gradients differing there compared equal); a sparse one dense
-    (``nn.Embedding(sparse=True)``'s gradient)."""
-    t = t.detach()
-    if t.layout != torch.strided:
-        t = t.to_dense()
-    if t.is_complex():
-        return torch.view_as_real(t.to(torch.complex128)).flatten()
-    return t.double().flatten()
-
-
-def _one_minus_cos(g: torch.Tensor, r: torch.Tensor, dn: float, gn: float, rn: float) -> float:
-    if not math.isfinite(dn):
-        return math.nan  # a non-finite gradient has no direction: say so, do not report 0
-    if dn == 0:
-        return 0.0
-    if gn == 0 or rn == 0:
-        return 1.0
-    return max(0.0, 1.0 - torch.dot(g, r).item() / (gn * rn))
-
-
-@dataclass(frozen=True)
-class GradientError:
-    """Per-tensor and overall gradient errors; ``per_tensor`` maps names to :class:`TensorError`.
-
-    Parameter names are those of ``named_parameters()``; inputs are ``"input.0"``, ``"input.1"``,
-    ... (positional) and ``"input.<name>"`` (keyword), a tensor inside a list, tuple or dict
-    with its place in brackets (``"input.1[0]"``, ``"input.feats['key']"``).
-    """
-
-    per_tensor: dict[str, TensorError]
-    overall: TensorError
-    skipped: tuple[str, ...] = field(default=())
-
-    def worst(self, k: int = 5, *, by: str = "rel_l2") -> list[tuple[str, TensorError]]:
-        """The ``k`` tensors with the largest error (``by`` one of the TensorError fields)."""
-        fields = [f.name for f in dataclasses.fields(TensorError)]
-        if by not in fields:
-            raise InvalidArgumentError(f"worst(by={by!r}): use one of {fields}")
-        return sorted(self.per_tensor.items(), key=lambda kv: -getattr(kv[1], by))[:k]
-
-    def table(self, k: int | None = None) -> str:
-        """The ``k`` worst tensors and the overall error, as a text table."""
-        rows = self.worst(k or len(self.per_tensor))
-        width = max([len(n) for n, _ in rows] + [7])
-        lines = [f"{'tensor':<{width}}  {'rel_l2':>10}  {'1-cos':>10}  {'max_abs_rel':>11}"]
-        for name, e in [*rows, ("overall", self.overall)]:
-            lines.append(
-                f"{name:<{width}}  {e.rel_l2:>10.3e}  {e.one_minus_cos:>10.3e}  "
-                f"{e.max_abs_rel:>11.3e}"
-            )
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.table(5)
 
 
 def _as_args(inputs: Inputs) -> tuple[Any, ...]:
@@ -285,92 +199,6 @@ def _grads(
     return dict(zip(names, grads, strict=True)), dtypes
 
 
-# What convert and fit put on a block they planned (revckpt.inplace.install._ATTR; measure
-# imports nothing of the planner, so the attribute is read by name): its ``strategy``.
-_PLANNED_ATTR = "_revckpt_planned"
-
-
-def _warn_if_installed(candidate: nn.Module) -> None:
-    """Warn when the float64 copy would run a lossy strategy (approx, compress) that ``convert``
-    or ``fit`` installed on ``candidate``'s blocks: its error is then in the reference too."""
-    installed = [
-        f"{name} ({strategy})"
-        for name, m in candidate.named_modules()
-        for strategy in [str(getattr(vars(m).get(_PLANNED_ATTR), "strategy", ""))]
-        if strategy.startswith(("approx", "compress"))
-    ]
-    if installed:
-        warnings.warn(
-            f"gradient_error(model, None, ...): the float64 copy of the model runs the lossy "
-            f"strategy revckpt installed on {len(installed)} of its blocks (e.g. "
-            f"{installed[0]}), so its error is in the reference too, and the figure is the "
-            "float32 round-off alone. To measure the strategy's error, pass a reference copied "
-            "before convert or fit (or revckpt.restore(copy.deepcopy(model)))",
-            UserWarning,
-            stacklevel=4,  # the caller of gradient_error
-        )
-
-
-def _check_materialised(model: nn.Module, role: str, inputs: Any) -> None:
-    """Refuse what has no values to compare: lazy parameters not made yet (a float64 copy
-    would make different ones), tensors on the ``meta`` device."""
-    for name, p in model.named_parameters():
-        if isinstance(p, nn.parameter.UninitializedParameter):
-            raise InvalidArgumentError(
-                f"the {role}'s parameter {name!r} is a lazy module's, not made yet: run the model "
-                "once (a forward on an example input) before comparing gradients, so that both "
-                "sides have the same weights"
-            )
-    tensors = [*model.parameters(), *model.buffers()]
-    tensors += [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
-    if any(t.is_meta for t in tensors):
-        raise InvalidArgumentError(
-            f"the {role} or its inputs are on the 'meta' device, which holds shapes and no "
-            "values: materialise the model (e.g. model.to_empty(device='cpu') and load its "
-            "weights) before comparing gradients"
-        )
-
-
-def _warn_if_parameter_hooks(candidate: nn.Module) -> None:
-    """``copy.deepcopy`` keeps module hooks but not the hooks registered on parameters
-    (``p.register_hook``): the float64 copy runs without them. They are not copied over: a
-    hook may have side effects (accumulating into a buffer of the caller's) or return the
-    candidate's dtype. Warn, naming them, where they would make the figure."""
-    hooked = [n for n, p in candidate.named_parameters() if p.requires_grad and p._backward_hooks]
-    if hooked:
-        warnings.warn(
-            f"gradient_error(model, None, ...): {len(hooked)} parameters of the model have "
-            f"hooks (p.register_hook, e.g. {hooked[0]!r}), which the float64 copy does not "
-            "carry (deepcopy drops them; copied, a hook with side effects would run twice), "
-            "so the reference's gradients are taken without them. Pass a reference with the "
-            "same hooks registered (e.g. a float64 copy you make and hook yourself)",
-            UserWarning,
-            stacklevel=4,
-        )
-
-
-def _real_dtypes(model: nn.Module) -> set[torch.dtype]:
-    """The real dtypes of the model's floating-point and complex parameters (complex128 as
-    float64)."""
-    dtypes = set()
-    for p in model.parameters():
-        if p.is_complex():
-            dtypes.add(p.real.dtype)
-        elif p.is_floating_point():
-            dtypes.add(p.dtype)
-    return dtypes
-
-
-def _inputs_dtype_for(reference: nn.Module, candidate: nn.Module) -> torch.dtype | None:
-    """The dtype to give a reference's floating-point (and complex) inputs: its parameters'
-    one dtype where the candidate's are not all of it (a float64 copy made by hand, a float32
-    original of a bf16 model, a candidate of mixed dtypes), else as given."""
-    ref = _real_dtypes(reference)
-    if len(ref) != 1 or _real_dtypes(candidate) == ref:
-        return None
-    return ref.pop()
-
-
 def _paired_gradients(
     candidate: nn.Module,
     reference: nn.Module | None,
@@ -469,7 +297,7 @@ def gradient_error(
         )
     per = {name: TensorError.between(g, r) for name, g, r in pairs}
     overall = TensorError.between(
-        torch.cat([_real_flat(g).cpu() for _, g, _ in pairs]),
-        torch.cat([_real_flat(r).cpu() for _, _, r in pairs]),
+        torch.cat([real_flat(g).cpu() for _, g, _ in pairs]),
+        torch.cat([real_flat(r).cpu() for _, _, r in pairs]),
     )
     return GradientError(per_tensor=per, overall=overall, skipped=skipped)
