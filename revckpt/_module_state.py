@@ -244,6 +244,7 @@ class ModuleState:
         "_absent",
         "_attrs",
         "_before",
+        "_flags",
         "_fresh",
         "_frozen",
         "_layouts",
@@ -284,6 +285,10 @@ class ModuleState:
                 for table, key, b in copies:
                     table[key] = b.clone()
         self._frozen: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
+        # each parameter's requires_grad when the forward ran (frozen or unfrozen before the
+        # backward, the recompute would save other tensors: torch's checkpoint then gave other
+        # parameters wrong gradients without a word, or raised)
+        self._flags: list[tuple[torch.Tensor, bool]] = []
         self._unseen: list[str] = []
         # layouts scanned before any forward of theirs finished: a forward may create plain
         # attributes (a counter set on the first call), which the recompute must not find
@@ -306,11 +311,13 @@ class ModuleState:
             self._buffers_finished()
         if self._fresh:
             self._attributes_finished()
+        flags = self._flags
         for m in self._modules:
             table = m._parameters
             for name, p in table.items():
                 if p is not None:
                     frozen.append((table, name, p, p._version))
+                    flags.append((p, p.requires_grad))
 
     @torch.compiler.disable
     def forward_failed(self) -> None:
@@ -404,6 +411,10 @@ class ModuleState:
         """Set attributes and written buffers as the forward found them; returns what to
         restore with :meth:`exit`."""
         undo: list[tuple[Any, ...]] = []
+        for p, flag in self._flags:  # as the forward ran (plain autograd's graph is that one)
+            if p.requires_grad != flag:
+                undo.append((p, not flag))
+                p.requires_grad_(flag)
         for table, name, t, _ in self._frozen:
             now = table.get(name, _MISSING)
             if now is not t:  # replaced since (functional_call, a rebinding): the forward's
@@ -430,7 +441,11 @@ class ModuleState:
     @torch.compiler.disable
     def exit(undo: list[tuple[Any, ...]]) -> None:
         """Restore what :meth:`enter` changed (and what the recompute changed in there)."""
-        for d, k, v in reversed(undo):
+        for entry in reversed(undo):
+            if len(entry) == 2:  # a parameter's requires_grad
+                entry[0].requires_grad_(entry[1])
+                continue
+            d, k, v = entry
             if v is _MISSING:
                 d.pop(k, None)
             else:

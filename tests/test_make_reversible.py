@@ -1778,3 +1778,39 @@ def test_planned_blocks_outside_the_layers_converted_are_fine_and_a_renamed_weig
     parametrize.register_parametrization(model.inner.layers[0][1], "weight", Same())
     revckpt.restore(model)
     assert all(p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.parametrize("change", ["hook", "freeze"])
+def test_a_hooked_or_newly_frozen_weight_leaves_the_model_its_parameters(change):
+    """A base weight with a hook (p.register_hook), or frozen between the forward and the
+    backward, makes the rebuild run through detached aliases. The layer holds the adapter its
+    other branch runs, so the alias swap reached that adapter by two paths, and torch's
+    restore left the alias in the model: its adapter lost its gradient, and the model then
+    trained a detached copy (its parameters no longer the optimizer's)."""
+    case, _, model = _converted("gpt2", trainable="all")
+    example = case.make_example()
+    stack = reversible_layers(model)
+    weight = stack.layers[0][1].attn.c_attn.weight
+    before = dict(model.named_parameters())
+    results = []
+    for mode in ("store", "reversible"):
+        stack.mode = mode
+        model.zero_grad(set_to_none=True)
+        if change == "hook":
+            handle = weight.register_hook(lambda g: g)
+        out = model(**example) if isinstance(example, dict) else model(*example)
+        loss = out.loss if hasattr(out, "loss") else out[0].sum()
+        if change == "freeze":
+            weight.requires_grad_(False)
+        loss.backward()
+        weight.requires_grad_(True)
+        if change == "hook":
+            handle.remove()
+        results.append({n: p.grad for n, p in model.named_parameters()})
+        now = dict(model.named_parameters())
+        assert all(now[n] is p for n, p in before.items())
+    for name, ref in results[0].items():
+        got = results[1][name]
+        assert (got is None) == (ref is None), name
+        if ref is not None:
+            torch.testing.assert_close(got, ref)

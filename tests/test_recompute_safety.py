@@ -960,3 +960,42 @@ def test_an_attribute_made_by_the_first_checkpointed_forward_is_absent_in_its_re
         assert torch.equal(h.grad, hp.grad)
         assert torch.equal(block.lin.weight.grad, plain.lin.weight.grad)
         assert block.calls == plain.calls
+
+
+class _TwoLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.c(torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("strategy", ["checkpoint", "selective:matmul+attention", "offload"])
+@pytest.mark.parametrize("change", ["unfreeze", "freeze"])
+def test_requires_grad_changed_between_forward_and_backward_gives_plain_gradients(strategy, change):
+    """A callback that unfreezes (or freezes) a weight after the loss is computed: plain
+    autograd differentiates the graph the forward recorded. The recompute ran with the new
+    flag and saved other tensors: of the same shapes here (8 rows, 8 features), so torch's
+    metadata check passed and every other gradient came out 1.7x wrong; frozen, a raw
+    CheckpointError."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(_TwoLinear(), _TwoLinear()).double()
+    model = copy.deepcopy(plain)
+    revckpt.convert(model, strategy)
+    x = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    grads = []
+    for m in (plain, model):
+        for block in m:
+            block.c.weight.requires_grad_(change == "freeze")
+        loss = (m(x) ** 2).sum()
+        for block in m:
+            block.c.weight.requires_grad_(change == "unfreeze")
+        loss.backward()
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+        assert all(b.c.weight.requires_grad == (change == "unfreeze") for b in m)
+    for name, ref in grads[0].items():
+        got = grads[1][name]
+        assert (got is None) == (ref is None), name
+        if ref is not None:
+            torch.testing.assert_close(got, ref, rtol=0, atol=0)

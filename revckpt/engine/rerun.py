@@ -17,7 +17,7 @@ the half steps of :mod:`revckpt.layers.rebuild`) runs the block through these tw
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -143,19 +143,23 @@ class Rerun:
         # forward recorded it; its AccumulateGrad drops the gradient, as in plain autograd)
         if any(p._backward_hooks or not p.requires_grad for p in params):
             self.owner = _owner_of(fn, params, modules, label)
-            names = {id(p): name for name, p in self.owner.named_parameters()}
-            self.aliases = {names[id(p)]: p.detach().requires_grad_(True) for p in params}
-            params = tuple(self.aliases.values())
+            alias = {id(p): p.detach().requires_grad_(True) for p in params}
+            self.aliases = {name: alias[id(p)] for name, p in _places(self.owner, alias)}
+            params = tuple(alias[id(p)] for p in params)
         self.params = params
 
     def __call__(self, *args: Any) -> Any:
         if self.aliases is not None:
             fn, aliases, owner = self.fn, self.aliases, self.owner
+            # every place of a parameter is named (a weight tied to another's), once per
+            # module: tie_weights would swap a module reached by two paths twice, and its
+            # restore left the alias in the module (the model trained a detached copy)
             if fn is owner:
-                return torch.func.functional_call(fn, aliases, args, self.kwargs, strict=False)
+                return torch.func.functional_call(
+                    fn, aliases, args, self.kwargs, strict=False, tie_weights=False
+                )
             assert _reparametrized is not None and owner is not None  # (by _owner_of)
-            # a function of the module (a bound forward); a weight tied to another gets its alias
-            with _reparametrized(owner, aliases, tie_weights=True):
+            with _reparametrized(owner, aliases, tie_weights=False):  # a bound forward
                 return fn(*args, **self.kwargs)
         return self.fn(*args, **self.kwargs)
 
@@ -176,6 +180,18 @@ class Rerun:
             if not any(leaf is p for m in self.own for p in m.parameters()):
                 return leaf  # a closure's module's, say: not among the node's inputs
             sources = (*sources, leaf)  # the block's own: look on for another
+
+
+def _places(owner: nn.Module, wanted: Mapping[int, Any]) -> list[tuple[str, torch.Tensor]]:
+    """Each place in ``owner`` that holds a parameter in ``wanted`` (by id), by one name per
+    holding module: a parameter tied to another module's is named in both, a module reached
+    by two paths (a submodule a branch also holds) once."""
+    places: dict[tuple[int, str], tuple[str, torch.Tensor]] = {}
+    for prefix, m in owner.named_modules(remove_duplicate=False):
+        for attr, p in m._parameters.items():
+            if p is not None and id(p) in wanted:
+                places.setdefault((id(m), attr), (f"{prefix}.{attr}" if prefix else attr, p))
+    return list(places.values())
 
 
 def _owner_of(
