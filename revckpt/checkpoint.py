@@ -47,7 +47,7 @@ from ._call_options import (
 from .approx import recompute as _approx
 from .approx.recompute import Approx, keep_of
 from .approx.saved import compress_saved
-from .engine.autograd import label_of, modules_of, refuse_functorch
+from .engine.autograd import label_of, modules_of, refuse_functorch, refuse_grad_transform
 from .engine.chain import Segment, as_chain, run_nodes
 from .engine.frame import FrameCall, run_checkpoint
 from .errors import InvalidArgumentError, InvalidInputTypeError
@@ -100,6 +100,8 @@ def _checkpoint(
         return fn(*args, **kwargs)  # nothing will be differentiated: torch runs it plainly too
     if policy is not None:
         refuse_functorch(label, "selective")
+    else:
+        refuse_grad_transform(label, "checkpoint")
     call = FrameCall(
         fn,
         kwargs,

@@ -56,7 +56,7 @@ from ._deprecation import warn_deprecated
 from ._host_copies import FORCED as _FORCED  # noqa: F401  (tests and tools append to it)
 from ._host_copies import LOCK, RECORDERS, HostHooks
 from .checkpoint import segment_bounds
-from .engine.autograd import label_of
+from .engine.autograd import label_of, refuse_grad_transform
 from .engine.chain import as_chain, run_nodes
 from .engine.node import EXACT, run_node
 from .errors import InvalidArgumentError, InvalidInputTypeError
@@ -182,6 +182,7 @@ def _checkpoint(
 ) -> Any:
     """``fn(*args, **kwargs)`` as one recompute node whose kept positional tensors live in host
     memory: what ``revckpt.checkpoint(fn, *args, strategy=config)`` runs (``fn`` checked)."""
+    refuse_grad_transform(label_of(fn), "offload")
     hooks = HostHooks(kwargs.values(), pin_memory=config.pin_memory, prefetch=False)
     with hooks.hooks():
         return run_node(
@@ -207,6 +208,7 @@ def _run_sequential(
     """A checked chain run in segments ``bounds``, each segment's input kept in host memory:
     what ``revckpt.checkpoint_sequential(..., strategy=config)`` runs (``source``: as in
     :func:`~revckpt.engine.chain.run_nodes`)."""
+    refuse_grad_transform(f"a chain of {len(chain)} offloaded blocks", "offload")
     hooks = HostHooks(kwargs.values(), pin_memory=config.pin_memory, prefetch=config.prefetch)
     with hooks.hooks():
         return run_nodes(

@@ -68,7 +68,7 @@ import torch
 from torch import nn
 
 from .._numbers import relative_error
-from ..engine.autograd import label_of
+from ..engine.autograd import label_of, refuse_grad_transform
 from ..errors import InvalidArgumentError, InvalidInputTypeError, ModifiedInputError
 from .formats import FORMATS, Codec, Encoded, NonFiniteInputError, Rounding, Scaling
 from .recompute import Approx
@@ -326,6 +326,7 @@ def compress_saved(
         )
     if codec is None or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
+    refuse_grad_transform(label_of(fn), "compress")
     hooks = _SavedCodec(codec, min_numel, label_of(fn), _argument_storages(args, kwargs))
     return _eager_with_hooks(hooks, fn, args, kwargs)
 

@@ -36,6 +36,7 @@ __all__ = [
     "module_targets",
     "modules_of",
     "refuse_functorch",
+    "refuse_grad_transform",
     "refuse_nested_grad_arguments",
     "unflatten_output",
     "vjp",
@@ -336,6 +337,27 @@ def refuse_functorch(label: str, strategy: str, instead: str = _STRATEGIES_IN_FU
         raise InvalidArgumentError(
             f"{label}: the {strategy} strategy cannot run inside a torch.func transform (vmap, "
             f"grad, jacrev...): its recompute has no batching rule there. {instead}"
+        )
+
+
+def refuse_grad_transform(label: str, strategy: str) -> None:
+    """Raise inside ``torch.func.grad``, ``vjp``, ``jacrev`` or ``hessian`` (a grad
+    transform on functorch's stack), where torch supports no saved-tensor hooks: torch's own
+    error names neither the block nor what to do. ``vmap`` alone is left to run."""
+    if torch.compiler.is_compiling():
+        return
+    try:
+        from torch._C._functorch import TransformType
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    except ImportError:  # a torch without functorch's Python interpreters: nothing to see
+        return
+    if any(i.key() == TransformType.Grad for i in retrieve_all_functorch_interpreters()):
+        raise InvalidArgumentError(
+            f"{label}: the {strategy} strategy cannot run inside torch.func.grad, vjp, jacrev "
+            "or hessian: it keeps its tensors through saved-tensor hooks, which torch does "
+            "not support inside those transforms. Call the block plainly there (a plain copy "
+            "of the model, or revckpt.restore(model)), or take gradients with torch.autograd "
+            "(loss.backward(), torch.autograd.grad)"
         )
 
 

@@ -577,3 +577,21 @@ def test_a_hooked_weight_tied_inside_a_converted_block_gets_its_gradient(strateg
     tol = 0 if strategy == "offload" else 1e-2
     a, b = plain[0].a.weight.grad, model[0].a.weight.grad
     assert float((a - b).norm()) <= tol * float(a.norm())
+
+
+@pytest.mark.parametrize("strategy", ["checkpoint", "offload", "compress:bf16"])
+def test_a_grad_transform_is_refused_for_the_strategies_that_run_under_vmap(strategy):
+    """torch.func.grad (per-sample gradients: vmap(grad)) over a checkpointed block: torch's
+    raw 'saved tensor hooks' error from inside revckpt's frame, naming nothing."""
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    params = dict(block.named_parameters())
+    x = torch.randn(3, 8)
+
+    def loss(p, t):
+        run = lambda u: torch.func.functional_call(block, p, (u,))  # noqa: E731
+        return revckpt.checkpoint(run, t, strategy=strategy).sum()
+
+    with pytest.raises(InvalidArgumentError, match=r"cannot run inside torch\.func\.grad"):
+        torch.func.grad(loss)(params, x)
+    with pytest.raises(InvalidArgumentError, match=r"cannot run inside torch\.func\.grad"):
+        torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
