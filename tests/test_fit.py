@@ -2113,3 +2113,41 @@ def test_blocks_that_chain_inside_repeated_stages_are_planned_not_the_stages() -
         model = nn.Sequential(_Stage(residual_outside), _Stage(residual_outside))
         plan = revckpt.fit(model, torch.randn(8, 16), memory_budget=1.0, loss_fn=lambda y: y.sum())
         assert len(plan.block_names) == 6 and plan.block_names[0] == "0.blocks.0"
+
+
+class _TupleStateBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, state):
+        return (state[0] + torch.tanh(self.fc(state[0])),)
+
+
+class _TupleStateModel(nn.Module):
+    """Blocks that take and return their hidden state inside a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_TupleStateBlock() for _ in range(3))
+
+    def forward(self, x):
+        state = (x,)
+        for block in self.blocks:
+            state = block(state)
+        return state[0].pow(2).sum()
+
+
+def test_a_block_whose_hidden_state_revckpt_cannot_find_is_said_not_saved_silently():
+    """A hidden state inside a tuple (or a keyword of another name): convert reported the
+    blocks converted and ran them plainly, saving nothing, without a word; fit said they
+    never ran and pointed to convert."""
+    model = _TupleStateModel()
+    x = torch.randn(4, 16, requires_grad=True)
+    revckpt.convert(model, "checkpoint")
+    with pytest.warns(revckpt.PlanWarning, match=r"block blocks\.0 .* got tuple.* saves nothing"):
+        model(x).backward()
+    other = _TupleStateModel()
+    with pytest.raises(InvalidArgumentError, match=r"blocks\.0 .* fit cannot plan it"):
+        revckpt.fit(other, (x,), memory_budget="50%", loss_fn=lambda out: out)
+    assert all(planned(block) is None for block in other.blocks)  # left plain

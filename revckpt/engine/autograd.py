@@ -136,12 +136,16 @@ def _drop(t: torch.Tensor) -> None:
 def _never(packed: Any) -> torch.Tensor:
     raise RevckptError(
         "a gradient reached a tensor computed inside a block's first forward, which keeps "
-        "nothing for backward (the block is recomputed or rebuilt from its output): a side "
-        "output of the block, such as a key/value cache entry made by a reversible or "
-        "checkpointed layer and used in a later step. Differentiate through the block's "
-        "output only, or run that forward plainly (a decoding loop with gradients: "
-        "revckpt.inplace.reversible_layers(model).reversible = False, or decode under "
-        "torch.no_grad() as model.generate does)"
+        "nothing for backward under the approx and offload strategies and in reversible "
+        "stacks (the block is recomputed or rebuilt from its output alone): a side output of "
+        "the block that the loss uses, such as a mixture-of-experts layer's router logits "
+        "(output_router_logits=True, for the auxiliary loss), attention weights "
+        "(output_attentions=True) in the loss, or a key/value cache entry made by the layer "
+        "and used in a later step. Use the 'checkpoint' or 'selective:...' strategy for "
+        "such blocks (they differentiate side outputs), leave the side output out of the "
+        "loss (output_router_logits=False, or detach it), or run that forward plainly (a "
+        "decoding loop with gradients: revckpt.inplace.reversible_layers(model).reversible "
+        "= False, or decode under torch.no_grad() as model.generate does)"
     )
 
 

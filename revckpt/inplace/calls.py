@@ -15,6 +15,7 @@ from torch import nn
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 
 __all__ = [
+    "HIDDEN_NAMES",
     "cache_holds_past",
     "cache_index",
     "carried_key",
@@ -30,7 +31,7 @@ __all__ = [
 
 Key = int | str  # a positional index or a keyword name
 
-_HIDDEN_NAMES = ("hidden_states", "x", "src", "input", "inputs", "hidden")
+HIDDEN_NAMES = ("hidden_states", "x", "src", "input", "inputs", "hidden")
 _CACHE_KEYWORDS = ("cache", "layer_past", "past_key_value", "past_key_values")
 _warned: set[str] = set()
 
@@ -87,7 +88,7 @@ def carried_key(args: tuple[Any, ...], kwargs: dict[str, Any], previous: Any = N
     for i, a in enumerate(args):
         if _floating(a):
             return i
-    for name in _HIDDEN_NAMES:
+    for name in HIDDEN_NAMES:
         if _floating(kwargs.get(name)):
             return name
     return None

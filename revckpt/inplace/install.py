@@ -22,7 +22,7 @@ from torch import nn
 from .._autocast import autocast_dtype
 from ..errors import InvalidArgumentError, PlanWarning
 from ..schedule.plan import warn_if_threads_differ
-from .calls import Key, cache_index, carried_key, class_forward, drop_caches
+from .calls import HIDDEN_NAMES, Key, cache_index, carried_key, class_forward, drop_caches
 
 __all__ = ["Planned", "Runner", "install", "is_fsdp", "planned", "uninstall"]
 
@@ -83,8 +83,12 @@ def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         args, kwargs, f"{type(self).__name__} ({info.fqn})", layer=cache_index(self)
     )
     key = info.key if info.key is not None else carried_key(args, kwargs)
-    if key is None:
-        return fn(*args, **kwargs)  # nothing to carry: nothing to plan
+    if key is None:  # no hidden state to carry: nothing to plan
+        if info.recorder is not None:  # fit's trace: its plan would hold for nothing
+            raise InvalidArgumentError(_no_hidden_state(info, args, kwargs, "fit cannot plan it"))
+        outcome = f"the block runs plainly and its strategy ({info.strategy}) saves nothing"
+        warnings.warn(_no_hidden_state(info, args, kwargs, outcome), PlanWarning, stacklevel=1)
+        return fn(*args, **kwargs)
     hidden = args[key] if isinstance(key, int) else kwargs.get(key)
     if info.limit is not None:
         _check_shape(info, hidden)
@@ -132,6 +136,22 @@ def _warn_if_more_tensors(info: Planned, args: tuple[Any, ...], kwargs: dict[str
             PlanWarning,
             stacklevel=1,
         )
+
+
+def _no_hidden_state(
+    info: Planned, args: tuple[Any, ...], kwargs: dict[str, Any], outcome: str
+) -> str:
+    """Block ``info`` got no argument revckpt can take for its hidden state: ``outcome``."""
+    given = [type(a).__name__ for a in args]
+    given += [f"{k}={type(v).__name__}" for k, v in kwargs.items()]
+    return (
+        f"revckpt: block {info.fqn} was called with no floating-point tensor as a positional "
+        f"argument or as a keyword named {', '.join(HIDDEN_NAMES)} (it got "
+        f"{', '.join(given) or 'no arguments'}), so revckpt cannot tell which argument is its "
+        f"hidden state: {outcome}. Pass the hidden state to the block as a tensor, "
+        "positionally or under one "
+        "of those names (a state in a tuple or dict: unpack it before the block)"
+    )
 
 
 def _warn_eval_backward() -> None:

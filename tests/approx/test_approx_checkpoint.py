@@ -6,7 +6,7 @@ from helpers import bitwise_equal, train_step, twin
 from torch import nn
 
 import revckpt
-from revckpt import InvalidArgumentError, InvalidInputTypeError, MemoryMeter
+from revckpt import InvalidArgumentError, InvalidInputTypeError, MemoryMeter, RevckptError
 from revckpt.approx import Approx
 from revckpt.layers import ReversibleSequential, reversible_mlp_block
 from revckpt.models import ResidualMLPBlock, mlp_chain
@@ -595,3 +595,44 @@ def test_a_grad_transform_is_refused_for_the_strategies_that_run_under_vmap(stra
         torch.func.grad(loss)(params, x)
     with pytest.raises(InvalidArgumentError, match=r"cannot run inside torch\.func\.grad"):
         torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+
+
+class _WithRouter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.router = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x)) * self.router(x).softmax(-1)[..., :1]
+
+
+class _AuxModel(nn.Module):
+    """Router logits collected by forward hooks for an auxiliary loss, as Hugging Face's
+    output recorders collect a mixture-of-experts layer's (``output_router_logits=True``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_WithRouter() for _ in range(2))
+        self.seen: list[torch.Tensor] = []
+        for block in self.blocks:
+            block.router.register_forward_hook(lambda m, i, out: self.seen.append(out))
+
+    def forward(self, x):
+        self.seen.clear()
+        for block in self.blocks:
+            x = block(x)
+        return x.sum() + sum(logits.pow(2).sum() for logits in self.seen)
+
+
+@pytest.mark.parametrize("strategy", ["approx:bf16", "offload"])
+def test_a_side_output_in_the_loss_is_refused_naming_the_strategies_that_take_it(strategy):
+    """The message spoke only of key/value caches and decoding loops (for router logits of
+    an auxiliary loss); it names the usual side outputs and the strategies that run them."""
+    x = torch.randn(4, 8, requires_grad=True)
+    model = _AuxModel()
+    revckpt.convert(model, strategy)
+    with pytest.raises(RevckptError, match=r"router logits.*'checkpoint' or 'selective"):
+        model(x).backward()
+    revckpt.restore(model)
+    revckpt.convert(model, "checkpoint")  # as the message says
+    model(x).backward()
