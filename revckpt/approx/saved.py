@@ -25,11 +25,7 @@ constants, often one tensor shared by every layer, which a copy per layer would 
 and a mask's ``finfo.min`` or ``-inf`` would set an fp8 row's scale so that every bias value in
 the row decodes to 0: on a Hugging Face Falcon layer with ALiBi, 8692 of 9264 unmasked entries),
 parameters and every other leaf that requires grad (or a view of one: autograd keeps its
-storage alive anyway, so a copy would add memory), the call's own tensor arguments and views of
-them (the caller holds them, or the block before saved them: a compressed copy next to them
-would add memory; in a chain of blocks ending in a ReLU every input is so, and a compressed
-copy of it made ``compress`` plans 1.02x their predicted peak before session 33),
-integer and boolean tensors (dropout masks,
+storage alive anyway, so a copy would add memory), integer and boolean tensors (dropout masks,
 indices), small tensors (normalisation statistics, log-sum-exps), expanded (stride-0) views,
 which a codec would materialise, and tensor subclasses. An activation that requires grad and
 holds inf or nan raises :class:`~revckpt.approx.NonFiniteInputError`: the model overflowed.
@@ -39,11 +35,10 @@ version) is encoded once, and so is a dense tensor and its reshapes or permutati
 layer's ``(batch * seq, dim)`` view of its input); each is decoded once per backward for all its
 uses (the decoded copy lives from its first use in backward to its last).
 
-.. warning:: The block's output saved by its own last operation (say a final ``tanh`` or
-   ReLU), whose storage outlives the call anyway, is compressed too, and then costs its
-   compressed bytes on top (the planner counts them). Keep such blocks stored, or raise
-   ``min_numel``. An input that only the block keeps is kept whole: to keep it compressed,
-   checkpoint the block with ``Approx`` instead.
+.. warning:: A saved tensor whose storage outlives the call anyway (the block's output saved by
+   its own last operation, say a final ``tanh``, or an input the caller keeps) is compressed
+   too, and then costs its compressed bytes on top. Keep such blocks stored, or raise
+   ``min_numel``.
 
 .. note:: ``torch.compile``: :func:`compress_saved` and ``fn`` run eagerly inside a compiled
    caller (its graph breaks there). Compiled, ``fn``'s saved tensors would be its graph's
@@ -115,16 +110,11 @@ class _Packed:
 class _SavedCodec:
     """The pack and unpack hooks of one :func:`compress_saved` call."""
 
-    def __init__(
-        self, codec: Codec, min_numel: int, label: str, arguments: frozenset[int] = frozenset()
-    ) -> None:
+    def __init__(self, codec: Codec, min_numel: int, label: str) -> None:
         self.codec = codec
         self.min_numel = min_numel
         self.label = label
         self.width = codec.spec.itemsize
-        # the storages of the call's own tensor arguments (alive during the call, so their
-        # addresses are theirs): kept as they are
-        self.arguments = arguments
         # (storage, offset, shape, stride, dtype, version) -> (weak storage, entry), this call
         self.seen: dict[tuple[Any, ...], tuple[weakref.ref[Any], _Packed]] = {}
 
@@ -140,8 +130,6 @@ class _SavedCodec:
         base = t if t._base is None else t._base
         if base.requires_grad and base.is_leaf:
             return False  # a parameter or a leaf input (or a view of one): alive anyway
-        if _storage_key(t) in self.arguments:
-            return False  # an argument of the call (or a view of one): see the docstring
         return all(s != 0 or n == 1 for s, n in zip(t.stride(), t.shape, strict=True))
 
     def pack(self, t: torch.Tensor) -> Any:
@@ -327,22 +315,8 @@ def compress_saved(
     if codec is None or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     refuse_grad_transform(label_of(fn), "compress")
-    hooks = _SavedCodec(codec, min_numel, label_of(fn), _argument_storages(args, kwargs))
+    hooks = _SavedCodec(codec, min_numel, label_of(fn))
     return _eager_with_hooks(hooks, fn, args, kwargs)
-
-
-def _storage_key(t: torch.Tensor) -> int | None:
-    try:
-        return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError, TypeError):  # no storage (sparse, nested)
-        return None
-
-
-def _argument_storages(args: tuple[Any, ...], kwargs: dict[str, Any]) -> frozenset[int]:
-    """The storages of the tensors among ``args`` and ``kwargs`` (nested ones included)."""
-    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-    keys = (_storage_key(t) for t in leaves if isinstance(t, torch.Tensor))
-    return frozenset(k for k in keys if k is not None)
 
 
 @torch.compiler.disable

@@ -33,12 +33,13 @@ from ..offload import record as offload_record
 from ..strategy import Strategy
 from .block_runs import (
     PLAIN_MODES,
-    _forward_alone,
     _Metered,
     _metered_modes,
     _Runs,
     activation,
     check_output,
+    compress_alone,
+    inner_input,
 )
 from .cost_records import ApproxCost, CompressCost, OffloadCost, ReplayCost, SelectiveCost
 from .costs import APPROX, CHECKPOINT, COMPRESS, OFFLOAD, REVERSIBLE, SELECTIVE
@@ -235,20 +236,20 @@ def memory_costs(
     modes = _Modes.of(
         leaf, policies, approx_bytes, compress, reversible is not None, offload, capture
     )
-    runs = _Runs(block, leaf, wrt, kwargs, reversible)
+    inner = inner_input(leaf) if modes.compress else None
+    runs = _Runs(block, leaf, wrt, kwargs, reversible, inner)
     accounted = {modes.approx[codec]: n for codec, n in approx_bytes.items()}
-    compress_alone = {}
+    alone = {}
     for c, mode in modes.compress.items():  # the forward alone: what it keeps, its peak
         try:
-            compress_alone[c] = _forward_alone(
-                lambda mode=mode: runs.forward(mode), device, out_bytes
-            )
+            alone[c] = compress_alone(runs, mode, device, out_bytes)
         except NonFiniteInputError:
             continue  # it saves an inf or nan (a -inf mask's log_softmax): not for compress
-        accounted[mode] = compress_alone[c][0]
-    if len(compress_alone) < len(modes.compress):  # priced without what cannot run
+        # the metered step runs on runs.inner, made before its meter: without the input
+        accounted[mode] = alone[c][0] - (tensor_bytes(leaf) if alone[c][2] else 0)
+    if len(alone) < len(modes.compress):  # priced without what cannot run
         modes = _Modes.of(
-            leaf, policies, approx_bytes, list(compress_alone), reversible is not None,
+            leaf, policies, approx_bytes, list(alone), reversible is not None,
             offload, capture,
         )  # fmt: skip
     metered = _metered_modes(
@@ -266,8 +267,8 @@ def memory_costs(
         "param_bytes": sum(tensor_bytes(p) for p in params),
         "approx": {c: ApproxCost(n, encode_peaks[c]) for c, n in approx_bytes.items()},
         "compress": {
-            c: CompressCost(kept, peak, metered.transient[modes.compress[c]])
-            for c, (kept, peak) in compress_alone.items()
+            c: CompressCost(kept, peak, metered.transient[modes.compress[c]], input_exact=exact)
+            for c, (kept, peak, exact) in alone.items()
         },
         "loss_bytes": _loss_bytes(grad_out, device),
         "reversible_check_bytes": _check_bytes(leaf, block) if reversible is not None else 0,

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._numbers import tensor_bytes
 from ..approx import compress_saved
@@ -25,7 +26,7 @@ from ..measure import MemoryMeter
 from ..strategy import argument_of, kind_of
 from .costs import APPROX, CHECKPOINT, COMPRESS, OFFLOAD, REVERSIBLE, SELECTIVE
 
-__all__ = ["activation", "changes_its_input", "check_output"]
+__all__ = ["activation", "changes_its_input", "check_output", "compress_alone", "inner_input"]
 
 # metered modes that are not strategies: the block stored, its gradients accumulated into
 # .grad or returned
@@ -41,6 +42,9 @@ class _Runs:
     wrt: list[torch.Tensor]
     kwargs: dict[str, Any]
     reversible: ReversibleSequential | None
+    # the input compress runs on: a copy that is not a leaf, as a block's input inside a model
+    # (compress_saved keeps a leaf exact, and compresses an activation it is given)
+    inner: torch.Tensor | None = None
 
     def forward(self, mode: str) -> torch.Tensor:
         block, leaf, kw = self.block, self.leaf, self.kwargs
@@ -52,7 +56,8 @@ class _Runs:
         if kind == APPROX:
             return checkpoint(block, leaf, strategy=mode, **kw)
         if kind == COMPRESS:
-            return compress_saved(block, leaf, store=argument_of(mode), **kw)
+            x = leaf if self.inner is None else self.inner
+            return compress_saved(block, x, store=argument_of(mode), **kw)
         if kind == OFFLOAD:
             return checkpoint(block, activation(leaf), strategy=OFFLOAD, **kw)
         if kind == REVERSIBLE:
@@ -257,6 +262,45 @@ def _grads_made(runs: _Runs, grads_new: bool) -> int:
     if grads_new:
         made += sum(tensor_bytes(t.grad) for t in runs.wrt if t is not leaf and t.grad is not None)
     return made
+
+
+class _Inner(torch.autograd.Function):
+    """A copy of a block's input that is not a leaf (made before any meter starts); its
+    backward hands the gradient through as it is (no copy)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+
+def inner_input(leaf: torch.Tensor) -> torch.Tensor | None:
+    """What compress runs on for ``leaf`` (:attr:`_Runs.inner`): ``None`` for an input that
+    needs no gradient (compress keeps it exact anyway)."""
+    return _Inner.apply(leaf) if leaf.requires_grad and leaf.is_floating_point() else None
+
+
+def compress_alone(runs: _Runs, mode: str, device: Any, out_bytes: int) -> tuple[int, int, bool]:
+    """One metered forward of ``mode`` (compress) on a fresh non-leaf copy of the input, as a
+    block's input inside a model: the bytes it keeps besides its output (the input's
+    compressed copy included, or the input itself where it is kept exact: below
+    ``min_numel``), its peak above its input, and whether it keeps the input exact."""
+    leaf = runs.leaf
+    if runs.inner is None:  # an input without grad: kept exact where saved, as the caller's
+        kept, peak = _forward_alone(lambda: runs.forward(mode), device, out_bytes)
+        return kept, peak, False
+    block, store = runs.block, argument_of(mode)
+    with MemoryMeter(device) as meter:
+        x = _Inner.apply(leaf)
+        alive = StorageWeakRef(x.untyped_storage())
+        y = compress_saved(block, x, store=store, **runs.kwargs)
+        del x
+    kept, exact = max(0, meter.end_bytes - out_bytes), not alive.expired()
+    del y
+    return kept, max(0, meter.peak_bytes - tensor_bytes(leaf)), exact
 
 
 def activation(leaf: torch.Tensor) -> torch.Tensor:

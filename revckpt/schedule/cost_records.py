@@ -61,7 +61,9 @@ class CompressCost:
     ``BlockCost.compress[c]``. The errors are ``None`` where not measured (counted
     as none)."""
 
-    #: the bytes its compressed saved tensors keep from its forward to its backward
+    #: the bytes its compressed saved tensors keep from its forward to its backward, its
+    #: input's compressed copy among them where it saves its input (measured on an input that
+    #: is not a leaf, as inside a model), or the input itself where it keeps it exact
     kept_bytes: int
     #: its forward's transient peak (above its input)
     forward_peak_bytes: int
@@ -71,6 +73,8 @@ class CompressCost:
     param_grad_error: float | None = None
     #: relative error of its input gradient, the same way
     input_grad_error: float | None = None
+    #: whether it keeps its input exact (too small to compress: ``kept_bytes`` counts it)
+    input_exact: bool = False
 
 
 @dataclass(frozen=True)

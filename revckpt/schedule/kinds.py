@@ -213,13 +213,17 @@ def _own_time(part: Sequence[BlockCost], strategy: str) -> float:
     return part[0].strategy_overhead_s.get(strategy, part[0].forward_s)
 
 
-def _compress_work(part: Sequence[BlockCost], codec: str | None, out: int) -> Work:
-    """Stored, with the block's saved tensors compressed (its input, held by the caller or
-    the block before, stays as it is: counted as a stored block counts it)."""
+def _compress_work(part: Sequence[BlockCost], codec: str | None, first: bool, out: int) -> Work:
+    """Stored, with the block's saved tensors compressed, its input among them where it saves
+    it (``c.kept_bytes`` counts that copy: profiled on an input that is not a leaf, as inside a
+    model). The input itself stays alive only where the caller holds it (``first``) or code
+    outside the blocks saves it (``input_held``); a block before that keeps its output is not
+    followed by compress (:func:`~revckpt.schedule.costs.allowed_after`)."""
     assert codec is not None
     b = part[0]
     c = b.compress[codec]
-    kept = (b.input_bytes if b.input_kept else 0) + c.kept_bytes
+    alive = (first or b.input_held) and not c.input_exact  # (exact: in c.kept_bytes)
+    kept = (b.input_bytes if alive else 0) + c.kept_bytes
     fwd = b.input_bytes + c.forward_peak_bytes
     bwd = kept + out + b.output_bytes + c.backward_peak_bytes
     return kept, fwd, bwd
@@ -354,7 +358,7 @@ KINDS: dict[str, Kind] = {
         last_ok=True,
     ),
     COMPRESS: Kind(
-        lambda part, arg, first, last, out: _compress_work(part, arg, out),
+        lambda part, arg, first, last, out: _compress_work(part, arg, first, out),
         _own_time,
         _compress_error,
         _check_compress,
