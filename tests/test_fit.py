@@ -2151,3 +2151,23 @@ def test_a_block_whose_hidden_state_revckpt_cannot_find_is_said_not_saved_silent
     with pytest.raises(InvalidArgumentError, match=r"blocks\.0 .* fit cannot plan it"):
         revckpt.fit(other, (x,), memory_budget="50%", loss_fn=lambda out: out)
     assert all(planned(block) is None for block in other.blocks)  # left plain
+
+
+def test_a_saved_plan_is_never_predicted_below_its_own_check(tmp_path) -> None:
+    """fit(plan=path) on a batch with padding (its attention mask costs a little more): the
+    plan came back predicting less than the check step it had just measured."""
+    pytest.importorskip("transformers")
+    from revckpt.inplace.step import measure_step
+
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
+    path = tmp_path / "plan.json"
+    revckpt.fit(_gpt2(4), dict(input_ids=ids, labels=ids), memory_budget="70%").to_json(path)
+    mask = torch.ones_like(ids)
+    mask[:, 20:] = 0
+    padded = dict(input_ids=ids, attention_mask=mask, labels=ids)
+    model = _gpt2(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = revckpt.fit(model, padded, memory_budget="70%", plan=path)
+        measured = measure_step(model, padded, None)
+    assert measured <= plan.predicted_peak_bytes

@@ -16,6 +16,7 @@
 
 from .bounds import (
     FIRST_ORDER_LIMIT,
+    SECOND_ORDER_LIMIT,
     ErrorEstimate,
     NonSmoothWarning,
     TotalEstimate,
@@ -29,6 +30,7 @@ from .saved import RelativeErrors, compress_saved, compress_saved_error
 __all__ = [
     "FIRST_ORDER_LIMIT",
     "FORMATS",
+    "SECOND_ORDER_LIMIT",
     "Approx",
     "Codec",
     "Encoded",

@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from .._determinism import _storage_key
-from ..errors import InvalidArgumentError, InvalidInputTypeError, ModifiedInputError
+from ..errors import InvalidArgumentError, InvalidInputTypeError, ModifiedInputError, ReplayError
 from ..replay import ForwardState
 from .autograd import (
     differentiable_once,
@@ -178,6 +179,8 @@ class _RecomputeNode(torch.autograd.Function):
         replay = ctx.state.replay(label=call.label, exact_draws=True)
         with torch.enable_grad(), replay, call.keep.rerun_context(device_type):
             out = rerun(*call.args(args_in))
+        if call.keep is not EXACT:
+            _check_in_range(out, call.label)
         sources = rerun.sources(leaves)
         leaf = rerun.unregistered(out, sources)
         if leaf is not None:
@@ -189,6 +192,25 @@ class _RecomputeNode(torch.autograd.Function):
             arg_grads.append(result[i] if leaf else None)
             i += leaf
         return (None, *arg_grads, *result[len(leaves) :])
+
+
+def _check_in_range(out: Any, label: str) -> None:
+    """Raise where a float16 recompute from decoded (rounded) inputs left the format's range: a
+    value the forward held at 64096 can come back at 65504 (fp8 rounds up, the decode clamps
+    to the largest float16) and overflow in the next layer, where plain autograd's gradients
+    are finite (inf silently before session 33). float16 only: bf16 and wider formats hold
+    float32's range, and the check costs a reduction per recompute."""
+    halves = [
+        t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.dtype == torch.float16
+    ]
+    if halves and not all(bool(torch.isfinite(t).all()) for t in halves):
+        raise ReplayError(
+            f"the recompute of {label} from its compressed input reached inf or nan in "
+            "float16: the rounded input moved values near float16's largest (65504) past it "
+            "(or the forward itself overflowed), so its gradients would be inf where plain "
+            "autograd's are finite. Keep that block's input exact (checkpoint instead of "
+            "approx), compute in bfloat16 or float32, or scale the activations down"
+        )
 
 
 def _unregistered(call: _BlockCall, leaf: torch.Tensor) -> InvalidArgumentError:

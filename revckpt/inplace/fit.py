@@ -474,6 +474,8 @@ def _fit_saved(
             "batch, or other module settings (dropout on where it was off). Make a plan for "
             "this model and batch with revckpt.fit(model, example, memory_budget=...)"
         )
+    if measured > saved.predicted_peak_bytes:  # as a fit's own: never below its check
+        saved = dataclasses.replace(saved, predicted_peak_bytes=measured)
     return Fitted(saved, found, keys, chosen, o.error_budget, budget)
 
 

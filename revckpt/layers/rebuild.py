@@ -365,7 +365,18 @@ class OutputNode(torch.autograd.Function):
     @staticmethod
     @differentiable_once("a reversible stack (revckpt.layers.ReversibleSequential)")
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        saved = ctx.saved_tensors
+        try:
+            saved = ctx.saved_tensors
+        except RuntimeError as e:
+            if "modified by an inplace operation" not in str(e):
+                raise
+            raise ModifiedInputError(
+                "the output of a reversible stack was changed in place after the stack "
+                "returned it (y.mul_(2), y += b), before the backward: the stack rebuilds "
+                "every block's input from that output, so it needs it as it returned it (plain "
+                "autograd, which stores every input, does not). Change it out of place "
+                "(y = y * 2), or change a copy"
+            ) from e
         if ctx.dim is None:
             y1, y2 = saved
             d1, d2 = grads

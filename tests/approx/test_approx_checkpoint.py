@@ -6,7 +6,13 @@ from helpers import bitwise_equal, train_step, twin
 from torch import nn
 
 import revckpt
-from revckpt import InvalidArgumentError, InvalidInputTypeError, MemoryMeter, RevckptError
+from revckpt import (
+    InvalidArgumentError,
+    InvalidInputTypeError,
+    MemoryMeter,
+    ReplayError,
+    RevckptError,
+)
 from revckpt.approx import Approx
 from revckpt.layers import ReversibleSequential, reversible_mlp_block
 from revckpt.models import ResidualMLPBlock, mlp_chain
@@ -636,3 +642,20 @@ def test_a_side_output_in_the_loss_is_refused_naming_the_strategies_that_take_it
     revckpt.restore(model)
     revckpt.convert(model, "checkpoint")  # as the message says
     model(x).backward()
+
+
+def test_a_float16_recompute_that_leaves_the_range_is_refused():
+    """63500 rounds up to e4m3's 65536, decoded clamped to float16's 65504; times 1.01 in the
+    recompute it overflows where the forward (64096... then halved) did not: the gradients were
+    inf, plain autograd's finite, without a word."""
+    first = nn.Linear(4, 4, bias=False)
+    second = nn.Linear(4, 4, bias=False)
+    with torch.no_grad():
+        first.weight.copy_(torch.eye(4) * 1.01)
+        second.weight.copy_(torch.eye(4) * 0.5)
+    block = nn.Sequential(first, second).half()
+    x = torch.tensor([[63500.0, 1.0, 2.0, 3.0]], dtype=torch.float16, requires_grad=True)
+    assert torch.isfinite(block(x)).all()
+    y = revckpt.checkpoint_sequential([block], 1, x, strategy=Approx(store="e4m3"))
+    with pytest.raises(ReplayError, match="float16"):
+        y.backward(torch.full_like(y, 1e-3))

@@ -291,3 +291,14 @@ def test_a_torch_func_transform_is_refused_clearly():
         return torch.cat([x1, x2], dim=-1)
 
     torch.testing.assert_close(torch.func.vmap(looped)(x), stack(x))
+
+
+def test_the_stack_output_changed_in_place_is_refused_clearly():
+    """y = stack(x); y.mul_(2): autograd's raw version error from inside the rebuild."""
+    torch.manual_seed(0)
+    stack = ReversibleSequential(*[reversible_mlp_block(4, 8) for _ in range(2)])
+    x = torch.randn(3, 8, requires_grad=True)
+    y = stack(x)
+    y.mul_(2)
+    with pytest.raises(ModifiedInputError, match="output of a reversible stack was changed"):
+        y.sum().backward()
