@@ -285,10 +285,13 @@ class ModuleState:
                 for table, key, b in copies:
                     table[key] = b.clone()
         self._frozen: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
-        # each parameter's requires_grad when the forward ran (frozen or unfrozen before the
-        # backward, the recompute would save other tensors: torch's checkpoint then gave other
-        # parameters wrong gradients without a word, or raised)
-        self._flags: list[tuple[torch.Tensor, bool]] = []
+        # each parameter's requires_grad when the forward starts (frozen or unfrozen before the
+        # backward, or by a hook during the forward, the recompute would save other tensors:
+        # torch's checkpoint then gave other parameters wrong gradients without a word, or
+        # raised)
+        self._flags = [
+            (p, p.requires_grad) for m in mods for p in m._parameters.values() if p is not None
+        ]
         self._unseen: list[str] = []
         # layouts scanned before any forward of theirs finished: a forward may create plain
         # attributes (a counter set on the first call), which the recompute must not find
@@ -311,13 +314,11 @@ class ModuleState:
             self._buffers_finished()
         if self._fresh:
             self._attributes_finished()
-        flags = self._flags
         for m in self._modules:
             table = m._parameters
             for name, p in table.items():
                 if p is not None:
                     frozen.append((table, name, p, p._version))
-                    flags.append((p, p.requires_grad))
 
     @torch.compiler.disable
     def forward_failed(self) -> None:

@@ -999,3 +999,40 @@ def test_requires_grad_changed_between_forward_and_backward_gives_plain_gradient
         assert (got is None) == (ref is None), name
         if ref is not None:
             torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+class _FreezesAfterUse(_TwoLinear):
+    """A forward hook that sets ``a.weight.requires_grad`` once ``a`` ran (progressive
+    freezing done from a hook)."""
+
+    def __init__(self, flag: bool) -> None:
+        super().__init__()
+
+        def hook(module: nn.Module, inputs: object, output: object) -> None:
+            module.weight.requires_grad_(flag)
+
+        self.a.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("strategy", ["checkpoint", "selective:matmul+attention", "offload"])
+@pytest.mark.parametrize("start", [True, False])
+def test_requires_grad_changed_by_a_hook_during_the_forward_gives_plain_gradients(strategy, start):
+    """Recorded at the forward's end, the flags replayed the hook's, not the ones the weight
+    was used with: other gradients 2-7x wrong silently (unfrozen), or a raw error (frozen;
+    offload: the hook froze the rerun's own alias)."""
+    grads = []
+    for convert in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(_FreezesAfterUse(not start), _FreezesAfterUse(not start)).double()
+        if convert:
+            revckpt.convert(model, strategy)
+        for block in model:
+            block.a.weight.requires_grad_(start)
+        x = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+        (model(x) ** 2).sum().backward()
+        grads.append({"x": x.grad, **{n: p.grad for n, p in model.named_parameters()}})
+    for name, ref in grads[0].items():
+        got = grads[1][name]
+        assert (got is None) == (ref is None), name
+        if ref is not None:
+            torch.testing.assert_close(got, ref, rtol=0, atol=0)

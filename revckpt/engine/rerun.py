@@ -150,18 +150,26 @@ class Rerun:
 
     def __call__(self, *args: Any) -> Any:
         if self.aliases is not None:
-            fn, aliases, owner = self.fn, self.aliases, self.owner
-            # every place of a parameter is named (a weight tied to another's), once per
-            # module: tie_weights would swap a module reached by two paths twice, and its
-            # restore left the alias in the module (the model trained a detached copy)
-            if fn is owner:
-                return torch.func.functional_call(
-                    fn, aliases, args, self.kwargs, strict=False, tie_weights=False
-                )
-            assert _reparametrized is not None and owner is not None  # (by _owner_of)
-            with _reparametrized(owner, aliases, tie_weights=False):  # a bound forward
-                return fn(*args, **self.kwargs)
+            try:
+                return self._aliased(args)
+            finally:  # a hook that froze a weight once used froze its alias: ours, used so
+                for alias in self.aliases.values():
+                    alias.requires_grad_(True)
         return self.fn(*args, **self.kwargs)
+
+    def _aliased(self, args: tuple[Any, ...]) -> Any:
+        fn, aliases, owner = self.fn, self.aliases, self.owner
+        assert aliases is not None
+        # every place of a parameter is named (a weight tied to another's), once per module:
+        # tie_weights would swap a module reached by two paths twice, and its restore left the
+        # alias in the module (the model trained a detached copy)
+        if fn is owner:
+            return torch.func.functional_call(
+                fn, aliases, args, self.kwargs, strict=False, tie_weights=False
+            )
+        assert _reparametrized is not None and owner is not None  # (by _owner_of)
+        with _reparametrized(owner, aliases, tie_weights=False):  # a bound forward
+            return fn(*args, **self.kwargs)
 
     def sources(self, leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The tensors to differentiate: ``leaves`` (the rebuilt inputs), the parameters (or
