@@ -2171,3 +2171,29 @@ def test_a_saved_plan_is_never_predicted_below_its_own_check(tmp_path) -> None:
         plan = revckpt.fit(model, padded, memory_budget="70%", plan=path)
         measured = measure_step(model, padded, None)
     assert measured <= plan.predicted_peak_bytes
+
+
+class _WithHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 64)) for _ in range(4)
+        )
+        self.head = nn.Linear(64, 128)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        logits = self.head(x)
+        return logits, logits.square().mean()
+
+
+def test_the_infeasible_message_counts_what_the_step_holds_in_the_blocks_backward():
+    """Peaking in the blocks' backward, the message said the step held 0 B outside them: the
+    model's output, held across their backward, was counted as the blocks' own (a trial's
+    nanoGPT: 512 KiB of logits among '3.84 MiB of theirs')."""
+    torch.manual_seed(0)
+    with pytest.raises(revckpt.InfeasibleBudgetError) as caught:
+        revckpt.fit(_WithHead(), torch.randn(512, 64), memory_budget="5%", loss_fn=lambda o: o[1])
+    held = str(caught.value).split("peaks inside the blocks: ")[1].split(" the step holds")[0]
+    assert held != "0 B"

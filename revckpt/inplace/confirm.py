@@ -119,8 +119,9 @@ def _where(phases: dict[str, dict[str, int]]) -> str:
     if name == "blocks":
         return (
             f"; by the cost model, that plan peaks inside the blocks: {b['held']} the step holds "
-            f"outside them and {b['blocks']} of theirs (what the plan keeps, and one block's "
-            "forward, or its re-run and backward, on top)"
+            "outside them (in their backward, the model's output and the loss's tensors among "
+            f"it) and {b['blocks']} of theirs (what the plan keeps, and one block's forward, or "
+            "its re-run and backward, on top)"
         )
     if name == "before":
         said = (

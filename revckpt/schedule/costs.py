@@ -304,12 +304,20 @@ def evaluate(
 def _chain_peak(costs: Sequence[SegmentCost]) -> tuple[int, int]:
     """The chain's own peak, ``max_p max(P_p + W_p, P_p + L_p + Wb_p)``, and what the plan
     keeps at the end of its forward (``P`` after the last segment)."""
-    late_after = [sum(c.late for c in costs[p + 1 :]) for p in range(len(costs))]
-    prefix, peak = 0, 0
-    for cost, late in zip(costs, late_after, strict=True):
-        peak = max(peak, prefix + cost.work, prefix + late + cost.backward_work)
-        prefix += cost.kept
+    peak, prefix, _ = _chain_peak_where(costs)
     return peak, prefix
+
+
+def _chain_peak_where(costs: Sequence[SegmentCost]) -> tuple[int, int, bool]:
+    """:func:`_chain_peak`, and whether the peak is in the blocks' backward."""
+    late_after = [sum(c.late for c in costs[p + 1 :]) for p in range(len(costs))]
+    prefix, peak, backward = 0, 0, False
+    for cost, late in zip(costs, late_after, strict=True):
+        forward, back = prefix + cost.work, prefix + late + cost.backward_work
+        if max(forward, back) > peak:
+            peak, backward = max(forward, back), back >= forward
+        prefix += cost.kept
+    return peak, prefix, backward
 
 
 def peak_phases(
@@ -318,13 +326,16 @@ def peak_phases(
     """What each phase of the whole step holds at its predicted peak under a plan, part by
     part (bytes): ``before`` the blocks, ``blocks`` (inside their forward or backward),
     ``head`` (after their forward, before their backward) and ``after`` their backward; the
-    largest sum is the plan's predicted peak (:func:`evaluate`)."""
+    largest sum is the plan's predicted peak (:func:`evaluate`). Where the blocks peak in
+    their backward, what the step holds for the head's gradient then (``backward_held``: the
+    model's output, the logits) counts as held outside them."""
     _check_sequence(blocks, segments)
     costs = [segment_cost(blocks, seg, step) for seg in segments]
-    chain, prefix = _chain_peak(costs)
+    chain, prefix, backward = _chain_peak_where(costs)
+    outside = min(step.backward_held, chain) if backward else 0
     return {
         "before": {"before": step.before_peak},
-        "blocks": {"held": step.held, "blocks": chain},
+        "blocks": {"held": step.held + outside, "blocks": chain - outside},
         "head": {"held": step.held, "kept": prefix, "head": step.head},
         "after": {"after": step.after, "late": sum(c.late for c in costs)},
     }
