@@ -24,6 +24,7 @@ __all__ = [
     "ReconstructionError",
     "ReplayError",
     "RevckptError",
+    "SideOutputError",
 ]
 
 
@@ -81,6 +82,12 @@ class ModifiedParameterError(ModifiedInputError):
 class ReplayError(RevckptError, RuntimeError):
     """A recompute cannot run as the forward ran: a buffer the forward updated and no copy of
     its old value, random numbers drawn by another thread meanwhile, a module flag changed."""
+
+
+class SideOutputError(RevckptError, RuntimeError):
+    """A gradient reached a tensor that a block computed in a forward keeping nothing for
+    backward (approx, offload, a reversible stack): a side output the loss uses, such as a
+    mixture-of-experts layer's router logits."""
 
 
 class DoubleBackwardError(RevckptError, RuntimeError):

@@ -2197,3 +2197,58 @@ def test_the_infeasible_message_counts_what_the_step_holds_in_the_blocks_backwar
         revckpt.fit(_WithHead(), torch.randn(512, 64), memory_budget="5%", loss_fn=lambda o: o[1])
     held = str(caught.value).split("peaks inside the blocks: ")[1].split(" the step holds")[0]
     assert held != "0 B"
+
+
+class _Routed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.router = nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x)) * self.router(x).softmax(-1)[..., :1]
+
+
+class _RouterLossModel(nn.Module):
+    """Router logits collected by forward hooks into an auxiliary loss, as Hugging Face's
+    mixture-of-experts models do with ``output_router_logits=True``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Routed() for _ in range(4))
+        for block in self.blocks:
+            block.router.register_forward_hook(_record_output)
+
+    def forward(self, x):
+        aux = 0.0
+        for block in self.blocks:
+            x = block(x)
+            aux = aux + block.router.__dict__.pop("recorded").square().mean()
+        return x.square().mean() + aux
+
+
+def _record_output(module: nn.Module, inputs: object, output: torch.Tensor) -> None:
+    module.__dict__["recorded"] = output  # (a recompute records again: the last one is read)
+
+
+def test_fit_with_an_error_budget_plans_around_a_side_output_the_loss_uses():
+    """approx keeps nothing of a block's first forward: fit's check step raised a raw
+    RevckptError from the backward (Mixtral with output_router_logits=True under
+    error_budget=); it plans again without approx, saying so (here only 'store' is left, which
+    does not fit: the budget's own error)."""
+    torch.manual_seed(0)
+    model = _RouterLossModel().double()
+    x = torch.randn(4096, 32, dtype=torch.float64)
+    with (
+        pytest.warns(revckpt.PlanWarning, match="side output"),
+        pytest.raises(revckpt.InfeasibleBudgetError),
+    ):
+        revckpt.fit(
+            model, x, memory_budget="90%", error_budget=5e-2, loss_fn=lambda o: o,
+            strategies=["store", "approx:bf16"],
+        )  # fmt: skip
+    reference = copy.deepcopy(model)
+    revckpt.fit(model, x, memory_budget="90%", error_budget=5e-2, loss_fn=lambda o: o)
+    model(x).backward()
+    reference(x).backward()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)

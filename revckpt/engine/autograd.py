@@ -24,7 +24,12 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._module_state import layout_and_modules, submodules
-from ..errors import DoubleBackwardError, InvalidArgumentError, InvalidInputTypeError, RevckptError
+from ..errors import (
+    DoubleBackwardError,
+    InvalidArgumentError,
+    InvalidInputTypeError,
+    SideOutputError,
+)
 
 __all__ = [
     "differentiable_once",
@@ -134,7 +139,7 @@ def _drop(t: torch.Tensor) -> None:
 
 
 def _never(packed: Any) -> torch.Tensor:
-    raise RevckptError(
+    raise SideOutputError(
         "a gradient reached a tensor computed inside a block's first forward, which keeps "
         "nothing for backward under the approx and offload strategies and in reversible "
         "stacks (the block is recomputed or rebuilt from its output alone): a side output of "

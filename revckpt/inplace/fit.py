@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from ..errors import InvalidArgumentError, InvalidInputTypeError
+from ..errors import InvalidArgumentError, InvalidInputTypeError, SideOutputError
 from ..schedule.budget import UNKNOWN_PEAK, parse_budget
 from ..schedule.costs import evaluate, peak_phases, strategy_names
 from ..schedule.error_samples import checked_stride
@@ -36,7 +36,13 @@ from ..strategy import Strategy, StrategyLike, argument_of, kind_of
 from .blocks import Blocks, enclosing_blocks, find_blocks, model_digest
 from .confirm import _within_budget, _within_error
 from .convert import convert, restore
-from .fit_checks import agreed_peak, check_saved_strategies, saved_step_peak, uncompiled
+from .fit_checks import (
+    agreed_peak,
+    check_saved_strategies,
+    saved_step_peak,
+    uncompiled,
+    without_nodes,
+)
 from .fit_stack import fit_converted
 from .install import Planned, install, is_fsdp, planned, tensor_sites
 from .measure import profile_in_situ
@@ -364,7 +370,11 @@ def _fit(
             def modelled(plan: Plan) -> float:  # the error model's figure, not the measured
                 return evaluate(profile.blocks, plan.segments, step=profile.step).error
 
-            result = _agreed(_within_error(within, o.error_budget, modelled))
+            try:
+                result = _agreed(_within_error(within, o.error_budget, modelled))
+            except SideOutputError:
+                chosen = without_nodes(chosen)  # (checked reads it)
+                result = _agreed(_within_error(within, o.error_budget, modelled))
         _apply(result, found, keys, sites)
         seen = (profile, traced.store_peak, shapes, dtypes, autocast, sites)
         return Fitted(result, found, keys, tuple(chosen), o.error_budget, budget, *seen)

@@ -6,19 +6,26 @@ compiled (planned as the eager module it wraps)."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, PlanWarning, SideOutputError
 from ..schedule.plan import Plan
 from ..schedule.plan_checks import dtype_named
 from ..strategy import kind_of
 from .step import measure_step
 
-__all__ = ["agreed_peak", "check_saved_strategies", "saved_step_peak", "uncompiled"]
+__all__ = [
+    "agreed_peak",
+    "check_saved_strategies",
+    "saved_step_peak",
+    "uncompiled",
+    "without_nodes",
+]
 
 
 @contextlib.contextmanager
@@ -116,3 +123,27 @@ def check_saved_strategies(saved: Plan, chosen: tuple[str, ...], o: Any) -> None
                 f"the saved plan uses {outside}, which strategies={list(chosen)} leaves out; "
                 "pass those too, or make a plan with these strategies"
             )
+
+
+def without_nodes(chosen: list[str]) -> list[str]:
+    """``chosen`` without the strategies that keep nothing of a block's first forward (approx,
+    offload, reversible), for a model whose loss uses a block's side output (a
+    mixture-of-experts layer's router logits): its check step raised
+    :class:`~revckpt.SideOutputError` under one of them. Warns; raises it again where
+    nothing else is left."""
+    kept = [s for s in chosen if kind_of(s) not in ("approx", "offload", "reversible")]
+    left = sorted(set(chosen) - set(kept))
+    if not left or not kept:
+        raise SideOutputError(
+            f"the model's loss uses a side output of a planned block (router logits, "
+            f"attention weights), which {left or chosen} cannot differentiate; allow "
+            "'checkpoint' or 'selective:...' (strategies=None)"
+        )
+    warnings.warn(
+        f"revckpt.fit: the model's loss uses a side output of a planned block (a "
+        f"mixture-of-experts layer's router logits, attention weights), which {left} keep "
+        "nothing of: planned without them",
+        PlanWarning,
+        stacklevel=3,
+    )
+    return kept
