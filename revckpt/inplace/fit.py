@@ -29,7 +29,7 @@ from ..schedule.costs import evaluate, peak_phases, strategy_names
 from ..schedule.error_samples import checked_stride
 from ..schedule.kinds import approximate
 from ..schedule.plan import Plan
-from ..schedule.plan_checks import dtype_name, dtype_named
+from ..schedule.plan_checks import dtype_name
 from ..schedule.profile import Profile
 from ..schedule.solver import solve
 from ..strategy import Strategy, StrategyLike, argument_of, kind_of
@@ -39,6 +39,8 @@ from .convert import convert, restore
 from .fit_checks import (
     agreed_peak,
     check_saved_strategies,
+    load_plan,
+    planned_names,
     saved_step_peak,
     uncompiled,
     without_nodes,
@@ -46,8 +48,9 @@ from .fit_checks import (
 from .fit_stack import fit_converted
 from .install import Planned, install, is_fsdp, planned, tensor_sites
 from .measure import profile_in_situ
+from .plan_install import apply_plan
 from .reversible import refuse_reversible, stack_of
-from .runners import runner_for, segment_runners
+from .runners import runner_for
 from .step import (
     LossFn,
     Reference,
@@ -286,11 +289,11 @@ def _fit(
     o = _FitOptions(**options)
     chosen = _checked(model, memory_budget, o)
     restore(model)
-    found = find_blocks(model, o.blocks if o.blocks is not None else _planned_names(o.plan, model))
+    found = find_blocks(model, o.blocks if o.blocks is not None else planned_names(o.plan, model))
     _refuse_sharded(found)
     if o.plan is None or profiled:
         _refuse_eval_mode(found)
-    saved = _load(o.plan, model, found) if o.plan is not None else None
+    saved = load_plan(o.plan, model, found) if o.plan is not None else None
     if saved is not None:
         check_saved_strategies(saved, tuple(chosen), o)
     try:
@@ -375,7 +378,7 @@ def _fit(
             except SideOutputError:
                 chosen = without_nodes(chosen)  # (checked reads it)
                 result = _agreed(_within_error(within, o.error_budget, modelled))
-        _apply(result, found, keys, sites)
+        apply_plan(result, found, keys, sites)
         seen = (profile, traced.store_peak, shapes, dtypes, autocast, sites)
         return Fitted(result, found, keys, tuple(chosen), o.error_budget, budget, *seen)
     except BaseException:
@@ -473,7 +476,7 @@ def _fit_saved(
             "measure it against the simple recipes with verify=True"
         )
     keys: list[Any] = list(saved.block_keys) or [None] * len(found)  # older plans: by the rule
-    _apply(saved, found, keys, [frozenset(s) for s in saved.block_tensors])
+    apply_plan(saved, found, keys, [frozenset(s) for s in saved.block_tensors])
     measured = agreed_peak(saved_step_peak(saved, found, model, example, o.loss_fn))
     if measured > budget:
         raise InvalidArgumentError(
@@ -517,7 +520,7 @@ def _measured(
     where it read high). With a
     :class:`Reference` (the store-all step's gradients), a plan with approximate segments runs
     its step from the reference's generator state and its gradient error is measured too."""
-    _apply(plan, found, keys)
+    apply_plan(plan, found, keys)
     if reference is not None and any(approximate(s) for s in plan.strategies):
         measured, grads = measured_gradients(
             model, example, loss_fn, seed=reference.seed, params=reference.params
@@ -555,72 +558,3 @@ def _recorder_slot(found: list[tuple[str, nn.Module]]) -> Callable[[Recorder | N
             info.recorder = recorder
 
     return slot
-
-
-def _apply(
-    plan: Plan,
-    found: list[tuple[str, nn.Module]],
-    keys: Sequence[Any],
-    sites: Sequence[frozenset[Any]] = (),
-) -> None:
-    """Install ``plan`` on the blocks ``found`` (``keys``: where their hidden states are;
-    ``sites``: which of their arguments held tensors in the traced step, if traced)."""
-    shapes = plan.block_shapes or (None,) * len(found)
-    tensors = list(sites) or [None] * len(found)
-    warned: set[Any] = set()  # one warning per argument for the blocks of this plan
-    dtypes = [dtype_named(d) for d in plan.block_dtypes] or [None] * len(found)
-    autocast = None if plan.autocast is None else dtype_named(plan.autocast)
-    for seg in plan.segments:
-        labels = tuple(fqn for fqn, _ in found[seg.start : seg.stop])
-        if seg.strategy == "checkpoint":
-            runners = segment_runners(labels)
-        else:
-            runners = [runner_for(seg.strategy)] * len(labels)
-        for i, run in zip(range(seg.start, seg.stop), runners, strict=True):
-            fqn, block = found[i]
-            info = Planned(
-                fqn,
-                seg.strategy,
-                run,
-                key=keys[i],
-                limit=shapes[i],
-                dtype=dtypes[i],
-                autocast=autocast,
-                threads=plan.threads,
-                tensors=tensors[i],
-                warned=warned,
-            )
-            install(block, info)
-
-
-def _planned_names(plan: Any, model: nn.Module) -> Blocks:
-    """The blocks a saved plan names, where the model has every one of them (fit picked them,
-    perhaps not by the default rule: the layers around a layer's experts); else ``None``."""
-    if plan is None:
-        return None
-    if not isinstance(plan, Plan):
-        plan = Plan.from_json(plan)
-    names = set(plan.block_names)
-    present = {fqn for fqn, _ in model.named_modules()}
-    if not names or not names <= present:
-        return None
-    return lambda _m, fqn: fqn in names
-
-
-def _load(plan: Any, model: nn.Module, found: list[tuple[str, nn.Module]]) -> Plan:
-    if not isinstance(plan, Plan):
-        plan = Plan.from_json(plan)
-    names = tuple(fqn for fqn, _ in found)
-    if plan.model_digest is None or plan.block_names != names:
-        raise InvalidArgumentError(
-            f"the plan covers blocks {list(plan.block_names)[:3]}... but this model's blocks "
-            f"are {list(names)[:3]}...: it was made for another model; make one for this "
-            "model with revckpt.fit(model, example, memory_budget=...)"
-        )
-    if plan.model_digest != model_digest(model):
-        raise InvalidArgumentError(
-            "the plan was made for a model with other parameters (their names, shapes or "
-            "dtypes differ); make one for this model with revckpt.fit(model, example, "
-            "memory_budget=...)"
-        )
-    return plan

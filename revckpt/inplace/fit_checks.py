@@ -17,11 +17,14 @@ from ..errors import InvalidArgumentError, PlanWarning, SideOutputError
 from ..schedule.plan import Plan
 from ..schedule.plan_checks import dtype_named
 from ..strategy import kind_of
+from .blocks import Blocks, model_digest
 from .step import measure_step
 
 __all__ = [
     "agreed_peak",
     "check_saved_strategies",
+    "load_plan",
+    "planned_names",
     "saved_step_peak",
     "uncompiled",
     "without_nodes",
@@ -147,3 +150,36 @@ def without_nodes(chosen: list[str]) -> list[str]:
         stacklevel=3,
     )
     return kept
+
+
+def planned_names(plan: Any, model: nn.Module) -> Blocks:
+    """The blocks a saved plan names, where the model has every one of them (fit picked them,
+    perhaps not by the default rule: the layers around a layer's experts); else ``None``."""
+    if plan is None:
+        return None
+    if not isinstance(plan, Plan):
+        plan = Plan.from_json(plan)
+    names = set(plan.block_names)
+    present = {fqn for fqn, _ in model.named_modules()}
+    if not names or not names <= present:
+        return None
+    return lambda _m, fqn: fqn in names
+
+
+def load_plan(plan: Any, model: nn.Module, found: list[tuple[str, nn.Module]]) -> Plan:
+    if not isinstance(plan, Plan):
+        plan = Plan.from_json(plan)
+    names = tuple(fqn for fqn, _ in found)
+    if plan.model_digest is None or plan.block_names != names:
+        raise InvalidArgumentError(
+            f"the plan covers blocks {list(plan.block_names)[:3]}... but this model's blocks "
+            f"are {list(names)[:3]}...: it was made for another model; make one for this "
+            "model with revckpt.fit(model, example, memory_budget=...)"
+        )
+    if plan.model_digest != model_digest(model):
+        raise InvalidArgumentError(
+            "the plan was made for a model with other parameters (their names, shapes or "
+            "dtypes differ); make one for this model with revckpt.fit(model, example, "
+            "memory_budget=...)"
+        )
+    return plan

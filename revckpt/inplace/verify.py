@@ -42,7 +42,8 @@ from ..schedule.plan import Plan
 from ..schedule.solver import baseline, make_plan
 from ..schedule.verify import STORE_ALL, Verified, _fastest_that_fits, _key
 from ..strategy import argument_of, kind_of
-from .fit import Fitted, _agreed, _apply, _fit, model_digest, restore
+from .fit import Fitted, _agreed, _fit, model_digest, restore
+from .plan_install import apply_plan
 from .step import (
     Gradients,
     LossFn,
@@ -113,7 +114,7 @@ def fit_verified(
     try:
         loss_fn = options.get("loss_fn")
         found = _agreed(_verified(model, example, loss_fn, fitted, rounds, warmup, seed))
-        _apply(found.plan, fitted.found, fitted.keys, fitted.sites)
+        apply_plan(found.plan, fitted.found, fitted.keys, fitted.sites)
     except BaseException:
         restore(model)
         raise
@@ -286,7 +287,7 @@ class _InStep:
     fitted: Fitted
 
     def install(self, name: str) -> None:
-        _apply(self.plans[name], self.fitted.found, self.fitted.keys, self.fitted.sites)
+        apply_plan(self.plans[name], self.fitted.found, self.fitted.keys, self.fitted.sites)
 
     def step(self) -> None:
         """One training step of the model as installed."""
