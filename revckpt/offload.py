@@ -182,7 +182,8 @@ def _checkpoint(
 ) -> Any:
     """``fn(*args, **kwargs)`` as one recompute node whose kept positional tensors live in host
     memory: what ``revckpt.checkpoint(fn, *args, strategy=config)`` runs (``fn`` checked)."""
-    refuse_grad_transform(label_of(fn), "offload")
+    if torch.is_grad_enabled():  # (under no_grad it runs plainly)
+        refuse_grad_transform(label_of(fn), "offload")
     hooks = HostHooks(kwargs.values(), pin_memory=config.pin_memory, prefetch=False)
     with hooks.hooks():
         return run_node(
@@ -208,7 +209,8 @@ def _run_sequential(
     """A checked chain run in segments ``bounds``, each segment's input kept in host memory:
     what ``revckpt.checkpoint_sequential(..., strategy=config)`` runs (``source``: as in
     :func:`~revckpt.engine.chain.run_nodes`)."""
-    refuse_grad_transform(f"a chain of {len(chain)} offloaded blocks", "offload")
+    if torch.is_grad_enabled():
+        refuse_grad_transform(f"a chain of {len(chain)} offloaded blocks", "offload")
     hooks = HostHooks(kwargs.values(), pin_memory=config.pin_memory, prefetch=config.prefetch)
     with hooks.hooks():
         return run_nodes(

@@ -134,6 +134,10 @@ class _RecomputeNode(torch.autograd.Function):
             modules=call.modules,
         )
         out = first_forward(ctx.state, call.label, call.fn, *call.args(tensors), **call.kwargs)
+        _refuse_unfrozen(call, out)
+        # float16 values out of range the forward made itself (a -inf mask): the recompute
+        # may make them again
+        ctx.out_of_range = None if call.keep is EXACT else _out_of_range(out)
         saved, ctx.recipe = call.keep.keep(tensors, call.label)
         ctx.leaves = [t.is_floating_point() or t.is_complex() for t in tensors]
         # an inference tensor cannot be saved (nor changed in place outside inference mode):
@@ -179,8 +183,8 @@ class _RecomputeNode(torch.autograd.Function):
         replay = ctx.state.replay(label=call.label, exact_draws=True)
         with torch.enable_grad(), replay, call.keep.rerun_context(device_type):
             out = rerun(*call.args(args_in))
-        if call.keep is not EXACT:
-            _check_in_range(out, call.label)
+        if ctx.out_of_range is not None:
+            _check_in_range(out, ctx.out_of_range, call.label)
         sources = rerun.sources(leaves)
         leaf = rerun.unregistered(out, sources)
         if leaf is not None:
@@ -194,23 +198,66 @@ class _RecomputeNode(torch.autograd.Function):
         return (None, *arg_grads, *result[len(leaves) :])
 
 
-def _check_in_range(out: Any, label: str) -> None:
-    """Raise where a float16 recompute from decoded (rounded) inputs left the format's range: a
-    value the forward held at 64096 can come back at 65504 (fp8 rounds up, the decode clamps
-    to the largest float16) and overflow in the next layer, where plain autograd's gradients
-    are finite (inf silently before session 33). float16 only: bf16 and wider formats hold
-    float32's range, and the check costs a reduction per recompute."""
-    halves = [
-        t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.dtype == torch.float16
+def _out_of_range(out: Any) -> list[int]:
+    """Per float16 tensor of ``out``: how many of its elements are inf or nan (float16 only:
+    bf16 and wider formats hold float32's range, and the count costs a reduction)."""
+    return [
+        int((~torch.isfinite(t)).sum())
+        for t in tree_flatten(out)[0]
+        if isinstance(t, torch.Tensor) and t.dtype == torch.float16
     ]
-    if halves and not all(bool(torch.isfinite(t).all()) for t in halves):
+
+
+def _check_in_range(out: Any, before: list[int], label: str) -> None:
+    """Raise where a float16 recompute from decoded (rounded) inputs left the format's range
+    more than its forward did: a value the forward held at 64096 can come back at 65504 (fp8
+    rounds up, the decode clamps to the largest float16) and overflow in the next layer,
+    where plain autograd's gradients are finite (inf silently before session 33). Values the
+    forward made inf itself (a -inf mask) are the recompute's too."""
+    now = _out_of_range(out)
+    if len(now) == len(before) and any(n > b for n, b in zip(now, before, strict=True)):
         raise ReplayError(
             f"the recompute of {label} from its compressed input reached inf or nan in "
-            "float16: the rounded input moved values near float16's largest (65504) past it "
-            "(or the forward itself overflowed), so its gradients would be inf where plain "
-            "autograd's are finite. Keep that block's input exact (checkpoint instead of "
-            "approx), compute in bfloat16 or float32, or scale the activations down"
+            "float16 where its forward had finite values: the rounded input moved values "
+            "near float16's largest (65504) past it, so its gradients would be inf where "
+            "plain autograd's are finite. Keep that block's input exact (checkpoint instead "
+            "of approx), compute in bfloat16 or float32, or scale the activations down"
         )
+
+
+def _refuse_unfrozen(call: _BlockCall, out: Any) -> None:
+    """Raise for a parameter a hook made trainable during the forward before the forward used
+    it (a pre-hook that unfreezes a layer): the node took the trainable parameters before it
+    ran, so that parameter's gradient would be lost (``.grad`` None where plain autograd sets
+    it). One unfrozen after its use gets no gradient from this call in plain autograd either."""
+    taken = {id(p) for p in call.params}
+    late = {id(p) for p in _targets(call.own)[0] if id(p) not in taken}
+    if late:
+        late = [p for p in _graph_leaves(out) if id(p) in late]
+    if late:
+        raise InvalidArgumentError(
+            f"{call.label}: a parameter of shape {tuple(late[0].shape)} started requiring grad "
+            "during the block's forward (a hook unfroze it); an approx or offload block takes "
+            "its trainable parameters before its forward, so its gradient would be lost. "
+            "Unfreeze it before the forward, or checkpoint the block"
+        )
+
+
+def _graph_leaves(out: Any) -> list[torch.Tensor]:
+    """The leaves that ``out``'s graph accumulates gradients into."""
+    todo = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.grad_fn]
+    seen: set[Any] = set()
+    leaves = []
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        leaf = getattr(fn, "variable", None)
+        if leaf is not None:
+            leaves.append(leaf)
+        todo.extend(n for n, _ in fn.next_functions)
+    return leaves
 
 
 def _unregistered(call: _BlockCall, leaf: torch.Tensor) -> InvalidArgumentError:

@@ -142,16 +142,22 @@ def _no_hidden_state(
     info: Planned, args: tuple[Any, ...], kwargs: dict[str, Any], outcome: str
 ) -> str:
     """Block ``info`` got no argument revckpt can take for its hidden state: ``outcome``."""
-    given = [type(a).__name__ for a in args]
-    given += [f"{k}={type(v).__name__}" for k, v in kwargs.items()]
+    given = [_kind(a) for a in args] + [f"{k}={_kind(v)}" for k, v in kwargs.items()]
     return (
         f"revckpt: block {info.fqn} was called with no floating-point tensor as a positional "
         f"argument or as a keyword named {', '.join(HIDDEN_NAMES)} (it got "
         f"{', '.join(given) or 'no arguments'}), so revckpt cannot tell which argument is its "
         f"hidden state: {outcome}. Pass the hidden state to the block as a tensor, "
-        "positionally or under one "
-        "of those names (a state in a tuple or dict: unpack it before the block)"
+        "positionally or under one of those names (a state in a tuple or dict: unpack it "
+        "before the block), or leave a block without one (an embedding of integer ids) out "
+        "of the plan (blocks=...)"
     )
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"Tensor[{str(value.dtype).removeprefix('torch.')}]"
+    return type(value).__name__
 
 
 def _warn_eval_backward() -> None:

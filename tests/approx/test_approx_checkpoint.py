@@ -659,3 +659,64 @@ def test_a_float16_recompute_that_leaves_the_range_is_refused():
     y = revckpt.checkpoint_sequential([block], 1, x, strategy=Approx(store="e4m3"))
     with pytest.raises(ReplayError, match="float16"):
         y.backward(torch.full_like(y, 1e-3))
+
+
+class _MaskedScores(nn.Module):
+    """Causal scores with a -inf mask: float16 infinities the forward makes itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x):
+        scores = self.q(x) @ x.transpose(-1, -2)
+        mask = torch.ones(x.shape[-2], x.shape[-2], dtype=torch.bool).triu(1)
+        return scores.masked_fill(mask, float("-inf"))
+
+
+def test_a_float16_recompute_keeps_the_infinities_its_forward_made():
+    """The range check counted every inf: a -inf mask made the recompute raise where plain
+    autograd's gradients are finite (a review's repro)."""
+    torch.manual_seed(0)
+    block = _MaskedScores().half()
+    x = torch.randn(2, 4, 8, dtype=torch.float16, requires_grad=True)
+    y = revckpt.checkpoint(block, x, strategy="approx:bf16")
+    y.softmax(-1).sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+class _Unfreezes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.fc.weight.requires_grad_(False)
+        self.register_forward_pre_hook(_unfreeze)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+def _unfreeze(module: nn.Module, inputs: object) -> None:
+    module.fc.weight.requires_grad_(True)
+
+
+@pytest.mark.parametrize("strategy", ["approx:bf16", "offload"])
+def test_a_weight_unfrozen_by_a_hook_during_the_forward_is_refused(strategy):
+    """A pre-hook unfreezing a layer: the node had taken the trainable parameters before the
+    forward, so the weight's gradient was lost (.grad None; plain autograd sets it)."""
+    block = _Unfreezes()
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(InvalidArgumentError, match="started requiring grad during"):
+        revckpt.checkpoint(block, x, strategy=strategy)
+
+
+def test_offload_under_no_grad_inside_torch_func_grad_runs_plainly():
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    x = torch.randn(3, 8)
+
+    def loss(t):
+        with torch.no_grad():
+            frozen = revckpt.checkpoint(block, t, strategy="offload")
+        return (t * frozen).sum()
+
+    torch.func.grad(loss)(x)
