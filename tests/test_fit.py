@@ -2252,3 +2252,29 @@ def test_fit_with_an_error_budget_plans_around_a_side_output_the_loss_uses():
     reference(x).backward()
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+
+
+class _TwoTowers(nn.Module):
+    """Two stacks of the same layer class, the second run first (Hugging Face's CLIP runs its
+    vision tower before its text tower)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.vision = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, x):
+        v, t = x, x
+        for layer in self.vision:
+            v = torch.tanh(layer(v))
+        for layer in self.text:
+            t = torch.tanh(layer(t))
+        return (v * t).sum()
+
+
+def test_blocks_out_of_module_order_are_refused_naming_a_way_out():
+    with pytest.raises(InvalidArgumentError, match=r"blocks='vision'"):
+        revckpt.fit(_TwoTowers(), torch.randn(8, 16), memory_budget="90%", loss_fn=lambda o: o)
+    plan = revckpt.fit(_TwoTowers(), torch.randn(8, 16), memory_budget=1.0,
+                       loss_fn=lambda o: o, blocks="vision")  # fmt: skip
+    assert plan.segments

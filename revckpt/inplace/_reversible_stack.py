@@ -408,7 +408,9 @@ class ReversibleLayers:
                 f"{self.layers[0][0]} .. {self.layers[-1][0]} as one reversible stack, called "
                 "one after the other in every forward pass (a layer replaced, removed or added "
                 "since the conversion, or one module called twice, breaks the order: "
-                "revckpt.restore, then make_reversible on the model as it is now)"
+                "revckpt.restore, then make_reversible on the model as it is now; a model that "
+                "skips layers at random in training, LayerDrop (config.layerdrop, "
+                "encoder_layerdrop, decoder_layerdrop), needs it set to 0)"
             )
         assert state.returned is not None
         if not passes(args, kwargs, state.returned):
@@ -459,7 +461,9 @@ def _early_exit_check(progress: _Progress, last: str) -> Any:
             raise RevckptError(
                 f"the forward pass ran the reversible stack (revckpt.make_reversible) up to "
                 f"layer {progress.last} and stopped before its last layer {last} (an early "
-                "exit, or the stack started again from its first layer), and the loss depends "
+                "exit, the stack started again from its first layer, or LayerDrop skipped "
+                "layers: config.layerdrop, encoder_layerdrop, decoder_layerdrop must be 0), "
+                "and the loss depends "
                 "on that hidden state: the backward rebuilds layer inputs from the last "
                 "layer's output, which this pass never made. Run every converted layer, in "
                 "order, in each forward; convert only the layers every forward runs "

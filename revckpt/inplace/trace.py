@@ -358,8 +358,15 @@ def _check_calls(counts: list[int], names: list[str], order: list[str]) -> None:
     if order != names:
         raise InvalidArgumentError(
             f"the blocks ran in the order {order[:6]}..., not in module order {names[:6]}...; "
-            "revckpt plans a chain of blocks called one after the other"
+            "revckpt plans a chain of blocks called one after the other. Where they form "
+            "several chains (a vision and a text tower, an encoder and a decoder), plan one: "
+            "blocks='<attribute path of its layers>' (e.g. blocks="
+            f"'{_parent(order[0])}'), or convert(model, 'checkpoint'), which plans nothing"
         )
+
+
+def _parent(fqn: str) -> str:
+    return fqn.rsplit(".", 1)[0] if "." in fqn else fqn
 
 
 def _metered(
