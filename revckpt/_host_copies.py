@@ -254,8 +254,5 @@ class HostHooks:
 
     @contextmanager
     def hooks(self) -> Iterator[None]:
-        if not torch.is_grad_enabled():  # nothing is saved (and torch.func.grad refuses the
-            yield  # hooks even then, where the call runs plainly)
-            return
         with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
             yield

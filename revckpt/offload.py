@@ -43,6 +43,7 @@ node is differentiable once (``create_graph=True`` through it raises), as an app
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -56,7 +57,7 @@ from ._deprecation import warn_deprecated
 from ._host_copies import FORCED as _FORCED  # noqa: F401  (tests and tools append to it)
 from ._host_copies import LOCK, RECORDERS, HostHooks
 from .checkpoint import segment_bounds
-from .engine.autograd import label_of, refuse_grad_transform
+from .engine.autograd import grad_transform_active, label_of, refuse_grad_transform
 from .engine.chain import as_chain, run_nodes
 from .engine.node import EXACT, run_node
 from .errors import InvalidArgumentError, InvalidInputTypeError
@@ -182,8 +183,9 @@ def _checkpoint(
 ) -> Any:
     """``fn(*args, **kwargs)`` as one recompute node whose kept positional tensors live in host
     memory: what ``revckpt.checkpoint(fn, *args, strategy=config)`` runs (``fn`` checked)."""
-    if torch.is_grad_enabled():  # (under no_grad it runs plainly)
-        refuse_grad_transform(label_of(fn), "offload")
+    if not torch.is_grad_enabled() and grad_transform_active():
+        return fn(*args, **kwargs)  # nothing to keep, and torch refuses the hooks there
+    refuse_grad_transform(label_of(fn), "offload")
     hooks = HostHooks(kwargs.values(), pin_memory=config.pin_memory, prefetch=False)
     with hooks.hooks():
         return run_node(
@@ -209,10 +211,11 @@ def _run_sequential(
     """A checked chain run in segments ``bounds``, each segment's input kept in host memory:
     what ``revckpt.checkpoint_sequential(..., strategy=config)`` runs (``source``: as in
     :func:`~revckpt.engine.chain.run_nodes`)."""
-    if torch.is_grad_enabled():
+    plain = not torch.is_grad_enabled() and grad_transform_active()
+    if not plain:
         refuse_grad_transform(f"a chain of {len(chain)} offloaded blocks", "offload")
     hooks = HostHooks(kwargs.values(), pin_memory=config.pin_memory, prefetch=config.prefetch)
-    with hooks.hooks():
+    with contextlib.nullcontext() if plain else hooks.hooks():
         return run_nodes(
             chain,
             bounds,

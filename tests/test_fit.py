@@ -2278,3 +2278,16 @@ def test_blocks_out_of_module_order_are_refused_naming_a_way_out():
     plan = revckpt.fit(_TwoTowers(), torch.randn(8, 16), memory_budget=1.0,
                        loss_fn=lambda o: o, blocks="vision")  # fmt: skip
     assert plan.segments
+
+
+def test_fit_verify_leaves_out_the_recipes_fit_left_out():
+    """verify=True measured 'approx on every block' although fit had just planned without
+    approx (the loss uses a side output): the recipe raised SideOutputError (a review's
+    repro)."""
+    torch.manual_seed(0)
+    model = _RouterLossModel().double()
+    x = torch.randn(4096, 32, dtype=torch.float64)
+    with pytest.warns(revckpt.PlanWarning, match="side output"):
+        plan = revckpt.fit(model, x, memory_budget="90%", error_budget=5e-2,
+                           loss_fn=lambda o: o, verify=True)  # fmt: skip
+    assert not any(s.startswith("approx") for s in plan.strategies)

@@ -37,6 +37,7 @@ __all__ = [
     "flatten_output",
     "forward_as_plain",
     "grad_keywords",
+    "grad_transform_active",
     "label_of",
     "module_targets",
     "modules_of",
@@ -349,18 +350,23 @@ def refuse_functorch(label: str, strategy: str, instead: str = _STRATEGIES_IN_FU
         )
 
 
-def refuse_grad_transform(label: str, strategy: str) -> None:
-    """Raise inside ``torch.func.grad``, ``vjp``, ``jacrev`` or ``hessian`` (a grad
-    transform on functorch's stack), where torch supports no saved-tensor hooks: torch's own
-    error names neither the block nor what to do. ``vmap`` alone is left to run."""
+def grad_transform_active() -> bool:
+    """Whether a ``torch.func.grad``, ``vjp``, ``jacrev`` or ``hessian`` transform is on
+    functorch's stack (where torch supports no saved-tensor hooks, even under no_grad)."""
     if torch.compiler.is_compiling():
-        return
+        return False
     try:
         from torch._C._functorch import TransformType
         from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
     except ImportError:  # a torch without functorch's Python interpreters: nothing to see
-        return
-    if any(i.key() == TransformType.Grad for i in retrieve_all_functorch_interpreters()):
+        return False
+    return any(i.key() == TransformType.Grad for i in retrieve_all_functorch_interpreters())
+
+
+def refuse_grad_transform(label: str, strategy: str) -> None:
+    """Raise inside a grad transform (:func:`grad_transform_active`): torch's own error names
+    neither the block nor what to do. ``vmap`` alone is left to run."""
+    if grad_transform_active():
         raise InvalidArgumentError(
             f"{label}: the {strategy} strategy cannot run inside torch.func.grad, vjp, jacrev "
             "or hessian: it keeps its tensors through saved-tensor hooks, which torch does "

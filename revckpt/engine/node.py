@@ -134,10 +134,7 @@ class _RecomputeNode(torch.autograd.Function):
             modules=call.modules,
         )
         out = first_forward(ctx.state, call.label, call.fn, *call.args(tensors), **call.kwargs)
-        _refuse_unfrozen(call, out)
-        # float16 values out of range the forward made itself (a -inf mask): the recompute
-        # may make them again
-        ctx.out_of_range = None if call.keep is EXACT else _out_of_range(out)
+        _refuse_unfrozen(call, out, (*tensors, *call.kwargs.values()))
         saved, ctx.recipe = call.keep.keep(tensors, call.label)
         ctx.leaves = [t.is_floating_point() or t.is_complex() for t in tensors]
         # an inference tensor cannot be saved (nor changed in place outside inference mode):
@@ -183,14 +180,14 @@ class _RecomputeNode(torch.autograd.Function):
         replay = ctx.state.replay(label=call.label, exact_draws=True)
         with torch.enable_grad(), replay, call.keep.rerun_context(device_type):
             out = rerun(*call.args(args_in))
-        if ctx.out_of_range is not None:
-            _check_in_range(out, ctx.out_of_range, call.label)
         sources = rerun.sources(leaves)
         leaf = rerun.unregistered(out, sources)
         if leaf is not None:
             raise _unregistered(call, leaf)
         result = output_grads(_rerun_outputs(out, call), grads, sources)
         del out
+        if call.keep is not EXACT:
+            _check_in_range(result, grads, call.label)
         arg_grads, i = [], 0
         for leaf in ctx.leaves:
             arg_grads.append(result[i] if leaf else None)
@@ -198,34 +195,29 @@ class _RecomputeNode(torch.autograd.Function):
         return (None, *arg_grads, *result[len(leaves) :])
 
 
-def _out_of_range(out: Any) -> list[int]:
-    """Per float16 tensor of ``out``: how many of its elements are inf or nan (float16 only:
-    bf16 and wider formats hold float32's range, and the count costs a reduction)."""
-    return [
-        int((~torch.isfinite(t)).sum())
-        for t in tree_flatten(out)[0]
-        if isinstance(t, torch.Tensor) and t.dtype == torch.float16
-    ]
-
-
-def _check_in_range(out: Any, before: list[int], label: str) -> None:
-    """Raise where a float16 recompute from decoded (rounded) inputs left the format's range
-    more than its forward did: a value the forward held at 64096 can come back at 65504 (fp8
+def _check_in_range(
+    result: Sequence[torch.Tensor | None], grads: Sequence[torch.Tensor | None], label: str
+) -> None:
+    """Raise where a float16 recompute from decoded (rounded) inputs made gradients inf or nan
+    from finite incoming ones: a value the forward held at 64096 can come back at 65504 (fp8
     rounds up, the decode clamps to the largest float16) and overflow in the next layer,
-    where plain autograd's gradients are finite (inf silently before session 33). Values the
-    forward made inf itself (a -inf mask) are the recompute's too."""
-    now = _out_of_range(out)
-    if len(now) == len(before) and any(n > b for n, b in zip(now, before, strict=True)):
+    where plain autograd's gradients are finite (inf silently before session 33). float16
+    only (bf16 and wider formats hold float32's range); in backward, where the gradients are
+    at hand (a check in forward would wait on the device every block)."""
+    halves = [g for g in result if g is not None and g.dtype == torch.float16]
+    if not halves or all(bool(torch.isfinite(g).all()) for g in halves):
+        return
+    if all(g is None or bool(torch.isfinite(g).all()) for g in grads):
         raise ReplayError(
-            f"the recompute of {label} from its compressed input reached inf or nan in "
-            "float16 where its forward had finite values: the rounded input moved values "
-            "near float16's largest (65504) past it, so its gradients would be inf where "
-            "plain autograd's are finite. Keep that block's input exact (checkpoint instead "
-            "of approx), compute in bfloat16 or float32, or scale the activations down"
+            f"the recompute of {label} from its compressed input made inf or nan gradients "
+            "in float16 from finite ones: the rounded input moved values near float16's "
+            "largest (65504) past it, where plain autograd's gradients are finite. Keep that "
+            "block's input exact (checkpoint instead of approx), compute in bfloat16 or "
+            "float32, or scale the activations down"
         )
 
 
-def _refuse_unfrozen(call: _BlockCall, out: Any) -> None:
+def _refuse_unfrozen(call: _BlockCall, out: Any, inputs: Sequence[Any]) -> None:
     """Raise for a parameter a hook made trainable during the forward before the forward used
     it (a pre-hook that unfreezes a layer): the node took the trainable parameters before it
     ran, so that parameter's gradient would be lost (``.grad`` None where plain autograd sets
@@ -233,20 +225,24 @@ def _refuse_unfrozen(call: _BlockCall, out: Any) -> None:
     taken = {id(p) for p in call.params}
     late = {id(p) for p in _targets(call.own)[0] if id(p) not in taken}
     if late:
-        late = [p for p in _graph_leaves(out) if id(p) in late]
+        late = [p for p in _graph_leaves(out, inputs) if id(p) in late]
     if late:
         raise InvalidArgumentError(
             f"{call.label}: a parameter of shape {tuple(late[0].shape)} started requiring grad "
-            "during the block's forward (a hook unfroze it); an approx or offload block takes "
-            "its trainable parameters before its forward, so its gradient would be lost. "
-            "Unfreeze it before the forward, or checkpoint the block"
+            "during the block's forward (a hook unfroze it, or the block registered it "
+            "there); an approx or offload block takes its trainable parameters before its "
+            "forward, so its gradient would be lost. Unfreeze (or register) it before the "
+            "forward, or checkpoint the block"
         )
 
 
-def _graph_leaves(out: Any) -> list[torch.Tensor]:
-    """The leaves that ``out``'s graph accumulates gradients into."""
+def _graph_leaves(out: Any, inputs: Sequence[Any]) -> list[torch.Tensor]:
+    """The leaves that ``out``'s graph accumulates gradients into, within the block (the walk
+    stops at its ``inputs``' histories: a weight used before the block is not the block's)."""
     todo = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.grad_fn]
-    seen: set[Any] = set()
+    seen: set[Any] = {
+        t.grad_fn for t in tree_flatten(list(inputs))[0] if isinstance(t, torch.Tensor)
+    }
     leaves = []
     while todo:
         fn = todo.pop()

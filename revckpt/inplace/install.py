@@ -150,7 +150,7 @@ def _no_hidden_state(
         f"hidden state: {outcome}. Pass the hidden state to the block as a tensor, "
         "positionally or under one of those names (a state in a tuple or dict: unpack it "
         "before the block), or leave a block without one (an embedding of integer ids) out "
-        "of the plan (blocks=...)"
+        "of the plan (fit's blocks=..., convert's module_filter_fn=...)"
     )
 
 

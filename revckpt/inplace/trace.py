@@ -360,13 +360,17 @@ def _check_calls(counts: list[int], names: list[str], order: list[str]) -> None:
             f"the blocks ran in the order {order[:6]}..., not in module order {names[:6]}...; "
             "revckpt plans a chain of blocks called one after the other. Where they form "
             "several chains (a vision and a text tower, an encoder and a decoder), plan one: "
-            "blocks='<attribute path of its layers>' (e.g. blocks="
-            f"'{_parent(order[0])}'), or convert(model, 'checkpoint'), which plans nothing"
+            f"blocks='<attribute path of its layers>'{_example(order[0], names[0])}, or "
+            "convert(model, 'checkpoint'), which plans nothing"
         )
 
 
-def _parent(fqn: str) -> str:
-    return fqn.rsplit(".", 1)[0] if "." in fqn else fqn
+def _example(first_run: str, first_listed: str) -> str:
+    """`` (e.g. blocks='<parent>')`` for the container of the block that ran first, where it
+    is not the container the blocks were listed from (one list run in reverse: no chain)."""
+    parent = first_run.rsplit(".", 1)[0] if "." in first_run else ""
+    listed = first_listed.rsplit(".", 1)[0] if "." in first_listed else ""
+    return f" (e.g. blocks='{parent}')" if parent and parent != listed else ""
 
 
 def _metered(

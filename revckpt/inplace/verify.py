@@ -132,6 +132,8 @@ def _candidates(fitted: Fitted) -> dict[str, Plan]:
     if "checkpoint" in fitted.strategies:
         wanted.append(("checkpoint every block", "checkpoint"))
     for strategy in strategy_names(prof.blocks):
+        if strategy not in fitted.strategies:  # (fit left it out: a side output the loss uses)
+            continue
         kind, arg = kind_of(strategy), argument_of(strategy)
         if kind == "selective" and all(arg in b.selective for b in prof.blocks):
             wanted.append((f"selective {arg}", strategy))
