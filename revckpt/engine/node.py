@@ -135,6 +135,9 @@ class _RecomputeNode(torch.autograd.Function):
         )
         out = first_forward(ctx.state, call.label, call.fn, *call.args(tensors), **call.kwargs)
         _refuse_unfrozen(call, out, (*tensors, *call.kwargs.values()))
+        # whether its float16 outputs were finite: a 0-d tensor, read in backward (no wait on
+        # the device here)
+        ctx.finite = None if call.keep is EXACT else _finite(out)
         saved, ctx.recipe = call.keep.keep(tensors, call.label)
         ctx.leaves = [t.is_floating_point() or t.is_complex() for t in tensors]
         # an inference tensor cannot be saved (nor changed in place outside inference mode):
@@ -184,10 +187,10 @@ class _RecomputeNode(torch.autograd.Function):
         leaf = rerun.unregistered(out, sources)
         if leaf is not None:
             raise _unregistered(call, leaf)
+        if ctx.finite is not None:
+            _check_in_range(out, ctx.finite, call.label)
         result = output_grads(_rerun_outputs(out, call), grads, sources)
         del out
-        if call.keep is not EXACT:
-            _check_in_range(result, grads, call.label)
         arg_grads, i = [], 0
         for leaf in ctx.leaves:
             arg_grads.append(result[i] if leaf else None)
@@ -195,25 +198,34 @@ class _RecomputeNode(torch.autograd.Function):
         return (None, *arg_grads, *result[len(leaves) :])
 
 
-def _check_in_range(
-    result: Sequence[torch.Tensor | None], grads: Sequence[torch.Tensor | None], label: str
-) -> None:
-    """Raise where a float16 recompute from decoded (rounded) inputs made gradients inf or nan
-    from finite incoming ones: a value the forward held at 64096 can come back at 65504 (fp8
-    rounds up, the decode clamps to the largest float16) and overflow in the next layer,
-    where plain autograd's gradients are finite (inf silently before session 33). float16
-    only (bf16 and wider formats hold float32's range); in backward, where the gradients are
-    at hand (a check in forward would wait on the device every block)."""
-    halves = [g for g in result if g is not None and g.dtype == torch.float16]
-    if not halves or all(bool(torch.isfinite(g).all()) for g in halves):
+def _finite(out: Any) -> torch.Tensor | None:
+    """Whether every float16 tensor of ``out`` is finite, as a 0-d tensor on its device
+    (``None`` without float16 tensors: bf16 and wider formats hold float32's range)."""
+    halves = [
+        t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.dtype == torch.float16
+    ]
+    if not halves:
+        return None
+    return torch.stack([torch.isfinite(t).all() for t in halves]).all()
+
+
+def _check_in_range(out: Any, forward_finite: torch.Tensor | None, label: str) -> None:
+    """Raise where a float16 recompute from decoded (rounded) inputs reached inf or nan and
+    its forward did not: a value the forward held at 64096 can come back at 65504 (fp8 rounds
+    up, the decode clamps to the largest float16) and overflow in the next layer, where plain
+    autograd's gradients are finite (inf silently before session 33). A forward that made
+    infinities itself (a -inf mask, an overflow) is left as plain autograd leaves it, and so
+    is the backward (a GradScaler's overflow)."""
+    if forward_finite is None or not bool(forward_finite):
         return
-    if all(g is None or bool(torch.isfinite(g).all()) for g in grads):
+    now = _finite(out)
+    if now is not None and not bool(now):
         raise ReplayError(
-            f"the recompute of {label} from its compressed input made inf or nan gradients "
-            "in float16 from finite ones: the rounded input moved values near float16's "
-            "largest (65504) past it, where plain autograd's gradients are finite. Keep that "
-            "block's input exact (checkpoint instead of approx), compute in bfloat16 or "
-            "float32, or scale the activations down"
+            f"the recompute of {label} from its compressed input reached inf or nan in "
+            "float16 where its forward was finite: the rounded input moved values near "
+            "float16's largest (65504) past it, so its gradients would be inf where plain "
+            "autograd's are finite. Keep that block's input exact (checkpoint instead of "
+            "approx), compute in bfloat16 or float32, or scale the activations down"
         )
 
 

@@ -776,3 +776,20 @@ def test_a_float16_mask_made_of_the_data_moves_without_a_range_error(seed):
     y = revckpt.checkpoint(block, x, strategy=Approx(store="e4m3"))
     y.softmax(-1).nan_to_num().sum().backward()
     assert torch.isfinite(x.grad).all()
+
+
+def test_a_float16_backward_that_overflows_goes_as_in_plain_autograd():
+    """A GradScaler's scaled loss can overflow a float16 backward: plain autograd returns inf
+    (the scaler then skips the step), and so must the approx block, not raise."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).half()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.mul_(100)
+    grads = []
+    for strategy in (None, Approx(store="bf16")):
+        x = torch.randn(4, 8, dtype=torch.float16, requires_grad=True)
+        y = block(x) if strategy is None else revckpt.checkpoint(block, x, strategy=strategy)
+        y.backward(torch.full_like(y, 60000.0))
+        grads.append(bool(torch.isfinite(x.grad).all()))
+    assert grads == [False, False]
