@@ -15,7 +15,7 @@ import copy
 import dataclasses
 import functools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence, Set
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ __all__ = [
     "forward_as_plain",
     "grad_keywords",
     "grad_transform_active",
+    "graph_leaves",
     "label_of",
     "module_targets",
     "modules_of",
@@ -285,7 +286,20 @@ def first_unregistered_leaf(
     # a source with a history (a fast weight torch.func.functional_call swapped in, made from
     # the parameter) ends the walk: the node differentiates it, autograd the rest
     ends = {(t.grad_fn, t.output_nr) for t in sources if t.grad_fn is not None}
-    seen: set[Any] = set()
+    for leaf in graph_leaves(outputs, ends=ends):
+        if id(leaf) not in known and leaf.requires_grad:
+            return leaf
+    with contextlib.suppress(TypeError):
+        _CHECKED.add(owner)
+    return None
+
+
+def graph_leaves(
+    outputs: Any, *, ends: Set[tuple[Any, int]] = frozenset(), stops: Set[Any] = frozenset()
+) -> Iterator[torch.Tensor]:
+    """The leaves ``outputs``' graph accumulates gradients into, walking neither an edge in
+    ``ends`` (``(node, output_nr)``) nor past a node in ``stops``."""
+    seen: set[Any] = set(stops)
     todo = [
         t.grad_fn for t in flatten_output(outputs)[0] if isinstance(t, torch.Tensor) and t.grad_fn
     ]
@@ -295,12 +309,9 @@ def first_unregistered_leaf(
             continue
         seen.add(fn)
         leaf = getattr(fn, "variable", None)
-        if leaf is not None and id(leaf) not in known and leaf.requires_grad:
-            return leaf
+        if leaf is not None:
+            yield leaf
         todo.extend(n for n, nr in fn.next_functions if (n, nr) not in ends)
-    with contextlib.suppress(TypeError):
-        _CHECKED.add(owner)
-    return None
 
 
 def grad_keywords(kwargs: dict[str, Any]) -> tuple[str, ...]:

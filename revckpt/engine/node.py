@@ -31,6 +31,7 @@ from .autograd import (
     differentiable_once,
     flatten_output,
     grad_keywords,
+    graph_leaves,
     module_targets,
     modules_of,
     refuse_functorch,
@@ -236,8 +237,10 @@ def _refuse_unfrozen(call: _BlockCall, out: Any, inputs: Sequence[Any]) -> None:
     it). One unfrozen after its use gets no gradient from this call in plain autograd either."""
     taken = {id(p) for p in call.params}
     late = {id(p) for p in _targets(call.own)[0] if id(p) not in taken}
-    if late:
-        late = [p for p in _graph_leaves(out, inputs) if id(p) in late]
+    if late:  # the block's own: the walk stops at its inputs' histories (a weight used
+        # before the block is not the block's)
+        stops = {t.grad_fn for t in tree_flatten(list(inputs))[0] if isinstance(t, torch.Tensor)}
+        late = [p for p in graph_leaves(out, stops=stops) if id(p) in late]
     if late:
         raise InvalidArgumentError(
             f"{call.label}: a parameter of shape {tuple(late[0].shape)} started requiring grad "
@@ -246,26 +249,6 @@ def _refuse_unfrozen(call: _BlockCall, out: Any, inputs: Sequence[Any]) -> None:
             "forward, so its gradient would be lost. Unfreeze (or register) it before the "
             "forward, or checkpoint the block"
         )
-
-
-def _graph_leaves(out: Any, inputs: Sequence[Any]) -> list[torch.Tensor]:
-    """The leaves that ``out``'s graph accumulates gradients into, within the block (the walk
-    stops at its ``inputs``' histories: a weight used before the block is not the block's)."""
-    todo = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.grad_fn]
-    seen: set[Any] = {
-        t.grad_fn for t in tree_flatten(list(inputs))[0] if isinstance(t, torch.Tensor)
-    }
-    leaves = []
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        leaf = getattr(fn, "variable", None)
-        if leaf is not None:
-            leaves.append(leaf)
-        todo.extend(n for n, _ in fn.next_functions)
-    return leaves
 
 
 def _unregistered(call: _BlockCall, leaf: torch.Tensor) -> InvalidArgumentError:
