@@ -1,6 +1,6 @@
 """One block run in every mode a plan can run it in (:class:`_Runs`), and those runs
-metered: one forward and backward per mode (:func:`_metered_modes`), a forward alone
-(:func:`_forward_alone`). :mod:`.block_memory` turns them into a block's memory figures."""
+metered: one forward and backward per mode (:func:`_metered_modes`), compress's forward alone
+(:func:`compress_alone`). :mod:`.block_memory` turns them into a block's memory figures."""
 
 from __future__ import annotations
 
@@ -294,7 +294,7 @@ def compress_alone(runs: _Runs, mode: str, device: Any, out_bytes: int) -> tuple
         return kept, peak, False
     block, store = runs.block, argument_of(mode)
     with MemoryMeter(device) as meter:
-        x = _Inner.apply(leaf)
+        x = inner_input(leaf)
         alive = StorageWeakRef(x.untyped_storage())
         y = compress_saved(block, x, store=store, **runs.kwargs)
         del x
