@@ -1893,6 +1893,45 @@ def test_within_error_solves_again_for_a_smaller_predicted_error() -> None:
     assert asked == pytest.approx([1e-2, 3e-3])
 
 
+def test_an_infeasible_budget_after_a_tightening_names_the_least_peak_measured_within() -> None:
+    # the error model reads plans of a predicted error above 6e-3 three times low (kinks): the
+    # least-peak plan at 1e-2 measures 3e-2, the tightening to 3.3e-3 steps past plans of a
+    # smaller peak that measure within 1e-2; the budget named is one of those, not 3.3e-3's
+    from revckpt.inplace.confirm import _within_error
+
+    asked: list[float] = []
+
+    def within(error_budget: float) -> types.SimpleNamespace:
+        asked.append(error_budget)
+        measured = error_budget * (3 if error_budget > 6e-3 else 1)
+        peak = round(100_000 - 5_000_000 * error_budget)  # a larger error budget: a lower peak
+        err = revckpt.InfeasibleBudgetError("no plan fits", smallest_budget_bytes=peak)
+        err.plan = types.SimpleNamespace(predicted_error=measured, predicted_peak_bytes=peak)
+        raise err
+
+    with pytest.raises(revckpt.InfeasibleBudgetError) as info:
+        _within_error(within, 1e-2)
+    tightened = round(100_000 - 5_000_000 * 1e-2 / 3)
+    named = info.value.smallest_budget_bytes
+    assert named < tightened, (named, tightened, asked)
+    assert info.value.plan.predicted_error <= 1e-2
+    assert named == min(
+        round(100_000 - 5_000_000 * e) for e in asked if e * (3 if e > 6e-3 else 1) <= 1e-2
+    )
+    assert "measured a gradient error of up to 0.03" in str(info.value)
+
+    # a plan between them that fits the memory budget is returned
+    def fits_between(error_budget: float) -> types.SimpleNamespace:
+        measured = error_budget * (3 if error_budget > 6e-3 else 1)
+        if 4e-3 < error_budget <= 6e-3:
+            return types.SimpleNamespace(predicted_error=measured)
+        err = revckpt.InfeasibleBudgetError("no plan fits", smallest_budget_bytes=1)
+        err.plan = types.SimpleNamespace(predicted_error=measured)
+        raise err
+
+    assert 4e-3 < _within_error(fits_between, 1e-2).predicted_error <= 6e-3
+
+
 def test_a_plan_solved_again_for_a_tighter_error_says_the_callers_budget() -> None:
     from revckpt.inplace.confirm import _within_error
     from revckpt.models import mlp_chain
