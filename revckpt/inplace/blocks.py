@@ -2,10 +2,13 @@
 
 The rule: among the containers (``nn.ModuleList``, ``nn.Sequential``) whose children are two or
 more modules of one class, take the class with the most such children in the model (ties: the
-one with more parameters per block), and every child of that class in those containers, in
-module order. That finds ``transformer.h`` (GPT-2, nanoGPT), ``model.layers`` (Llama, Qwen2),
-``bert.encoder.layer``, ``encoder.layers`` (``nn.TransformerEncoder``) and the residual blocks
-of every stage of a ResNet (``layer1.0`` .. ``layer4.1``).
+one with more parameters per block), and every child of that class in those containers; then
+every other class found so whose blocks neither hold nor lie in blocks already taken (an
+encoder-decoder's decoder layers beside its encoder layers), all in module order. That finds
+``transformer.h`` (GPT-2, nanoGPT), ``model.layers`` (Llama, Qwen2), ``bert.encoder.layer``,
+``encoder.layers`` (``nn.TransformerEncoder``), ``model.encoder.layers`` and
+``model.decoder.layers`` (BART, Whisper) and the residual blocks of every stage of a ResNet
+(``layer1.0`` .. ``layer4.1``). ``one_class=True`` stops after the first class (one stack).
 """
 
 from __future__ import annotations
@@ -26,14 +29,15 @@ Blocks = str | Callable[[nn.Module, str], bool] | None
 
 
 def find_blocks(
-    model: nn.Module, blocks: Blocks = None, *, option: str = "blocks"
+    model: nn.Module, blocks: Blocks = None, *, option: str = "blocks", one_class: bool = False
 ) -> list[tuple[str, nn.Module]]:
     """The model's blocks as ``(fully qualified name, module)`` pairs, in module order;
-    ``option``: the caller's name for ``blocks``, in the messages."""
+    ``option``: the caller's name for ``blocks``, in the messages; ``one_class``: by default,
+    the blocks of the first class the rule takes only."""
     if not isinstance(model, nn.Module):
         raise InvalidInputTypeError(f"expected an nn.Module, got {type(model).__name__}")
     if blocks is None:
-        found = _repeated(model, option)
+        found = _repeated(model, option, one_class=one_class)
     elif isinstance(blocks, str):
         found = _at_path(model, blocks)
     elif callable(blocks):
@@ -82,7 +86,7 @@ def enclosing_blocks(
 
 
 def _repeated(
-    model: nn.Module, option: str, exclude: set[type] | None = None
+    model: nn.Module, option: str, exclude: set[type] | None = None, one_class: bool = False
 ) -> list[tuple[str, nn.Module]]:
     by_class: dict[type, list[tuple[str, nn.Module]]] = {}
     for name, container in _containers(model):
@@ -116,9 +120,21 @@ def _repeated(
         members = by_class[kind]
         return len(members), sum(p.numel() for p in members[0][1].parameters())
 
-    best = max(by_class, key=rank)
+    taken: list[tuple[str, nn.Module]] = []
+    for kind in sorted(by_class, key=rank, reverse=True):
+        if not taken or (not one_class and _apart(by_class[kind], taken)):
+            taken.extend(by_class[kind])
     order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
-    return sorted(by_class[best], key=lambda item: order[item[0]])
+    return sorted(taken, key=lambda item: order[item[0]])
+
+
+def _apart(members: list[tuple[str, nn.Module]], taken: list[tuple[str, nn.Module]]) -> bool:
+    """No block of ``members`` holds or lies in a block of ``taken`` (nor is one)."""
+    return not any(
+        a == b or a.startswith(f"{b}.") or b.startswith(f"{a}.") or not a or not b
+        for a, _ in members
+        for b, _ in taken
+    )
 
 
 def _has_parameters(members: list[tuple[str, nn.Module]]) -> bool:

@@ -111,8 +111,9 @@ def make_reversible(
             it yourself (e.g. ``model.get_input_embeddings().requires_grad_(False)``) to
             train less. ``"all"`` leaves every parameter as it is.
         blocks: the layers (an attribute path such as ``"transformer.h"``, or a filter); by
-            default the model's repeated blocks (:func:`revckpt.inplace.find_blocks`), which
-            must be consecutive children of one container.
+            default the model's repeated blocks of the class found first
+            (:func:`revckpt.inplace.find_blocks` with ``one_class=True``: an encoder-decoder's
+            decoder layers), which must be consecutive children of one container.
         width: the hidden state's size (default: read off each layer's norm).
         feature_dim: the hidden state's dimension the adapters act on: ``-1`` (tokens, as
             ``(batch, sequence, width)``) or ``1`` (channels first, as a CNN's ``(N, C, H,
@@ -400,7 +401,7 @@ def _layers_of(model: nn.Module, blocks: Blocks) -> list[tuple[str, nn.Module]]:
             "this model was converted by make_reversible already; revckpt.restore(model) "
             "undoes it (and drops the adapters) before converting again"
         )
-    layers = find_blocks(model, blocks)
+    layers = find_blocks(model, blocks, one_class=True)
     plans = [
         f"{fqn}.{name}".rstrip(".")
         for fqn, layer in layers
