@@ -2191,6 +2191,45 @@ def test_an_encoder_decoders_encoder_and_decoder_layers_are_both_planned() -> No
     assert [fqn for fqn, _ in find_blocks(model, one_class=True)] == names[3:]
 
 
+class _FrozenTrunkLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from revckpt.models import transformer_chain
+
+        self.emb = nn.Embedding(64, 32)
+        self.blocks = transformer_chain(6, 32, heads=2)
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = block(h)
+        return F.cross_entropy(self.head(h).flatten(0, 1), ids.flatten())
+
+
+def test_frozen_blocks_off_the_backwards_path_are_not_planned() -> None:
+    """The embedding and the first blocks frozen (partial fine-tuning): autograd records
+    nothing in those blocks, yet each was priced as a trainable block's (a leaf input that
+    requires grad): fit checkpointed them for savings they do not make, predicting 1.86x the
+    peak its plan measured. They are left out; the plan's prediction is its measurement."""
+    torch.manual_seed(0)
+    model = _FrozenTrunkLM()
+    model.emb.requires_grad_(False)
+    model.blocks[:3].requires_grad_(False)
+    ids = torch.randint(0, 64, (4, 64), generator=torch.Generator().manual_seed(1))
+    plan = revckpt.fit(model, ids, memory_budget=0.6)
+    assert list(plan.block_names) == [f"blocks.{i}" for i in range(3, 6)]
+    with MemoryMeter() as meter:
+        model(ids).backward()
+    assert meter.peak_bytes <= plan.memory_budget_bytes
+    assert plan.predicted_peak_bytes <= 1.05 * meter.peak_bytes, (plan, meter.peak_bytes)
+    revckpt.restore(model)
+    model.blocks.requires_grad_(False)  # a linear probe: no block is on the path
+    with pytest.raises(InvalidArgumentError, match="reaches none of the blocks"):
+        revckpt.fit(model, ids, memory_budget=0.6)
+    assert all(planned(b) is None for b in model.blocks)
+
+
 class _TupleStateBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()

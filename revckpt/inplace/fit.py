@@ -59,7 +59,7 @@ from .step import (
     measure_step,
     measured_gradients,
 )
-from .trace import CallCountError, Recorder, trace
+from .trace import CallCountError, OffGraphError, Recorder, trace
 
 __all__ = ["convert", "fit", "restore"]
 
@@ -309,6 +309,10 @@ def _fit(
             traced = trace(
                 model, example, o.loss_fn, found, slot, gradients=priced, reference_seed=seed
             )
+        except OffGraphError as err:  # frozen blocks off the backward's path: the others
+            if not err.on_graph:
+                raise
+            return _fit_blocks(model, example, memory_budget, profiled, options, err.on_graph)
         except CallCountError:
             # experts the example routed no token to (or several times): the layers, if any
             outer = enclosing_blocks(model, found) if o.blocks is None else None
@@ -318,15 +322,8 @@ def _fit(
         if traced is not None:
             outer = _around_parallel(model, found, traced.links) if o.blocks is None else None
         if outer is not None:  # a layer's experts: plan the layers
-            restore(model)
-            names = {fqn for fqn, _ in outer}
-            return _fit(
-                model,
-                example,
-                memory_budget=memory_budget,
-                profiled=profiled,
-                **{**options, "blocks": lambda _m, fqn: fqn in names},
-            )
+            names = [fqn for fqn, _ in outer]
+            return _fit_blocks(model, example, memory_budget, profiled, options, names)
         assert traced is not None
         if o.segment_blocks is not None:
             step = dataclasses.replace(traced.step, max_span=o.segment_blocks)
@@ -384,6 +381,26 @@ def _fit(
     except BaseException:
         restore(model)
         raise
+
+
+def _fit_blocks(
+    model: nn.Module,
+    example: Any,
+    memory_budget: Any,
+    profiled: bool,
+    options: dict[str, Any],
+    names: Sequence[str],
+) -> Fitted:
+    """:func:`_fit` again, on the blocks ``names`` (the model restored first)."""
+    restore(model)
+    chosen = set(names)
+    return _fit(
+        model,
+        example,
+        memory_budget=memory_budget,
+        profiled=profiled,
+        **{**options, "blocks": lambda _m, fqn: fqn in chosen},
+    )
 
 
 def _around_parallel(

@@ -49,7 +49,7 @@ from .step import (
     split_example,
 )
 
-__all__ = ["Call", "CallCountError", "Recorder", "Trace", "trace"]
+__all__ = ["Call", "CallCountError", "OffGraphError", "Recorder", "Trace", "trace"]
 
 
 @dataclass
@@ -189,6 +189,7 @@ def trace(
                 loss = _loss(out, loss_fn)
                 del out
             _check_calls(recorder.counts, names, [c.fqn for c in calls])
+            _check_on_graph(calls)
             _first_key_as_the_next(calls)
             held = tuple(i > 0 and outside.saved(c.input) for i, c in enumerate(calls))
             chained = all(c.input is p.output for p, c in itertools.pairwise(calls))
@@ -363,6 +364,36 @@ def _check_calls(counts: list[int], names: list[str], order: list[str]) -> None:
             f"blocks='<attribute path of its layers>'{_example(order[0], names[0])}, or "
             "convert(model, 'checkpoint'), which plans nothing"
         )
+
+
+class OffGraphError(InvalidArgumentError):
+    """Some blocks' outputs need no gradient (frozen, and called on inputs that need none, or
+    under ``torch.no_grad()``): autograd records nothing in them, so they keep nothing for
+    backward and no strategy lowers or slows them. ``on_graph``: the other blocks, which fit
+    plans instead."""
+
+    def __init__(self, message: str, *, on_graph: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.on_graph = on_graph
+
+
+def _check_on_graph(calls: list[Call]) -> None:
+    off = [c.fqn for c in calls if not c.output.requires_grad]
+    if not off:
+        return
+    on_graph = tuple(c.fqn for c in calls if c.output.requires_grad)
+    raise OffGraphError(
+        f"the outputs of blocks {', '.join(off[:4])}{', ...' if len(off) > 4 else ''} need no "
+        "gradient (their parameters are frozen and their inputs need none, or they run under "
+        "torch.no_grad()): they keep nothing for backward, so no plan of them lowers the step"
+        + (
+            "; the loss's gradient reaches none of the blocks, so a plan has nothing to save "
+            "(the step's peak is outside them: a smaller batch or sequence lowers it)"
+            if not on_graph
+            else ""
+        ),
+        on_graph=on_graph,
+    )
 
 
 def _example(first_run: str, first_listed: str) -> str:
