@@ -2354,13 +2354,15 @@ def test_fit_with_an_error_budget_plans_around_a_side_output_the_loss_uses():
     model = _RouterLossModel().double()
     x = torch.randn(4096, 32, dtype=torch.float64)
     with (
-        pytest.warns(revckpt.PlanWarning, match="side output"),
+        pytest.warns(revckpt.PlanWarning, match="side output") as said,
         pytest.raises(revckpt.InfeasibleBudgetError),
     ):
         revckpt.fit(
             model, x, memory_budget="90%", error_budget=5e-2, loss_fn=lambda o: o,
             strategies=["store", "approx:bf16"],
         )  # fmt: skip
+    # the warning names the caller's line, not one inside revckpt
+    assert {w.filename for w in said if "side output" in str(w.message)} == {__file__}
     reference = copy.deepcopy(model)
     revckpt.fit(model, x, memory_budget="90%", error_budget=5e-2, loss_fn=lambda o: o)
     model(x).backward()

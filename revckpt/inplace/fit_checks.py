@@ -6,6 +6,8 @@ compiled (planned as the eager module it wraps)."""
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -147,9 +149,19 @@ def without_nodes(chosen: list[str]) -> list[str]:
         f"mixture-of-experts layer's router logits, attention weights), which {left} keep "
         "nothing of: planned without them",
         PlanWarning,
-        stacklevel=3,
+        stacklevel=_caller_level(),
     )
     return kept
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside revckpt from the caller of
+    :func:`warnings.warn` (fit's paths to a warning are of several depths)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(2), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def planned_names(plan: Any, model: nn.Module) -> Blocks:
