@@ -42,9 +42,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .errors import ModifiedParameterError, ReplayError
+from .errors import InvalidArgumentError, ModifiedParameterError, ReplayError
 
 __all__ = ["ModuleState", "copy_bytes", "layout_learnt", "submodules"]
 
@@ -94,6 +95,7 @@ class _Layout:
 
     def __init__(self, root: nn.Module) -> None:
         modules = _walk((root,))
+        _refuse_lazy(modules)
         self._modules = tuple(weakref.ref(m) for m in modules)
         self.signature = _signature(modules)
         self.norm_slots = tuple(i for i, m in enumerate(modules) if isinstance(m, _NormBase))
@@ -140,6 +142,19 @@ def _signature(modules: list[Any]) -> list[int]:
 
 
 _LAYOUTS: weakref.WeakKeyDictionary[nn.Module, _Layout] = weakref.WeakKeyDictionary()
+
+
+def _refuse_lazy(modules: list[nn.Module]) -> None:
+    """A lazy module's first call shapes its parameters and draws their initial values: a
+    recompute would find other random numbers drawn (a ``ReplayError`` about dropout masks,
+    before) and other parameters. Once per layout: a materialised module is no longer lazy."""
+    lazy = next((m for m in modules if isinstance(m, LazyModuleMixin)), None)
+    if lazy is not None and lazy.has_uninitialized_params():
+        raise InvalidArgumentError(
+            f"{type(lazy).__name__} is not initialised yet (a lazy module shapes and draws "
+            "its parameters on its first call, which a recompute cannot repeat): run it once "
+            "on a batch, e.g. under torch.no_grad(), before checkpointing it"
+        )
 
 
 def layout_and_modules(root: nn.Module) -> tuple[_Layout, list[nn.Module]]:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 
@@ -36,6 +37,7 @@ def find_blocks(
     the blocks of the first class the rule takes only."""
     if not isinstance(model, nn.Module):
         raise InvalidInputTypeError(f"expected an nn.Module, got {type(model).__name__}")
+    _refuse_lazy(model)
     if blocks is None:
         found = _repeated(model, option, one_class=one_class)
     elif isinstance(blocks, str):
@@ -49,6 +51,18 @@ def find_blocks(
         )
     _check_disjoint(found)
     return found
+
+
+def _refuse_lazy(model: nn.Module) -> None:
+    """Lazy modules' parameters have no shape until a first forward (torch's raw
+    ``ValueError`` from inside the block search, before)."""
+    lazy = next((n for n, p in model.named_parameters() if is_lazy(p)), None)
+    if lazy is not None:
+        raise InvalidArgumentError(
+            f"parameter {lazy} is not initialised yet (a lazy module, such as nn.LazyLinear, "
+            "shapes its parameters on its first call): run the model's forward once on a "
+            "batch, e.g. under torch.no_grad(), before revckpt plans or converts it"
+        )
 
 
 def _containers(model: nn.Module) -> list[tuple[str, nn.Module]]:
