@@ -1371,6 +1371,24 @@ def _hand_made(model: nn.Module, example, loss_fn, last: str) -> revckpt.schedul
     return dataclasses.replace(plan, segments=segments, name="hand-made")
 
 
+def test_a_saved_lossy_plans_gradient_error_is_measured_not_taken_from_its_json() -> None:
+    """A hand-made or edited plan with approx segments and predicted_error 0 was installed
+    under error_budget=1e-7, reporting 0, while its gradients were 3.8e-4 off."""
+    case = _case("nanogpt")
+    example = case.make_example(*PLANNED["nanogpt"])
+    model = case.make_model()
+    hand_made = _hand_made(model, example, case.loss_fn, "approx:bf16")
+    assert hand_made.predicted_error == 0.0
+    with pytest.raises(revckpt.InvalidArgumentError, match="measured a gradient error of"):
+        revckpt.fit(model, example, memory_budget=1.0, error_budget=1e-7, loss_fn=case.loss_fn,
+                    plan=hand_made)  # fmt: skip
+    assert all(planned(b) is None for b in model.transformer.h)  # left as it was
+    plan = revckpt.fit(
+        model, example, memory_budget=1.0, error_budget=1e-1, loss_fn=case.loss_fn, plan=hand_made
+    )
+    assert 0.0 < plan.predicted_error <= 1e-1
+
+
 @pytest.mark.parametrize("over", ["memory", "error"])
 def test_verify_replaces_a_saved_plan_over_a_budget_by_measurement(over: str) -> None:
     case = _case("nanogpt")
@@ -2408,3 +2426,11 @@ def test_fit_verify_leaves_out_the_recipes_fit_left_out():
         plan = revckpt.fit(model, x, memory_budget="90%", error_budget=5e-2,
                            loss_fn=lambda o: o, verify=True)  # fmt: skip
     assert not any(s.startswith("approx") for s in plan.strategies)
+    # store-all fits: fit's plan is exact and its check step never runs approx, so fit
+    # keeps approx among its strategies; the recipe 'approx on every block' raised
+    # SideOutputError out of verify (a flaky failure of the lines above, where the time
+    # model picked an exact plan under load)
+    found = fit_verified(
+        model, x, memory_budget=1.0, error_budget=5e-2, loss_fn=lambda o: o, rounds=1
+    )
+    assert not any("approx" in row.name for row in found.report.rows), found.report.table()

@@ -37,9 +37,11 @@ from .blocks import Blocks, enclosing_blocks, find_blocks, model_digest
 from .confirm import _within_budget, _within_error
 from .convert import convert, restore
 from .fit_checks import (
-    agreed_peak,
+    agreed_largest,
+    as_trained,
     check_saved_strategies,
     load_plan,
+    lossy,
     planned_names,
     saved_step_peak,
     uncompiled,
@@ -493,8 +495,10 @@ def _fit_saved(
             "measure it against the simple recipes with verify=True"
         )
     keys: list[Any] = list(saved.block_keys) or [None] * len(found)  # older plans: by the rule
+    checked = bool(lossy(saved)) and _seedable(found)
+    reference = _reference(saved, found, model, example, o.loss_fn) if checked else None
     apply_plan(saved, found, keys, [frozenset(s) for s in saved.block_tensors])
-    measured = agreed_peak(saved_step_peak(saved, found, model, example, o.loss_fn))
+    measured = int(agreed_largest(saved_step_peak(saved, found, model, example, o.loss_fn)))
     if measured > budget:
         raise InvalidArgumentError(
             f"the saved plan, installed, peaked at {measured:,} bytes in a step on this "
@@ -506,7 +510,47 @@ def _fit_saved(
         )
     if measured > saved.predicted_peak_bytes:  # as a fit's own: never below its check
         saved = dataclasses.replace(saved, predicted_peak_bytes=measured)
+    if reference is not None:
+        error = agreed_largest(_saved_error(saved, found, model, example, o.loss_fn, reference))
+        if not error <= o.error_budget * (1 + 1e-9):  # nan reads as over
+            raise InvalidArgumentError(
+                f"the saved plan, installed, measured a gradient error of {error:.3g} (the "
+                "planned blocks' parameter gradients against the step with every block stored) "
+                f"in a step on this example, above error_budget={o.error_budget!r} (it "
+                f"predicted {saved.predicted_error:.3g}). Pass a larger error_budget, or make a "
+                "plan for this budget with revckpt.fit(model, example, memory_budget=..., "
+                "error_budget=...)"
+            )
+        if error > saved.predicted_error:
+            saved = dataclasses.replace(saved, predicted_error=error)
     return Fitted(saved, found, keys, chosen, o.error_budget, budget)
+
+
+def _reference(
+    saved: Plan, found: list[tuple[str, nn.Module]], model: nn.Module, example: Any, loss_fn: Any
+) -> Reference:
+    """The store-all step's gradients of the planned blocks' parameters (blocks stored), to
+    measure a saved lossy plan's error against."""
+    params = block_parameters(found)
+    with as_trained(saved, found, model):
+        _, grads = measured_gradients(model, example, loss_fn, seed=_ERROR_SEED, params=params)
+    return Reference(_ERROR_SEED, params, grads)
+
+
+def _saved_error(
+    saved: Plan,
+    found: list[tuple[str, nn.Module]],
+    model: nn.Module,
+    example: Any,
+    loss_fn: Any,
+    reference: Reference,
+) -> float:
+    """The installed saved plan's gradient error against ``reference``, from its seed."""
+    with as_trained(saved, found, model):
+        _, grads = measured_gradients(
+            model, example, loss_fn, seed=reference.seed, params=reference.params
+        )
+    return reference.error_of(grads)
 
 
 def _profile(model: nn.Module, traced: Any, chosen: list[str], o: _FitOptions) -> Profile:

@@ -6,6 +6,7 @@ compiled (planned as the eager module it wraps)."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import warnings
@@ -23,9 +24,11 @@ from .blocks import Blocks, model_digest
 from .step import measure_step
 
 __all__ = [
-    "agreed_peak",
+    "agreed_largest",
+    "as_trained",
     "check_saved_strategies",
     "load_plan",
+    "lossy",
     "planned_names",
     "saved_step_peak",
     "uncompiled",
@@ -70,6 +73,29 @@ def _is_optimized(model: nn.Module) -> bool:
     return kind is not None and isinstance(model, kind)
 
 
+@contextlib.contextmanager
+def as_trained(saved: Plan, found: list[tuple[str, nn.Module]], model: nn.Module) -> Iterator[None]:
+    """Steps within run as training runs the saved plan, modes left as found. A model in eval
+    mode (as ``from_pretrained`` returns it; planned blocks run plainly there) runs as
+    ``model.train()`` will train it, dropout on; a model in train mode as it is (dropout
+    modules the user put in eval mode stay so); under the autocast the plan was made under
+    (:func:`~revckpt.inplace.step.measure_step` turns its cast cache off)."""
+    idle = all(not block.training for _, block in found)
+    modes = [(m, m.training) for m in (model.modules() if idle else (b for _, b in found))]
+    dtype = None if saved.autocast is None else dtype_named(saved.autocast)
+    device = next((p.device.type for p in model.parameters()), "cpu")
+    under = dtype is not None and not torch.is_autocast_enabled(device)
+    context = torch.autocast(device, dtype=dtype) if under else contextlib.nullcontext()
+    try:
+        for m, _ in modes:
+            m.training = True
+        with context:
+            yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
 def saved_step_peak(
     saved: Plan,
     found: list[tuple[str, nn.Module]],
@@ -77,46 +103,37 @@ def saved_step_peak(
     example: Any,
     loss_fn: Any,
 ) -> int:
-    """The peak of one step with the saved plan installed, as training runs it, modes left as
-    found. A model in eval mode (as ``from_pretrained`` returns it; planned blocks run plainly
-    there) is measured as ``model.train()`` will train it, dropout on; a model in train mode
-    as it is (dropout modules the user put in eval mode stay so)."""
-    idle = all(not block.training for _, block in found)
-    modes = [(m, m.training) for m in (model.modules() if idle else (b for _, b in found))]
-    dtype = None if saved.autocast is None else dtype_named(saved.autocast)
-    device = next((p.device.type for p in model.parameters()), "cpu")
-    under = dtype is not None and not torch.is_autocast_enabled(device)
-    # under the autocast the plan was made under (measure_step turns its cast cache off)
-    context = torch.autocast(device, dtype=dtype) if under else contextlib.nullcontext()
-    try:
-        for m, _ in modes:
-            m.training = True
-        with context:
-            return measure_step(model, example, loss_fn)
-    finally:
-        for m, training in modes:
-            m.training = training
+    """The peak of one step with the saved plan installed, as training runs it
+    (:func:`as_trained`)."""
+    with as_trained(saved, found, model):
+        return measure_step(model, example, loss_fn)
 
 
-def agreed_peak(measured: int) -> int:
-    """Under ``torch.distributed``, the largest of the ranks' peaks: every rank then takes the
-    same decision on a saved plan (one refusing while another trains would hang both)."""
+def lossy(plan: Plan) -> list[str]:
+    """The plan's strategies that change the gradients (approx, compress)."""
+    return sorted({s for s in plan.strategies if kind_of(s) in ("approx", "compress")})
+
+
+def agreed_largest(measured: float) -> float:
+    """Under ``torch.distributed``, the largest of the ranks' figures (a peak, a gradient
+    error; nan the largest): every rank then takes the same decision on a saved plan (one
+    refusing while another trains would hang both)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return measured
-    peaks: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, measured)
-    return max(peaks)
+    figures: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(figures, measured)
+    return max(figures, key=lambda v: math.inf if math.isnan(v) else v)
 
 
 def check_saved_strategies(saved: Plan, chosen: tuple[str, ...], o: Any) -> None:
     """A saved plan's lossy segments need an error budget its predicted error fits, and with
     ``strategies=`` every segment one of them."""
-    lossy = sorted({s for s in saved.strategies if kind_of(s) in ("approx", "compress")})
-    if lossy and not saved.predicted_error <= o.error_budget:
+    changed = lossy(saved)
+    if changed and not saved.predicted_error <= o.error_budget:
         raise InvalidArgumentError(
-            f"the saved plan uses {lossy} (lossy: predicted gradient error "
+            f"the saved plan uses {changed} (lossy: predicted gradient error "
             f"{saved.predicted_error:.3g}), above error_budget={o.error_budget!r}; pass "
             "error_budget= at least that to use it, or make an exact plan with "
             "revckpt.fit(model, example, memory_budget=...)"
