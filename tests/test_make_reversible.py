@@ -92,6 +92,34 @@ def test_gradients_at_the_defaults_equal_plain_autograd_in_float64(name):
         torch.testing.assert_close(reversible[n], g, rtol=1e-12, atol=1e-14, msg=n)
 
 
+def test_a_gradient_penalty_is_refused_naming_the_mode_that_runs_it_exactly():
+    """A double backward through the stack: the message named revckpt.checkpoint and keeping
+    the part stored, not the one line that runs it exactly on a converted model."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=16, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0,
+        attn_implementation="eager",  # (SDPA on the CPU has no double backward)
+    )  # fmt: skip
+    model = make_reversible(GPT2LMHeadModel(config).double().train(), trainable="all")
+    ids = torch.randint(0, 32, (2, 8))
+
+    def penalty() -> None:
+        loss = model(input_ids=ids, labels=ids).loss
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+        sum(g.pow(2).sum() for g in grads if g is not None).backward()
+
+    with pytest.raises(revckpt.DoubleBackwardError, match=r"reversible_layers\(model\)\.mode"):
+        penalty()
+    model.zero_grad(set_to_none=True)
+    reversible_layers(model).mode = "checkpoint"
+    penalty()  # the way out the message names runs
+    assert any(p.grad is not None for p in model.parameters())
+
+
 @pytest.mark.parametrize("variant", ["layer_f", "layer_g"])
 def test_output_at_conversion_moves_by_about_scale(variant):
     """The first layer is exact; each further one moves by ``scale`` times the auxiliary

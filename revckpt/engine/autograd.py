@@ -50,7 +50,9 @@ __all__ = [
 ]
 
 
-def differentiable_once(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def differentiable_once(
+    what: str, way_out: str = ""
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorate the ``backward`` of a node that recomputes without a graph of its gradient.
 
     Like ``torch.autograd.function.once_differentiable`` the backward runs under ``no_grad``;
@@ -58,7 +60,7 @@ def differentiable_once(what: str) -> Callable[[Callable[..., Any]], Callable[..
     :class:`~revckpt.DoubleBackwardError` at once. ``once_differentiable`` only defers an error
     when an incoming gradient requires grad, and otherwise returns gradients without a graph,
     which silently drops the second-order term through the node (a gradient penalty then
-    trains the wrong thing).
+    trains the wrong thing). ``way_out``: a way to run that part exactly, said first.
     """
 
     def decorate(backward: Callable[..., Any]) -> Callable[..., Any]:
@@ -68,9 +70,11 @@ def differentiable_once(what: str) -> Callable[[Callable[..., Any]], Callable[..
                 raise DoubleBackwardError(
                     f"create_graph=True (double backward) reached {what}, which is "
                     "differentiable once: its backward recomputes without recording a graph of "
-                    "the gradient, so second-order terms through it would be lost. Use "
-                    "revckpt.checkpoint (strategy 'checkpoint' in a plan), which supports "
-                    "double backward, or keep this part of the model stored"
+                    "the gradient, so second-order terms through it would be lost. "
+                    + way_out
+                    + "Use revckpt.checkpoint (convert(model, 'checkpoint'), or fit(..., "
+                    "strategies=['store', 'checkpoint'])), which supports double backward, or "
+                    "keep this part of the model stored"
                 )
             with torch.no_grad():
                 return backward(ctx, *grads)

@@ -112,9 +112,12 @@ class FrameCall:
         if self.sac is not None and self.recomputed:
             raise DoubleBackwardError(
                 f"{self.label} ran with a selective-recompute policy, whose cache of kept "
-                "outputs serves one backward; a second backward through it (retain_graph=True, "
-                "or create_graph=True double backward) cannot recompute it again. Use "
-                "policy=None (plain checkpoint: supports both), or keep the block stored"
+                "outputs serves one backward; a second backward through it (after a first with "
+                "retain_graph=True; without it, plain autograd raises here too), or a "
+                "create_graph=True double backward, cannot recompute it again. Use plain "
+                "checkpointing, which supports both: strategy='checkpoint' (policy=None for "
+                "revckpt.checkpoint; convert(model, 'checkpoint'); fit(..., "
+                "strategies=['store', 'checkpoint'])), or keep the block stored"
             )
         if any_changed(self.given):
             raise ModifiedInputError(

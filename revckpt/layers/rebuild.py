@@ -40,6 +40,12 @@ __all__ = [
 
 Targets = tuple[tuple[torch.Tensor, ...], tuple[nn.Module, ...]]
 
+# the message of a double backward through a stack: the way out of a make_reversible model
+_STACK_WAY_OUT = (
+    "A model converted by make_reversible runs it exactly with "
+    "revckpt.inplace.reversible_layers(model).mode = 'checkpoint'. "
+)
+
 
 @dataclass
 class StackCall:
@@ -156,7 +162,7 @@ class HalfStepNode(torch.autograd.Function):
         return y
 
     @staticmethod
-    @differentiable_once("a reversible block (revckpt.layers.ReversibleSequential)")
+    @differentiable_once("a reversible block (revckpt.layers.ReversibleSequential)", _STACK_WAY_OUT)
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         call: StackCall = ctx.call
         step: HalfStep = ctx.step
@@ -363,7 +369,7 @@ class OutputNode(torch.autograd.Function):
         return out
 
     @staticmethod
-    @differentiable_once("a reversible stack (revckpt.layers.ReversibleSequential)")
+    @differentiable_once("a reversible stack (revckpt.layers.ReversibleSequential)", _STACK_WAY_OUT)
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         try:
             saved = ctx.saved_tensors
