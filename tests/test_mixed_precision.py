@@ -148,3 +148,47 @@ def test_autocast_off_replays_with_the_forwards_dtype(backward_enabled, strategy
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
         else:
             assert torch.equal(got, want)
+
+
+class _MaskedBlock(nn.Module):
+    """Attention with an additive mask given positionally (as Hugging Face's T5 passes its
+    position bias), and an MLP."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, -1).permute(2, 0, 3, 1, 4)
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        x = x + self.o(attended.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+class _MaskedModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_MaskedBlock() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        bias = torch.full((t, t), float("-inf"), dtype=x.dtype).triu(1)
+        for block in self.blocks:
+            x = block(x, bias)
+        return x.float().square().mean()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fit_prices_codecs_on_a_16_bit_model_given_a_positional_mask(dtype):
+    """The error model runs a float32 copy of each block; the mask the block was given
+    positionally stayed 16-bit: torch's raw 'attn_mask dtype' error from fit(error_budget=)."""
+    torch.manual_seed(0)
+    model = _MaskedModel().to(dtype)
+    x = torch.randn(4, 16, 32, dtype=dtype)
+    plan = revckpt.fit(
+        model, x, memory_budget=1.0, error_budget=5e-2, loss_fn=lambda out: out,
+        strategies=["store", "approx:e4m3"],
+    )  # fmt: skip
+    assert plan.predicted_error <= 5e-2

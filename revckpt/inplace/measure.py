@@ -73,18 +73,36 @@ class InSitu(nn.Module):
         args, kwargs = self._args, self._kwargs
         if extras:  # in place of the leaves they stand for
             given = {id(leaf): extras[name] for name, leaf in self.extras.items()}
-            args, kwargs = _substituted(args, given), _substituted(kwargs, given)
+
+            def swap(t: torch.Tensor) -> torch.Tensor:
+                return given.get(id(t), t)
+
+            args, kwargs = _mapped(args, swap), _mapped(kwargs, swap)
         out = run_with(self.block, args, kwargs, self._key, h)
         return hidden_of(out, f"block {self.fqn}")
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """``.to(dtype)`` converts the arguments it holds too (the error model's float32 copy
+        of a bfloat16 block: a bf16 additive mask given positionally reached float32 queries,
+        torch's raw error); the leaves are substituted by ``extras`` as they are given."""
+        super()._apply(fn, recurse)
+        leaves = {id(leaf) for leaf in self._leaves}
 
-def _substituted(obj: Any, given: dict[int, torch.Tensor]) -> Any:
+        def convert(t: torch.Tensor) -> torch.Tensor:
+            return t if id(t) in leaves else fn(t)
+
+        self._args, self._kwargs = _mapped(self._args, convert), _mapped(self._kwargs, convert)
+        return self
+
+
+def _mapped(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in it (in tuples, lists and dicts)."""
     if isinstance(obj, torch.Tensor):
-        return given.get(id(obj), obj)
+        return fn(obj)
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_substituted(o, given) for o in obj)
+        return type(obj)(_mapped(o, fn) for o in obj)
     if isinstance(obj, dict):
-        return {k: _substituted(v, given) for k, v in obj.items()}
+        return {k: _mapped(v, fn) for k, v in obj.items()}
     return obj
 
 
