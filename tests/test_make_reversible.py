@@ -120,6 +120,47 @@ def test_a_gradient_penalty_is_refused_naming_the_mode_that_runs_it_exactly():
     assert any(p.grad is not None for p in model.parameters())
 
 
+@pytest.mark.parametrize("how", ["hook", "retain_grad"])
+def test_a_hook_on_a_hidden_state_between_layers_is_refused_not_ignored(how):
+    """output_hidden_states=True and a gradient-stopping hook on one of them: the stack rebuilt
+    that hidden state on its own streams, the hook never ran, and the layers before it got
+    gradients plain autograd does not give (8.9e-2 where the hook makes 0); retain_grad()
+    left .grad None. Now refused, naming the mode that runs hooks exactly."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=3, n_embd=16, n_head=2, vocab_size=32, n_positions=16, use_cache=False,
+        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    model = make_reversible(GPT2LMHeadModel(config).double().train(), trainable="all")
+    ids = torch.randint(0, 32, (2, 8))
+
+    def step() -> torch.Tensor:
+        out = model(input_ids=ids, labels=ids, output_hidden_states=True)
+        h = out.hidden_states[2]  # what layer 1 returned
+        if how == "hook":
+            h.register_hook(torch.zeros_like)
+        else:
+            h.retain_grad()
+        out.loss.backward()
+        return h
+
+    with pytest.raises(InvalidArgumentError, match=r"transformer\.h\.1 returned"):
+        step()
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids, output_hidden_states=True).loss.backward()  # no hook: runs
+    grads = {}
+    for mode in ("store", "checkpoint"):  # plain autograd, and the way out the message names
+        model.zero_grad(set_to_none=True)
+        reversible_layers(model).mode = mode
+        h = step()
+        assert how == "hook" or h.grad is not None
+        grads[mode] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    for a, b in zip(grads["store"], grads["checkpoint"], strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("variant", ["layer_f", "layer_g"])
 def test_output_at_conversion_moves_by_about_scale(variant):
     """The first layer is exact; each further one moves by ``scale`` times the auxiliary

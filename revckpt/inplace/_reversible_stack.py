@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,8 @@ class _Progress:
 
     last: str  # the name of the last layer called
     finished: bool = False
+    # (layer name, weak reference) of the hidden states the layers before the last returned
+    between: list[tuple[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -269,10 +272,13 @@ class ReversibleLayers:
         if last:
             self._pass = None
             state.progress.finished = True
+            if state.progress.between and hidden.requires_grad:
+                hidden.register_hook(_hooks_between_check(state.progress))
         elif state.run is not None and hidden.requires_grad:
             if not narrowed:  # its own node: a gradient reaching it is an error
                 hidden = hidden.view_as(hidden)
             hidden.register_hook(_early_exit_check(state.progress, self.layers[-1][0]))
+            state.progress.between.append((self.layers[index][0], weakref.ref(hidden)))
         state.returned = hidden
         state.version = None if hidden.is_inference() else hidden._version
         return hidden if isinstance(out, torch.Tensor) else with_hidden(out, hidden)
@@ -470,6 +476,32 @@ def _early_exit_check(progress: _Progress, last: str) -> Any:
                 "(blocks=...); or set revckpt.inplace.reversible_layers(model).reversible = "
                 "False (plain autograd)"
             )
+
+    return check
+
+
+def _hooks_between_check(progress: _Progress) -> Any:
+    """The hook on the hidden state the last layer returns, run as the stack's backward
+    starts: a hook or ``retain_grad`` the model put on a hidden state a layer before returned
+    (``output_hidden_states``, a forward hook) would never see its gradient, which the
+    rebuild computes on the stack's own streams (a gradient-stopping hook there was ignored,
+    silently: other gradients than plain autograd's)."""
+
+    def check(grad: torch.Tensor) -> None:
+        for name, ref in progress.between:
+            t = ref()
+            hooks = None if t is None else t._backward_hooks
+            if t is not None and (t.retains_grad or (hooks is not None and len(hooks) > 1)):
+                raise InvalidArgumentError(
+                    f"a hook (register_hook) or retain_grad() is on the hidden state layer "
+                    f"{name} returned (output_hidden_states=True, or a forward hook on the "
+                    "layer): in a reversible stack (revckpt.make_reversible) the next layer runs "
+                    "on the stack's own streams and the backward rebuilds that hidden state, so "
+                    "its gradient never passes through the tensor the model got (plain autograd "
+                    "would call the hook with it, and use what the hook returns). Set "
+                    "revckpt.inplace.reversible_layers(model).mode = 'checkpoint' (exact; hooks "
+                    "see their gradients), or hook something else"
+                )
 
     return check
 
