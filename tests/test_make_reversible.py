@@ -161,6 +161,42 @@ def test_a_hook_on_a_hidden_state_between_layers_is_refused_not_ignored(how):
         assert torch.equal(a, b)
 
 
+def test_forward_mode_ad_runs_through_a_stack_run_plainly_and_is_refused_reversible():
+    """The coupling's grid-rounded combination had no forward-mode rule: a converted model
+    raised torch's NotImplementedError even in mode 'store' (plain autograd)."""
+    import torch.autograd.forward_ad as fwAD
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=16, use_cache=False,
+        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        attn_implementation="eager",
+    )  # fmt: skip
+    model = make_reversible(GPT2LMHeadModel(config).double().train(), trainable="all")
+    embeds = torch.randn(2, 8, 16, dtype=torch.float64)
+    direction = torch.randn_like(embeds)
+
+    def logits(e: torch.Tensor) -> torch.Tensor:
+        return model(inputs_embeds=e).logits
+
+    def jvp() -> torch.Tensor:
+        with fwAD.dual_level():
+            return fwAD.unpack_dual(logits(fwAD.make_dual(embeds, direction))).tangent
+
+    with pytest.raises(InvalidArgumentError, match="forward-mode"):
+        jvp()
+    reversible_layers(model).mode = "store"
+    tangent = jvp()
+    # the tangent agrees with reverse mode: <J v, u> = <v, J^T u> (the grid-rounded
+    # combination is differentiated as scale * x + h both ways)
+    leaf = embeds.clone().requires_grad_()
+    cotangent = torch.randn_like(tangent)
+    (pulled,) = torch.autograd.grad(logits(leaf), leaf, cotangent)
+    forward, reverse = float((tangent * cotangent).sum()), float((direction * pulled).sum())
+    assert forward == pytest.approx(reverse, rel=1e-10)
+
+
 @pytest.mark.parametrize("variant", ["layer_f", "layer_g"])
 def test_output_at_conversion_moves_by_about_scale(variant):
     """The first layer is exact; each further one moves by ``scale`` times the auxiliary

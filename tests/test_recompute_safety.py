@@ -22,6 +22,7 @@ from torch.nn.utils import parametrizations
 import revckpt
 from revckpt import (
     DoubleBackwardError,
+    InvalidArgumentError,
     ModifiedParameterError,
     ReplayError,
     RevckptError,
@@ -288,6 +289,29 @@ def _gradient_penalty(model: Model, x: torch.Tensor, other_path: bool) -> list[t
     (g,) = torch.autograd.grad(y, x, create_graph=True)
     g.pow(2).sum().backward()
     return _grads(model)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_forward_mode_ad_is_exact_or_refused(strategy):
+    """Dual tensors (torch.autograd.forward_ad) through nodes without a forward-mode rule:
+    torch's raw NotImplementedError ('implement the jvp function'); now InvalidArgumentError
+    naming the strategies that run it, which give plain autograd's tangent."""
+    import torch.autograd.forward_ad as fwAD
+
+    blocks = _linear_blocks()
+    x = _input(strategy)
+    tangent = torch.randn_like(x)
+    model, plain = _build(strategy, blocks), _build(_reference(strategy), blocks)
+
+    def jvp(m: nn.Module) -> torch.Tensor:
+        with fwAD.dual_level():
+            return fwAD.unpack_dual(m(fwAD.make_dual(x, tangent))).tangent
+
+    if strategy in ONCE_DIFFERENTIABLE:
+        with pytest.raises(InvalidArgumentError, match="forward-mode"):
+            jvp(model)
+        return
+    torch.testing.assert_close(jvp(model), jvp(plain), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("other_path", [True, False], ids=["other-path", "only-path"])

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd import forward_ad
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -42,6 +43,7 @@ __all__ = [
     "label_of",
     "module_targets",
     "modules_of",
+    "refuse_forward_ad",
     "refuse_functorch",
     "refuse_grad_transform",
     "refuse_nested_grad_arguments",
@@ -362,6 +364,24 @@ def refuse_functorch(label: str, strategy: str, instead: str = _STRATEGIES_IN_FU
         raise InvalidArgumentError(
             f"{label}: the {strategy} strategy cannot run inside a torch.func transform (vmap, "
             f"grad, jacrev...): its recompute has no batching rule there. {instead}"
+        )
+
+
+def refuse_forward_ad(label: str, strategy: str, tensors: Sequence[Any]) -> None:
+    """Raise for a dual tensor of ``torch.autograd.forward_ad`` among ``tensors``: the node
+    has no forward-mode rule, and torch's ``NotImplementedError`` ("implement the jvp
+    function") names neither the block nor what to do. Free where no dual level is open."""
+    if forward_ad._current_level < 0:
+        return
+    if any(
+        isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None
+        for t in tensors
+    ):
+        raise InvalidArgumentError(
+            f"{label}: a dual tensor (torch.autograd.forward_ad: forward-mode AD, a "
+            f"forward-over-reverse Hessian) reached the {strategy} strategy, which has no "
+            "forward-mode rule. Use the 'checkpoint' or 'selective:...' strategy for this "
+            "block (they run forward-mode AD), or call it plainly"
         )
 
 

@@ -34,6 +34,7 @@ from .autograd import (
     graph_leaves,
     module_targets,
     modules_of,
+    refuse_forward_ad,
     refuse_functorch,
     refuse_nested_grad_arguments,
     unflatten_output,
@@ -431,6 +432,7 @@ def run_node(
     if not torch.is_grad_enabled() or not needs_graph:
         return fn(*args, **kwargs)  # nothing to differentiate: keep nothing, plain call
     refuse_functorch(label, "approx or offload")
+    refuse_forward_ad(label, "approx or offload", (*tensors, *params, *kwargs.values()))
     call.tensors = []  # the node's inputs hold them; the call must not outlive them
     call.kwargs, call.grad_kwargs, call.params, call.keep = kwargs, grad_kwargs, params, keep
     call.modules = tuple(dict.fromkeys((*modules, *modules_of(fn))))

@@ -180,3 +180,12 @@ class _AsLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         return grad * ctx.scale, grad, None, None  # type: ignore[attr-defined]
+
+    @staticmethod
+    def jvp(
+        ctx: object, x_t: torch.Tensor | None, h_t: torch.Tensor | None, *_: Any
+    ) -> torch.Tensor:
+        """The tangent of ``scale * x + h`` (forward-mode AD through a stack run plainly)."""
+        scale = ctx.scale  # type: ignore[attr-defined]
+        parts = [t for t in (None if x_t is None else x_t * scale, h_t) if t is not None]
+        return parts[0] if len(parts) == 1 else parts[0] + parts[1]

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..engine.autograd import refuse_forward_ad
 from .rebuild import HalfStep, HalfStepNode, OutputNode, StackCall, Targets
 
 __all__ = ["HalfSteps", "StackRun"]
@@ -96,6 +97,8 @@ class StackRun:
         kw_tensors: list[torch.Tensor],
     ) -> None:
         self.plan, self.call, self.targets = plan, call, targets
+        params = (p for found in targets for p in found[0])
+        refuse_forward_ad("a reversible stack", "reversible", (x1, x2, *kw_tensors, *params))
         self.streams = [x1, x2]
         self.kw_tensors = kw_tensors
         # Every half step joins the graph (even one whose inputs and registered parameters
