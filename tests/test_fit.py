@@ -483,6 +483,22 @@ def test_a_plan_made_under_autocast_is_refused_without_it() -> None:
         Plan.from_json(json.dumps({**plan.to_dict(), "autocast": "float99"}))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_a_plan_made_under_autocast_runs_without_it_on_a_model_autocast_leaves_alone(dtype):
+    """Autocast casts float32 only: a bfloat16 or float64 model keeps the same activations
+    with or without it (same peak, bitwise the same gradients), yet training it without the
+    autocast it was fitted under was refused as keeping wider activations."""
+    case = _case("nanogpt")
+    example = case.make_example(4, 32)
+    model = case.make_model().to(dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plan = revckpt.fit(model, example, memory_budget=0.8, loss_fn=case.loss_fn)
+    assert plan.autocast == "bfloat16"
+    with MemoryMeter() as meter:
+        zoo.step(model, example, case.loss_fn)
+    assert meter.peak_bytes <= plan.memory_budget_bytes
+
+
 class _AutocastOff(nn.Module):
     """Blocks the model calls with autocast switched off, whatever its caller runs under."""
 

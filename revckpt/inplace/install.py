@@ -221,8 +221,8 @@ def _check_autocast(info: Planned, hidden: torch.Tensor) -> None:
     """Planned under autocast and run without it (or in a wider dtype), a block keeps wider
     activations than planned, with the same hidden-state dtype: refused as a wider one is."""
     planned_as = info.autocast
-    if planned_as is None:
-        return
+    if planned_as is None or hidden.dtype != torch.float32:
+        return  # autocast casts float32 only: a 16-bit or float64 model runs as it was planned
     now = autocast_dtype(hidden.device.type)
     if now is not None and now.itemsize <= planned_as.itemsize:
         return
