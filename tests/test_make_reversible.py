@@ -197,6 +197,20 @@ def test_forward_mode_ad_runs_through_a_stack_run_plainly_and_is_refused_reversi
     assert forward == pytest.approx(reverse, rel=1e-10)
 
 
+def test_a_converted_model_quantised_dynamically_runs():
+    """torch.ao.quantization.quantize_dynamic swaps the adapters' Linears too, whose weight
+    is then a method: the adapter read its dtype off it (a raw AttributeError)."""
+    case, _, model = _converted("nanogpt")
+    model = model.float().eval()
+    example = case.make_example()
+    quantised = torch.ao.quantization.quantize_dynamic(
+        copy.deepcopy(model), {nn.Linear}, dtype=torch.qint8
+    )
+    with torch.no_grad():
+        want, got = case.loss_fn(model(*example)), case.loss_fn(quantised(*example))
+    assert abs(float(got) - float(want)) <= 0.05 * abs(float(want))
+
+
 @pytest.mark.parametrize("variant", ["layer_f", "layer_g"])
 def test_output_at_conversion_moves_by_about_scale(variant):
     """The first layer is exact; each further one moves by ``scale`` times the auxiliary

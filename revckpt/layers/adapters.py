@@ -102,7 +102,10 @@ class Adapter(nn.Module):
         return self._features_last(x.movedim(self.dim, -1)).movedim(-1, self.dim)
 
     def _features_last(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = self.down.weight.dtype
+        weight = self.down.weight
+        # (a quantised Linear's weight is a method, its packed weights no parameter: it takes
+        # and returns float32)
+        dtype = weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
         if x.dtype == dtype or (x.dtype != torch.float64 and torch.is_autocast_enabled()):
             return self.up(self.act(self.down(x)))  # (autocast casts what it runs)
         return self.up(self.act(self.down(x.to(dtype)))).to(x.dtype)  # wider streams
