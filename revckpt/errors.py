@@ -13,6 +13,7 @@ from typing import Any
 __all__ = [
     "CheckpointMismatchError",
     "DoubleBackwardError",
+    "Float16RangeError",
     "GradientMismatchError",
     "InfeasibleBudgetError",
     "InvalidArgumentError",
@@ -82,6 +83,11 @@ class ModifiedParameterError(ModifiedInputError):
 class ReplayError(RevckptError, RuntimeError):
     """A recompute cannot run as the forward ran: a buffer the forward updated and no copy of
     its old value, random numbers drawn by another thread meanwhile, a module flag changed."""
+
+
+class Float16RangeError(ReplayError):
+    """A float16 recompute from a block's rounded (approx) input reached inf or nan where its
+    forward was finite: values near float16's largest (65504) rounded past it."""
 
 
 class SideOutputError(RevckptError, RuntimeError):

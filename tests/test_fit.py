@@ -499,6 +499,45 @@ def test_a_plan_made_under_autocast_runs_without_it_on_a_model_autocast_leaves_a
     assert meter.peak_bytes <= plan.memory_budget_bytes
 
 
+class _NearOverflow(nn.Module):
+    """Each block adds about 100 to every channel: an outlier channel at 64600 stays below
+    float16's 65504 through four blocks, and rounded up by e4m3 overflows a recompute."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        with torch.no_grad():
+            self.fc2.bias.fill_(100.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(F.layer_norm(x, x.shape[-1:]))))
+
+
+def test_fit_plans_around_a_float16_recompute_that_overflows() -> None:
+    """fit(error_budget=) on a float16 model with activations near 65504: its profile or
+    check step raised a ReplayError advising a per-block strategy fit has no option for.
+    The blocks whose approx recompute overflows are planned without approx."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_NearOverflow() for _ in range(4))).half()
+    x = torch.randn(128, 32).half() * 10
+    x[:, 3] = 64600.0
+
+    def loss_fn(y: torch.Tensor) -> torch.Tensor:
+        return (y - y.mean(-1, keepdim=True)).float().div(64).square().mean()
+
+    reference = copy.deepcopy(model)
+    strategies = ["store", "checkpoint", "approx:e4m3"]
+    with pytest.warns(revckpt.PlanWarning, match="overflows") as said:
+        plan = revckpt.fit(model, x, memory_budget=0.6, error_budget=5e-2, loss_fn=loss_fn,
+                           strategies=strategies)  # fmt: skip
+    assert {w.filename for w in said} == {__file__}
+    assert not any(s.startswith("approx") for s in plan.strategies), plan
+    loss_fn(model(x)).backward()
+    loss_fn(reference(x)).backward()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
 class _AutocastOff(nn.Module):
     """Blocks the model calls with autocast switched off, whatever its caller runs under."""
 

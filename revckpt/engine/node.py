@@ -25,7 +25,12 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .._determinism import _storage_key
-from ..errors import InvalidArgumentError, InvalidInputTypeError, ModifiedInputError, ReplayError
+from ..errors import (
+    Float16RangeError,
+    InvalidArgumentError,
+    InvalidInputTypeError,
+    ModifiedInputError,
+)
 from ..replay import ForwardState
 from .autograd import (
     differentiable_once,
@@ -222,7 +227,7 @@ def _check_in_range(out: Any, forward_finite: torch.Tensor | None, label: str) -
         return
     now = _finite(out)
     if now is not None and not bool(now):
-        raise ReplayError(
+        raise Float16RangeError(
             f"the recompute of {label} from its compressed input reached inf or nan in "
             "float16 where its forward was finite: the rounded input moved values near "
             "float16's largest (65504) past it, so its gradients would be inf where plain "

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import math
 import numbers
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,13 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from ..errors import InvalidArgumentError, InvalidInputTypeError, SideOutputError
+from ..errors import (
+    Float16RangeError,
+    InvalidArgumentError,
+    InvalidInputTypeError,
+    PlanWarning,
+    SideOutputError,
+)
 from ..schedule.budget import UNKNOWN_PEAK, parse_budget
 from ..schedule.costs import evaluate, peak_phases, strategy_names
 from ..schedule.error_samples import checked_stride
@@ -39,12 +46,14 @@ from .convert import convert, restore
 from .fit_checks import (
     agreed_largest,
     as_trained,
+    caller_level,
     check_saved_strategies,
     load_plan,
     lossy,
     planned_names,
     saved_step_peak,
     uncompiled,
+    without_approx,
     without_nodes,
 )
 from .fit_stack import fit_converted
@@ -331,8 +340,7 @@ def _fit(
             step = dataclasses.replace(traced.step, max_span=o.segment_blocks)
             traced = dataclasses.replace(traced, step=step)
         profile = _profile(model, traced, chosen, o)
-        if o.strategies is None:  # of the defaults, those no block can run with are left out
-            chosen = [s for s in chosen if s in strategy_names(profile.blocks)]
+        chosen = _runnable(chosen, strategy_names(profile.blocks), o.strategies is None)
         keys = [c.key for c in traced.calls]
         sites = tuple(tensor_sites(c.args, c.kwargs) for c in traced.calls)
         budget = parse_budget(memory_budget, traced.store_peak)
@@ -374,8 +382,9 @@ def _fit(
 
             try:
                 result = _agreed(_within_error(within, o.error_budget, modelled))
-            except SideOutputError:
-                chosen = without_nodes(chosen)  # (checked reads it)
+            except (SideOutputError, Float16RangeError) as err:  # (checked reads chosen)
+                side = isinstance(err, SideOutputError)
+                chosen = without_nodes(chosen) if side else without_approx(chosen)
                 result = _agreed(_within_error(within, o.error_budget, modelled))
         apply_plan(result, found, keys, sites)
         seen = (profile, traced.store_peak, shapes, dtypes, autocast, sites)
@@ -383,6 +392,25 @@ def _fit(
     except BaseException:
         restore(model)
         raise
+
+
+def _runnable(chosen: list[str], runnable: list[str], defaults: bool) -> list[str]:
+    """Of ``chosen``, those some block can run with: of the defaults, silently; of the
+    caller's, saying which were left out (approx on a float16 block whose recompute
+    overflows); all of them where none is left (the solver then says so)."""
+    kept = [s for s in chosen if s in runnable]
+    if defaults or kept == chosen:
+        return kept
+    if not kept:
+        return chosen
+    left = [s for s in chosen if s not in runnable]
+    warnings.warn(
+        f"revckpt.fit: no block can run {left} here (approx on a float16 block whose recompute "
+        "from a rounded input overflows): planned without them",
+        PlanWarning,
+        stacklevel=caller_level(),
+    )
+    return kept
 
 
 def _fit_blocks(

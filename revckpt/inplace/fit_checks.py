@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import InvalidArgumentError, PlanWarning, SideOutputError
+from ..errors import Float16RangeError, InvalidArgumentError, PlanWarning, SideOutputError
 from ..schedule.plan import Plan
 from ..schedule.plan_checks import dtype_named
 from ..strategy import kind_of
@@ -26,12 +26,14 @@ from .step import measure_step
 __all__ = [
     "agreed_largest",
     "as_trained",
+    "caller_level",
     "check_saved_strategies",
     "load_plan",
     "lossy",
     "planned_names",
     "saved_step_peak",
     "uncompiled",
+    "without_approx",
     "without_nodes",
 ]
 
@@ -147,6 +149,26 @@ def check_saved_strategies(saved: Plan, chosen: tuple[str, ...], o: Any) -> None
             )
 
 
+def without_approx(chosen: list[str]) -> list[str]:
+    """``chosen`` without the approx codecs, for a float16 model whose check step raised
+    :class:`~revckpt.Float16RangeError` (a recompute from a rounded input overflowed). Warns;
+    raises it again where nothing else is left."""
+    kept = [s for s in chosen if kind_of(s) != "approx"]
+    if not kept or kept == chosen:
+        raise Float16RangeError(
+            "the float16 recompute of a block from its rounded input overflowed, and no "
+            f"strategy but approx is allowed ({chosen}): allow 'checkpoint' (strategies=None), "
+            "or compute in bfloat16 or float32"
+        )
+    warnings.warn(
+        "revckpt.fit: a block's float16 recompute from its rounded (approx) input overflowed "
+        "where its forward was finite (values near 65504): planned without approx",
+        PlanWarning,
+        stacklevel=caller_level(),
+    )
+    return kept
+
+
 def without_nodes(chosen: list[str]) -> list[str]:
     """``chosen`` without the strategies that keep nothing of a block's first forward (approx,
     offload, reversible), for a model whose loss uses a block's side output (a
@@ -166,12 +188,12 @@ def without_nodes(chosen: list[str]) -> list[str]:
         f"mixture-of-experts layer's router logits, attention weights), which {left} keep "
         "nothing of: planned without them",
         PlanWarning,
-        stacklevel=_caller_level(),
+        stacklevel=caller_level(),
     )
     return kept
 
 
-def _caller_level() -> int:
+def caller_level() -> int:
     """The ``stacklevel`` of the first frame outside revckpt from the caller of
     :func:`warnings.warn` (fit's paths to a warning are of several depths)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import Float16RangeError
 from ..strategy import Strategy
 from .block_errors import error_fields
 from .block_memory import memory_costs
@@ -38,7 +39,39 @@ def profile_block(
     :func:`revckpt.fit` does for a model's blocks, each on its own arguments); ``output`` and
     ``capture`` as in :func:`~revckpt.schedule.block_memory.memory_costs`; ``exact``: the
     block's exact gradients on ``x`` (:func:`~revckpt.schedule.sensitivities.sensitivities`),
-    which spare the error fields their exact run."""
+    which spare the error fields their exact run. A float16 block whose approx recompute
+    overflows (:class:`~revckpt.Float16RangeError`: values near 65504 rounded past it) is
+    priced without the approx codecs, which no plan then gives it."""
+    options = dict(
+        policies=policies, repeats=repeats, device=device, kwargs=kwargs, cotangent=cotangent,
+        compress=compress, offload=offload, grads_new=grads_new, output=output, capture=capture,
+        exact=exact,
+    )  # fmt: skip
+    try:
+        return _profile_block(block, x, codecs=codecs, **options)
+    except Float16RangeError:
+        if not codecs:
+            raise
+        return _profile_block(block, x, codecs=(), **options)
+
+
+def _profile_block(
+    block: nn.Module,
+    x: torch.Tensor,
+    *,
+    codecs: Sequence[str],
+    policies: Sequence[str],
+    repeats: int,
+    device: Any,
+    kwargs: dict[str, Any],
+    cotangent: torch.Tensor | None,
+    compress: Sequence[str],
+    offload: bool,
+    grads_new: bool,
+    output: torch.Tensor | None,
+    capture: bool,
+    exact: Exact | None,
+) -> BlockCost:
     leaf = x.detach().requires_grad_(x.is_floating_point())
     memory = memory_costs(
         block,
