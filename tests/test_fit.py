@@ -2051,7 +2051,9 @@ def test_verify_measures_the_error_budgets_figure_as_fits_check_does() -> None:
         plan=hand_made, rounds=1,
     )  # fmt: skip
     measured = found.report.row("hand-made").gradient_error
-    revckpt.fit(model, example, memory_budget=1.0, loss_fn=case.loss_fn, plan=hand_made)
+    revckpt.fit(
+        model, example, memory_budget=1.0, error_budget=1.0, loss_fn=case.loss_fn, plan=hand_made
+    )
     for m in (model, plain):
         _measured_step(m, example, case.loss_fn)
     blocks = [n for n, _ in plain.named_parameters() if n.startswith("transformer.h.")]
@@ -2296,11 +2298,82 @@ def test_frozen_blocks_off_the_backwards_path_are_not_planned() -> None:
         model(ids).backward()
     assert meter.peak_bytes <= plan.memory_budget_bytes
     assert plan.predicted_peak_bytes <= 1.05 * meter.peak_bytes, (plan, meter.peak_bytes)
+    # unfrozen after a warm-up: they keep activations the budget never counted (2.2x over,
+    # silently, in a review's model): refused, saying to fit again
+    model.blocks[0].requires_grad_(True)
+    with pytest.raises(InvalidArgumentError, match="left out of revckpt.fit's plan"):
+        model(ids).backward()
+    model.blocks[0].requires_grad_(False)
     revckpt.restore(model)
     model.blocks.requires_grad_(False)  # a linear probe: no block is on the path
     with pytest.raises(InvalidArgumentError, match="reaches none of the blocks"):
         revckpt.fit(model, ids, memory_budget=0.6)
     assert all(planned(b) is None for b in model.blocks)
+
+
+class _Interleaved(nn.Module):
+    """Two lists of layers of two classes called in turn (diffusers' ``zip(resnets,
+    attentions)``), the attentions listed first."""
+
+    def __init__(self, n: int = 3) -> None:
+        super().__init__()
+        self.attentions = nn.ModuleList(_DenseLayer() for _ in range(n))
+        self.resnets = nn.ModuleList(
+            nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(n)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for resnet, attention in zip(self.resnets, self.attentions, strict=True):
+            x = attention(x + resnet(x))
+        return x.square().mean()
+
+
+class _DenseLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(32), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.norm(x))
+
+
+class _DenseThenExperts(nn.Module):
+    """A stack of dense layers, then a stack of mixture-of-experts layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.enc = nn.ModuleList(_DenseLayer() for _ in range(2))
+        self.dec = nn.ModuleList(_MoELayer() for _ in range(3))
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for layer in [*self.enc, *self.dec]:
+            x = layer(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), tgt.flatten())
+
+
+def test_several_classes_of_blocks_fall_back_where_the_step_refuses_them() -> None:
+    """A review of the rule taking every class of layers: interleaved lists ran in another
+    order than their modules' (refused, where the larger class alone was planned before);
+    a dense stack beside experts outvoted the experts' links, and the experts were planned
+    (a plan the next batch broke)."""
+    torch.manual_seed(0)
+    model = _Interleaved()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 16, 32)
+    plan = revckpt.fit(model, x, memory_budget=1.0, loss_fn=lambda out: out)
+    assert len(set(plan.block_names)) == 3, plan.block_names  # one class
+    model(x).backward()
+    reference(x).backward()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    torch.manual_seed(0)
+    model = _DenseThenExperts().double()
+    data = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(1))
+    plan = revckpt.fit(model, (data[:, :-1], data[:, 1:]), memory_budget=1.0)
+    assert list(plan.block_names) == ["enc.0", "enc.1", "dec.0", "dec.1", "dec.2"]
 
 
 class _TupleStateBlock(nn.Module):

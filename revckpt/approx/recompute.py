@@ -124,6 +124,8 @@ class Compressed(Keep):
 
     def keep(self, tensors: Sequence[torch.Tensor], label: str) -> tuple[list[torch.Tensor], Any]:
         codec = self.codec
+        if self.recompute_dtype is not None and tensors:
+            _check_recompute_dtype(self.recompute_dtype, tensors[0], label)
         saved: list[torch.Tensor] = []
         # per tensor: None if kept exactly, else (dtype, scaled, (index, label): for an error)
         recipe: list[tuple[torch.dtype, bool, tuple[int, str]] | None] = []
@@ -162,6 +164,25 @@ class Compressed(Keep):
         if self.recompute_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type, dtype=self.recompute_dtype)
+
+
+def _check_recompute_dtype(dtype: torch.dtype, x: torch.Tensor, label: str) -> None:
+    """A recompute under autocast in ``dtype`` of a block whose input is ``x``: autocast casts
+    float32 only, so a 16-bit block of the other format re-ran with mixed dtypes (torch's raw
+    'mixed dtype' error in backward) and a float64 one re-ran unchanged, silently."""
+    if not x.is_floating_point() or x.dtype in (torch.float32, dtype):
+        return
+    effect = (
+        "autocast leaves float64 alone, so the recompute would run in float64: the option "
+        "does nothing"
+        if x.dtype == torch.float64
+        else f"its layers would mix {x.dtype} and {dtype} in the recompute"
+    )
+    raise InvalidArgumentError(
+        f"{label}: recompute_dtype={dtype} on a block whose input is {x.dtype}: {effect}. "
+        "Pass recompute_dtype=None (the recompute runs in the block's own dtype), or the "
+        "block's own dtype"
+    )
 
 
 def keep_of(config: Approx) -> Keep:

@@ -3,8 +3,9 @@
 The rule: among the containers (``nn.ModuleList``, ``nn.Sequential``) whose children are two or
 more modules of one class, take the class with the most such children in the model (ties: the
 one with more parameters per block), and every child of that class in those containers; then
-every other class found so whose blocks neither hold nor lie in blocks already taken (an
-encoder-decoder's decoder layers beside its encoder layers), all in module order. That finds
+where that class fills its containers, every other class that fills its own containers, whose
+blocks have submodules and neither hold nor lie in blocks already taken (an encoder-decoder's
+encoder layers beside its decoder layers), all in module order. That finds
 ``transformer.h`` (GPT-2, nanoGPT), ``model.layers`` (Llama, Qwen2), ``bert.encoder.layer``,
 ``encoder.layers`` (``nn.TransformerEncoder``), ``model.encoder.layers`` and
 ``model.decoder.layers`` (BART, Whisper) and the residual blocks of every stage of a ResNet
@@ -103,10 +104,13 @@ def _repeated(
     model: nn.Module, option: str, exclude: set[type] | None = None, one_class: bool = False
 ) -> list[tuple[str, nn.Module]]:
     by_class: dict[type, list[tuple[str, nn.Module]]] = {}
+    whole: dict[type, bool] = {}  # each of its runs is a whole container (a stack of layers)
     for name, container in _containers(model):
         for run in _runs(name, container):
-            if len(run) >= 2 and not (exclude and type(run[0][1]) in exclude):
-                by_class.setdefault(type(run[0][1]), []).extend(run)
+            kind = type(run[0][1])
+            if len(run) >= 2 and not (exclude and kind in exclude):
+                by_class.setdefault(kind, []).extend(run)
+                whole[kind] = whole.get(kind, True) and len(run) == len(container)
     # blocks with trainable parameters first; else frozen ones (a backward to a trainable
     # embedding or prompt still runs through them and keeps their activations)
     trainable = {k: v for k, v in by_class.items() if _has_parameters(v)}
@@ -134,10 +138,17 @@ def _repeated(
         members = by_class[kind]
         return len(members), sum(p.numel() for p in members[0][1].parameters())
 
-    taken: list[tuple[str, nn.Module]] = []
-    for kind in sorted(by_class, key=rank, reverse=True):
-        if not taken or (not one_class and _apart(by_class[kind], taken)):
-            taken.extend(by_class[kind])
+    first, *others = sorted(by_class, key=rank, reverse=True)
+    taken = list(by_class[first])
+    for kind in others if whole[first] and not one_class else ():
+        # another stack of layers (an encoder-decoder's): a whole container of modules with
+        # submodules of their own, apart from the blocks taken; not a run beside other
+        # layers (first-k dense layers before mixture-of-experts ones), not a list of
+        # Linears or Embeddings (heads, codebooks)
+        members = by_class[kind]
+        layers = any(True for _ in members[0][1].children())
+        if whole[kind] and layers and _apart(members, taken):
+            taken.extend(members)
     order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
     return sorted(taken, key=lambda item: order[item[0]])
 

@@ -265,6 +265,10 @@ class _FitOptions:
     progress: Callable[[int, int], None] | None = None
     segment_blocks: int | None = None
     error_stride: int = 1
+    # fit's own, when it fits again: blocks off the backward's path, and the default rule's
+    # first class of blocks only
+    left_out: frozenset[str] = frozenset()
+    one_class: bool = False
 
 
 @dataclass(frozen=True)
@@ -300,7 +304,10 @@ def _fit(
     o = _FitOptions(**options)
     chosen = _checked(model, memory_budget, o)
     restore(model)
-    found = find_blocks(model, o.blocks if o.blocks is not None else planned_names(o.plan, model))
+    named = o.blocks if o.blocks is not None else planned_names(o.plan, model)
+    found = find_blocks(model, named, one_class=o.one_class)
+    left = [(fqn, b) for fqn, b in found if fqn in o.left_out]  # off the backward's path
+    found = [(fqn, b) for fqn, b in found if fqn not in o.left_out]
     _refuse_sharded(found)
     if o.plan is None or profiled:
         _refuse_eval_mode(found)
@@ -316,26 +323,11 @@ def _fit(
         checked_error = priced and o.error_budget > 0 and _seedable(found)
         seed = _ERROR_SEED if checked_error else None  # approx plans' errors measured
         slot = _recorder_slot(found)
-        try:
-            traced = trace(
-                model, example, o.loss_fn, found, slot, gradients=priced, reference_seed=seed
-            )
-        except OffGraphError as err:  # frozen blocks off the backward's path: the others
-            if not err.on_graph:
-                raise
-            return _fit_blocks(model, example, memory_budget, profiled, options, err.on_graph)
-        except CallCountError:
-            # experts the example routed no token to (or several times): the layers, if any
-            outer = enclosing_blocks(model, found) if o.blocks is None else None
-            if outer is None:
-                raise
-            traced = None
-        if traced is not None:
-            outer = _around_parallel(model, found, traced.links) if o.blocks is None else None
-        if outer is not None:  # a layer's experts: plan the layers
-            names = [fqn for fqn, _ in outer]
-            return _fit_blocks(model, example, memory_budget, profiled, options, names)
-        assert traced is not None
+        traced = _traced(model, example, o, found, slot, priced, seed)
+        if isinstance(traced, dict):  # other blocks to plan: fit again
+            restore(model)
+            changed = {**options, **traced}
+            return _fit(model, example, memory_budget=memory_budget, profiled=profiled, **changed)
         if o.segment_blocks is not None:
             step = dataclasses.replace(traced.step, max_span=o.segment_blocks)
             traced = dataclasses.replace(traced, step=step)
@@ -387,6 +379,8 @@ def _fit(
                 chosen = without_nodes(chosen) if side else without_approx(chosen)
                 result = _agreed(_within_error(within, o.error_budget, modelled))
         apply_plan(result, found, keys, sites)
+        for fqn, block in left:  # stored, and refused if their output comes to need a gradient
+            install(block, Planned(fqn, "store", runner_for("store"), off_graph=True))
         seen = (profile, traced.store_peak, shapes, dtypes, autocast, sites)
         return Fitted(result, found, keys, tuple(chosen), o.error_budget, budget, *seen)
     except BaseException:
@@ -413,24 +407,69 @@ def _runnable(chosen: list[str], runnable: list[str], defaults: bool) -> list[st
     return kept
 
 
-def _fit_blocks(
+def _traced(
     model: nn.Module,
     example: Any,
-    memory_budget: Any,
-    profiled: bool,
-    options: dict[str, Any],
-    names: Sequence[str],
-) -> Fitted:
-    """:func:`_fit` again, on the blocks ``names`` (the model restored first)."""
-    restore(model)
-    chosen = set(names)
-    return _fit(
-        model,
-        example,
-        memory_budget=memory_budget,
-        profiled=profiled,
-        **{**options, "blocks": lambda _m, fqn: fqn in chosen},
+    o: _FitOptions,
+    found: list[tuple[str, nn.Module]],
+    slot: Callable[[Recorder | None], None],
+    priced: bool,
+    seed: int | None,
+) -> Any:
+    """The traced step, or the options to fit again with where other blocks are to be
+    planned: those on the backward's path (``left_out``: the frozen ones off it); a layer's
+    experts' layers (``blocks``); one class of blocks (``one_class``) where the default rule
+    took several and the step refuses one of them (a tower run before the one listed first,
+    layers called with no hidden state, interleaved lists)."""
+    several = (
+        o.blocks is None
+        and o.plan is None
+        and not o.one_class
+        and len({type(b) for _, b in found}) > 1
     )
+    try:
+        traced = trace(
+            model, example, o.loss_fn, found, slot, gradients=priced, reference_seed=seed,
+            on_graph=o.plan is None,
+        )  # fmt: skip
+    except OffGraphError as err:
+        if not err.on_graph:
+            raise
+        return {"left_out": o.left_out | ({fqn for fqn, _ in found} - set(err.on_graph))}
+    except CallCountError:
+        # experts the example routed no token to (or several times): the layers, if any
+        outer = enclosing_blocks(model, found) if o.blocks is None else None
+        if outer is not None:
+            return {"blocks": _named(outer)}
+        if several:
+            return {"one_class": True}
+        raise
+    except (InvalidArgumentError, InvalidInputTypeError):
+        if several:
+            return {"one_class": True}
+        raise
+    if several and _parallel(model, found, traced):  # experts among them: as one class
+        return {"one_class": True}
+    outer = _around_parallel(model, found, traced.links) if o.blocks is None else None
+    return {"blocks": _named(outer)} if outer is not None else traced
+
+
+def _parallel(model: nn.Module, found: list[tuple[str, nn.Module]], traced: Any) -> bool:
+    """Whether most blocks of the default rule's first class do not chain (a layer's experts),
+    among blocks of several classes (a dense stack beside them would outvote them)."""
+    first = {fqn for fqn, _ in find_blocks(model, one_class=True)}
+    names = [c.fqn for c in traced.calls]
+    pairs = [
+        link
+        for a, b, link in zip(names, names[1:], traced.links, strict=False)
+        if a in first and b in first
+    ]
+    return bool(pairs) and 2 * sum(pairs) < len(pairs)
+
+
+def _named(blocks: list[tuple[str, nn.Module]]) -> Blocks:
+    names = {fqn for fqn, _ in blocks}
+    return lambda _m, fqn: fqn in names
 
 
 def _around_parallel(

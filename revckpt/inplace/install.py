@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from .._autocast import autocast_dtype
 from ..errors import InvalidArgumentError, PlanWarning
@@ -51,6 +52,8 @@ class Planned:
     tensors: frozenset[Key] | None = None
     # the arguments warned about (shared by the blocks of one fit: one warning per argument)
     warned: set[Key] | None = None
+    # left out of fit's plan: its output needed no gradient (frozen, on inputs that need none)
+    off_graph: bool = False
 
     def function(self, block: nn.Module) -> Callable[..., Any]:
         if self.original is not None:
@@ -82,6 +85,8 @@ def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     args, kwargs = drop_caches(
         args, kwargs, f"{type(self).__name__} ({info.fqn})", layer=cache_index(self)
     )
+    if info.off_graph:
+        _check_off_graph(info, self, args, kwargs)
     key = info.key if info.key is not None else carried_key(args, kwargs)
     if key is None:  # no hidden state to carry: nothing to plan
         if info.recorder is not None:  # fit's trace: its plan would hold for nothing
@@ -179,6 +184,23 @@ def within(shape: tuple[int, ...], limit: tuple[int, ...]) -> bool:
     """Whether a hidden state of ``shape`` is no larger in any dimension than ``limit`` (the
     example's, which a plan's memory budget holds for)."""
     return len(shape) == len(limit) and all(a <= b for a, b in zip(shape, limit, strict=True))
+
+
+def _check_off_graph(
+    info: Planned, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """A block fit left out of its plan (frozen, on inputs that needed no gradient: it kept
+    nothing for backward) whose output now needs one keeps its activations, which the plan's
+    budget did not count (a warm-up then unfreeze ran 2.2x over it, silently)."""
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    if any(t.requires_grad for t in tensors) or any(p.requires_grad for p in block.parameters()):
+        raise InvalidArgumentError(
+            f"block {info.fqn} was left out of revckpt.fit's plan because its output needed no "
+            "gradient (its parameters frozen, its inputs needing none), so it kept nothing for "
+            "backward; now it does (unfrozen, or given an input that requires grad) and keeps "
+            "its activations, which the plan's memory budget does not count. Fit again after "
+            "unfreezing (revckpt.fit(model, example, ...))"
+        )
 
 
 def _check_shape(info: Planned, hidden: Any) -> None:

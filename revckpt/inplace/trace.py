@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from .._autocast import autocast_dtype
 from .._numbers import tensor_bytes
@@ -139,6 +140,7 @@ def trace(
     *,
     gradients: bool = False,
     reference_seed: int | None = None,
+    on_graph: bool = False,
 ) -> Trace:
     """Run the step twice (see the module docstring) with every block stored; ``recorder_slot``
     installs a :class:`Recorder` on the blocks' forwards (and removes it with ``None``).
@@ -149,7 +151,9 @@ def trace(
     (:func:`~revckpt.schedule.sensitivities.step_sensitivities`), as the error model cannot run
     such blocks one after the other. ``reference_seed``: the metered step runs from this
     generator state and the trace keeps its gradients of the blocks' parameters
-    (:class:`~revckpt.inplace.step.Reference`), to measure approx plans' errors against."""
+    (:class:`~revckpt.inplace.step.Reference`), to measure approx plans' errors against.
+    ``on_graph``: raise :class:`OffGraphError` for blocks none of whose outputs needs a
+    gradient."""
     names = [fqn for fqn, _ in blocks]
     recorder = Recorder(blocks)
     calls: list[Call] = []
@@ -157,6 +161,7 @@ def trace(
     states: list[Any] = []  # the generator states each block's forward started from
 
     entered: list[list[tuple[torch.Tensor, int]]] = []  # the tensors given, their versions
+    off: list[str] = []  # the blocks none of whose outputs needs a gradient
 
     def capture(what: str, i: int, payload: Any) -> None:
         if what == "enter":
@@ -174,6 +179,9 @@ def trace(
                     "hidden state; pick other blocks with blocks='attribute.path'"
                 )
             hidden = hidden_of(out, f"block {names[i]}")
+            outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            if not any(t.requires_grad for t in outputs):
+                off.append(names[i])
             under = autocast_dtype(hidden.device.type)  # as at the call: contexts restore it
             calls.append(Call(names[i], blocks[i][1], args, kwargs, key, hidden, under))
 
@@ -189,7 +197,8 @@ def trace(
                 loss = _loss(out, loss_fn)
                 del out
             _check_calls(recorder.counts, names, [c.fqn for c in calls])
-            _check_on_graph(calls)
+            if on_graph:
+                _check_on_graph(off, [c.fqn for c in calls])
             _first_key_as_the_next(calls)
             held = tuple(i > 0 and outside.saved(c.input) for i, c in enumerate(calls))
             chained = all(c.input is p.output for p, c in itertools.pairwise(calls))
@@ -352,7 +361,8 @@ def _check_calls(counts: list[int], names: list[str], order: list[str]) -> None:
         raise CallCountError(
             f"each block must run exactly once per step, but the example never ran "
             f"{', '.join(unused[:4])}; leave such blocks out with blocks=lambda module, fqn: "
-            "... (or blocks='attribute.path' naming the blocks the step runs). If the model "
+            "... (or blocks='attribute.path' naming the blocks the step runs; a block called "
+            "under torch.no_grad() is not seen either). If the model "
             "skips layers at random (LayerDrop: layerdrop=, stochastic depth), no plan holds "
             "for every step: set it to 0 for fit, or use revckpt.convert, which plans nothing"
         )
@@ -367,8 +377,8 @@ def _check_calls(counts: list[int], names: list[str], order: list[str]) -> None:
 
 
 class OffGraphError(InvalidArgumentError):
-    """Some blocks' outputs need no gradient (frozen, and called on inputs that need none, or
-    under ``torch.no_grad()``): autograd records nothing in them, so they keep nothing for
+    """Some blocks' outputs need no gradient (frozen, and called on inputs that need none):
+    autograd records nothing in them, so they keep nothing for
     backward and no strategy lowers or slows them. ``on_graph``: the other blocks, which fit
     plans instead."""
 
@@ -377,15 +387,14 @@ class OffGraphError(InvalidArgumentError):
         self.on_graph = on_graph
 
 
-def _check_on_graph(calls: list[Call]) -> None:
-    off = [c.fqn for c in calls if not c.output.requires_grad]
+def _check_on_graph(off: list[str], called: list[str]) -> None:
     if not off:
         return
-    on_graph = tuple(c.fqn for c in calls if c.output.requires_grad)
+    on_graph = tuple(fqn for fqn in called if fqn not in off)
     raise OffGraphError(
         f"the outputs of blocks {', '.join(off[:4])}{', ...' if len(off) > 4 else ''} need no "
-        "gradient (their parameters are frozen and their inputs need none, or they run under "
-        "torch.no_grad()): they keep nothing for backward, so no plan of them lowers the step"
+        "gradient (their parameters are frozen and their inputs need none): they keep nothing "
+        "for backward, so no plan of them lowers the step"
         + (
             "; the loss's gradient reaches none of the blocks, so a plan has nothing to save "
             "(the step's peak is outside them: a smaller batch or sequence lowers it)"

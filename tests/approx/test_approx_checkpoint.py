@@ -793,3 +793,24 @@ def test_a_float16_backward_that_overflows_goes_as_in_plain_autograd():
         y.backward(torch.full_like(y, 60000.0))
         grads.append(bool(torch.isfinite(x.grad).all()))
     assert grads == [False, False]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "recompute"),
+    [
+        (torch.bfloat16, torch.float16),
+        (torch.float16, torch.bfloat16),
+        (torch.float64, torch.bfloat16),
+    ],
+)
+def test_a_recompute_dtype_the_blocks_dtype_cannot_take_is_refused_in_the_forward(dtype, recompute):
+    """autocast casts float32 only: a 16-bit block of the other format re-ran with mixed
+    dtypes (torch's raw 'mixed dtype' error in backward), a float64 one unchanged, silently."""
+    block = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 16)).to(dtype)
+    x = torch.randn(4, 16, dtype=dtype, requires_grad=True)
+    approx = Approx(store=None, recompute_dtype=recompute)
+    with pytest.raises(InvalidArgumentError, match="recompute_dtype"):
+        revckpt.checkpoint(block, x * 1, strategy=approx)
+    if dtype != torch.float64:  # its own dtype runs
+        own = Approx(store=None, recompute_dtype=dtype)
+        revckpt.checkpoint(block, x * 1, strategy=own).sum().backward()
