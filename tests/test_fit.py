@@ -2301,7 +2301,7 @@ def test_frozen_blocks_off_the_backwards_path_are_not_planned() -> None:
     # unfrozen after a warm-up: they keep activations the budget never counted (2.2x over,
     # silently, in a review's model): refused, saying to fit again
     model.blocks[0].requires_grad_(True)
-    with pytest.raises(InvalidArgumentError, match="left out of revckpt.fit's plan"):
+    with pytest.raises(InvalidArgumentError, match=r"left out of revckpt\.fit's plan"):
         model(ids).backward()
     model.blocks[0].requires_grad_(False)
     revckpt.restore(model)
