@@ -192,3 +192,22 @@ def test_fit_prices_codecs_on_a_16_bit_model_given_a_positional_mask(dtype):
         strategies=["store", "approx:e4m3"],
     )  # fmt: skip
     assert plan.predicted_error <= 5e-2
+
+
+def test_fit_leaves_bf16_boundaries_out_of_its_defaults_for_a_16_bit_model():
+    """approx:bf16 keeps a bfloat16 block input as it is (checkpoint's bytes, a codec's time
+    more), yet fit on bfloat16 models picked it where its profile read it faster."""
+    torch.manual_seed(0)
+    model = _MaskedModel().to(torch.bfloat16)
+    x = torch.randn(4, 16, 32, dtype=torch.bfloat16)
+    from revckpt.inplace.fit import _fit
+
+    fitted = _fit(model, x, memory_budget=0.9, error_budget=5e-2, loss_fn=lambda out: out)
+    assert "approx:bf16" not in fitted.strategies and "approx:e4m3" in fitted.strategies
+    revckpt.restore(model)
+    # named explicitly, it is planned as asked
+    fitted = _fit(
+        model, x, memory_budget=1.0, error_budget=5e-2, loss_fn=lambda out: out,
+        strategies=["store", "approx:bf16"],
+    )  # fmt: skip
+    assert "approx:bf16" in fitted.strategies
