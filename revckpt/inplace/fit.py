@@ -158,7 +158,8 @@ def fit(
             measures its error against the store-all step on ``example``; where that is over
             the budget, ``fit`` plans again for a smaller predicted error.
         strategies: the strategies a plan may use (default: store, checkpoint and
-            selective recompute; plus approx codecs when ``error_budget > 0``).
+            selective recompute; plus approx codecs when ``error_budget > 0``: bf16 and
+            e4m3, e4m3 alone where every block input is 16-bit).
         blocks: the blocks to plan: an attribute path (``"model.layers"``) or a function
             ``(module, fqn) -> bool``; default: the model's repeated blocks.
         plan: a plan saved by :meth:`Plan.to_json` (a path or JSON text) or a :class:`Plan` to
