@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.parameter import is_lazy
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .errors import InvalidArgumentError, ModifiedParameterError, ReplayError
@@ -148,13 +149,21 @@ def _refuse_lazy(modules: list[nn.Module]) -> None:
     """A lazy module's first call shapes its parameters and draws their initial values: a
     recompute would find other random numbers drawn (a ``ReplayError`` about dropout masks,
     before) and other parameters. Once per layout: a materialised module is no longer lazy."""
-    lazy = next((m for m in modules if isinstance(m, LazyModuleMixin)), None)
-    if lazy is not None and lazy.has_uninitialized_params():
+    lazy = next((m for m in modules if _draws_when_materialised(m)), None)
+    if lazy is not None:
         raise InvalidArgumentError(
             f"{type(lazy).__name__} is not initialised yet (a lazy module shapes and draws "
             "its parameters on its first call, which a recompute cannot repeat): run it once "
             "on a batch, e.g. under torch.no_grad(), before checkpointing it"
         )
+
+
+def _draws_when_materialised(module: nn.Module) -> bool:
+    """A lazy module with parameters still to shape (their initial values are drawn then; a
+    lazy module with only buffers, ``LazyBatchNorm1d(affine=False)``, draws nothing)."""
+    return isinstance(module, LazyModuleMixin) and any(
+        is_lazy(p) for p in module.parameters(recurse=False)
+    )
 
 
 def layout_and_modules(root: nn.Module) -> tuple[_Layout, list[nn.Module]]:

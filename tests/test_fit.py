@@ -1442,6 +1442,11 @@ def test_a_saved_lossy_plans_gradient_error_is_measured_not_taken_from_its_json(
         model, example, memory_budget=1.0, error_budget=1e-1, loss_fn=case.loss_fn, plan=hand_made
     )
     assert 0.0 < plan.predicted_error <= 1e-1
+    revckpt.restore(model)
+    model.transformer.h.requires_grad_(False)  # (prompt tuning: no block parameter trains)
+    with pytest.raises(revckpt.InvalidArgumentError, match="cannot be checked"):
+        revckpt.fit(model, example, memory_budget=1.0, error_budget=1e-1, loss_fn=case.loss_fn,
+                    plan=hand_made)  # fmt: skip
 
 
 @pytest.mark.parametrize("over", ["memory", "error"])

@@ -120,7 +120,7 @@ def test_a_gradient_penalty_is_refused_naming_the_mode_that_runs_it_exactly():
     assert any(p.grad is not None for p in model.parameters())
 
 
-@pytest.mark.parametrize("how", ["hook", "retain_grad"])
+@pytest.mark.parametrize("how", ["hook", "retain_grad", "forward_hook"])
 def test_a_hook_on_a_hidden_state_between_layers_is_refused_not_ignored(how):
     """output_hidden_states=True and a gradient-stopping hook on one of them: the stack rebuilt
     that hidden state on its own streams, the hook never ran, and the layers before it got
@@ -136,12 +136,20 @@ def test_a_hook_on_a_hidden_state_between_layers_is_refused_not_ignored(how):
     model = make_reversible(GPT2LMHeadModel(config).double().train(), trainable="all")
     ids = torch.randint(0, 32, (2, 8))
 
+    def hook_output(module: nn.Module, args: Any, output: Any) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output
+        hidden.register_hook(torch.zeros_like)  # the tensor itself is not kept
+
     def step() -> torch.Tensor:
-        out = model(input_ids=ids, labels=ids, output_hidden_states=True)
-        h = out.hidden_states[2]  # what layer 1 returned
+        handle = model.transformer.h[1].register_forward_hook(hook_output)
+        try:
+            out = model(input_ids=ids, labels=ids, output_hidden_states=how != "forward_hook")
+        finally:
+            handle.remove()
+        h = out.hidden_states[2] if how != "forward_hook" else None  # what layer 1 returned
         if how == "hook":
             h.register_hook(torch.zeros_like)
-        else:
+        elif how == "retain_grad":
             h.retain_grad()
         out.loss.backward()
         return h
@@ -155,7 +163,7 @@ def test_a_hook_on_a_hidden_state_between_layers_is_refused_not_ignored(how):
         model.zero_grad(set_to_none=True)
         reversible_layers(model).mode = mode
         h = step()
-        assert how == "hook" or h.grad is not None
+        assert how != "retain_grad" or h.grad is not None
         grads[mode] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     for a, b in zip(grads["store"], grads["checkpoint"], strict=True):
         assert torch.equal(a, b)

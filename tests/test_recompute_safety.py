@@ -1060,3 +1060,21 @@ def test_requires_grad_changed_by_a_hook_during_the_forward_gives_plain_gradient
         assert (got is None) == (ref is None), name
         if ref is not None:
             torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("strategy", ["approx:bf16", "offload"])
+def test_a_dual_frozen_weight_is_refused_not_dropped(strategy):
+    """functional_call with a dual frozen weight (a JVP with respect to weights that do not
+    train): the node took only the trainable parameters, and the tangent came back None."""
+    import torch.autograd.forward_ad as fwAD
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 8))
+    model.requires_grad_(False)
+    model[1].weight.requires_grad_(True)
+    revckpt.convert(model, strategy, module_filter_fn=lambda m, fqn: fqn == "0")
+    x = torch.randn(4, 8, requires_grad=True)  # as in training: the node runs
+    with fwAD.dual_level(), pytest.raises(InvalidArgumentError, match="forward-mode"):
+        weight = fwAD.make_dual(model[0][0].weight.detach(), torch.randn(8, 8))
+        functional_call(model, {"0.0.weight": weight}, (x,))

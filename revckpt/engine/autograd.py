@@ -15,7 +15,7 @@ import copy
 import dataclasses
 import functools
 import weakref
-from collections.abc import Callable, Iterator, Sequence, Set
+from collections.abc import Callable, Iterable, Iterator, Sequence, Set
 from typing import Any
 
 import torch
@@ -367,22 +367,36 @@ def refuse_functorch(label: str, strategy: str, instead: str = _STRATEGIES_IN_FU
         )
 
 
-def refuse_forward_ad(label: str, strategy: str, tensors: Sequence[Any]) -> None:
-    """Raise for a dual tensor of ``torch.autograd.forward_ad`` among ``tensors``: the node
-    has no forward-mode rule, and torch's ``NotImplementedError`` ("implement the jvp
-    function") names neither the block nor what to do. Free where no dual level is open."""
+def refuse_forward_ad(
+    label: str,
+    strategy: str,
+    tensors: Sequence[Any],
+    modules: Iterable[nn.Module] = (),
+    way_out: str = "",
+) -> None:
+    """Raise for a dual tensor of ``torch.autograd.forward_ad`` among ``tensors`` or the
+    parameters and buffers of ``modules`` (a frozen weight made dual by ``functional_call``,
+    whose tangent the node would drop): the node has no forward-mode rule, and torch's
+    ``NotImplementedError`` ("implement the jvp function") names neither the block nor what
+    to do. Free where no dual level is open. ``way_out``: what to do, said first."""
     if forward_ad._current_level < 0:
         return
+    held = (t for m in modules for t in (*m.parameters(), *m.buffers()))
     if any(
         isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None
-        for t in tensors
+        for t in (*tensors, *held)
     ):
         raise InvalidArgumentError(
             f"{label}: a dual tensor (torch.autograd.forward_ad: forward-mode AD, a "
             f"forward-over-reverse Hessian) reached the {strategy} strategy, which has no "
-            "forward-mode rule. Use the 'checkpoint' or 'selective:...' strategy for this "
-            "block (they run forward-mode AD), or call it plainly"
+            f"forward-mode rule. {way_out or _FORWARD_AD_WAY_OUT}"
         )
+
+
+_FORWARD_AD_WAY_OUT = (
+    "Use the 'checkpoint' or 'selective:...' strategy for this block (they run "
+    "forward-mode AD; torch.func.jvp runs through 'checkpoint'), or call it plainly"
+)
 
 
 def grad_transform_active() -> bool:

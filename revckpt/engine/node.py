@@ -437,10 +437,12 @@ def run_node(
     if not torch.is_grad_enabled() or not needs_graph:
         return fn(*args, **kwargs)  # nothing to differentiate: keep nothing, plain call
     refuse_functorch(label, "approx or offload")
-    refuse_forward_ad(label, "approx or offload", (*tensors, *params, *kwargs.values()))
+    call.modules = tuple(dict.fromkeys((*modules, *modules_of(fn))))
+    refuse_forward_ad(
+        label, "approx or offload", (*tensors, *params, *kwargs.values()), call.modules
+    )
     call.tensors = []  # the node's inputs hold them; the call must not outlive them
     call.kwargs, call.grad_kwargs, call.params, call.keep = kwargs, grad_kwargs, params, keep
-    call.modules = tuple(dict.fromkeys((*modules, *modules_of(fn))))
     call.own = tuple(modules)  # the modules whose parameters are the node's inputs
     call.norms = tuple(norms) if complete else None
     call.preserve_rng_state = preserve_rng_state

@@ -68,8 +68,9 @@ class _Progress:
 
     last: str  # the name of the last layer called
     finished: bool = False
-    # (layer name, weak reference) of the hidden states the layers before the last returned
-    between: list[tuple[str, Any]] = field(default_factory=list)
+    # (layer name, hooks dict, weak reference) of the hidden states the layers before the
+    # last returned
+    between: list[tuple[str, Any, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -278,7 +279,10 @@ class ReversibleLayers:
             if not narrowed:  # its own node: a gradient reaching it is an error
                 hidden = hidden.view_as(hidden)
             hidden.register_hook(_early_exit_check(state.progress, self.layers[-1][0]))
-            state.progress.between.append((self.layers[index][0], weakref.ref(hidden)))
+            # its hooks' dict strongly (a forward hook may hook the tensor and drop it), the
+            # tensor weakly (for retain_grad, which a tensor gone cannot have asked for)
+            hooks = hidden._backward_hooks
+            state.progress.between.append((self.layers[index][0], hooks, weakref.ref(hidden)))
         state.returned = hidden
         state.version = None if hidden.is_inference() else hidden._version
         return hidden if isinstance(out, torch.Tensor) else with_hidden(out, hidden)
@@ -347,7 +351,14 @@ class ReversibleLayers:
         under, now = self.limit_autocast, self.hidden_autocast
         wider = now is None or now.itemsize > (under.itemsize if under is not None else 0)
         # (autocast casts float32 only: a 16-bit or float64 model runs as it was planned)
-        if under is not None and h.dtype == torch.float32 and wider:
+        if (
+            under is not None
+            and wider
+            and (
+                h.dtype == torch.float32
+                or any(p.dtype == torch.float32 for _, m in self.layers for p in m.parameters())
+            )
+        ):
             raise InvalidArgumentError(
                 f"revckpt.fit chose the reversible stack's mode ({self._mode}) under "
                 f"torch.autocast in {under}, and it runs "
@@ -490,10 +501,9 @@ def _hooks_between_check(progress: _Progress) -> Any:
     silently: other gradients than plain autograd's)."""
 
     def check(grad: torch.Tensor) -> None:
-        for name, ref in progress.between:
+        for name, hooks, ref in progress.between:
             t = ref()
-            hooks = None if t is None else t._backward_hooks
-            if t is not None and (t.retains_grad or (hooks is not None and len(hooks) > 1)):
+            if (t is not None and t.retains_grad) or (hooks is not None and len(hooks) > 1):
                 raise InvalidArgumentError(
                     f"a hook (register_hook) or retain_grad() is on the hidden state layer "
                     f"{name} returned (output_hidden_states=True, or a forward hook on the "

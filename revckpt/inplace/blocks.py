@@ -38,7 +38,6 @@ def find_blocks(
     the blocks of the first class the rule takes only."""
     if not isinstance(model, nn.Module):
         raise InvalidInputTypeError(f"expected an nn.Module, got {type(model).__name__}")
-    _refuse_lazy(model)
     if blocks is None:
         found = _repeated(model, option, one_class=one_class)
     elif isinstance(blocks, str):
@@ -51,13 +50,17 @@ def find_blocks(
             f"(module, fqn) -> bool, got {type(blocks).__name__}"
         )
     _check_disjoint(found)
+    _refuse_lazy(found)
     return found
 
 
-def _refuse_lazy(model: nn.Module) -> None:
-    """Lazy modules' parameters have no shape until a first forward (torch's raw
-    ``ValueError`` from inside the block search, before)."""
-    lazy = next((n for n, p in model.named_parameters() if is_lazy(p)), None)
+def _refuse_lazy(found: list[tuple[str, nn.Module]]) -> None:
+    """The blocks' lazy parameters have no shape until a first forward, and a recompute
+    cannot repeat the draws of their first call (torch's raw ``ValueError`` from inside the
+    block search, before); lazy modules outside the blocks run as they are."""
+    lazy = next(
+        (f"{fqn}.{n}" for fqn, b in found for n, p in b.named_parameters() if is_lazy(p)), None
+    )
     if lazy is not None:
         raise InvalidArgumentError(
             f"parameter {lazy} is not initialised yet (a lazy module, such as nn.LazyLinear, "
@@ -136,7 +139,8 @@ def _repeated(
 
     def rank(kind: type) -> tuple[int, int]:
         members = by_class[kind]
-        return len(members), sum(p.numel() for p in members[0][1].parameters())
+        sizes = (p.numel() for p in members[0][1].parameters() if not is_lazy(p))
+        return len(members), sum(sizes)
 
     first, *others = sorted(by_class, key=rank, reverse=True)
     taken = list(by_class[first])

@@ -567,8 +567,15 @@ def _fit_saved(
             "measure it against the simple recipes with verify=True"
         )
     keys: list[Any] = list(saved.block_keys) or [None] * len(found)  # older plans: by the rule
-    checked = bool(lossy(saved)) and _seedable(found)
-    reference = _reference(saved, found, model, example, o.loss_fn) if checked else None
+    if lossy(saved) and not _seedable(found):
+        raise InvalidArgumentError(
+            f"the saved plan uses {lossy(saved)} (lossy), whose gradient error fit measures on "
+            "the planned blocks' trainable parameters, and these blocks have none (frozen, "
+            "with a trainable prompt or head) or are off the CPU and CUDA devices: the error "
+            "cannot be checked here. Make a plan for this model with revckpt.fit(model, "
+            "example, memory_budget=..., error_budget=...)"
+        )
+    reference = _reference(saved, found, model, example, o.loss_fn) if lossy(saved) else None
     apply_plan(saved, found, keys, [frozenset(s) for s in saved.block_tensors])
     measured = int(agreed_largest(saved_step_peak(saved, found, model, example, o.loss_fn)))
     if measured > budget:
@@ -601,9 +608,12 @@ def _fit_saved(
 def _reference(
     saved: Plan, found: list[tuple[str, nn.Module]], model: nn.Module, example: Any, loss_fn: Any
 ) -> Reference:
-    """The store-all step's gradients of the planned blocks' parameters (blocks stored), to
-    measure a saved lossy plan's error against."""
+    """The store-all step's gradients of the planned blocks' parameters, to measure a saved
+    lossy plan's error against: run with every block checkpointed (bitwise the same
+    gradients, without store-all's peak, which the budget may not hold)."""
     params = block_parameters(found)
+    for fqn, block in found:
+        install(block, Planned(fqn, "checkpoint", runner_for("checkpoint")))
     with as_trained(saved, found, model):
         _, grads = measured_gradients(model, example, loss_fn, seed=_ERROR_SEED, params=params)
     return Reference(_ERROR_SEED, params, grads)

@@ -99,7 +99,7 @@ def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         _check_shape(info, hidden)
     if info.key is not None and isinstance(hidden, torch.Tensor):  # where fit traced it
         _check_dtype(info, hidden, self)
-        _check_autocast(info, hidden)
+        _check_autocast(info, hidden, self)
     warn_if_threads_differ(info.threads)
     if info.tensors is not None and not torch.compiler.is_compiling():
         # (compiled, Hugging Face builds the causal mask eager runs leave out, and a warning
@@ -239,12 +239,14 @@ def _check_dtype(info: Planned, hidden: torch.Tensor, block: nn.Module) -> None:
     )
 
 
-def _check_autocast(info: Planned, hidden: torch.Tensor) -> None:
+def _check_autocast(info: Planned, hidden: torch.Tensor, block: nn.Module) -> None:
     """Planned under autocast and run without it (or in a wider dtype), a block keeps wider
-    activations than planned, with the same hidden-state dtype: refused as a wider one is."""
+    activations than planned, with the same hidden-state dtype: refused as a wider one is.
+    Autocast casts float32 only: a block with no float32 hidden state nor weight (a 16-bit or
+    float64 model) runs as it was planned."""
     planned_as = info.autocast
-    if planned_as is None or hidden.dtype != torch.float32:
-        return  # autocast casts float32 only: a 16-bit or float64 model runs as it was planned
+    if planned_as is None or not (hidden.dtype == torch.float32 or _float32_weights(block)):
+        return
     now = autocast_dtype(hidden.device.type)
     if now is not None and now.itemsize <= planned_as.itemsize:
         return
@@ -254,6 +256,10 @@ def _check_autocast(info: Planned, hidden: torch.Tensor) -> None:
         f"{running}: the activations it keeps are wider than planned, so the memory plan no "
         "longer holds. Train under the autocast you fit under, or fit again without it"
     )
+
+
+def _float32_weights(module: nn.Module) -> bool:
+    return any(p.dtype == torch.float32 for p in module.parameters())
 
 
 class ModuleForward:

@@ -143,7 +143,7 @@ def block_errors(
     # come from may differ from the model where code runs between blocks
     cotangent = weights.cotangents[i]
     exact = weights.exact[i] if reuse else None
-    return error_fields(unit, x, cost.approx, cost.compress, cotangent, {}, exact)
+    return error_fields(unit, x, cost.approx, cost.compress, cotangent, unit.extras, exact)
 
 
 def profile_in_situ(

@@ -30,6 +30,7 @@ from .drift import ReconstructionWarning, auto_tolerance, finish_drift, record_d
 from .grid import GridCoupling
 
 __all__ = [
+    "FORWARD_AD_WAY_OUT",
     "HalfStep",
     "HalfStepNode",
     "OutputNode",
@@ -44,6 +45,12 @@ Targets = tuple[tuple[torch.Tensor, ...], tuple[nn.Module, ...]]
 _STACK_WAY_OUT = (
     "A model converted by make_reversible runs it exactly with "
     "revckpt.inplace.reversible_layers(model).mode = 'checkpoint'. "
+)
+#: the way out of forward-mode AD through a stack
+FORWARD_AD_WAY_OUT = (
+    "A model converted by make_reversible runs it with "
+    "revckpt.inplace.reversible_layers(model).mode = 'checkpoint' (or 'store'); a "
+    "ReversibleSequential, called plainly (its blocks one after the other)"
 )
 
 

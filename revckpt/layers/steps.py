@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..engine.autograd import refuse_forward_ad
-from .rebuild import HalfStep, HalfStepNode, OutputNode, StackCall, Targets
+from .rebuild import FORWARD_AD_WAY_OUT, HalfStep, HalfStepNode, OutputNode, StackCall, Targets
 
 __all__ = ["HalfSteps", "StackRun"]
 
@@ -97,8 +97,11 @@ class StackRun:
         kw_tensors: list[torch.Tensor],
     ) -> None:
         self.plan, self.call, self.targets = plan, call, targets
-        params = (p for found in targets for p in found[0])
-        refuse_forward_ad("a reversible stack", "reversible", (x1, x2, *kw_tensors, *params))
+        branches = (m for step in plan.steps for m in step.branch.modules())  # read lazily
+        refuse_forward_ad(
+            "a reversible stack", "reversible", (x1, x2, *kw_tensors), branches,
+            way_out=FORWARD_AD_WAY_OUT,
+        )  # fmt: skip
         self.streams = [x1, x2]
         self.kw_tensors = kw_tensors
         # Every half step joins the graph (even one whose inputs and registered parameters
