@@ -771,3 +771,22 @@ def test_a_lazy_module_not_initialised_yet_is_refused_with_the_way_out(strategy:
     tolerance = 2e-2 if strategy.startswith("approx") else 0.0  # bf16 boundaries
     for a, b in zip(model.parameters(), plain.parameters(), strict=True):
         assert float((a.grad - b.grad).norm()) <= tolerance * float(b.grad.norm())
+
+
+def test_lazy_modules_outside_the_blocks_or_drawing_nothing_are_left_alone():
+    """A review: the refusal scanned the whole model (a lazy head outside the blocks) and
+    refused lazy modules that draw nothing (LazyBatchNorm1d without affine parameters)."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        lazy = [nn.Sequential(nn.Linear(16, 16), nn.LazyBatchNorm1d(affine=False)) for _ in "ab"]
+        return nn.Sequential(*lazy, nn.LazyLinear(4))
+
+    model, plain = build(), build()  # (a module not yet initialised cannot be deep-copied)
+    revckpt.convert(model, "checkpoint", module_filter_fn=lambda m, fqn: fqn in ("0", "1"))
+    x = torch.randn(8, 16)
+    for m in (model, plain):
+        torch.manual_seed(1)  # the head's first call draws its weights
+        m(x).sum().backward()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)

@@ -499,6 +499,35 @@ def test_a_plan_made_under_autocast_runs_without_it_on_a_model_autocast_leaves_a
     assert meter.peak_bytes <= plan.memory_budget_bytes
 
 
+class _Float32Inside(nn.Module):
+    """Float32 weights, a bfloat16 stream between blocks, computed on in float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 128), nn.Linear(128, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        return (h + self.fc2(F.gelu(self.fc1(h)))).to(x.dtype)
+
+
+def test_a_plan_made_under_autocast_is_refused_without_it_for_float32_weights_on_a_16_bit_stream():
+    """A review: the check skipped every block whose hidden state is not float32, and a block
+    that computes in float32 on a bfloat16 stream kept wider activations without autocast
+    than planned under it (1.61x the budget, silently)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_Float32Inside() for _ in range(4)))
+    x = torch.randn(8, 16, 32, dtype=torch.bfloat16)
+
+    def loss_fn(y: torch.Tensor) -> torch.Tensor:
+        return y.float().square().mean()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        revckpt.fit(model, x, memory_budget=0.8, loss_fn=loss_fn)
+    with pytest.raises(InvalidArgumentError, match=r"planned under torch\.autocast"):
+        loss_fn(model(x)).backward()
+
+
 class _NearOverflow(nn.Module):
     """Each block adds about 100 to every channel: an outlier channel at 64600 stays below
     float16's 65504 through four blocks, and rounded up by e4m3 overflows a recompute."""

@@ -211,3 +211,30 @@ def test_fit_leaves_bf16_boundaries_out_of_its_defaults_for_a_16_bit_model():
         strategies=["store", "approx:bf16"],
     )  # fmt: skip
     assert "approx:bf16" in fitted.strategies
+
+
+class _BiasedModel(_MaskedModel):
+    """The mask made from a trainable table, as T5's position bias: it requires grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.zeros(16, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.table.to(x.dtype).triu(1) * -1e4
+        for block in self.blocks:
+            x = block(x, bias)
+        return x.float().square().mean()
+
+
+def test_fit_prices_codecs_on_a_16_bit_model_given_a_trainable_positional_bias():
+    """A bias that requires grad (T5's position bias): the error model's float32 copy of the
+    second block of a group got it in bfloat16 (torch's raw 'attn_mask dtype' error)."""
+    torch.manual_seed(0)
+    model = _BiasedModel().to(torch.bfloat16)
+    x = torch.randn(4, 16, 32, dtype=torch.bfloat16)
+    plan = revckpt.fit(
+        model, x, memory_budget=1.0, error_budget=5e-2, loss_fn=lambda out: out,
+        strategies=["store", "approx:e4m3"],
+    )  # fmt: skip
+    assert plan.predicted_error <= 5e-2
