@@ -483,22 +483,6 @@ def test_a_plan_made_under_autocast_is_refused_without_it() -> None:
         Plan.from_json(json.dumps({**plan.to_dict(), "autocast": "float99"}))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
-def test_a_plan_made_under_autocast_runs_without_it_on_a_model_autocast_leaves_alone(dtype):
-    """Autocast casts float32 only: a bfloat16 or float64 model keeps the same activations
-    with or without it (same peak, bitwise the same gradients), yet training it without the
-    autocast it was fitted under was refused as keeping wider activations."""
-    case = _case("nanogpt")
-    example = case.make_example(4, 32)
-    model = case.make_model().to(dtype)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        plan = revckpt.fit(model, example, memory_budget=0.8, loss_fn=case.loss_fn)
-    assert plan.autocast == "bfloat16"
-    with MemoryMeter() as meter:
-        zoo.step(model, example, case.loss_fn)
-    assert meter.peak_bytes <= plan.memory_budget_bytes
-
-
 class _Float32Inside(nn.Module):
     """Float32 weights, a bfloat16 stream between blocks, computed on in float32."""
 
@@ -561,6 +545,10 @@ def test_fit_plans_around_a_float16_recompute_that_overflows() -> None:
                            strategies=strategies)  # fmt: skip
     assert {w.filename for w in said} == {__file__}
     assert not any(s.startswith("approx") for s in plan.strategies), plan
+    revckpt.restore(model)
+    with pytest.raises(InvalidArgumentError, match="no block can run"):
+        revckpt.fit(model, x, memory_budget=0.6, error_budget=5e-2, loss_fn=loss_fn,
+                    strategies=["approx:e4m3"])  # fmt: skip
     loss_fn(model(x)).backward()
     loss_fn(reference(x)).backward()
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):
@@ -1471,11 +1459,6 @@ def test_a_saved_lossy_plans_gradient_error_is_measured_not_taken_from_its_json(
         model, example, memory_budget=1.0, error_budget=1e-1, loss_fn=case.loss_fn, plan=hand_made
     )
     assert 0.0 < plan.predicted_error <= 1e-1
-    revckpt.restore(model)
-    model.transformer.h.requires_grad_(False)  # (prompt tuning: no block parameter trains)
-    with pytest.raises(revckpt.InvalidArgumentError, match="cannot be checked"):
-        revckpt.fit(model, example, memory_budget=1.0, error_budget=1e-1, loss_fn=case.loss_fn,
-                    plan=hand_made)  # fmt: skip
 
 
 @pytest.mark.parametrize("over", ["memory", "error"])
@@ -2296,6 +2279,10 @@ def test_an_encoder_decoders_encoder_and_decoder_layers_are_both_planned() -> No
     revckpt.convert(model, "checkpoint")
     assert all(planned(model.get_submodule(fqn)) is not None for fqn in names)
     revckpt.restore(model)
+    model.model.encoder.layerdrop = 0.9  # a review: the fallback to one class hid LayerDrop
+    with pytest.raises(revckpt.InvalidArgumentError, match="LayerDrop"):
+        revckpt.fit(model, batch, memory_budget=0.5)
+    model.model.encoder.layerdrop = 0.0
     # one reversible stack: the first class's (the decoder's), as before
     assert [fqn for fqn, _ in find_blocks(model, one_class=True)] == names[3:]
 
@@ -2397,7 +2384,8 @@ def test_several_classes_of_blocks_fall_back_where_the_step_refuses_them() -> No
     model = _Interleaved()
     reference = copy.deepcopy(model)
     x = torch.randn(4, 16, 32)
-    plan = revckpt.fit(model, x, memory_budget=1.0, loss_fn=lambda out: out)
+    with pytest.warns(revckpt.PlanWarning, match="blocks of one class and not"):
+        plan = revckpt.fit(model, x, memory_budget=1.0, loss_fn=lambda out: out)
     assert len(set(plan.block_names)) == 3, plan.block_names  # one class
     model(x).backward()
     reference(x).backward()
@@ -2408,6 +2396,54 @@ def test_several_classes_of_blocks_fall_back_where_the_step_refuses_them() -> No
     data = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(1))
     plan = revckpt.fit(model, (data[:, :-1], data[:, 1:]), memory_budget=1.0)
     assert list(plan.block_names) == ["enc.0", "enc.1", "dec.0", "dec.1", "dec.2"]
+
+
+def test_a_left_out_block_with_a_trainable_parameter_it_does_not_use_trains() -> None:
+    """A review: the guard on blocks left out of the plan read their parameters' flags, and
+    refused the next step of a frozen block holding a trainable parameter it did not use (an
+    expert routed nothing, an adapter switched off); it reads what the block returns now."""
+    torch.manual_seed(0)
+    model = _FrozenTrunkLM()
+    model.emb.requires_grad_(False)
+    model.blocks[:3].requires_grad_(False)
+    model.blocks[0].unused = nn.Linear(32, 32)  # trainable, never called
+    ids = torch.randint(0, 64, (4, 64), generator=torch.Generator().manual_seed(1))
+    plan = revckpt.fit(model, ids, memory_budget=0.8)
+    assert "blocks.0" not in plan.block_names
+    model(ids).backward()
+
+
+def test_a_lossy_plan_fit_made_for_frozen_blocks_reapplies() -> None:
+    """Prompt tuning (blocks frozen under a trainable embedding): fit's own lossy plan, whose
+    error no block parameter can measure, was refused by fit(plan=) on the same model."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = _FrozenTrunkLM()
+        model.blocks.requires_grad_(False)
+        model.head.requires_grad_(False)
+        return model
+
+    ids = torch.randint(0, 64, (4, 64), generator=torch.Generator().manual_seed(1))
+    hand_made = revckpt.fit(build(), ids, memory_budget=1.0)
+    lossy = dataclasses.replace(
+        hand_made, segments=(Segment(0, 1, "approx:e4m3"), Segment(1, hand_made.length, "store"))
+    )
+    plan = revckpt.fit(build(), ids, memory_budget=1.0, error_budget=5e-2, plan=lossy)
+    assert plan.strategies[0] == "approx:e4m3"
+
+
+def test_fit_refuses_lazy_buffers_not_initialised_with_the_way_out() -> None:
+    """LazyBatchNorm1d(affine=False): fit's steps put the model's state back, and a buffer
+    without a shape raised torch's raw ValueError there."""
+    model = nn.Sequential(
+        *(nn.Sequential(nn.Linear(8, 8), nn.LazyBatchNorm1d(affine=False)) for _ in "abc")
+    )
+    with pytest.raises(InvalidArgumentError, match="not initialised yet"):
+        revckpt.fit(model, torch.randn(16, 8), memory_budget=1.0, loss_fn=lambda y: y.sum())
+    with torch.no_grad():
+        model(torch.randn(16, 8))
+    revckpt.fit(model, torch.randn(16, 8), memory_budget=1.0, loss_fn=lambda y: y.sum())
 
 
 class _TupleStateBlock(nn.Module):

@@ -349,16 +349,7 @@ class ReversibleLayers:
         if limit is None or not (torch.is_grad_enabled() and self.layers[0][1].training):
             return
         under, now = self.limit_autocast, self.hidden_autocast
-        wider = now is None or now.itemsize > (under.itemsize if under is not None else 0)
-        # (autocast casts float32 only: a 16-bit or float64 model runs as it was planned)
-        if (
-            under is not None
-            and wider
-            and (
-                h.dtype == torch.float32
-                or any(p.dtype == torch.float32 for _, m in self.layers for p in m.parameters())
-            )
-        ):
+        if under is not None and (now is None or now.itemsize > under.itemsize):
             raise InvalidArgumentError(
                 f"revckpt.fit chose the reversible stack's mode ({self._mode}) under "
                 f"torch.autocast in {under}, and it runs "

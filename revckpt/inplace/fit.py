@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from ..errors import (
     Float16RangeError,
@@ -395,17 +396,22 @@ def _fit(
 
 def _runnable(chosen: list[str], runnable: list[str], defaults: bool) -> list[str]:
     """Of ``chosen``, those some block can run with: of the defaults, silently; of the
-    caller's, saying which were left out (approx on a float16 block whose recompute
-    overflows); all of them where none is left (the solver then says so)."""
+    caller's, saying which were left out; none left: an error saying so."""
     kept = [s for s in chosen if s in runnable]
     if defaults or kept == chosen:
         return kept
-    if not kept:
-        return chosen
     left = [s for s in chosen if s not in runnable]
+    why = (
+        "no block's profile priced them (approx on a float16 block whose recompute from a "
+        "rounded input overflows; a selective policy that keeps nothing a block saves)"
+    )
+    if not kept:
+        raise InvalidArgumentError(
+            f"no block can run strategies={chosen} here: {why}. Allow others (strategies=None "
+            f"picks among {runnable})"
+        )
     warnings.warn(
-        f"revckpt.fit: no block can run {left} here (approx on a float16 block whose recompute "
-        "from a rounded input overflows): planned without them",
+        f"revckpt.fit: no block can run {left} here ({why}): planned without them",
         PlanWarning,
         stacklevel=caller_level(),
     )
@@ -442,21 +448,37 @@ def _traced(
             raise
         return {"left_out": o.left_out | ({fqn for fqn, _ in found} - set(err.on_graph))}
     except CallCountError:
-        # experts the example routed no token to (or several times): the layers, if any
+        # experts the example routed no token to (or several times): the layers, if any;
+        # else (LayerDrop, a block run twice) the caller's to fix, whatever the classes
         outer = enclosing_blocks(model, found) if o.blocks is None else None
         if outer is not None:
             return {"blocks": _named(outer)}
-        if several:
-            return {"one_class": True}
         raise
-    except (InvalidArgumentError, InvalidInputTypeError):
+    except (InvalidArgumentError, InvalidInputTypeError) as err:
         if several:
-            return {"one_class": True}
+            return _first_class_only(model, found, err)
         raise
     if several and _parallel(model, found, traced):  # experts among them: as one class
-        return {"one_class": True}
+        return {"one_class": True}  # (their layers are planned: nothing is left out)
     outer = _around_parallel(model, found, traced.links) if o.blocks is None else None
     return {"blocks": _named(outer)} if outer is not None else traced
+
+
+def _first_class_only(
+    model: nn.Module, found: list[tuple[str, nn.Module]], err: Exception
+) -> dict[str, Any]:
+    """Fit again on the default rule's first class of blocks, saying which were left out and
+    why (the step refused the blocks of several classes)."""
+    first = {fqn for fqn, _ in find_blocks(model, one_class=True)}
+    left = [fqn for fqn, _ in found if fqn not in first]
+    warnings.warn(
+        f"revckpt.fit: planning {len(first)} blocks of one class and not {', '.join(left[:3])}"
+        f"{', ...' if len(left) > 3 else ''}, whose step refused a plan over both ({err}); "
+        "name the blocks with blocks=... to plan others",
+        PlanWarning,
+        stacklevel=caller_level(),
+    )
+    return {"one_class": True}
 
 
 def _parallel(model: nn.Module, found: list[tuple[str, nn.Module]], traced: Any) -> bool:
@@ -504,6 +526,13 @@ def _checked(model: nn.Module, memory_budget: Any, o: _FitOptions) -> list[str]:
     if not isinstance(model, nn.Module):
         raise InvalidInputTypeError(f"fit(model, ...) needs an nn.Module, got {type(model)}")
     refuse_reversible(model, "fit")  # before fit's restore, which would undo it
+    state = (*model.named_parameters(), *model.named_buffers())
+    lazy = next((n for n, t in state if is_lazy(t)), None)
+    if lazy is not None:  # (fit's steps put the model's state back: not a shapeless one)
+        raise InvalidArgumentError(
+            f"{lazy} is not initialised yet (a lazy module shapes it on its first call): run "
+            "the model's forward once on a batch, e.g. under torch.no_grad(), before fit"
+        )
     _check_budget_syntax(memory_budget)
     error_budget = o.error_budget
     if not (isinstance(error_budget, (int, float)) and 0 <= error_budget < float("inf")):
@@ -567,15 +596,11 @@ def _fit_saved(
             "measure it against the simple recipes with verify=True"
         )
     keys: list[Any] = list(saved.block_keys) or [None] * len(found)  # older plans: by the rule
-    if lossy(saved) and not _seedable(found):
-        raise InvalidArgumentError(
-            f"the saved plan uses {lossy(saved)} (lossy), whose gradient error fit measures on "
-            "the planned blocks' trainable parameters, and these blocks have none (frozen, "
-            "with a trainable prompt or head) or are off the CPU and CUDA devices: the error "
-            "cannot be checked here. Make a plan for this model with revckpt.fit(model, "
-            "example, memory_budget=..., error_budget=...)"
-        )
-    reference = _reference(saved, found, model, example, o.loss_fn) if lossy(saved) else None
+    # the error is measured on the planned blocks' trainable parameters; where they have none
+    # (prompt tuning) or are off the CPU and CUDA devices, the plan's predicted error stands,
+    # as fit's own plans' does there
+    checked = bool(lossy(saved)) and _seedable(found)
+    reference = _reference(saved, found, model, example, o.loss_fn) if checked else None
     apply_plan(saved, found, keys, [frozenset(s) for s in saved.block_tensors])
     measured = int(agreed_largest(saved_step_peak(saved, found, model, example, o.loss_fn)))
     if measured > budget:

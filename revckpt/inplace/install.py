@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_leaves
 
 from .._autocast import autocast_dtype
 from ..errors import InvalidArgumentError, PlanWarning
@@ -85,8 +85,8 @@ def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     args, kwargs = drop_caches(
         args, kwargs, f"{type(self).__name__} ({info.fqn})", layer=cache_index(self)
     )
-    if info.off_graph:
-        _check_off_graph(info, self, args, kwargs)
+    if info.off_graph:  # stored: what it returns says whether it kept anything
+        return _off_graph(info, fn(*args, **kwargs))
     key = info.key if info.key is not None else carried_key(args, kwargs)
     if key is None:  # no hidden state to carry: nothing to plan
         if info.recorder is not None:  # fit's trace: its plan would hold for nothing
@@ -99,7 +99,7 @@ def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         _check_shape(info, hidden)
     if info.key is not None and isinstance(hidden, torch.Tensor):  # where fit traced it
         _check_dtype(info, hidden, self)
-        _check_autocast(info, hidden, self)
+        _check_autocast(info, hidden)
     warn_if_threads_differ(info.threads)
     if info.tensors is not None and not torch.compiler.is_compiling():
         # (compiled, Hugging Face builds the causal mask eager runs leave out, and a warning
@@ -186,21 +186,20 @@ def within(shape: tuple[int, ...], limit: tuple[int, ...]) -> bool:
     return len(shape) == len(limit) and all(a <= b for a, b in zip(shape, limit, strict=True))
 
 
-def _check_off_graph(
-    info: Planned, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> None:
-    """A block fit left out of its plan (frozen, on inputs that needed no gradient: it kept
-    nothing for backward) whose output now needs one keeps its activations, which the plan's
-    budget did not count (a warm-up then unfreeze ran 2.2x over it, silently)."""
-    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    if any(t.requires_grad for t in tensors) or any(p.requires_grad for p in block.parameters()):
+def _off_graph(info: Planned, out: Any) -> Any:
+    """``out`` of a block fit left out of its plan (its output needed no gradient: frozen, on
+    inputs that needed none; it kept nothing for backward), refused where it now needs one
+    (unfrozen, or given an input that requires grad): it keeps activations the plan's budget
+    does not count (a warm-up then unfreeze ran 2.2x over it, silently)."""
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(out)):
         raise InvalidArgumentError(
             f"block {info.fqn} was left out of revckpt.fit's plan because its output needed no "
             "gradient (its parameters frozen, its inputs needing none), so it kept nothing for "
-            "backward; now it does (unfrozen, or given an input that requires grad) and keeps "
-            "its activations, which the plan's memory budget does not count. Fit again after "
-            "unfreezing (revckpt.fit(model, example, ...))"
+            "backward; now its output needs one (a parameter unfrozen, or an input that "
+            "requires grad) and it keeps its activations, which the plan's memory budget does "
+            "not count. Fit again after unfreezing (revckpt.fit(model, example, ...))"
         )
+    return out
 
 
 def _check_shape(info: Planned, hidden: Any) -> None:
@@ -239,13 +238,14 @@ def _check_dtype(info: Planned, hidden: torch.Tensor, block: nn.Module) -> None:
     )
 
 
-def _check_autocast(info: Planned, hidden: torch.Tensor, block: nn.Module) -> None:
+def _check_autocast(info: Planned, hidden: torch.Tensor) -> None:
     """Planned under autocast and run without it (or in a wider dtype), a block keeps wider
     activations than planned, with the same hidden-state dtype: refused as a wider one is.
-    Autocast casts float32 only: a block with no float32 hidden state nor weight (a 16-bit or
-    float64 model) runs as it was planned."""
+    Also on a bfloat16 or float64 model, where autocast often changes nothing: a layer that
+    upcasts itself (``.float()``) keeps wider activations without it, which no dtype shows
+    (a first relaxation ran such a plan 1.71x over its budget, silently)."""
     planned_as = info.autocast
-    if planned_as is None or not (hidden.dtype == torch.float32 or _float32_weights(block)):
+    if planned_as is None:
         return
     now = autocast_dtype(hidden.device.type)
     if now is not None and now.itemsize <= planned_as.itemsize:
@@ -253,13 +253,10 @@ def _check_autocast(info: Planned, hidden: torch.Tensor, block: nn.Module) -> No
     running = "without autocast" if now is None else f"under autocast in {now}"
     raise InvalidArgumentError(
         f"block {info.fqn} was planned under torch.autocast in {planned_as} and runs "
-        f"{running}: the activations it keeps are wider than planned, so the memory plan no "
-        "longer holds. Train under the autocast you fit under, or fit again without it"
+        f"{running}: the activations it keeps can be wider than planned (on a bfloat16 or "
+        "float64 model too, where a layer upcasts), so the memory plan no longer holds. Train "
+        "under the autocast you fit under, or fit again without it"
     )
-
-
-def _float32_weights(module: nn.Module) -> bool:
-    return any(p.dtype == torch.float32 for p in module.parameters())
 
 
 class ModuleForward:

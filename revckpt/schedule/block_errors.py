@@ -168,7 +168,9 @@ def error_fields(
         }
     if compress:
         params, inputs = compress_errors(run, x, list(compress))
-        if run.work != x.dtype:  # measured on a wider copy of a 16-bit block
+        if run.work != x.dtype and all(p.dtype == x.dtype for p in block.parameters()):
+            # measured on a wider copy of a 16-bit block (one with wider weights, as Hugging
+            # Face keeps some in float32, saves wider tensors: compressed, not checked here)
             native = _Runner.of(block, x, cotangent, kwargs, None, work=x.dtype)
             for name in _changing_nothing(native, x, list(compress)):
                 params[name] = inputs[name] = 0.0
