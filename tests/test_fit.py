@@ -2325,6 +2325,15 @@ def test_frozen_blocks_off_the_backwards_path_are_not_planned() -> None:
     with pytest.raises(InvalidArgumentError, match=r"left out of revckpt\.fit's plan"):
         model(ids).backward()
     model.blocks[0].requires_grad_(False)
+    # the same from the plan saved and applied again (a review: no guard there)
+    assert plan.left_out == ("blocks.0", "blocks.1", "blocks.2")
+    saved = Plan.from_json(plan.to_json())
+    revckpt.restore(model)
+    revckpt.fit(model, ids, memory_budget=0.6, plan=saved)
+    model.blocks[0].requires_grad_(True)
+    with pytest.raises(InvalidArgumentError, match=r"left out of revckpt\.fit's plan"):
+        model(ids).backward()
+    model.blocks[0].requires_grad_(False)
     revckpt.restore(model)
     model.blocks.requires_grad_(False)  # a linear probe: no block is on the path
     with pytest.raises(InvalidArgumentError, match="reaches none of the blocks"):

@@ -362,6 +362,7 @@ def _fit(
                     block_tensors=tuple(tuple(sorted(s, key=str)) for s in sites),
                     autocast=autocast,
                     model_digest=model_digest(model),
+                    left_out=tuple(fqn for fqn, _ in left),
                 )
                 return _measured(
                     found_plan, model, example, o.loss_fn, found, keys, traced.reference
@@ -385,8 +386,7 @@ def _fit(
                 chosen = without_nodes(chosen) if side else without_approx(chosen)
                 result = _agreed(_within_error(within, o.error_budget, modelled))
         apply_plan(result, found, keys, sites)
-        for fqn, block in left:  # stored, and refused if their output comes to need a gradient
-            install(block, Planned(fqn, "store", runner_for("store"), off_graph=True))
+        _guard(left)
         seen = (profile, traced.store_peak, shapes, dtypes, autocast, sites)
         return Fitted(result, found, keys, tuple(chosen), o.error_budget, budget, *seen)
     except BaseException:
@@ -416,6 +416,13 @@ def _runnable(chosen: list[str], runnable: list[str], defaults: bool) -> list[st
         stacklevel=caller_level(),
     )
     return kept
+
+
+def _guard(left: list[tuple[str, nn.Module]]) -> None:
+    """The blocks left out of the plan, stored, refused if their output comes to need a
+    gradient (their activations are not in the plan's budget)."""
+    for fqn, block in left:
+        install(block, Planned(fqn, "store", runner_for("store"), off_graph=True))
 
 
 def _traced(
@@ -602,6 +609,8 @@ def _fit_saved(
     checked = bool(lossy(saved)) and _seedable(found)
     reference = _reference(saved, found, model, example, o.loss_fn) if checked else None
     apply_plan(saved, found, keys, [frozenset(s) for s in saved.block_tensors])
+    names = set(saved.left_out)
+    _guard([(fqn, m) for fqn, m in model.named_modules() if fqn in names])
     measured = int(agreed_largest(saved_step_peak(saved, found, model, example, o.loss_fn)))
     if measured > budget:
         raise InvalidArgumentError(

@@ -273,6 +273,7 @@ def _winner(
         ),
         autocast=fitted.autocast,
         model_digest=model_digest(model),
+        left_out=fitted.plan.left_out,
     )
 
 

@@ -72,7 +72,9 @@ class Plan:
     (eager selective blocks keep more than compiled ones). ``blocks_digest``: a digest of the
     profiled blocks' parameter names, shapes and dtypes (:func:`apply` refuses other blocks:
     the plan's predictions are theirs; ``None`` in plans made before 2026-12-07 and by
-    :func:`revckpt.fit`, whose ``model_digest`` covers the whole model).
+    :func:`revckpt.fit`, whose ``model_digest`` covers the whole model). ``left_out``: the
+    blocks :func:`revckpt.fit` left out of the plan, their output needing no gradient (frozen,
+    on inputs that need none): refused in training once it needs one.
 
     ``predicted_peak_bytes``: forward+backward peak of live tensor bytes; ``predicted_overhead``:
     recompute time over the plain chain's forward+backward time; ``predicted_error``: summed
@@ -102,6 +104,7 @@ class Plan:
     blocks_digest: str | None = None
     block_keys: tuple[int | str | None, ...] = field(default=())
     block_tensors: tuple[tuple[int | str, ...], ...] = field(default=())
+    left_out: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "segments", _checked_segments(self.segments))
@@ -172,6 +175,7 @@ class Plan:
         d["block_dtypes"] = list(self.block_dtypes)
         d["block_keys"] = list(self.block_keys)
         d["block_tensors"] = [list(t) for t in self.block_tensors]
+        d["left_out"] = list(self.left_out)
         if self.input_signature is not None:
             shape, dtype, device = self.input_signature
             d["input_signature"] = [list(shape), dtype, device]
@@ -223,6 +227,10 @@ class Plan:
         fields["block_keys"] = tuple(_json_list(fields.get("block_keys", []), "block_keys"))
         tensors = _json_list(fields.get("block_tensors", []), "block_tensors")
         fields["block_tensors"] = tuple(tuple(_json_list(t, "block_tensors")) for t in tensors)
+        left_out = _json_list(fields.get("left_out", []), "left_out")
+        if not all(isinstance(n, str) for n in left_out):
+            raise InvalidInputTypeError("left_out in plan JSON is a list of block names")
+        fields["left_out"] = tuple(left_out)
         return cls(**fields)
 
     @classmethod
