@@ -2328,12 +2328,15 @@ def test_frozen_blocks_off_the_backwards_path_are_not_planned() -> None:
     # the same from the plan saved and applied again (a review: no guard there)
     assert plan.left_out == ("blocks.0", "blocks.1", "blocks.2")
     saved = Plan.from_json(plan.to_json())
-    revckpt.restore(model)
-    revckpt.fit(model, ids, memory_budget=0.6, plan=saved)
-    model.blocks[0].requires_grad_(True)
-    with pytest.raises(InvalidArgumentError, match=r"left out of revckpt\.fit's plan"):
-        model(ids).backward()
-    model.blocks[0].requires_grad_(False)
+    for verify in (False, True):  # (verify=True installed no guard: a second review)
+        revckpt.restore(model)
+        revckpt.fit(model, ids, memory_budget=0.6, plan=saved, verify=verify)
+        model.blocks[0].requires_grad_(True)
+        with pytest.raises(InvalidArgumentError, match=r"left out of revckpt\.fit's plan"):
+            model(ids).backward()
+        model.blocks[0].requires_grad_(False)
+    with pytest.raises(InvalidArgumentError, match="planned or left out"):
+        dataclasses.replace(plan, left_out=("blocks.3",))
     revckpt.restore(model)
     model.blocks.requires_grad_(False)  # a linear probe: no block is on the path
     with pytest.raises(InvalidArgumentError, match="reaches none of the blocks"):
@@ -2422,9 +2425,11 @@ def test_a_left_out_block_with_a_trainable_parameter_it_does_not_use_trains() ->
     model(ids).backward()
 
 
-def test_a_lossy_plan_fit_made_for_frozen_blocks_reapplies() -> None:
-    """Prompt tuning (blocks frozen under a trainable embedding): fit's own lossy plan, whose
-    error no block parameter can measure, was refused by fit(plan=) on the same model."""
+def test_a_lossy_plans_error_is_measured_on_the_model_where_no_block_parameter_trains() -> None:
+    """Prompt tuning (blocks frozen under a trainable embedding): the error budget's figure,
+    the planned blocks' parameter gradients, had nothing to measure; a saved lossy plan was
+    refused (a review), then trusted (the next: 5.7e-3 where it said 0, under 1e-6). It is
+    measured on the model's trainable parameters there, by fit's check step too."""
 
     def build() -> nn.Module:
         torch.manual_seed(0)
@@ -2434,12 +2439,50 @@ def test_a_lossy_plan_fit_made_for_frozen_blocks_reapplies() -> None:
         return model
 
     ids = torch.randint(0, 64, (4, 64), generator=torch.Generator().manual_seed(1))
-    hand_made = revckpt.fit(build(), ids, memory_budget=1.0)
+    exact = revckpt.fit(build(), ids, memory_budget=1.0)
     lossy = dataclasses.replace(
-        hand_made, segments=(Segment(0, 1, "approx:e4m3"), Segment(1, hand_made.length, "store"))
+        exact, segments=(Segment(0, 1, "approx:e4m3"), Segment(1, exact.length, "store"))
     )
+    assert lossy.predicted_error == 0.0
+    with pytest.raises(InvalidArgumentError, match="measured a gradient error of"):
+        revckpt.fit(build(), ids, memory_budget=1.0, error_budget=1e-6, plan=lossy)
     plan = revckpt.fit(build(), ids, memory_budget=1.0, error_budget=5e-2, plan=lossy)
-    assert plan.strategies[0] == "approx:e4m3"
+    assert plan.strategies[0] == "approx:e4m3" and 0.0 < plan.predicted_error <= 5e-2
+
+
+@dataclasses.dataclass
+class _Carried:
+    hidden: torch.Tensor
+
+
+class _DataclassBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, h: torch.Tensor) -> _Carried:
+        return _Carried(h + torch.tanh(self.fc(h)))
+
+
+def test_blocks_returning_a_dataclass_are_on_the_backwards_path() -> None:
+    """A review: the trace read a plain dataclass output as one leaf, so every block was
+    'off the backward's path' and fit refused."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(_DataclassBlock() for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x).hidden
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    model = Model()
+    model.blocks[0].requires_grad_(False)
+    plan = revckpt.fit(model, torch.randn(8, 32), memory_budget=1.0, loss_fn=lambda out: out)
+    assert plan.block_names == ("blocks.1", "blocks.2", "blocks.3")
 
 
 def test_fit_refuses_lazy_buffers_not_initialised_with_the_way_out() -> None:

@@ -386,7 +386,8 @@ def compress_saved_error(
     }
     options = {"scaling": scaling, "block_size": block_size, "rounding": rounding}
     label = "exact" if codec is None else str(codec)
-    same = all(p.dtype == x.dtype for p in block.parameters())  # (wider weights: wider saves)
+    state = (*block.parameters(), *block.buffers())  # (wider weights or buffers: wider saves)
+    same = all(t.dtype == x.dtype for t in state if t.is_floating_point())
     if x.dtype in (torch.bfloat16, torch.float16) and same:  # saved tensors no wider than
         native = functools.partial(  # the format stay exact, so the codec may change nothing
             _gradients, block, x, kwargs, cotangent=cotangent, seed=seed, min_numel=min_numel,

@@ -66,8 +66,8 @@ from .runners import runner_for
 from .step import (
     LossFn,
     Reference,
-    block_parameters,
     check_example_leaves,
+    error_parameters,
     measure_step,
     measured_gradients,
 )
@@ -154,8 +154,9 @@ def fit(
             Gradients that are ``None`` before the step (``optimizer.zero_grad()``) count in
             it, and the plan assumes they are.
         error_budget: the largest relative gradient error of the planned blocks' parameter
-            gradients, all together (0: exact strategies only; above 0, approx boundaries in
-            bf16 or fp8 may be chosen). The check step of a plan with approx boundaries also
+            gradients, all together (the model's trainable ones where the blocks have none;
+            0: exact strategies only; above 0, approx boundaries in bf16 or fp8 may be
+            chosen). The check step of a plan with approx boundaries also
             measures its error against the store-all step on ``example``; where that is over
             the budget, ``fit`` plans again for a smaller predicted error.
         strategies: the strategies a plan may use (default: store, checkpoint and
@@ -322,7 +323,7 @@ def _fit(
         if saved is not None and not profiled:
             return _fit_saved(saved, found, memory_budget, tuple(chosen), o, model, example)
         priced = any(kind_of(s) in ("approx", "compress") for s in chosen)  # errors measured
-        checked_error = priced and o.error_budget > 0 and _seedable(found)
+        checked_error = priced and o.error_budget > 0 and _seedable(model, found)
         seed = _ERROR_SEED if checked_error else None  # approx plans' errors measured
         slot = _recorder_slot(found)
         traced = _traced(model, example, o, found, slot, priced, seed)
@@ -346,8 +347,9 @@ def _fit(
         dtypes = tuple(dtype_name(c.input.dtype) for c in traced.calls)
         under = traced.calls[0].autocast if traced.calls else None  # at the blocks' calls
         autocast = None if under is None else dtype_name(under)
-        if saved is not None:
+        if saved is not None:  # (verify measures it): its left-out blocks guarded as in fit
             result = saved
+            left = [(fqn, m) for fqn, m in model.named_modules() if fqn in set(saved.left_out)]
         else:
 
             def checked(budget: Any, error_budget: float) -> tuple[Plan, int]:
@@ -519,12 +521,12 @@ def _around_parallel(
     return enclosing_blocks(model, found)
 
 
-def _seedable(found: list[tuple[str, nn.Module]]) -> bool:
-    """Whether the planned blocks have trainable parameters, all on the CPU or CUDA devices:
-    the generators two steps are seeded alike on (:func:`~revckpt.inplace.step.seed_step`), so
-    that an approx plan's error is measured against the same dropout masks. Elsewhere (MPS,
-    XPU) and where no block parameter takes a gradient, the plan's error is the model's."""
-    params = block_parameters(found)
+def _seedable(model: nn.Module, found: list[tuple[str, nn.Module]]) -> bool:
+    """Whether the parameters the error is measured on (:func:`error_parameters`) exist, all
+    on the CPU or CUDA devices: the generators two steps are seeded alike on
+    (:func:`~revckpt.inplace.step.seed_step`), so that an approx plan's error is measured
+    against the same dropout masks. Elsewhere (MPS, XPU) the plan's error is the model's."""
+    params = error_parameters(model, found)
     return bool(params) and all(p.device.type in ("cpu", "cuda") for p in params)
 
 
@@ -603,14 +605,11 @@ def _fit_saved(
             "measure it against the simple recipes with verify=True"
         )
     keys: list[Any] = list(saved.block_keys) or [None] * len(found)  # older plans: by the rule
-    # the error is measured on the planned blocks' trainable parameters; where they have none
-    # (prompt tuning) or are off the CPU and CUDA devices, the plan's predicted error stands,
-    # as fit's own plans' does there
-    checked = bool(lossy(saved)) and _seedable(found)
+    # (off the CPU and CUDA devices, the plan's predicted error stands, as fit's own does)
+    checked = bool(lossy(saved)) and _seedable(model, found)
     reference = _reference(saved, found, model, example, o.loss_fn) if checked else None
     apply_plan(saved, found, keys, [frozenset(s) for s in saved.block_tensors])
-    names = set(saved.left_out)
-    _guard([(fqn, m) for fqn, m in model.named_modules() if fqn in names])
+    _guard([(fqn, m) for fqn, m in model.named_modules() if fqn in set(saved.left_out)])
     measured = int(agreed_largest(saved_step_peak(saved, found, model, example, o.loss_fn)))
     if measured > budget:
         raise InvalidArgumentError(
@@ -628,7 +627,8 @@ def _fit_saved(
         if not error <= o.error_budget * (1 + 1e-9):  # nan reads as over
             raise InvalidArgumentError(
                 f"the saved plan, installed, measured a gradient error of {error:.3g} (the "
-                "planned blocks' parameter gradients against the step with every block stored) "
+                "planned blocks' parameter gradients, or the model's where they have none, "
+                "against the step with every block stored) "
                 f"in a step on this example, above error_budget={o.error_budget!r} (it "
                 f"predicted {saved.predicted_error:.3g}). Pass a larger error_budget, or make a "
                 "plan for this budget with revckpt.fit(model, example, memory_budget=..., "
@@ -645,7 +645,7 @@ def _reference(
     """The store-all step's gradients of the planned blocks' parameters, to measure a saved
     lossy plan's error against: run with every block checkpointed (bitwise the same
     gradients, without store-all's peak, which the budget may not hold)."""
-    params = block_parameters(found)
+    params = error_parameters(model, found)
     for fqn, block in found:
         install(block, Planned(fqn, "checkpoint", runner_for("checkpoint")))
     with as_trained(saved, found, model):

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from .._autocast import autocast_dtype
+from ..engine.autograd import flatten_output
 from ..errors import InvalidArgumentError, PlanWarning
 from ..schedule.plan import warn_if_threads_differ
 from .calls import HIDDEN_NAMES, Key, cache_index, carried_key, class_forward, drop_caches
@@ -191,7 +191,7 @@ def _off_graph(info: Planned, out: Any) -> Any:
     inputs that needed none; it kept nothing for backward), refused where it now needs one
     (unfrozen, or given an input that requires grad): it keeps activations the plan's budget
     does not count (a warm-up then unfreeze ran 2.2x over it, silently)."""
-    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(out)):
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in flatten_output(out)[0]):
         raise InvalidArgumentError(
             f"block {info.fqn} was left out of revckpt.fit's plan because its output needed no "
             "gradient (its parameters frozen, its inputs needing none), so it kept nothing for "

@@ -28,6 +28,7 @@ __all__ = [
     "block_parameters",
     "casts_in_step",
     "check_example_leaves",
+    "error_parameters",
     "gradient_copies",
     "left_as_found",
     "loss_of",
@@ -177,6 +178,18 @@ def block_parameters(blocks: list[tuple[str, nn.Module]]) -> tuple[nn.Parameter,
             if p.requires_grad:
                 seen.setdefault(id(p), p)
     return tuple(seen.values())
+
+
+def error_parameters(
+    model: nn.Module, blocks: list[tuple[str, nn.Module]]
+) -> tuple[nn.Parameter, ...]:
+    """The parameters whose gradients the error budget's figure is measured on: the planned
+    blocks' trainable ones, or, where they have none (prompt tuning: frozen blocks under a
+    trainable embedding), the model's (an approx plan's error there was not measured)."""
+    params = block_parameters(blocks)
+    if params:
+        return params
+    return block_parameters([("", model)])
 
 
 Gradients = tuple[torch.Tensor | None, ...]

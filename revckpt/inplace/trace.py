@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from .._autocast import autocast_dtype
 from .._numbers import tensor_bytes
+from ..engine.autograd import flatten_output
 from ..engine.rerun import any_changed, input_versions
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..measure import MemoryMeter
@@ -40,8 +40,8 @@ from .calls import Key, carried_key, get, hidden_of
 from .step import (
     LossFn,
     Reference,
-    block_parameters,
     casts_in_step,
+    error_parameters,
     gradient_copies,
     left_as_found,
     loss_of,
@@ -179,7 +179,7 @@ def trace(
                     "hidden state; pick other blocks with blocks='attribute.path'"
                 )
             hidden = hidden_of(out, f"block {names[i]}")
-            outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            outputs = [t for t in flatten_output(out)[0] if isinstance(t, torch.Tensor)]
             if not any(t.requires_grad for t in outputs):
                 off.append(names[i])
             under = autocast_dtype(hidden.device.type)  # as at the call: contexts restore it
@@ -468,7 +468,7 @@ def _metered(
             if "chain_done" not in marks:  # nothing before the chain to backpropagate into
                 mark("chain_done")
         # outside the meter, before the model's gradients are put back: not in the peak
-        reference = None if seed is None else _reference(seed, blocks)
+        reference = None if seed is None else _reference(seed, model, blocks)
     if "head_done" not in marks:
         raise InvalidArgumentError(
             f"no gradient reached the output of the last block ({calls[-1].fqn}): the loss does "
@@ -478,8 +478,8 @@ def _metered(
     return step, meter.peak_bytes, reference
 
 
-def _reference(seed: int, blocks: list[tuple[str, nn.Module]]) -> Reference:
-    params = block_parameters(blocks)
+def _reference(seed: int, model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> Reference:
+    params = error_parameters(model, blocks)
     return Reference(seed, params, gradient_copies(params))
 
 

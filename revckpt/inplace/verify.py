@@ -48,7 +48,7 @@ from .step import (
     Gradients,
     LossFn,
     Reference,
-    block_parameters,
+    error_parameters,
     gradient_copies,
     left_as_found,
     measure_step,
@@ -340,7 +340,7 @@ class _InStep:
         errors = dict.fromkeys(plans, 0.0)
         if not approx:
             return errors
-        params = block_parameters(self.fitted.found)
+        params = error_parameters(self.model, self.fitted.found)
 
         def gradients(name: str) -> Gradients:
             self.install(name)

@@ -168,7 +168,8 @@ def error_fields(
         }
     if compress:
         params, inputs = compress_errors(run, x, list(compress))
-        if run.work != x.dtype and all(p.dtype == x.dtype for p in block.parameters()):
+        state = (*block.parameters(), *block.buffers())
+        if run.work != x.dtype and all(t.dtype == x.dtype for t in state if t.is_floating_point()):
             # measured on a wider copy of a 16-bit block (one with wider weights, as Hugging
             # Face keeps some in float32, saves wider tensors: compressed, not checked here)
             native = _Runner.of(block, x, cotangent, kwargs, None, work=x.dtype)

@@ -109,6 +109,15 @@ class Plan:
     def __post_init__(self) -> None:
         object.__setattr__(self, "segments", _checked_segments(self.segments))
         object.__setattr__(self, "block_names", _checked_names(self.block_names, self.length))
+        left_out = self.left_out
+        if not isinstance(left_out, tuple) or not all(isinstance(n, str) for n in left_out):
+            raise InvalidInputTypeError("Plan.left_out is a tuple of block names")
+        both = sorted(set(left_out) & set(self.block_names))
+        if both:
+            raise InvalidArgumentError(
+                f"Plan.left_out names planned blocks ({both}): a block is planned or left "
+                "out, not both; write plans with Plan.to_json"
+            )
         dtypes = _checked_dtypes(self.block_dtypes, self.length)
         object.__setattr__(self, "block_dtypes", dtypes)
         object.__setattr__(self, "block_keys", _checked_keys(self.block_keys, self.length))

@@ -294,6 +294,10 @@ def test_a_codec_that_changes_nothing_of_a_16_bit_block_is_priced_at_zero(dtype)
     mixed = TransformerBlock(64, 4).to(dtype)
     mixed.ln1.float()
     assert compress_saved_error(mixed, x, store="bf16").parameters > 0.0
+    buffered = TransformerBlock(64, 4).to(dtype)  # a float32 buffer it computes with
+    buffered.register_buffer("scale", torch.ones(64))
+    buffered.register_forward_pre_hook(lambda m, args: (args[0] * m.scale,))
+    assert compress_saved_error(buffered, x, store="bf16").parameters > 0.0
     blocks = [TransformerBlock(64, 4).to(dtype) for _ in range(2)]
     priced = revckpt.schedule.profile(blocks, x, codecs=(), compress=("bf16",), repeats=1)
     assert all(b.compress["bf16"].param_grad_error == 0.0 for b in priced.blocks)
