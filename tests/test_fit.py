@@ -2408,6 +2408,23 @@ def test_several_classes_of_blocks_fall_back_where_the_step_refuses_them() -> No
     data = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(1))
     plan = revckpt.fit(model, (data[:, :-1], data[:, 1:]), memory_budget=1.0)
     assert list(plan.block_names) == ["enc.0", "enc.1", "dec.0", "dec.1", "dec.2"]
+    # the second class's list run in a loop (a second review: CallCountError, where the
+    # first class alone was planned before)
+    torch.manual_seed(0)
+    model = _Interleaved()
+    model.forward = lambda x: _looped(model, x)  # type: ignore[method-assign]
+    with pytest.warns(revckpt.PlanWarning, match="blocks of one class and not"):
+        plan = revckpt.fit(model, x, memory_budget=1.0, loss_fn=lambda out: out)
+    assert len(plan.block_names) == 3
+
+
+def _looped(model: _Interleaved, x: torch.Tensor) -> torch.Tensor:
+    for resnet in model.resnets:  # (the first class: more parameters per block)
+        x = x + resnet(x)
+    for _ in range(2):
+        for attention in model.attentions:
+            x = attention(x)
+    return x.square().mean()
 
 
 def test_a_left_out_block_with_a_trainable_parameter_it_does_not_use_trains() -> None:

@@ -41,22 +41,20 @@ from ..schedule.plan_checks import dtype_name
 from ..schedule.profile import Profile
 from ..schedule.solver import solve
 from ..strategy import Strategy, StrategyLike, argument_of, kind_of
-from .blocks import Blocks, enclosing_blocks, find_blocks, model_digest
+from .blocks import Blocks, find_blocks, model_digest
 from .confirm import _within_budget, _within_error
 from .convert import convert, restore
+from .fit_blocks import guard_left_out, traced_or_again
 from .fit_checks import (
-    agreed_largest,
-    as_trained,
     caller_level,
     check_saved_strategies,
     load_plan,
-    lossy,
     planned_names,
-    saved_step_peak,
     uncompiled,
     without_approx,
     without_nodes,
 )
+from .fit_saved import ERROR_SEED, install_saved, seedable
 from .fit_stack import fit_converted
 from .install import Planned, install, is_fsdp, planned, tensor_sites
 from .measure import profile_in_situ
@@ -67,17 +65,15 @@ from .step import (
     LossFn,
     Reference,
     check_example_leaves,
-    error_parameters,
     measure_step,
     measured_gradients,
 )
-from .trace import CallCountError, OffGraphError, Recorder, trace
+from .trace import Recorder
 
 __all__ = ["convert", "fit", "restore"]
 
 _EXACT = ("store", "checkpoint", "selective:matmul+attention")
 _CODECS = ("bf16", "e4m3")
-_ERROR_SEED = 0  # the generator state the store-all and plan steps compared for the error run from
 _T = TypeVar("_T")
 
 
@@ -321,12 +317,13 @@ def _fit(
         for fqn, block in found:
             install(block, Planned(fqn, "store", runner_for("store")))
         if saved is not None and not profiled:
-            return _fit_saved(saved, found, memory_budget, tuple(chosen), o, model, example)
+            plan, keys, budget = install_saved(saved, found, memory_budget, o, model, example)
+            return Fitted(plan, found, keys, tuple(chosen), o.error_budget, budget)
         priced = any(kind_of(s) in ("approx", "compress") for s in chosen)  # errors measured
-        checked_error = priced and o.error_budget > 0 and _seedable(model, found)
-        seed = _ERROR_SEED if checked_error else None  # approx plans' errors measured
+        checked_error = priced and o.error_budget > 0 and seedable(model, found)
+        seed = ERROR_SEED if checked_error else None  # approx plans' errors measured
         slot = _recorder_slot(found)
-        traced = _traced(model, example, o, found, slot, priced, seed)
+        traced = traced_or_again(model, example, o, found, slot, priced, seed)
         if isinstance(traced, dict):  # other blocks to plan: fit again
             restore(model)
             changed = {**options, **traced}
@@ -388,7 +385,7 @@ def _fit(
                 chosen = without_nodes(chosen) if side else without_approx(chosen)
                 result = _agreed(_within_error(within, o.error_budget, modelled))
         apply_plan(result, found, keys, sites)
-        _guard(left)
+        guard_left_out(left)
         seen = (profile, traced.store_peak, shapes, dtypes, autocast, sites)
         return Fitted(result, found, keys, tuple(chosen), o.error_budget, budget, *seen)
     except BaseException:
@@ -418,116 +415,6 @@ def _runnable(chosen: list[str], runnable: list[str], defaults: bool) -> list[st
         stacklevel=caller_level(),
     )
     return kept
-
-
-def _guard(left: list[tuple[str, nn.Module]]) -> None:
-    """The blocks left out of the plan, stored, refused if their output comes to need a
-    gradient (their activations are not in the plan's budget)."""
-    for fqn, block in left:
-        install(block, Planned(fqn, "store", runner_for("store"), off_graph=True))
-
-
-def _traced(
-    model: nn.Module,
-    example: Any,
-    o: _FitOptions,
-    found: list[tuple[str, nn.Module]],
-    slot: Callable[[Recorder | None], None],
-    priced: bool,
-    seed: int | None,
-) -> Any:
-    """The traced step, or the options to fit again with where other blocks are to be
-    planned: those on the backward's path (``left_out``: the frozen ones off it); a layer's
-    experts' layers (``blocks``); one class of blocks (``one_class``) where the default rule
-    took several and the step refuses one of them (a tower run before the one listed first,
-    layers called with no hidden state, interleaved lists)."""
-    several = (
-        o.blocks is None
-        and o.plan is None
-        and not o.one_class
-        and len({type(b) for _, b in found}) > 1
-    )
-    try:
-        traced = trace(
-            model, example, o.loss_fn, found, slot, gradients=priced, reference_seed=seed,
-            on_graph=o.plan is None,
-        )  # fmt: skip
-    except OffGraphError as err:
-        if not err.on_graph:
-            raise
-        return {"left_out": o.left_out | ({fqn for fqn, _ in found} - set(err.on_graph))}
-    except CallCountError:
-        # experts the example routed no token to (or several times): the layers, if any;
-        # else (LayerDrop, a block run twice) the caller's to fix, whatever the classes
-        outer = enclosing_blocks(model, found) if o.blocks is None else None
-        if outer is not None:
-            return {"blocks": _named(outer)}
-        raise
-    except (InvalidArgumentError, InvalidInputTypeError) as err:
-        if several:
-            return _first_class_only(model, found, err)
-        raise
-    if several and _parallel(model, found, traced):  # experts among them: as one class
-        return {"one_class": True}  # (their layers are planned: nothing is left out)
-    outer = _around_parallel(model, found, traced.links) if o.blocks is None else None
-    return {"blocks": _named(outer)} if outer is not None else traced
-
-
-def _first_class_only(
-    model: nn.Module, found: list[tuple[str, nn.Module]], err: Exception
-) -> dict[str, Any]:
-    """Fit again on the default rule's first class of blocks, saying which were left out and
-    why (the step refused the blocks of several classes)."""
-    first = {fqn for fqn, _ in find_blocks(model, one_class=True)}
-    left = [fqn for fqn, _ in found if fqn not in first]
-    warnings.warn(
-        f"revckpt.fit: planning {len(first)} blocks of one class and not {', '.join(left[:3])}"
-        f"{', ...' if len(left) > 3 else ''}, whose step refused a plan over both ({err}); "
-        "name the blocks with blocks=... to plan others",
-        PlanWarning,
-        stacklevel=caller_level(),
-    )
-    return {"one_class": True}
-
-
-def _parallel(model: nn.Module, found: list[tuple[str, nn.Module]], traced: Any) -> bool:
-    """Whether most blocks of the default rule's first class do not chain (a layer's experts),
-    among blocks of several classes (a dense stack beside them would outvote them)."""
-    first = {fqn for fqn, _ in find_blocks(model, one_class=True)}
-    names = [c.fqn for c in traced.calls]
-    pairs = [
-        link
-        for a, b, link in zip(names, names[1:], traced.links, strict=False)
-        if a in first and b in first
-    ]
-    return bool(pairs) and 2 * sum(pairs) < len(pairs)
-
-
-def _named(blocks: list[tuple[str, nn.Module]]) -> Blocks:
-    names = {fqn for fqn, _ in blocks}
-    return lambda _m, fqn: fqn in names
-
-
-def _around_parallel(
-    model: nn.Module, found: list[tuple[str, nn.Module]], links: Sequence[bool]
-) -> list[tuple[str, nn.Module]] | None:
-    """The repeated blocks around ``found`` where most found blocks' inputs were not made from
-    the one before's output (``links``, per pair of calls; parallel branches, as a hand-written
-    mixture of experts' experts: each gets the tokens routed to it, a number the plan cannot
-    hold to; only the first expert of each layer is made from the layer before), or
-    ``None``."""
-    if not links or 2 * sum(links) >= len(links):
-        return None
-    return enclosing_blocks(model, found)
-
-
-def _seedable(model: nn.Module, found: list[tuple[str, nn.Module]]) -> bool:
-    """Whether the parameters the error is measured on (:func:`error_parameters`) exist, all
-    on the CPU or CUDA devices: the generators two steps are seeded alike on
-    (:func:`~revckpt.inplace.step.seed_step`), so that an approx plan's error is measured
-    against the same dropout masks. Elsewhere (MPS, XPU) the plan's error is the model's."""
-    params = error_parameters(model, found)
-    return bool(params) and all(p.device.type in ("cpu", "cuda") for p in params)
 
 
 def _checked(model: nn.Module, memory_budget: Any, o: _FitOptions) -> list[str]:
@@ -582,91 +469,6 @@ def _refuse_eval_mode(found: list[tuple[str, nn.Module]]) -> None:
             "mode), where planned blocks run plainly: call model.train() before fit (with the "
             "dropout probabilities at 0 for a step without dropout)"
         )
-
-
-def _fit_saved(
-    saved: Plan,
-    found: list[tuple[str, nn.Module]],
-    memory_budget: Any,
-    chosen: tuple[str, ...],
-    o: _FitOptions,
-    model: nn.Module,
-    example: Any,
-) -> Fitted:
-    """A saved plan installed as it is, when its prediction fits the budget, its strategies
-    the error budget and ``strategies=``, and one metered step on ``example`` the budget (a
-    model with the same parameters but more attention heads, or a larger batch, does not)."""
-    budget = parse_budget(memory_budget, saved.store_all_peak_bytes)
-    if saved.predicted_peak_bytes > budget:
-        raise InvalidArgumentError(
-            f"the saved plan's whole step peaks at {saved.predicted_peak_bytes:,} bytes, "
-            f"above memory_budget={memory_budget!r} ({budget:,} bytes); make a plan for "
-            "this budget with revckpt.fit(model, example, memory_budget=...), or "
-            "measure it against the simple recipes with verify=True"
-        )
-    keys: list[Any] = list(saved.block_keys) or [None] * len(found)  # older plans: by the rule
-    # (off the CPU and CUDA devices, the plan's predicted error stands, as fit's own does)
-    checked = bool(lossy(saved)) and _seedable(model, found)
-    reference = _reference(saved, found, model, example, o.loss_fn) if checked else None
-    apply_plan(saved, found, keys, [frozenset(s) for s in saved.block_tensors])
-    _guard([(fqn, m) for fqn, m in model.named_modules() if fqn in set(saved.left_out)])
-    measured = int(agreed_largest(saved_step_peak(saved, found, model, example, o.loss_fn)))
-    if measured > budget:
-        raise InvalidArgumentError(
-            f"the saved plan, installed, peaked at {measured:,} bytes in a step on this "
-            f"example, above memory_budget={memory_budget!r} ({budget:,} bytes; it predicted "
-            f"{saved.predicted_peak_bytes:,}): it was made for a model of other settings "
-            "(attention heads, an intermediate size the parameters do not show), a smaller "
-            "batch, or other module settings (dropout on where it was off). Make a plan for "
-            "this model and batch with revckpt.fit(model, example, memory_budget=...)"
-        )
-    if measured > saved.predicted_peak_bytes:  # as a fit's own: never below its check
-        saved = dataclasses.replace(saved, predicted_peak_bytes=measured)
-    if reference is not None:
-        error = agreed_largest(_saved_error(saved, found, model, example, o.loss_fn, reference))
-        if not error <= o.error_budget * (1 + 1e-9):  # nan reads as over
-            raise InvalidArgumentError(
-                f"the saved plan, installed, measured a gradient error of {error:.3g} (the "
-                "planned blocks' parameter gradients, or the model's where they have none, "
-                "against the step with every block stored) "
-                f"in a step on this example, above error_budget={o.error_budget!r} (it "
-                f"predicted {saved.predicted_error:.3g}). Pass a larger error_budget, or make a "
-                "plan for this budget with revckpt.fit(model, example, memory_budget=..., "
-                "error_budget=...)"
-            )
-        if error > saved.predicted_error:
-            saved = dataclasses.replace(saved, predicted_error=error)
-    return Fitted(saved, found, keys, chosen, o.error_budget, budget)
-
-
-def _reference(
-    saved: Plan, found: list[tuple[str, nn.Module]], model: nn.Module, example: Any, loss_fn: Any
-) -> Reference:
-    """The store-all step's gradients of the planned blocks' parameters, to measure a saved
-    lossy plan's error against: run with every block checkpointed (bitwise the same
-    gradients, without store-all's peak, which the budget may not hold)."""
-    params = error_parameters(model, found)
-    for fqn, block in found:
-        install(block, Planned(fqn, "checkpoint", runner_for("checkpoint")))
-    with as_trained(saved, found, model):
-        _, grads = measured_gradients(model, example, loss_fn, seed=_ERROR_SEED, params=params)
-    return Reference(_ERROR_SEED, params, grads)
-
-
-def _saved_error(
-    saved: Plan,
-    found: list[tuple[str, nn.Module]],
-    model: nn.Module,
-    example: Any,
-    loss_fn: Any,
-    reference: Reference,
-) -> float:
-    """The installed saved plan's gradient error against ``reference``, from its seed."""
-    with as_trained(saved, found, model):
-        _, grads = measured_gradients(
-            model, example, loss_fn, seed=reference.seed, params=reference.params
-        )
-    return reference.error_of(grads)
 
 
 def _profile(model: nn.Module, traced: Any, chosen: list[str], o: _FitOptions) -> Profile:

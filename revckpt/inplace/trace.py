@@ -341,14 +341,17 @@ def _made_from(x: torch.Tensor, y: torch.Tensor, *, nodes: int = 32) -> bool:
 
 class CallCountError(InvalidArgumentError):
     """A block the step ran more than once, or never (fit tries the blocks that hold them: a
-    layer's experts, some of which the example routes no token to)."""
+    layer's experts, some of which the example routes no token to). ``shared``: the blocks
+    it ran more than once (empty where it is one it never ran)."""
+
+    shared: tuple[str, ...] = ()
 
 
 def _check_calls(counts: list[int], names: list[str], order: list[str]) -> None:
     shared = [(n, c) for n, c in zip(names, counts, strict=True) if c > 1]
     if shared:
         shown = ", ".join(f"{n} {c} times" for n, c in shared[:4])
-        raise CallCountError(
+        err = CallCountError(
             f"each block must run exactly once per step, but the example ran {shown}: a module "
             "called at several places (shared weights, a loop) is one block for the planner "
             "but several calls in the step, which it cannot plan apart. Checkpoint each call "
@@ -356,6 +359,8 @@ def _check_calls(counts: list[int], names: list[str], order: list[str]) -> None:
             "modules that contain every call and run once (blocks=lambda module, fqn: fqn in "
             "(...) naming those parents)"
         )
+        err.shared = tuple(n for n, _ in shared)
+        raise err
     unused = [n for n, c in zip(names, counts, strict=True) if c == 0]
     if unused:
         raise CallCountError(
