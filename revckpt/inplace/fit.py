@@ -427,7 +427,8 @@ def _checked(model: nn.Module, memory_budget: Any, o: _FitOptions) -> list[str]:
     if lazy is not None:  # (fit's steps put the model's state back: not a shapeless one)
         raise InvalidArgumentError(
             f"{lazy} is not initialised yet (a lazy module shapes it on its first call): run "
-            "the model's forward once on a batch, e.g. under torch.no_grad(), before fit"
+            "the model's forward once on a batch, e.g. under torch.no_grad(), before fit (a "
+            "lazy module the forward never calls: initialise it yourself, or remove it)"
         )
     _check_budget_syntax(memory_budget)
     error_budget = o.error_budget
