@@ -42,74 +42,53 @@ def profile_block(
     which spare the error fields their exact run. A float16 block whose approx recompute
     overflows (:class:`~revckpt.Float16RangeError`: values near 65504 rounded past it) is
     priced without the approx codecs, which no plan then gives it."""
-    options = dict(
-        policies=policies, repeats=repeats, device=device, kwargs=kwargs, cotangent=cotangent,
-        compress=compress, offload=offload, grads_new=grads_new, output=output, capture=capture,
-        exact=exact,
-    )  # fmt: skip
     try:
-        return _profile_block(block, x, codecs=codecs, **options)
+        leaf = x.detach().requires_grad_(x.is_floating_point())
+        memory = memory_costs(
+            block,
+            leaf,
+            codecs,
+            policies,
+            device,
+            kwargs,
+            compress=compress,
+            offload=offload,
+            grads_new=grads_new,
+            output=output,
+            capture=capture,
+        )
+        fields = dict(memory.fields)
+        codecs_priced = list(fields["approx"])
+        f, b, overhead = block_times(
+            block,
+            leaf,
+            memory.grad_out,
+            one_block_strategies(fields, offload)[1:],  # besides store
+            kwargs,
+            repeats,
+            reversible=memory.runs.reversible,
+            warmup=0,  # memory_costs has just run each of these steps
+        )
+        if codecs_priced:
+            overhead = derived_codecs(overhead, codec_seconds(x, codecs_priced), codecs_priced[0])
+        fields.update(
+            error_fields(block, x, fields["approx"], fields["compress"], cotangent, kwargs, exact)
+        )
+        fields.update(
+            forward_s=f,
+            backward_s=b,
+            strategy_overhead_s=overhead,
+            chained_s=overhead.get(CHECKPOINT, f),
+        )
+        return BlockCost(**fields)
     except Float16RangeError:
         if not codecs:
             raise
-        return _profile_block(block, x, codecs=(), **options)
-
-
-def _profile_block(
-    block: nn.Module,
-    x: torch.Tensor,
-    *,
-    codecs: Sequence[str],
-    policies: Sequence[str],
-    repeats: int,
-    device: Any,
-    kwargs: dict[str, Any],
-    cotangent: torch.Tensor | None,
-    compress: Sequence[str],
-    offload: bool,
-    grads_new: bool,
-    output: torch.Tensor | None,
-    capture: bool,
-    exact: Exact | None,
-) -> BlockCost:
-    leaf = x.detach().requires_grad_(x.is_floating_point())
-    memory = memory_costs(
-        block,
-        leaf,
-        codecs,
-        policies,
-        device,
-        kwargs,
-        compress=compress,
-        offload=offload,
-        grads_new=grads_new,
-        output=output,
-        capture=capture,
-    )
-    fields = dict(memory.fields)
-    codecs_priced = list(fields["approx"])
-    f, b, overhead = block_times(
-        block,
-        leaf,
-        memory.grad_out,
-        one_block_strategies(fields, offload)[1:],  # besides store
-        kwargs,
-        repeats,
-        reversible=memory.runs.reversible,
-        warmup=0,  # memory_costs has just run each of these steps
-    )
-    if codecs_priced:
-        overhead = derived_codecs(overhead, codec_seconds(x, codecs_priced), codecs_priced[0])
-    fields.update(
-        error_fields(block, x, fields["approx"], fields["compress"], cotangent, kwargs, exact)
-    )
-    fields.update(
-        forward_s=f,
-        backward_s=b,
-        strategy_overhead_s=overhead,
-        chained_s=overhead.get(CHECKPOINT, f),
-    )
-    return BlockCost(**fields)
+        return profile_block(
+            block, x, codecs=(), policies=policies, repeats=repeats, device=device,
+            kwargs=kwargs, cotangent=cotangent, compress=compress, offload=offload,
+            grads_new=grads_new, output=output, capture=capture, exact=exact,
+        )  # fmt: skip
 
 
 def one_block_strategies(fields: dict[str, Any], offload: bool) -> list[str]:
