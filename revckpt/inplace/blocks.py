@@ -34,8 +34,8 @@ def find_blocks(
     model: nn.Module, blocks: Blocks = None, *, option: str = "blocks", one_class: bool = False
 ) -> list[tuple[str, nn.Module]]:
     """The model's blocks as ``(fully qualified name, module)`` pairs, in module order;
-    ``option``: the caller's name for ``blocks``, in the messages; ``one_class``: by default,
-    the blocks of the first class the rule takes only."""
+    ``option``: the caller's name for ``blocks``, in the messages; ``one_class``: of the
+    default rule, the first class's blocks only (one stack)."""
     if not isinstance(model, nn.Module):
         raise InvalidInputTypeError(f"expected an nn.Module, got {type(model).__name__}")
     if blocks is None:

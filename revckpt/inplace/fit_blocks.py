@@ -72,8 +72,7 @@ def traced_or_again(
         outer = enclosing_blocks(model, found) if o.blocks is None else None
         if outer is not None:
             return {"blocks": _named(outer)}
-        first = {fqn for fqn, _ in find_blocks(model, one_class=True)} if several else set()
-        if several and err.shared and not set(err.shared) & first:
+        if several and err.shared and not set(err.shared) & _first_class(model):
             return _first_class_only(model, found, err)
         raise
     except (InvalidArgumentError, InvalidInputTypeError) as err:
@@ -91,7 +90,7 @@ def _first_class_only(
 ) -> dict[str, Any]:
     """Fit again on the default rule's first class of blocks, saying which were left out and
     why (the step refused the blocks of several classes)."""
-    first = {fqn for fqn, _ in find_blocks(model, one_class=True)}
+    first = _first_class(model)
     left = [fqn for fqn, _ in found if fqn not in first]
     warnings.warn(
         f"revckpt.fit: planning {len(first)} blocks of one class and not {', '.join(left[:3])}"
@@ -106,7 +105,7 @@ def _first_class_only(
 def _parallel(model: nn.Module, found: list[tuple[str, nn.Module]], traced: Any) -> bool:
     """Whether most blocks of the default rule's first class do not chain (a layer's experts),
     among blocks of several classes (a dense stack beside them would outvote them)."""
-    first = {fqn for fqn, _ in find_blocks(model, one_class=True)}
+    first = _first_class(model)
     names = [c.fqn for c in traced.calls]
     pairs = [
         link
@@ -114,6 +113,11 @@ def _parallel(model: nn.Module, found: list[tuple[str, nn.Module]], traced: Any)
         if a in first and b in first
     ]
     return bool(pairs) and 2 * sum(pairs) < len(pairs)
+
+
+def _first_class(model: nn.Module) -> set[str]:
+    """The names of the default rule's first class of blocks."""
+    return {fqn for fqn, _ in find_blocks(model, one_class=True)}
 
 
 def _named(blocks: list[tuple[str, nn.Module]]) -> Blocks:
