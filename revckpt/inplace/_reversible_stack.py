@@ -399,7 +399,8 @@ class ReversibleLayers:
             self.stack.anchor_every = k
             # the first layer is rebuilt exactly (its auxiliary input is zeros): k, 2k, ...
             self.stack.first_anchor = k or 0
-            if k == 1 and len(self.layers) > 1 and dtype not in SIXTEEN_BITS:
+            said = dtype in SIXTEEN_BITS and self.auto_exact  # the 16-bit warning above
+            if k == 1 and len(self.layers) > 1 and not said:
                 self._warn_once(
                     "anchors",
                     f"{self._what}: in {dtype} at scale={self.scale:g}, a floating-point "
