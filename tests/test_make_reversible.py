@@ -1998,3 +1998,32 @@ def test_a_hooked_or_newly_frozen_weight_leaves_the_model_its_parameters(change)
         assert (got is None) == (ref is None), name
         if ref is not None:
             torch.testing.assert_close(got, ref)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_reversible_model_is_traced_and_exported_for_inference(exact):
+    """torch.jit.trace and torch.export of a converted model in eval mode, autograd on (as
+    they are usually called) or off: they record the plain forward (the half-step nodes
+    carry Python objects a recorded graph cannot hold: 'unordered_map::at'; the exact grid's
+    range check reads a value on the host: GuardOnDataDependentSymNode), whose outputs are
+    the model's on other inputs too."""
+    torch.manual_seed(0)
+    model = make_reversible(_Layers(), trainable="all", exact=exact).eval()
+    x, other = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    with torch.no_grad():
+        want = model(other)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            traced = torch.jit.trace(model, (x,), check_trace=False)
+            exported = torch.export.export(model, (x,)).module()
+        with torch.no_grad():
+            assert torch.equal(traced(other), want), grad
+            assert torch.equal(exported(other), want), grad
+    # training still checks the grid's range, and rebuilds as before
+    model.train()
+    if exact:
+        with pytest.raises(revckpt.ReconstructionError, match="grid's range"):
+            model(torch.full((2, 5, 8), 2.0**23)).sum().backward()
+    model(x).sum().backward()
+    assert reversible_layers(model).last_drift[0] == 0.0 or not exact

@@ -17,7 +17,7 @@ from .._autocast import autocast_dtype
 from ..checkpoint import checkpoint
 from ..errors import InvalidArgumentError, RevckptError
 from ..layers.drift import ReconstructionWarning
-from ..layers.grid import on_grid
+from ..layers.grid import on_grid, rebuilt_later
 from ..layers.sequential import ReversibleSequential
 from ..layers.steps import StackRun
 from ._reversible_calls import check_constant, dtype_of, passes, with_hidden
@@ -308,7 +308,7 @@ class ReversibleLayers:
         self._follow_dtype(dtype_of(self.layers[0][1]) or h.dtype)
         if self.exact:  # on the grid, differentiable as the identity
             h64 = h.to(torch.float64)
-            h = h64 + (on_grid(h64) - h64).detach()
+            h = h64 + (on_grid(h64, check=rebuilt_later()) - h64).detach()
         elif self.stream_dtype is not None:
             h = h.to(self.stream_dtype)
         aux = torch.zeros_like(h)

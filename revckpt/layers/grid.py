@@ -32,7 +32,7 @@ import torch
 from ..errors import InvalidArgumentError, ReconstructionError, RevckptError
 from .coupling import AdditiveCoupling, Coupling
 
-__all__ = ["GRID_BITS", "MAX_SHIFT", "GridCoupling", "on_grid"]
+__all__ = ["GRID_BITS", "MAX_SHIFT", "GridCoupling", "on_grid", "rebuilt_later", "recorded"]
 
 #: Fractional bits of the grid: a resolution of 2^-30 (about 1e-9), values up to 2^22 (4e6).
 GRID_BITS = 30
@@ -41,12 +41,29 @@ MAX_SHIFT = 16
 _OFFSET = 2**15  # kept bits beyond a byte are held in int16, shifted by this
 
 
-def on_grid(x: torch.Tensor, bits: int = GRID_BITS) -> torch.Tensor:
+def on_grid(x: torch.Tensor, bits: int = GRID_BITS, *, check: bool = True) -> torch.Tensor:
     """``x`` in float64 rounded to the grid ``2^-bits`` (a stack's input, before its first
-    exact coupling); raises if a value is too large for the grid."""
+    exact coupling); raises if a value is too large for the grid (``check=False``: does
+    not look, for a forward nothing will be rebuilt from)."""
     q = torch.round(x.detach().to(torch.float64) * 2.0**bits) * 2.0**-bits
-    _check_range(q, bits)
+    if check:
+        _check_range(q, bits)
     return q
+
+
+def recorded() -> bool:
+    """Whether this forward is being recorded for deployment (``torch.jit.trace``,
+    ``torch.export``): a reversible stack then runs as plain layers, and checks that read a
+    value on the host (which a recorded graph cannot hold) are left out."""
+    exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # torch >= 2.5
+    return torch.jit.is_tracing() or exporting()
+
+
+def rebuilt_later() -> bool:
+    """Whether what a plain forward computes may be rebuilt from in a backward: with autograd
+    on, outside a recorded forward; otherwise the grid's range check is left out (it reads
+    one value on the host; an inference forward rebuilds nothing)."""
+    return torch.is_grad_enabled() and not recorded()
 
 
 def _check_range(y: torch.Tensor, bits: int) -> None:
@@ -90,10 +107,12 @@ class GridCoupling(Coupling):
     def linear_scale(self) -> float:  # type: ignore[override]
         return self.scale
 
-    def split(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def split(
+        self, x: torch.Tensor, h: torch.Tensor, *, check: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(y, lost)`` without a graph: ``y`` on the grid, ``lost`` the bits of ``x *
         scale`` below it (``uint8`` for ``k <= 8``, else ``int16`` less ``2^15``; ``None``
-        when nothing is dropped)."""
+        when nothing is dropped); ``check``: raise if ``y`` is beyond the grid's range."""
         with torch.no_grad():  # in place where it can: float64 temporaries are the cost
             hq = _laid_out_as(self._grid(h), x)
             if self.scale == 0:
@@ -107,7 +126,8 @@ class GridCoupling(Coupling):
                 lost = lost.to(torch.uint8) if self.k <= 8 else lost.sub_(_OFFSET).to(torch.int16)
                 del units
                 y = q.mul_(2.0**-self.bits).add_(hq)
-        _check_range(y, self.bits)
+        if check:
+            _check_range(y, self.bits)
         return y, lost
 
     def _grid(self, h: torch.Tensor) -> torch.Tensor:
@@ -116,8 +136,9 @@ class GridCoupling(Coupling):
 
     def combine(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """The grid value of ``scale * x + h``, differentiable as that linear map (exactly the
-        value :meth:`split` gives: plain autograd and the rebuild see the same numbers)."""
-        y, _ = self.split(x, h)
+        value :meth:`split` gives: plain autograd and the rebuild see the same numbers);
+        its range checked where a backward may rebuild from it (:func:`rebuilt_later`)."""
+        y, _ = self.split(x, h, check=rebuilt_later())
         return _AsLinear.apply(x, h, y, self.scale)
 
     def rebuild(self, y: torch.Tensor, h: torch.Tensor, lost: torch.Tensor | None) -> torch.Tensor:

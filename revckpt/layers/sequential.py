@@ -39,7 +39,7 @@ from ..engine.rerun import input_versions
 from ..errors import InvalidArgumentError, InvalidInputTypeError
 from ..replay import devices_of
 from .coupling import Coupling, ScaledCoupling, make_coupling
-from .grid import GridCoupling
+from .grid import GridCoupling, recorded
 from .rebuild import ReconstructionWarning, StackCall, auto_tolerance
 from .steps import HalfSteps, StackRun
 
@@ -313,7 +313,9 @@ class ReversibleSequential(nn.Module):
         place does from its own loop; ``None`` when nothing needs a graph (``no_grad``, or no
         input, keyword tensor or parameter requiring grad): then call the blocks plainly."""
         grad_kwargs = grad_keywords(kwargs)
-        plan = self._steps() if torch.is_grad_enabled() else None
+        # a recorded forward (jit.trace, export) is for inference: the plain forward, which
+        # its graph can hold (the half-step nodes carry Python objects it cannot)
+        plan = self._steps() if torch.is_grad_enabled() and not recorded() else None
         # Looked up per call (cached per branch, rescanned when its modules or parameters
         # change): a parameter frozen or unfrozen since, or swapped by functional_call.
         targets = [module_targets(step.branch) for step in plan.steps] if plan else []
