@@ -325,10 +325,14 @@ class Codec:
 
     def error_bound(self, x: torch.Tensor) -> torch.Tensor:
         """Per-element bound ``k * (u * |x| + eta / s)`` on ``|decode(encode(x)) - x|``
-        (float64, shape of ``x``; 0 where ``x`` is 0, which every rounding keeps exact)."""
+        (float64, shape of ``x``; 0 where ``x`` is 0, which every rounding keeps exact, and
+        for ``x`` in the codec's own format: its scales are powers of two that keep every
+        element in range, exact in the format)."""
         self.check(x)
         spec = self.spec
         a = x.detach().double().abs()
+        if x.dtype == spec.dtype:
+            return torch.zeros_like(a)
         scales = self.scales(x)
         if scales is None:
             floor = torch.full_like(a, spec.eta)

@@ -193,3 +193,16 @@ def test_tiny_float64_groups_keep_normal_scales(fmt, value):
 def test_zero_size_last_dimension():
     for codec in CODECS:
         assert codec.roundtrip(torch.zeros(4, 0)).shape == (4, 0)
+
+
+@pytest.mark.parametrize("scaling", [None, "row", "tensor", "block"])
+def test_a_codec_on_its_own_format_changes_nothing_and_bounds_it_by_zero(scaling):
+    """A tensor already in the codec's format (a bfloat16 model's activation under bf16)
+    comes back bitwise: scaling by a power of two up to the format's largest value is exact
+    in the format itself. Its bound was ``k * (u * |x| + eta)``, an error for nothing."""
+    codec = Codec("bf16", scaling, block_size=8)
+    x = (torch.randn(6, 16) * torch.logspace(-3, 3, 16)).to(codec.spec.dtype)
+    assert torch.equal(codec.roundtrip(x).view(torch.uint8), x.view(torch.uint8))
+    assert torch.equal(codec.error_bound(x), torch.zeros(x.shape, dtype=torch.float64))
+    wider = x.float() * (1 + 2**-12)  # not in the format: its bound is not 0
+    assert bool((codec.error_bound(wider) > 0).all())
