@@ -287,7 +287,10 @@ def _realiased(outs: Sequence[torch.Tensor], given: Sequence[Any]) -> tuple[torc
     as a view of that tensor (``as_strided``, same geometry): the node's outputs are detached,
     so autograd would not see the sharing, and an in-place change through one would move the
     other's value under a history that does not say so (gradients 3/4 and 1/2 of plain
-    autograd's). As views, they behave as in plain autograd, and nothing more is kept."""
+    autograd's). As views, they behave as in plain autograd, and nothing more is kept. An
+    output with a graph and one without share memory only as ``h`` and ``h.detach()`` do:
+    left apart, as in plain autograd (as a view of the other, the detached one took its graph,
+    or cut it)."""
     by_storage: dict[int, torch.Tensor] = {}
     for t in given:
         if isinstance(t, torch.Tensor):
@@ -298,7 +301,12 @@ def _realiased(outs: Sequence[torch.Tensor], given: Sequence[Any]) -> tuple[torc
     for o in outs:
         key = _storage(o)
         base = by_storage.get(key) if key is not None else None
-        if base is not None and base.dtype == o.dtype and base.device == o.device:
+        if (
+            base is not None
+            and base.dtype == o.dtype
+            and base.device == o.device
+            and base.requires_grad == o.requires_grad
+        ):
             o = base.as_strided(o.size(), o.stride(), o.storage_offset())
         elif key is not None:
             by_storage.setdefault(key, o)
