@@ -15,6 +15,7 @@ with the same contexts.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import weakref
 from collections.abc import Callable
@@ -105,6 +106,20 @@ class FrameCall:
             contexts.append(self.values.recording())
         return contexts
 
+    def check_given(self) -> None:
+        """Raise :class:`~revckpt.ModifiedInputError` if a tensor the block was given changed
+        in place since its forward (its recompute would read the changed value)."""
+        if any_changed(self.given):
+            raise ModifiedInputError(
+                f"{self.label}: a tensor it was given (an argument, a keyword, or in a list, "
+                "tuple or dict of them) was changed in place after its forward, before its "
+                "backward: its recompute and backward "
+                "would read the changed value (plain autograd raises for a tensor it saved that "
+                "was changed so; a keyword the block never reads, such as position_ids beside "
+                "rotary tables, is refused too, as revckpt cannot tell). Change it out of "
+                "place, or pass a copy (t.clone())"
+            )
+
     def recompute_contexts(self) -> list[contextlib.AbstractContextManager[Any]]:
         """The contexts a recompute runs in: the forward's state replayed, the policy's cache
         and the value check."""
@@ -119,16 +134,7 @@ class FrameCall:
                 "revckpt.checkpoint; convert(model, 'checkpoint'); fit(..., "
                 "strategies=['store', 'checkpoint'])), or keep the block stored"
             )
-        if any_changed(self.given):
-            raise ModifiedInputError(
-                f"{self.label}: a tensor it was given (an argument, a keyword, or in a list, "
-                "tuple or dict of them) was changed in place after its forward, before its "
-                "backward: its recompute and backward "
-                "would read the changed value (plain autograd raises for a tensor it saved that "
-                "was changed so; a keyword the block never reads, such as position_ids beside "
-                "rotary tables, is refused too, as revckpt cannot tell). Change it out of "
-                "place, or pass a copy (t.clone())"
-            )
+        self.check_given()
         self.recomputed = True
         bump_if_changed(self.kept, self.watched)  # an output aliasing a kept one, changed
         self.watched = []
@@ -279,6 +285,10 @@ def run_frame(call: FrameCall, args: tuple[Any, ...], early_stop: bool, *, metad
         _tcp._default_meta_extractor if metadata else _no_metadata,
     )
     frame.save_inputs(*args)
+    if hasattr(frame, "get_inputs"):  # torch >= 2.8: the inputs are unpacked before recompute
+        # before torch's own check of a positional input's version (raw); the frame held
+        # weakly: a cycle through it would keep what it recomputed alive until a collection
+        frame.get_inputs = functools.partial(_checked_inputs, call, weakref.ref(frame))
     hook = _tcp._checkpoint_hook(frame)
     hook.pack_hook = _pack_hook(frame, metadata)
     call.device_context = device_context()
@@ -291,6 +301,11 @@ def run_frame(call: FrameCall, args: tuple[Any, ...], early_stop: bool, *, metad
         # the recompute: it may stop after the last saved tensor, as torch's does.
         frame.early_stop = True
     return out
+
+
+def _checked_inputs(call: FrameCall, frame: Any) -> list[Any]:
+    call.check_given()
+    return type(frame()).get_inputs(frame())
 
 
 def _no_metadata(x: torch.Tensor) -> None:

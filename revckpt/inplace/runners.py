@@ -70,7 +70,7 @@ class _HiddenOnly:
     ) -> Any:
         hidden = args[key] if isinstance(key, int) else kwargs[key]
         rest_args, rest_kwargs = replaced(args, kwargs, key, None)
-        graphs = _with_graph(rest_args, rest_kwargs)
+        graphs = _tensor_arguments(rest_args, rest_kwargs)
         if graphs:  # through the node's keywords, which it keeps exactly and differentiates
             rest_args, rest_kwargs = _without(rest_args, rest_kwargs, graphs)
         call = functools.partial(_run_hidden, fn, rest_args, rest_kwargs, key)
@@ -82,17 +82,15 @@ class _HiddenOnly:
 _ARG, _KW = "_revckpt_arg_", "_revckpt_kw_"
 
 
-def _with_graph(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The block's other tensor arguments that require grad (T5's position bias, a U-Net's
-    skip tensor), by node keyword: a function of the hidden state alone would hide them from
-    the node, whose backward would then drop their gradients."""
-    graphs = {f"{_ARG}{i}": a for i, a in enumerate(args) if _requires_grad(a)}
-    graphs.update({f"{_KW}{k}": v for k, v in kwargs.items() if _requires_grad(v)})
+def _tensor_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The block's other tensor arguments, by node keyword: a function of the hidden state
+    alone would hide them from the node, whose backward would then drop the gradients of
+    those that require grad (T5's position bias, a U-Net's skip tensor) and recompute with
+    a value changed in place since the forward (a mask or bias the caller reuses) where the
+    node's keywords are kept and checked."""
+    graphs = {f"{_ARG}{i}": a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+    graphs.update({f"{_KW}{k}": v for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
     return graphs
-
-
-def _requires_grad(a: Any) -> bool:
-    return isinstance(a, torch.Tensor) and a.requires_grad
 
 
 def _without(
