@@ -483,6 +483,31 @@ def test_a_plan_made_under_autocast_is_refused_without_it() -> None:
         Plan.from_json(json.dumps({**plan.to_dict(), "autocast": "float99"}))
 
 
+def test_an_approx_plan_is_refused_under_another_autocast() -> None:
+    """Its gradient error was measured without autocast: under bf16 autocast (fit first,
+    then Trainer(bf16=True)) an approx:bf16 plan measured 3.5x its reported error, over the
+    error budget, silently. An exact plan made without autocast still runs under it."""
+    case = _case("nanogpt")
+    example = case.make_example(4, 32)
+    model = case.make_model()
+    plan = revckpt.fit(
+        model, example, memory_budget=1.0, loss_fn=case.loss_fn, error_budget=1.0,
+        strategies=["approx:bf16"],
+    )  # fmt: skip
+    assert {s.strategy for s in plan.segments} == {"approx:bf16"}
+    zoo.step(model, example, case.loss_fn)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(InvalidArgumentError, match=r"approx:bf16\) was planned without"):
+            zoo.step(model, example, case.loss_fn)
+        plan = revckpt.fit(
+            model, example, memory_budget=1.0, loss_fn=case.loss_fn, error_budget=1.0,
+            strategies=["approx:bf16"],
+        )  # fmt: skip
+        zoo.step(model, example, case.loss_fn)  # fitted under it: runs
+    with pytest.raises(InvalidArgumentError, match=r"planned under torch\.autocast"):
+        zoo.step(model, example, case.loss_fn)
+
+
 class _Float32Inside(nn.Module):
     """Float32 weights, a bfloat16 stream between blocks, computed on in float32."""
 
@@ -2689,7 +2714,10 @@ def test_fit_verify_leaves_out_the_recipes_fit_left_out():
     torch.manual_seed(0)
     model = _RouterLossModel().double()
     x = torch.randn(4096, 32, dtype=torch.float64)
-    with pytest.warns(revckpt.PlanWarning, match="side output"):
+    with warnings.catch_warnings():
+        # (whether fit's own choice tried approx, and so warned of the side output, depends
+        # on the measured times: under load it picked an exact plan, and pytest.warns failed)
+        warnings.simplefilter("ignore", revckpt.PlanWarning)
         plan = revckpt.fit(model, x, memory_budget="90%", error_budget=5e-2,
                            loss_fn=lambda o: o, verify=True)  # fmt: skip
     assert not any(s.startswith("approx") for s in plan.strategies)

@@ -23,6 +23,7 @@ from .._autocast import autocast_dtype
 from ..engine.autograd import flatten_output
 from ..errors import InvalidArgumentError, PlanWarning
 from ..schedule.plan import warn_if_threads_differ
+from ..strategy import kind_of
 from .calls import HIDDEN_NAMES, Key, cache_index, carried_key, class_forward, drop_caches
 
 __all__ = ["Planned", "Runner", "install", "is_fsdp", "planned", "uninstall"]
@@ -245,10 +246,10 @@ def _check_autocast(info: Planned, hidden: torch.Tensor) -> None:
     upcasts itself (``.float()``) keeps wider activations without it, which no dtype shows
     (a first relaxation ran such a plan 1.71x over its budget, silently)."""
     planned_as = info.autocast
-    if planned_as is None:
-        return
     now = autocast_dtype(hidden.device.type)
-    if now is not None and now.itemsize <= planned_as.itemsize:
+    if now != planned_as and kind_of(info.strategy) in ("approx", "compress"):
+        _refuse_lossy_autocast(info, planned_as, now)
+    if planned_as is None or (now is not None and now.itemsize <= planned_as.itemsize):
         return
     running = "without autocast" if now is None else f"under autocast in {now}"
     raise InvalidArgumentError(
@@ -256,6 +257,25 @@ def _check_autocast(info: Planned, hidden: torch.Tensor) -> None:
         f"{running}: the activations it keeps can be wider than planned (on a bfloat16 or "
         "float64 model too, where a layer upcasts), so the memory plan no longer holds. Train "
         "under the autocast you fit under, or fit again without it"
+    )
+
+
+def _refuse_lossy_autocast(
+    info: Planned, planned_as: torch.dtype | None, now: torch.dtype | None
+) -> None:
+    """A lossy block's gradient error was measured under the plan's autocast (or none):
+    under another it rounds other values (an approx:bf16 plan fitted without autocast
+    measured 3.5x its reported error under bf16 autocast, silently)."""
+
+    def said(dtype: torch.dtype | None) -> str:
+        return "without autocast" if dtype is None else f"under torch.autocast in {dtype}"
+
+    raise InvalidArgumentError(
+        f"block {info.fqn} ({info.strategy}) was planned {said(planned_as)} and runs "
+        f"{said(now)}: its gradient error, which revckpt.fit measured against the error "
+        "budget, differs under another autocast. Fit under the autocast you train with "
+        "(with torch.autocast(...): revckpt.fit(model, example, ...); Trainer(bf16=True) "
+        "trains under it)"
     )
 
 
