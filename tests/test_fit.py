@@ -2729,3 +2729,50 @@ def test_fit_verify_leaves_out_the_recipes_fit_left_out():
         model, x, memory_budget=1.0, error_budget=5e-2, loss_fn=lambda o: o, rounds=1
     )
     assert not any("approx" in row.name for row in found.report.rows), found.report.table()
+
+
+class _CrossAttending(nn.Module):
+    """Blocks that attend to a memory tensor passed beside the hidden state (a decoder's
+    encoder output): what each keeps grows with the memory's length."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.TransformerDecoderLayer(d, 4, 64, dropout=0.0, batch_first=True) for _ in range(3)
+        )
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, memory)
+        return x
+
+
+def test_a_longer_tensor_beside_the_hidden_state_is_refused_as_a_longer_hidden_state(tmp_path):
+    """The plan's shape check read the hidden state only: a decoder fitted on an encoder
+    output of length 32 ran one of length 512 at 1.67x the budget, silently (GPT-2 with
+    cross-attention; a frozen BART encoder's longer source: 1.97x). Every tensor argument's
+    shape is in the plan now (saved with it), and a larger one is refused; an unbatched
+    input is said to be one."""
+    torch.manual_seed(0)
+    model = _CrossAttending()
+    x, memory = torch.randn(4, 16, 32), torch.randn(4, 32, 32)
+
+    def loss_fn(y: torch.Tensor) -> torch.Tensor:
+        return y.square().mean()
+
+    plan = revckpt.fit(model, (x, memory), memory_budget=0.6, loss_fn=loss_fn)
+    assert plan.block_tensor_shapes == (((4, 16, 32), (4, 32, 32)),) * 3
+    path = tmp_path / "plan.json"
+    plan.to_json(path)
+    assert Plan.from_json(path.read_text()).block_tensor_shapes == plan.block_tensor_shapes
+    loss_fn(model(x, memory[:, :8])).backward()  # shorter: runs
+    with pytest.raises(InvalidArgumentError, match=r"argument 1 of shape \[4, 32, 32\]"):
+        model(x, torch.randn(4, 512, 32))
+    with pytest.raises(InvalidArgumentError, match="an unbatched input"):
+        model(x[0], memory[0])
+    revckpt.restore(model)
+    revckpt.fit(model, (x, memory), memory_budget=0.6, loss_fn=loss_fn, plan=path)
+    with pytest.raises(InvalidArgumentError, match=r"argument 1 of shape \[4, 32, 32\]"):
+        model(x, torch.randn(4, 512, 32))
+    with pytest.raises(InvalidArgumentError, match="block_tensor_shapes must give one shape"):
+        dataclasses.replace(plan, block_tensor_shapes=(((4, 16, 32),),) * 3)

@@ -56,7 +56,7 @@ from .fit_checks import (
 )
 from .fit_saved import ERROR_SEED, install_saved, seedable
 from .fit_stack import fit_converted
-from .install import Planned, install, is_fsdp, planned, tensor_sites
+from .install import Planned, install, is_fsdp, planned, site_shapes, tensor_sites
 from .measure import profile_in_situ
 from .plan_install import apply_plan
 from .reversible import refuse_reversible, stack_of
@@ -190,8 +190,9 @@ def fit(
     (:mod:`revckpt.inplace.fit_stack`); ``blocks`` and ``plan`` do not apply.
 
     Returns the :class:`~revckpt.schedule.Plan`, whose predicted peak is the whole step's.
-    Batches no larger in any dimension than ``example`` keep within the budget; a larger one
-    raises an error in training. Eval mode and ``torch.no_grad()`` run the model plainly.
+    Batches no larger in any dimension than ``example`` (every tensor a block is given) keep
+    within the budget; a larger one raises an error in training. Eval mode and
+    ``torch.no_grad()`` run the model plainly.
     Undo with :func:`restore`. Under ``torch.distributed`` (initialised before ``fit``) every
     rank applies rank 0's plan; the budget is per rank.
     """
@@ -287,6 +288,7 @@ class Fitted:
     dtypes: tuple[str, ...] = ()  # and their dtypes' names
     autocast: str | None = None  # the autocast dtype the example ran under (None: off)
     sites: tuple[frozenset[Any], ...] = ()  # per block, its arguments that held tensors
+    site_shapes: tuple[tuple[tuple[int, ...], ...], ...] = ()  # and their shapes (sorted)
 
 
 def _fit(
@@ -339,6 +341,9 @@ def _fit(
         chosen = _runnable(chosen, strategy_names(profile.blocks), o.strategies is None)
         keys = [c.key for c in traced.calls]
         sites = tuple(tensor_sites(c.args, c.kwargs) for c in traced.calls)
+        arg_shapes = tuple(
+            site_shapes(c.args, c.kwargs, s) for c, s in zip(traced.calls, sites, strict=True)
+        )
         budget = parse_budget(memory_budget, traced.store_peak)
         shapes = tuple(tuple(c.input.shape) for c in traced.calls)
         dtypes = tuple(dtype_name(c.input.dtype) for c in traced.calls)
@@ -359,6 +364,7 @@ def _fit(
                     block_dtypes=dtypes,
                     block_keys=tuple(keys),
                     block_tensors=tuple(tuple(sorted(s, key=str)) for s in sites),
+                    block_tensor_shapes=arg_shapes,
                     autocast=autocast,
                     model_digest=model_digest(model),
                     left_out=tuple(fqn for fqn, _ in left),
@@ -386,7 +392,7 @@ def _fit(
                 result = _agreed(_within_error(within, o.error_budget, modelled))
         apply_plan(result, found, keys, sites)
         guard_left_out(left)
-        seen = (profile, traced.store_peak, shapes, dtypes, autocast, sites)
+        seen = (profile, traced.store_peak, shapes, dtypes, autocast, sites, arg_shapes)
         return Fitted(result, found, keys, tuple(chosen), o.error_budget, budget, *seen)
     except BaseException:
         restore(model)

@@ -55,6 +55,8 @@ class Planned:
     warned: set[Key] | None = None
     # left out of fit's plan: its output needed no gradient (frozen, on inputs that need none)
     off_graph: bool = False
+    # the largest shape of each tensor argument the plan holds for (None: not recorded)
+    arg_limits: dict[Key, tuple[int, ...]] | None = None
 
     def function(self, block: nn.Module) -> Callable[..., Any]:
         if self.original is not None:
@@ -98,6 +100,8 @@ def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     hidden = args[key] if isinstance(key, int) else kwargs.get(key)
     if info.limit is not None:
         _check_shape(info, hidden)
+    if info.arg_limits:
+        _check_argument_shapes(info, args, kwargs, key)
     if info.key is not None and isinstance(hidden, torch.Tensor):  # where fit traced it
         _check_dtype(info, hidden, self)
         _check_autocast(info, hidden)
@@ -120,6 +124,36 @@ def tensor_sites(args: tuple[Any, ...], kwargs: dict[str, Any]) -> frozenset[Key
         (*(i for i, a in enumerate(args) if isinstance(a, torch.Tensor)),
          *(k for k, v in kwargs.items() if isinstance(v, torch.Tensor)))
     )  # fmt: skip
+
+
+def site_shapes(
+    args: tuple[Any, ...], kwargs: dict[str, Any], sites: frozenset[Key]
+) -> tuple[tuple[int, ...], ...]:
+    """The shapes of a call's tensor arguments at ``sites``, in ``Plan.block_tensors``'
+    order (sorted by name)."""
+    values = [args[k] if isinstance(k, int) else kwargs[k] for k in sorted(sites, key=str)]
+    return tuple(tuple(v.shape) for v in values)
+
+
+def _check_argument_shapes(
+    info: Planned, args: tuple[Any, ...], kwargs: dict[str, Any], key: Key
+) -> None:
+    """A tensor argument beside the hidden state larger than the traced call's (a longer
+    encoder output a decoder layer attends to: 1.67x the budget, silently) is refused as a
+    larger hidden state is: what the block keeps grows with it."""
+    assert info.arg_limits is not None
+    for site, limit in info.arg_limits.items():
+        if site == key:
+            continue  # the hidden state: _check_shape
+        value = args[site] if isinstance(site, int) and site < len(args) else kwargs.get(site)
+        if isinstance(value, torch.Tensor) and not within(tuple(value.shape), limit):
+            what = f"keyword {site!r}" if isinstance(site, str) else f"argument {site}"
+            shape = tuple(value.shape)
+            raise InvalidArgumentError(
+                f"block {info.fqn} was planned for its {what} of shape {list(limit)} (the "
+                f"example the plan was made on) and got {list(shape)}, and what it keeps "
+                f"grows with it: {_larger(shape, limit, 'arguments')}"
+            )
 
 
 def _warn_if_more_tensors(info: Planned, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -213,9 +247,21 @@ def _check_shape(info: Planned, hidden: Any) -> None:
     shape = tuple(hidden.shape)
     raise InvalidArgumentError(
         f"block {info.fqn} was planned for hidden states of shape {list(limit)} (the example "
-        f"given to revckpt.fit) and got {list(shape)}: the memory plan holds for batches no "
-        "larger in any dimension. Plan for the largest batch you train on "
-        "(revckpt.fit(model, largest_batch, ...))"
+        f"the plan was made on) and got {list(shape)}: {_larger(shape, limit, 'batches')}"
+    )
+
+
+def _larger(shape: tuple[int, ...], limit: tuple[int, ...], what: str) -> str:
+    """Why a shape ``within`` refuses is refused, and what to do."""
+    if len(shape) != len(limit):
+        return (
+            f"{len(shape)} dimensions where the plan has {len(limit)} (an unbatched input?), "
+            "so revckpt cannot tell whether the plan's memory budget holds for it. Give the "
+            "batch dimension the example had (x.unsqueeze(0)), or fit on such an input"
+        )
+    return (
+        f"the memory plan holds for {what} no larger in any dimension. Plan for the largest "
+        "batch you train on (revckpt.fit(model, largest_batch, ...))"
     )
 
 

@@ -271,6 +271,7 @@ def _winner(
             if fitted.sites
             else winner.block_tensors
         ),
+        block_tensor_shapes=fitted.site_shapes if fitted.sites else winner.block_tensor_shapes,
         autocast=fitted.autocast,
         model_digest=model_digest(model),
         left_out=fitted.plan.left_out,

@@ -37,6 +37,7 @@ from .plan_checks import (
     _checked_names,
     _checked_segments,
     _checked_tensor_arguments,
+    _checked_tensor_shapes,
     _is_int,
     _json_list,
     _segments_from_json,
@@ -61,7 +62,9 @@ class Plan:
     a keyword name, as the traced step showed; a saved plan reused by ``fit(..., plan=)``
     reads it there, not by a rule), ``block_tensors`` which of each block's arguments were
     tensors there (a tensor argument the step did not have, as a Hugging Face attention mask
-    that comes only with padding, warns: its cost is not in the plan), ``model_digest`` a
+    that comes only with padding, warns: its cost is not in the plan), ``block_tensor_shapes``
+    their shapes, in that order (a larger one, as a longer encoder output a decoder layer
+    attends to, is refused in training as a larger hidden state is), ``model_digest`` a
     digest of the model's parameter names and shapes (a saved plan is applied to the model it
     was made for only), and the predictions are those of the whole step. ``threads``: the
     intra-op thread count the times were measured with; running with another warns once
@@ -105,6 +108,7 @@ class Plan:
     block_keys: tuple[int | str | None, ...] = field(default=())
     block_tensors: tuple[tuple[int | str, ...], ...] = field(default=())
     left_out: tuple[str, ...] = field(default=())
+    block_tensor_shapes: tuple[tuple[tuple[int, ...], ...], ...] = field(default=())
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "segments", _checked_segments(self.segments))
@@ -123,6 +127,8 @@ class Plan:
         object.__setattr__(self, "block_keys", _checked_keys(self.block_keys, self.length))
         tensors = _checked_tensor_arguments(self.block_tensors, self.length)
         object.__setattr__(self, "block_tensors", tensors)
+        shapes = _checked_tensor_shapes(self.block_tensor_shapes, tensors)
+        object.__setattr__(self, "block_tensor_shapes", shapes)
         if self.block_shapes and len(self.block_shapes) != self.length:
             raise InvalidArgumentError(
                 f"block_shapes has {len(self.block_shapes)} shapes but the segments cover "
@@ -184,6 +190,7 @@ class Plan:
         d["block_dtypes"] = list(self.block_dtypes)
         d["block_keys"] = list(self.block_keys)
         d["block_tensors"] = [list(t) for t in self.block_tensors]
+        d["block_tensor_shapes"] = [[list(s) for s in b] for b in self.block_tensor_shapes]
         d["left_out"] = list(self.left_out)
         if self.input_signature is not None:
             shape, dtype, device = self.input_signature
@@ -236,6 +243,14 @@ class Plan:
         fields["block_keys"] = tuple(_json_list(fields.get("block_keys", []), "block_keys"))
         tensors = _json_list(fields.get("block_tensors", []), "block_tensors")
         fields["block_tensors"] = tuple(tuple(_json_list(t, "block_tensors")) for t in tensors)
+        shapes = _json_list(fields.get("block_tensor_shapes", []), "block_tensor_shapes")
+        fields["block_tensor_shapes"] = tuple(
+            tuple(
+                tuple(_json_list(s, "block_tensor_shapes"))
+                for s in _json_list(b, "block_tensor_shapes")
+            )
+            for b in shapes
+        )
         left_out = _json_list(fields.get("left_out", []), "left_out")
         if not all(isinstance(n, str) for n in left_out):
             raise InvalidInputTypeError("left_out in plan JSON is a list of block names")

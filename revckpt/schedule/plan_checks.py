@@ -210,6 +210,29 @@ def _checked_tensor_arguments(sites: Any, length: int) -> tuple[tuple[int | str,
     return tuple(tuple(s) for s in sites)
 
 
+def _checked_tensor_shapes(
+    shapes: Any, sites: tuple[tuple[int | str, ...], ...]
+) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """``block_tensor_shapes``: none, or per block the shape (a list of ints >= 0) of each
+    argument ``block_tensors`` names, in its order."""
+    if not isinstance(shapes, (tuple, list)) or not all(
+        isinstance(b, (tuple, list))
+        and all(isinstance(s, (tuple, list)) and all(_is_int(n) and n >= 0 for n in s) for s in b)
+        for b in shapes
+    ):
+        raise InvalidInputTypeError(
+            "block_tensor_shapes must be a list, per block, of the shapes (lists of ints >= 0) "
+            f"of its tensor arguments, got {shapes!r}"
+        )
+    if shapes and [len(b) for b in shapes] != [len(s) for s in sites]:
+        raise InvalidArgumentError(
+            "block_tensor_shapes must give one shape per argument block_tensors names, per "
+            f"block ({[len(s) for s in sites]}), got {[len(b) for b in shapes]}; write plans "
+            "with Plan.to_json"
+        )
+    return tuple(tuple(tuple(s) for s in b) for b in shapes)
+
+
 def _checked_dtypes(dtypes: Any, length: int) -> tuple[str, ...]:
     """``block_dtypes``: none, or one torch dtype name per block (``"float32"``)."""
     dtypes = _per_block(dtypes, length, "block_dtypes", ("entry", "entries"))
