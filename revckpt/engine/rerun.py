@@ -26,7 +26,7 @@ from torch import nn
 
 from ..errors import InvalidArgumentError, ModifiedInputError
 from ..replay import ForwardState
-from .autograd import first_unregistered_leaf, forward_as_plain, vjp
+from .autograd import first_unregistered_leaf, forward_as_plain, reentrant_refused, vjp
 
 __all__ = [
     "Rerun",
@@ -246,6 +246,7 @@ def output_grads(
         return (None,) * len(sources)
     if len(pairs) == 1:
         return vjp(pairs[0][0], sources, pairs[0][1])
-    return torch.autograd.grad(
-        [o for o, _ in pairs], sources, [g for _, g in pairs], allow_unused=True
-    )
+    with reentrant_refused():
+        return torch.autograd.grad(
+            [o for o, _ in pairs], sources, [g for _, g in pairs], allow_unused=True
+        )

@@ -536,6 +536,27 @@ def test_a_detached_output_stays_detached_beside_the_one_it_shares_memory_with(s
         assert ((got - want).norm() / want.norm()).item() < tol
 
 
+@pytest.mark.parametrize("strategy", ["approx:bf16", "offload"])
+def test_a_reentrant_checkpoint_inside_a_block_is_refused_saying_what_to_do(strategy):
+    # torch.autograd.grad, which the node's backward differentiates its re-run with, cannot
+    # go through torch's reentrant checkpoint: torch's raw RuntimeError before
+    import torch.utils.checkpoint as tcp
+
+    class Block(nn.Module):
+        def __init__(self, reentrant: bool) -> None:
+            super().__init__()
+            self.lin, self.reentrant = nn.Linear(8, 8), reentrant
+
+        def forward(self, x):
+            return x + tcp.checkpoint(self.lin, x, use_reentrant=self.reentrant)
+
+    x = torch.randn(4, 8, requires_grad=True)
+    out = revckpt.checkpoint(Block(True), x, strategy=strategy)
+    with pytest.raises(InvalidArgumentError, match="use_reentrant=False there"):
+        out.sum().backward()
+    revckpt.checkpoint(Block(False), x, strategy=strategy).sum().backward()  # as it says
+
+
 @pytest.mark.parametrize("strategy", ["approx:bf16", "offload", "selective:matmul"])
 def test_a_torch_func_transform_is_refused_naming_the_strategies_that_run_there(strategy):
     block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
