@@ -2776,3 +2776,112 @@ def test_a_longer_tensor_beside_the_hidden_state_is_refused_as_a_longer_hidden_s
         model(x, torch.randn(4, 512, 32))
     with pytest.raises(InvalidArgumentError, match="block_tensor_shapes must give one shape"):
         dataclasses.replace(plan, block_tensor_shapes=(((4, 16, 32),),) * 3)
+
+
+def test_parameters_added_or_unfrozen_after_fit_are_refused():
+    """The plan's budget holds for the parameters fit planned with: an adapter added after
+    fit (peft.get_peft_model on a fitted GPT-2: 1.08x the budget) or layers unfrozen (a
+    frozen BART encoder: 1.68x) ran over it, silently. Freezing more runs; eval runs."""
+    case = _case("nanogpt")
+    example = case.make_example(4, 32)
+    model = case.make_model()
+    model.get_submodule(case.blocks_path)[0].requires_grad_(False)
+    plan = revckpt.fit(model, example, memory_budget=0.8, loss_fn=case.loss_fn)
+    zoo.step(model, example, case.loss_fn)
+    blocks = model.get_submodule(case.blocks_path)
+    blocks[0].requires_grad_(True)  # unfrozen
+    with pytest.raises(InvalidArgumentError, match="trainable parameter elements"):
+        zoo.step(model, example, case.loss_fn)
+    blocks[0].requires_grad_(False)
+    blocks[1].requires_grad_(False)  # frozen more: within the budget
+    zoo.step(model, example, case.loss_fn)
+    blocks[1].requires_grad_(True)
+    blocks[2].register_parameter("adapter", nn.Parameter(torch.zeros(3)))  # added
+    with pytest.raises(InvalidArgumentError, match=r"parameters of \d+ elements when"):
+        zoo.step(model, example, case.loss_fn)
+    with torch.no_grad():
+        model(*example) if isinstance(example, tuple) else model(example)  # eval: plainly
+    revckpt.restore(model)
+    assert plan.block_names
+    revckpt.fit(model, example, memory_budget=0.8, loss_fn=case.loss_fn)  # after the change
+    zoo.step(model, example, case.loss_fn)
+
+
+class _SparseConv(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, adj: torch.Tensor) -> torch.Tensor:
+        return x + torch.sparse.mm(adj, torch.tanh(self.lin(x)))
+
+
+class _SparseNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_SparseConv() for _ in range(3))
+
+    def forward(self, h: torch.Tensor, adj: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            h = block(h, adj)
+        return h
+
+
+def test_fit_plans_blocks_given_a_sparse_tensor():
+    """A graph convolution's sparse adjacency beside the hidden state: fit's profiler read
+    the storage of every tensor the block saved (a sparse one has none: a raw
+    NotImplementedError)."""
+    torch.manual_seed(0)
+    net = _SparseNet().double()
+    plain = copy.deepcopy(net)
+    n = 64
+    index = torch.stack([torch.arange(n), torch.arange(n).roll(1)])
+    adj = torch.sparse_coo_tensor(index, torch.full((n,), 0.5), (n, n)).double().coalesce()
+    x = torch.randn(n, 16, dtype=torch.float64)
+
+    def loss_fn(y: torch.Tensor) -> torch.Tensor:
+        return y.square().sum()
+
+    plan = revckpt.fit(net, (x, adj), memory_budget=0.9, loss_fn=loss_fn)
+    assert plan.block_names == ("blocks.0", "blocks.1", "blocks.2")
+    loss_fn(net(x, adj)).backward()
+    loss_fn(plain(x, adj)).backward()
+    for a, b in zip(net.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+class _EnergyBlock(nn.Module):
+    """Differentiates inside its forward (a physics-informed or energy model)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xx = x if x.requires_grad else x.detach().requires_grad_()
+        (g,) = torch.autograd.grad(torch.tanh(self.l1(xx)).pow(2).sum(), xx, create_graph=True)
+        return x + 0.1 * self.l2(g)
+
+
+def test_fit_plans_blocks_that_differentiate_inside_their_forward():
+    """fit's profile ran each block once under no_grad, where its autograd.grad cannot run
+    (a raw RuntimeError, after following the advice of the error before it, which named
+    fit's internal 'InSitu' module)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_EnergyBlock() for _ in range(3))).double()
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 16, dtype=torch.float64, requires_grad=True)
+
+    def loss_fn(y: torch.Tensor) -> torch.Tensor:
+        return y.square().sum()
+
+    with pytest.raises(revckpt.DoubleBackwardError, match=r"^_EnergyBlock \(0\) ran with"):
+        revckpt.fit(model, x, memory_budget=0.9, loss_fn=loss_fn)
+    plan = revckpt.fit(
+        model, x, memory_budget=0.96, loss_fn=loss_fn, strategies=["store", "checkpoint"]
+    )
+    assert "checkpoint" in plan.strategies
+    loss_fn(model(x)).backward()
+    loss_fn(plain(x)).backward()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)

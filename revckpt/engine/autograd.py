@@ -220,15 +220,36 @@ def vjp(
     normalisation, which costs as much Python time as the rest of a block's bookkeeping.
     """
     engine_run = getattr(torch.autograd.graph, "_engine_run_backward", None)
-    if (
-        engine_run is None
-        or not isinstance(output, torch.Tensor)
-        or cotangent.shape != output.shape
-        or cotangent.dtype != output.dtype
-        or cotangent.device != output.device
-    ):
-        return torch.autograd.grad(output, inputs, cotangent, allow_unused=True)
-    return engine_run((output,), (cotangent,), False, False, inputs, True, accumulate_grad=False)
+    with reentrant_refused():
+        if (
+            engine_run is None
+            or not isinstance(output, torch.Tensor)
+            or cotangent.shape != output.shape
+            or cotangent.dtype != output.dtype
+            or cotangent.device != output.device
+        ):
+            return torch.autograd.grad(output, inputs, cotangent, allow_unused=True)
+        return engine_run(
+            (output,), (cotangent,), False, False, inputs, True, accumulate_grad=False
+        )
+
+
+@contextlib.contextmanager
+def reentrant_refused() -> Iterator[None]:
+    """A recompute's VJP (``torch.autograd.grad``) through torch's reentrant checkpoint
+    inside the block: torch's raw error, said with what to do."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "use_reentrant=True" not in str(e):
+            raise
+        raise InvalidArgumentError(
+            "a block revckpt recomputes and differentiates with torch.autograd.grad (approx, "
+            "offload, a reversible stack) calls torch.utils.checkpoint(..., "
+            "use_reentrant=True) inside, which torch.autograd.grad cannot differentiate: pass "
+            "use_reentrant=False there (the same memory, and torch's recommended mode), or "
+            "plan the block with 'checkpoint' or 'store'"
+        ) from e
 
 
 # Modules and functions whose recompute graph has been checked once (the walk costs ~1% of a
@@ -331,7 +352,11 @@ def grad_keywords(kwargs: dict[str, Any]) -> tuple[str, ...]:
 
 def label_of(fn: Any) -> str:
     """How messages name a block: its qualified name, or for a ``functools.partial`` (the
-    forward of a block ``convert`` or ``fit`` planned) the class of the module it binds."""
+    forward of a block ``convert`` or ``fit`` planned) the class of the module it binds; a
+    module standing for another (fit's profiled unit of a block) names it as ``revckpt_label``."""
+    named = getattr(fn, "revckpt_label", None) if isinstance(fn, nn.Module) else None
+    if isinstance(named, str):
+        return named
     if isinstance(fn, functools.partial):
         for a in fn.args:
             if isinstance(a, nn.Module):

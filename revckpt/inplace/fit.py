@@ -69,6 +69,7 @@ from .step import (
     measured_gradients,
 )
 from .trace import Recorder
+from .trainable import watch_trained
 
 __all__ = ["convert", "fit", "restore"]
 
@@ -248,8 +249,11 @@ def _fit_front(
     if verify:
         from .verify import fit_verified  # it builds on this module
 
-        return fit_verified(model, example, memory_budget=memory_budget, **vars(options)).plan
-    return _fit(model, example, memory_budget=memory_budget, **vars(options)).plan
+        found = fit_verified(model, example, memory_budget=memory_budget, **vars(options)).plan
+    else:
+        found = _fit(model, example, memory_budget=memory_budget, **vars(options)).plan
+    watch_trained(model, found.block_names)
+    return found
 
 
 @dataclass(frozen=True)

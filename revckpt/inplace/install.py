@@ -57,6 +57,9 @@ class Planned:
     off_graph: bool = False
     # the largest shape of each tensor argument the plan holds for (None: not recorded)
     arg_limits: dict[Key, tuple[int, ...]] | None = None
+    # the model's parameters fit planned with, checked here (the first planned block's):
+    # a revckpt.inplace.trainable.TrainedParameters
+    trained: Any = None
 
     def function(self, block: nn.Module) -> Callable[..., Any]:
         if self.original is not None:
@@ -85,6 +88,8 @@ def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled() and info.strategy != "store":
             _warn_eval_backward()
         return fn(*args, **kwargs)
+    if info.trained is not None:
+        info.trained.check(info.fqn)
     args, kwargs = drop_caches(
         args, kwargs, f"{type(self).__name__} ({info.fqn})", layer=cache_index(self)
     )
@@ -231,8 +236,12 @@ def _off_graph(info: Planned, out: Any) -> Any:
             f"block {info.fqn} was left out of revckpt.fit's plan because its output needed no "
             "gradient (its parameters frozen, its inputs needing none), so it kept nothing for "
             "backward; now its output needs one (a parameter unfrozen, or an input that "
-            "requires grad) and it keeps its activations, which the plan's memory budget does "
-            "not count. Fit again after unfreezing (revckpt.fit(model, example, ...))"
+            "requires grad: Hugging Face's model.enable_input_require_grads() makes the "
+            "embeddings' output need one, and Trainer(gradient_checkpointing=True) calls it) "
+            "and it keeps its activations, which the plan's memory budget does not count. Fit "
+            "again after the change (revckpt.restore(model); "
+            "model.enable_input_require_grads(); revckpt.fit(model, example, ...)); with "
+            "Trainer, leave gradient_checkpointing off: the plan replaces it"
         )
     return out
 

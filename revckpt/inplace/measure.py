@@ -63,6 +63,11 @@ class InSitu(nn.Module):
         return obj
 
     @property
+    def revckpt_label(self) -> str:
+        """How messages name it: the block it runs (fit's profile of it)."""
+        return f"{type(self.block).__name__} ({self.fqn})"
+
+    @property
     def extras(self) -> dict[str, torch.Tensor]:
         """The other arguments made with a graph, as keyword arguments of :meth:`forward`."""
         return {f"extra{i}": leaf for i, leaf in enumerate(self._leaves)}

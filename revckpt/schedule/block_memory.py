@@ -116,7 +116,8 @@ def _saved_storages(
     packed: set[int] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        packed.add(t.untyped_storage()._cdata)
+        if t.layout == torch.strided:  # (a sparse tensor has no storage: not the input's)
+            packed.add(t.untyped_storage()._cdata)
         return t.detach()  # no reference cycle through a saved output's grad_fn (a leak)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -353,8 +354,16 @@ def _alone_fields(
     block, leaf, kwargs = runs.block, runs.leaf, runs.kwargs
     # which operations hold the output (for the selective policies), seen in the same run
     writers = _StorageWriters() if modes.selective else contextlib.nullcontext()
-    with torch.no_grad(), writers, MemoryMeter(device) as nograd:
-        z = block(leaf.detach(), **kwargs)
+    try:
+        with torch.no_grad(), writers, MemoryMeter(device) as nograd:
+            z = block(leaf.detach(), **kwargs)
+    except RuntimeError:
+        # a block that differentiates inside its forward (torch.autograd.grad on its input:
+        # a physics-informed or energy model) runs with autograd on only, as a checkpointed
+        # forward runs it: measured so (its graph's bytes too: above, never below)
+        writers = _StorageWriters() if modes.selective else contextlib.nullcontext()
+        with torch.enable_grad(), writers, MemoryMeter(device) as nograd:
+            z = block(leaf.detach(), **kwargs)
     output_ops = _ops_holding(writers, z)
     del z
     moved = _offload_costs(block, leaf, kwargs, 3) if offload else None
