@@ -1017,6 +1017,9 @@ def test_bad_input_is_one_clear_error() -> None:
         revckpt.convert(_Flat(), "checkpoint")
     with pytest.raises(revckpt.InvalidArgumentError, match="has no submodule 'layers'"):
         revckpt.fit(model, example, memory_budget=0.5, blocks="transformer.layers")
+    for bad in ("transformer.layers", "transformer.h.0", lambda m, fqn: False):
+        with pytest.raises(revckpt.InvalidArgumentError, match="^module_filter_fn="):
+            revckpt.convert(model, "checkpoint", module_filter_fn=bad)
     with pytest.raises(revckpt.InvalidArgumentError, match="cannot run the example"):
         revckpt.fit(model, torch.randn(3), memory_budget=0.5, loss_fn=case.loss_fn)
     with pytest.raises(revckpt.InvalidArgumentError, match="not a floating-point scalar"):
@@ -2885,3 +2888,21 @@ def test_fit_plans_blocks_that_differentiate_inside_their_forward():
     loss_fn(plain(x)).backward()
     for a, b in zip(model.parameters(), plain.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
+
+
+class _ComplexBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return z * torch.tanh(self.w)
+
+
+def test_complex_hidden_states_are_refused_as_complex():
+    """The refusal said the block got no floating-point tensor and to pass the hidden state
+    as a tensor, which it was: complex hidden states are said to be unsupported."""
+    model = nn.Sequential(*(_ComplexBlock() for _ in range(3)))
+    z = torch.randn(4, 8, dtype=torch.complex64)
+    with pytest.raises(InvalidArgumentError, match="complex hidden states are not supported"):
+        revckpt.fit(model, z, memory_budget=0.5, loss_fn=lambda y: y.abs().sum())

@@ -41,9 +41,9 @@ def find_blocks(
     if blocks is None:
         found = _repeated(model, option, one_class=one_class)
     elif isinstance(blocks, str):
-        found = _at_path(model, blocks)
+        found = _at_path(model, blocks, option)
     elif callable(blocks):
-        found = _filtered(model, blocks)
+        found = _filtered(model, blocks, option)
     else:
         raise InvalidInputTypeError(
             f"{option}= takes an attribute path such as 'model.layers' or a function "
@@ -174,7 +174,7 @@ def _has_weights(members: list[tuple[str, nn.Module]]) -> bool:
     return any(True for _, m in members for _ in m.parameters())
 
 
-def _at_path(model: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
+def _at_path(model: nn.Module, path: str, option: str) -> list[tuple[str, nn.Module]]:
     target: Any = model
     walked: list[str] = []
     for part in path.split(".") if path else []:
@@ -183,27 +183,27 @@ def _at_path(model: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
             here = ".".join(walked) or type(model).__name__
             options = sorted(target._modules) if isinstance(target, nn.Module) else []
             raise InvalidArgumentError(
-                f"blocks={path!r}: {here} has no submodule {part!r} (it has {options[:12]}); "
+                f"{option}={path!r}: {here} has no submodule {part!r} (it has {options[:12]}); "
                 "pass the attribute path of the container of blocks, e.g. 'model.layers'"
             )
         walked.append(part)
         target = child
     if not isinstance(target, (nn.ModuleList, nn.Sequential)) or len(target) < 1:
         raise InvalidArgumentError(
-            f"blocks={path!r} is a {type(target).__name__}, not an nn.ModuleList or "
-            "nn.Sequential of blocks; pass the container's path, or blocks=lambda module, fqn: "
-            "... to pick the blocks themselves"
+            f"{option}={path!r} is a {type(target).__name__}, not an nn.ModuleList or "
+            f"nn.Sequential of blocks; pass the container's path, or {option}=lambda module, "
+            "fqn: ... to pick the blocks themselves"
         )
     return [(f"{path}.{name}" if path else name, m) for name, m in target.named_children()]
 
 
 def _filtered(
-    model: nn.Module, keep: Callable[[nn.Module, str], bool]
+    model: nn.Module, keep: Callable[[nn.Module, str], bool], option: str
 ) -> list[tuple[str, nn.Module]]:
     found = [(fqn, m) for fqn, m in model.named_modules() if fqn and keep(m, fqn)]
     if not found:
         raise InvalidArgumentError(
-            "blocks=<function> selected no module; it is called as fn(module, fqn) for every "
+            f"{option}=<function> selected no module; it is called as fn(module, fqn) for every "
             "submodule and returns True for the blocks"
         )
     return found

@@ -188,6 +188,15 @@ def _no_hidden_state(
 ) -> str:
     """Block ``info`` got no argument revckpt can take for its hidden state: ``outcome``."""
     given = [_kind(a) for a in args] + [f"{k}={_kind(v)}" for k, v in kwargs.items()]
+    values = [*args, *kwargs.values()]
+    if any(isinstance(v, torch.Tensor) and v.is_complex() for v in values):
+        return (
+            f"revckpt: block {info.fqn} was called with a complex tensor (it got "
+            f"{', '.join(given)}) and no real floating-point one: complex hidden states are "
+            f"not supported: {outcome}. Carry the state as real and imaginary parts "
+            "(torch.view_as_real before the block, torch.view_as_complex inside it), or leave "
+            "the block out of the plan (fit's blocks=..., convert's module_filter_fn=...)"
+        )
     return (
         f"revckpt: block {info.fqn} was called with no floating-point tensor as a positional "
         f"argument or as a keyword named {', '.join(HIDDEN_NAMES)} (it got "
