@@ -1018,7 +1018,7 @@ def test_bad_input_is_one_clear_error() -> None:
     with pytest.raises(revckpt.InvalidArgumentError, match="has no submodule 'layers'"):
         revckpt.fit(model, example, memory_budget=0.5, blocks="transformer.layers")
     for bad in ("transformer.layers", "transformer.h.0", lambda m, fqn: False):
-        with pytest.raises(revckpt.InvalidArgumentError, match="^module_filter_fn="):
+        with pytest.raises(revckpt.InvalidArgumentError, match=r"^module_filter_fn="):
             revckpt.convert(model, "checkpoint", module_filter_fn=bad)
     with pytest.raises(revckpt.InvalidArgumentError, match="cannot run the example"):
         revckpt.fit(model, torch.randn(3), memory_budget=0.5, loss_fn=case.loss_fn)
