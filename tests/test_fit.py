@@ -2906,3 +2906,26 @@ def test_complex_hidden_states_are_refused_as_complex():
     z = torch.randn(4, 8, dtype=torch.complex64)
     with pytest.raises(InvalidArgumentError, match="complex hidden states are not supported"):
         revckpt.fit(model, z, memory_budget=0.5, loss_fn=lambda y: y.abs().sum())
+
+
+class _Counting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        step.add_(1)  # a counter the model keeps in its batch
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+def test_a_model_that_changes_its_example_in_place_is_refused_by_fit():
+    """fit runs its step several times on the same example: a counter in the batch ended at
+    3 (the docs said fit leaves the batch as it was), and a workspace the model copies
+    hidden states into made torch raise 'backward through the graph a second time'."""
+    model, step = _Counting(), torch.zeros(())
+    with pytest.raises(InvalidArgumentError, match="changed a tensor of the example"):
+        revckpt.fit(model, (torch.randn(4, 8), step), memory_budget=0.9,
+                    loss_fn=lambda y: y.sum())  # fmt: skip
+    assert planned(model.blocks[0]) is None  # nothing left installed

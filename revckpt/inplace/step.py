@@ -109,10 +109,24 @@ def loss_of(out: Any, loss_fn: LossFn) -> torch.Tensor:
 def run_step(model: nn.Module, example: Any, loss_fn: LossFn) -> torch.Tensor:
     """One training step as :func:`revckpt.fit` plans it; returns the detached loss."""
     args, kwargs = split_example(example)
-    out = model(*args, **kwargs)
-    loss = loss_of(out, loss_fn)
-    loss.backward()
-    del out
+    given = [(t, t._version) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    try:
+        out = model(*args, **kwargs)
+        loss = loss_of(out, loss_fn)
+        loss.backward()
+        del out
+    finally:
+        changed = next((t for t, v in given if t._version != v), None)
+    if changed is not None:
+        raise InvalidArgumentError(
+            f"the model changed a tensor of the example (shape {tuple(changed.shape)}) in place "
+            "during a step (a counter it bumps, a workspace it writes hidden states into, an "
+            "input normalised in place): revckpt.fit runs the step several times on the "
+            "example, each on what the one before left, so it would plan for other values "
+            "(or differentiate a graph twice). Make the model write into its own tensors "
+            "(clone the input, allocate the workspace in forward), or leave that tensor out of "
+            "the example fit is given"
+        )
     return loss.detach()
 
 
