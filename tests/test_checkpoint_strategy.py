@@ -268,7 +268,9 @@ def test_an_unfrozen_parameter_does_not_hide_an_unregistered_tensor(strategy):
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     out = revckpt.checkpoint(block, x, strategy=strategy)
     block.a.weight.requires_grad_(True)
-    with pytest.raises(InvalidArgumentError, match="neither an argument nor a parameter"):
+    with pytest.raises(
+        InvalidArgumentError, match="neither a tensor argument of its own nor a parameter"
+    ):
         out.sum().backward()
 
 
@@ -427,5 +429,35 @@ def test_a_dataclass_output_is_checked_for_unregistered_tensors(strategy):
 
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     out = revckpt.checkpoint(Block(), x, strategy=strategy)
-    with pytest.raises(InvalidArgumentError, match="neither an argument nor a parameter"):
+    with pytest.raises(
+        InvalidArgumentError, match="neither a tensor argument of its own nor a parameter"
+    ):
         out.hidden.sum().backward()
+
+
+@pytest.mark.parametrize("strategy", ["approx:bf16", "offload"])
+def test_a_tensor_requiring_grad_in_a_list_argument_is_named_so_under_convert(strategy):
+    # the refusal said the tensor was "neither an argument nor a parameter": it was in one
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x, extra):
+            return self.lin(x) * extra[0]
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x, scale):
+            for block in self.blocks:
+                x = block(x, [scale])
+            return x
+
+    model = Model()
+    revckpt.convert(model, strategy)
+    scale = torch.randn(4, requires_grad=True)
+    with pytest.raises(InvalidArgumentError, match="inside a list, tuple or dict argument"):
+        model(torch.randn(2, 4), scale).sum().backward()

@@ -270,8 +270,10 @@ def _unregistered(call: _BlockCall, leaf: torch.Tensor) -> InvalidArgumentError:
         )
     return InvalidArgumentError(
         f"{call.label} uses a tensor of shape {tuple(leaf.shape)} that requires grad but is "
-        "neither an argument nor a parameter of the checkpointed module, so its gradient "
-        "would be lost; pass an nn.Module that registers it, or pass the tensor as an argument"
+        "neither a tensor argument of its own nor a parameter of the checkpointed module (a "
+        "tensor inside a list, tuple or dict argument, or one the block reads from elsewhere), "
+        "so its gradient would be lost; pass the tensor as an argument of its own, or "
+        "register it in an nn.Module the block holds"
     )
 
 
