@@ -374,7 +374,7 @@ def test_a_tensor_in_a_positional_dict_changed_after_the_forward_raises(strategy
         out.square().sum().backward()
 
 
-@pytest.mark.parametrize("as_keyword", [False, True])
+@pytest.mark.parametrize("as_keyword", [False, True, "in a tuple"])
 @pytest.mark.parametrize(
     "strategy", ["checkpoint", "selective:matmul", "approx:bf16", "approx:e4m3", "offload"]
 )
@@ -389,6 +389,7 @@ def test_a_further_argument_changed_after_the_forward_raises_through_convert(str
             self.lin = torch.nn.Linear(8, 8)
 
         def forward(self, x, bias):
+            bias = bias[0] if isinstance(bias, tuple) else bias  # (as Llama's (cos, sin))
             return x + torch.tanh(self.lin(x) + bias)
 
     class Model(torch.nn.Module):
@@ -398,7 +399,10 @@ def test_a_further_argument_changed_after_the_forward_raises_through_convert(str
 
         def forward(self, x, bias):
             for block in self.blocks:
-                x = block(x, bias=bias) if as_keyword else block(x, bias)
+                if as_keyword == "in a tuple":
+                    x = block(x, (bias, bias))
+                else:
+                    x = block(x, bias=bias) if as_keyword else block(x, bias)
             return x
 
     model = Model().double()

@@ -293,25 +293,21 @@ def _realiased(outs: Sequence[torch.Tensor], given: Sequence[Any]) -> tuple[torc
     output with a graph and one without share memory only as ``h`` and ``h.detach()`` do:
     left apart, as in plain autograd (as a view of the other, the detached one took its graph,
     or cut it)."""
-    by_storage: dict[int, torch.Tensor] = {}
+    # keyed by storage and graph: (h.detach(), h, h.view(-1)) makes the view one of h
+    by_storage: dict[tuple[int, bool], torch.Tensor] = {}
     for t in given:
         if isinstance(t, torch.Tensor):
             key = _storage(t)
             if key is not None:
-                by_storage.setdefault(key, t)
+                by_storage.setdefault((key, t.requires_grad), t)
     result = []
     for o in outs:
         key = _storage(o)
-        base = by_storage.get(key) if key is not None else None
-        if (
-            base is not None
-            and base.dtype == o.dtype
-            and base.device == o.device
-            and base.requires_grad == o.requires_grad
-        ):
+        base = by_storage.get((key, o.requires_grad)) if key is not None else None
+        if base is not None and base.dtype == o.dtype and base.device == o.device:
             o = base.as_strided(o.size(), o.stride(), o.storage_offset())
         elif key is not None:
-            by_storage.setdefault(key, o)
+            by_storage.setdefault((key, o.requires_grad), o)
         result.append(o)
     return tuple(result)
 

@@ -5,8 +5,9 @@ Every runner calls the strategy's own public entry point (``revckpt.checkpoint``
 checkpoint segment spanning several blocks needs a mechanism of its own
 (:class:`~revckpt.inplace.region.Region`). Strategies that keep only the hidden state
 (approx, offload) get the block as a ``functools.partial`` holding its other arguments (masks,
-rotary tables, flags), which stay as they are; those that require grad go to the node as
-keywords, which it keeps exactly and differentiates.
+rotary tables, flags), whose tensors' versions its recompute checks (one changed in place
+since the forward is refused); those that require grad go to the node as keywords, which it
+keeps exactly and differentiates.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from torch import nn
 
 from ..approx import Approx, compress_saved
 from ..checkpoint import checkpoint
-from ..errors import InvalidArgumentError
+from ..engine.rerun import any_changed, input_versions
+from ..errors import InvalidArgumentError, ModifiedInputError
+from ..replay import is_replaying
 from ..strategy import Strategy, StrategyLike
 from .calls import Key, replaced, run_with
 from .install import Runner
@@ -70,10 +73,13 @@ class _HiddenOnly:
     ) -> Any:
         hidden = args[key] if isinstance(key, int) else kwargs[key]
         rest_args, rest_kwargs = replaced(args, kwargs, key, None)
-        graphs = _tensor_arguments(rest_args, rest_kwargs)
+        graphs = _with_graph(rest_args, rest_kwargs)
         if graphs:  # through the node's keywords, which it keeps exactly and differentiates
             rest_args, rest_kwargs = _without(rest_args, rest_kwargs, graphs)
-        call = functools.partial(_run_hidden, fn, rest_args, rest_kwargs, key)
+        # the others (in lists, tuples and dicts too) checked when the recompute reads them
+        versions = input_versions(rest_args, rest_kwargs)
+        label = f"{type(block).__name__} ({self.entry})"
+        call = functools.partial(_run_hidden, fn, rest_args, rest_kwargs, key, (versions, label))
         if self.entry == "offload":
             return checkpoint(call, hidden, strategy="offload", **graphs)
         return checkpoint(call, hidden, strategy=Approx(store=self.store), **graphs)
@@ -82,15 +88,17 @@ class _HiddenOnly:
 _ARG, _KW = "_revckpt_arg_", "_revckpt_kw_"
 
 
-def _tensor_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The block's other tensor arguments, by node keyword: a function of the hidden state
-    alone would hide them from the node, whose backward would then drop the gradients of
-    those that require grad (T5's position bias, a U-Net's skip tensor) and recompute with
-    a value changed in place since the forward (a mask or bias the caller reuses) where the
-    node's keywords are kept and checked."""
-    graphs = {f"{_ARG}{i}": a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
-    graphs.update({f"{_KW}{k}": v for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
+def _with_graph(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The block's other tensor arguments that require grad (T5's position bias, a U-Net's
+    skip tensor), by node keyword: a function of the hidden state alone would hide them from
+    the node, whose backward would then drop their gradients."""
+    graphs = {f"{_ARG}{i}": a for i, a in enumerate(args) if _requires_grad(a)}
+    graphs.update({f"{_KW}{k}": v for k, v in kwargs.items() if _requires_grad(v)})
     return graphs
+
+
+def _requires_grad(a: Any) -> bool:
+    return isinstance(a, torch.Tensor) and a.requires_grad
 
 
 def _without(
@@ -105,10 +113,22 @@ def _run_hidden(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     key: Key,
+    given: tuple[list[tuple[torch.Tensor, int]], str],
     hidden: Any,
     **graphs: torch.Tensor,
 ) -> Any:
-    """``fn`` on ``hidden`` and its other arguments, those of ``graphs`` put back in place."""
+    """``fn`` on ``hidden`` and its other arguments, those of ``graphs`` put back in place;
+    in the recompute, refused where one of the others (``given``: their versions at the
+    forward, and the block's label) was changed in place since."""
+    versions, label = given
+    if versions and is_replaying() and any_changed(versions):
+        raise ModifiedInputError(
+            f"{label}: a tensor it was given beside its hidden state (an argument, a keyword, "
+            "or in a list, tuple or dict of them: a mask, a bias, rotary tables) was changed "
+            "in place after its forward began, by the block or by the caller before backward: "
+            "its recompute would read the changed value. Change it out of place, or pass a "
+            "copy (t.clone())"
+        )
     if graphs:
         args = tuple(graphs.get(f"{_ARG}{i}", a) for i, a in enumerate(args))
         kwargs = {**kwargs, **{k[len(_KW) :]: v for k, v in graphs.items() if k.startswith(_KW)}}
