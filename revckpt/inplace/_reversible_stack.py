@@ -407,7 +407,8 @@ class ReversibleLayers:
                     "rebuild needs an anchor on every layer (anchor_every='auto': its error "
                     "grows by up to 2 / scale per layer), so the stack keeps every layer's "
                     "input, as storing them would: convert with exact=True (a scale 2^-k, "
-                    "k <= 16) to rebuild exactly with no anchor, or with a larger scale",
+                    "k <= 16) to rebuild exactly with no anchor"
+                    + ("" if dtype in SIXTEEN_BITS else ", or with a larger scale"),
                 )
 
     def _continue(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Pass:

@@ -21,8 +21,16 @@ class ReconstructionWarning(UserWarning):
     """A rebuilt block input drifted from the original by more than ``check_inverse``."""
 
 
-def record_drift(call: StackCall, index: int, rebuilt: torch.Tensor, exact: torch.Tensor) -> None:
-    call.pending.append((index, norms(rebuilt, exact)))
+def record_drift(
+    call: StackCall,
+    index: int,
+    rebuilt: torch.Tensor,
+    exact: torch.Tensor,
+    tolerance: float | None = None,
+) -> None:
+    """Record one rebuilt input's drift; ``tolerance``: this one's, where it is not the
+    stack's ``check_inverse`` (a scaled coupling's anchored rebuild)."""
+    call.pending.append((index, norms(rebuilt, exact), tolerance))
 
 
 def finish_drift(call: StackCall) -> None:
@@ -31,19 +39,19 @@ def finish_drift(call: StackCall) -> None:
     if not call.pending:
         return
     pending, call.pending = call.pending, []
-    values = torch.stack([n for _, n in pending]).tolist()
-    worst: tuple[float, int] | None = None
-    for (index, _), (diff, ref) in zip(pending, values, strict=True):
+    values = torch.stack([n for _, n, _ in pending]).tolist()
+    worst: tuple[float, int, float] | None = None
+    for (index, _, own), (diff, ref) in zip(pending, values, strict=True):
         err = diff / ref if ref > 0 else (0.0 if diff == 0 else float("inf"))
         err = err if err == err else float("inf")  # nan (an overflowed rebuild): past any tol
         previous = call.drift[index]
         call.drift[index] = err if previous is None else max(previous, err)
-        tol = call.check_inverse
+        tol = call.check_inverse if own is None else own
         if tol is not None and err > tol and (worst is None or err > worst[0]):
-            worst = (err, index)
+            worst = (err, index, tol)
     if worst is None:
         return
-    err, index = worst
+    err, index, tol = worst
     if call.strict and call.exact:
         raise ReconstructionError(
             f"reversible block {index}: its rebuilt input differs from the original by "
@@ -65,7 +73,7 @@ def finish_drift(call: StackCall) -> None:
         )
         raise ReconstructionError(
             f"reversible block {index}: its rebuilt input differs from the original by "
-            f"{err:.3e} (relative), past the default tolerance {call.check_inverse:g}: the "
+            f"{err:.3e} (relative), past the default tolerance {tol:g}: the "
             "scaled couplings (ScaledCoupling, revckpt.make_reversible) amplify rounding by "
             f"about 1 / scale per block. {fix}"
         )
@@ -73,7 +81,7 @@ def finish_drift(call: StackCall) -> None:
         raise ReconstructionError(
             f"reversible block {index}: its rebuilt input differs from the original by "
             f"{err:.3e} (relative), far more than round-off (default check_inverse='auto', "
-            f"tolerance {call.check_inverse:g}), so its gradients would be wrong. A branch "
+            f"tolerance {tol:g}), so its gradients would be wrong. A branch "
             "must compute the same function of its input in forward and backward: no state "
             "that changes between them, no input other than its stream and the keyword "
             "tensors. Fix the branch, or store this block instead (or pass check_inverse=None "
@@ -81,7 +89,7 @@ def finish_drift(call: StackCall) -> None:
         )
     message = (
         f"reversible block {index}: rebuilt input differs from the original by {err:.3e} "
-        f"(relative) > check_inverse={call.check_inverse:g}. Reconstruction drift grows with "
+        f"(relative) > check_inverse={tol:g}. Reconstruction drift grows with "
         "depth and with low precision: set anchor_every=k to store every k-th block input "
         "exactly, keep the streams in float32, or use an affine coupling with a smaller clamp"
     )

@@ -25,7 +25,7 @@ from ..engine.autograd import differentiable_once, vjp
 from ..engine.rerun import Rerun, any_changed, first_forward
 from ..errors import InvalidArgumentError, ModifiedInputError, RevckptError
 from ..replay import ForwardState
-from .coupling import Coupling
+from .coupling import Coupling, ScaledCoupling
 from .drift import ReconstructionWarning, auto_tolerance, finish_drift, record_drift, sample
 from .grid import GridCoupling
 
@@ -74,7 +74,10 @@ class StackCall:
     scaled: bool = False  # a coupling divides by a scale (ScaledCoupling): drift is expected
     exact: bool = False  # couplings on the grid (GridCoupling): any drift is a recompute's
     anchored: bool = False  # every block input kept (anchor_every=1): said in the message
-    pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    pending: list[tuple[int, torch.Tensor, float | None]] = field(default_factory=list)
+    # the default check's unit round-off where every input is anchored (None: not so): an
+    # anchored scaled coupling's rebuild rounds by up to eps / scale, past the tolerance
+    anchored_eps: float | None = None
     # the keyword tensors with their versions at the forward (a mask changed in place since
     # would reach every branch's recompute)
     kw_versions: list[tuple[torch.Tensor, int]] = field(default_factory=list)
@@ -267,12 +270,24 @@ def _rebuilt_input(
         else:
             a = step.coupling.separate(y, _detached(h))
     if step.anchor:
-        record_drift(call, step.index, a, exact[0])
+        record_drift(call, step.index, a, exact[0], _anchored_tolerance(call, step))
         return exact[0]
     if ctx.sample is not None:
         record_drift(call, step.index, sample(a), ctx.sample)
         ctx.sample = None  # used: nothing of the forward outlives the walk
     return a
+
+
+def _anchored_tolerance(call: StackCall, step: HalfStep) -> float | None:
+    """The default check's tolerance for an anchored rebuild through a scaled coupling, whose
+    rounding (and a recompute's difference) the division amplifies by ``1 / scale``: at
+    least ``4 eps / scale``, at most 2 (rounding alone reaches about 1 in bfloat16 at 2^-8,
+    where every rebuilt value is lost); ``None``: the stack's (an additive half step, or
+    not every input anchored)."""
+    eps, tol = call.anchored_eps, call.check_inverse
+    if eps is None or tol is None or not isinstance(step.coupling, ScaledCoupling):
+        return None
+    return max(tol, min(4 * eps / step.coupling.scale, 2.0))
 
 
 def _hand_down(call: StackCall, step: HalfStep, a: torch.Tensor) -> None:

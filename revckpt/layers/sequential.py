@@ -178,9 +178,9 @@ class ReversibleSequential(nn.Module):
             0's input is sampled (every reconstruction error above reaches it) and anchors
             compared whole, the other blocks not measured, against a tolerance far above
             round-off (1e-2 for float32 streams, ``64 * eps`` of a lower-precision dtype or of
-            the bf16 recompute; with scaled couplings anchored at every block, at least
-            ``4 * eps / scale``: one rebuild's rounding is amplified by ``1 / scale``, as is
-            a recompute's difference) that catches a branch which is not invertible or whose
+            the bf16 recompute; where every block is anchored, a scaled coupling's rebuild
+            gets ``4 * eps / scale``, at most 2: its rounding is amplified by ``1 / scale``,
+            as is a recompute's difference) that catches a branch which is not invertible or whose
             recompute differs from its forward, and always raises. ``None``: no check
             (nothing sampled).
         anchor_every: keep the inputs of blocks ``0, k, 2k, ...`` exactly, so reconstruction
@@ -255,20 +255,15 @@ class ReversibleSequential(nn.Module):
         self.last_drift: list[float | None] = []
         self._half_steps: HalfSteps | None = None
 
-    def _tolerance(self, x: torch.Tensor, plan: HalfSteps) -> float | None:
+    def _checked_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The dtype the default check's tolerance is for: the streams', or the recompute's."""
+        dtype = x.dtype if self.approx is None else self.approx.recompute_dtype or x.dtype
+        return dtype if dtype.is_floating_point else torch.float32
+
+    def _tolerance(self, x: torch.Tensor) -> float | None:
         if self.check_inverse != "auto":
             return self.check_inverse
-        dtype = x.dtype if self.approx is None else self.approx.recompute_dtype or x.dtype
-        dtype = dtype if dtype.is_floating_point else torch.float32
-        tolerance = auto_tolerance(dtype)
-        scales = [s.coupling.scale for s in plan.steps if isinstance(s.coupling, ScaledCoupling)]
-        if scales and self.anchor_every == 1:
-            # every input anchored: the drift checked is one rebuild's, whose rounding the
-            # coupling amplifies by 1 / scale (in bfloat16 at 2^-8, past the tolerance): the
-            # check is widened by as much, and still sees a recompute that differs (its
-            # difference amplified as much)
-            tolerance = max(tolerance, 4 * torch.finfo(dtype).eps / min(scales))
-        return tolerance
+        return auto_tolerance(self._checked_dtype(x))
 
     def _streams(self, x: torch.Tensor | Streams) -> Streams:
         if isinstance(x, (tuple, list)):
@@ -333,11 +328,18 @@ class ReversibleSequential(nn.Module):
             grad_kwargs=grad_kwargs,
             # an exact stack rebuilds bit for bit: by default any drift is refused (a
             # recompute that differs), not only one past the floating-point tolerance
-            check_inverse=0.0 if exact and strict else self._tolerance(x1, plan),
+            check_inverse=0.0 if exact and strict else self._tolerance(x1),
             strict=strict,
             scaled=any(isinstance(step.coupling, ScaledCoupling) for step in plan.steps),
             exact=exact,
             anchored=self.anchor_every == 1,
+            # every input anchored: the drift checked at a scaled coupling is one rebuild's,
+            # amplified by 1 / scale, as is a recompute's difference (rebuild._anchored_tolerance)
+            anchored_eps=(
+                torch.finfo(self._checked_dtype(x1)).eps
+                if strict and not exact and self.anchor_every == 1
+                else None
+            ),
             recompute_dtype=None if self.approx is None else self.approx.recompute_dtype,
             on_drift=self.on_drift,
             drift=[None] * len(self.blocks),

@@ -95,3 +95,46 @@ def test_default_check_is_quiet_on_a_deep_invertible_stack():
     stack(x).sum().backward()  # round-off drift is far below the default tolerance
     assert stack.last_drift[0] is not None and stack.last_drift[0] < 1e-4
     assert all(d is None for d in stack.last_drift[1:])  # only block 0's input is sampled
+
+
+class _Scaled(nn.Module):
+    """A branch whose output is multiplied by a module-external factor: a recompute differs."""
+
+    factor = 1.0
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return self.lin(u) * _Scaled.factor
+
+
+def test_an_additive_half_step_keeps_the_default_tolerance_beside_a_scaled_one():
+    """bfloat16, a scaled f and an additive g, every input anchored (make_reversible's
+    layout): the scaled rebuild's tolerance is widened by its 1 / scale (its rounding alone
+    is about 0.4 here), the additive one's is not (a g recompute 16x off read 1.75 and
+    passed a tolerance of 8, with gradients 21x off)."""
+    from revckpt.layers import ReversibleBlock, ScaledCoupling
+
+    torch.manual_seed(0)
+    blocks = [
+        ReversibleBlock(
+            nn.Sequential(nn.Linear(32, 32), nn.Tanh()),
+            _Scaled(32),
+            coupling=ScaledCoupling(2**-8),
+            g_coupling="additive",
+        )
+        for _ in range(4)
+    ]
+    stack = ReversibleSequential(*blocks, anchor_every=1).bfloat16()
+    x = torch.randn(8, 64, dtype=torch.bfloat16, requires_grad=True)
+    stack(x).float().square().sum().backward()  # rounding alone: trains
+    assert max(d for d in stack.last_drift if d is not None) > 0.1
+    y = stack(x)
+    _Scaled.factor = 16.0
+    try:
+        with pytest.raises(ReconstructionError, match=r"default tolerance 0\.5"):
+            y.float().square().sum().backward()
+    finally:
+        _Scaled.factor = 1.0
