@@ -2027,3 +2027,25 @@ def test_a_reversible_model_is_traced_and_exported_for_inference(exact):
             model(torch.full((2, 5, 8), 2.0**23)).sum().backward()
     model(x).sum().backward()
     assert reversible_layers(model).last_drift[0] == 0.0 or not exact
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_the_first_layers_recompute_is_checked_too(exact):
+    """The first layer's coupling rebuilt its auxiliary input as zeros whatever the
+    recompute gave, so a first layer whose recompute differs went unseen (gradients 0.10
+    off, silently), where the same on the second layer raised."""
+    case = zoo.CASES["gpt2"]
+    example = case.make_example()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = make_reversible(case.make_model(), blocks=case.blocks_path, exact=exact)
+        zoo.step(model, example, None)  # as it is: trains
+    calls = [0]
+
+    def drift(module, args, out):
+        calls[0] += 1
+        return out * 1.25 if calls[0] == 2 else None  # the recompute in backward differs
+
+    reversible_layers(model).layers[0][1].mlp.register_forward_hook(drift)
+    with pytest.raises(revckpt.ReconstructionError, match="reversible block 0"):
+        zoo.step(model, example, None)

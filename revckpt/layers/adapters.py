@@ -154,7 +154,9 @@ class LayerBranch(nn.Module):
 
 class _StartCoupling(Coupling):
     """The first layer's coupling on the auxiliary stream, which enters as zeros: ``y = h``
-    and the rebuilt input is zeros again, exactly (nothing divides by ``scale``)."""
+    and the rebuilt input is ``y - h``, zeros again exactly where the recompute gives the
+    forward's ``h`` (nothing divides by ``scale``), and not zeros where it differs, which the
+    inverse check then sees."""
 
     linear_scale = 0.0
 
@@ -162,7 +164,7 @@ class _StartCoupling(Coupling):
         return h + 0 * x  # differentiable in x (gradient zero), as a coupling must be
 
     def separate(self, y: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(y)
+        return y - h
 
     def check(self, x: torch.Tensor, h: Any, *, branch: str) -> None:
         AdditiveCoupling().check(x, h, branch=branch)

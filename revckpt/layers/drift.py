@@ -27,10 +27,12 @@ def record_drift(
     rebuilt: torch.Tensor,
     exact: torch.Tensor,
     tolerance: float | None = None,
+    reference: torch.Tensor | None = None,
 ) -> None:
-    """Record one rebuilt input's drift; ``tolerance``: this one's, where it is not the
-    stack's ``check_inverse`` (a scaled coupling's anchored rebuild)."""
-    call.pending.append((index, norms(rebuilt, exact), tolerance))
+    """Record one rebuilt input's drift, relative to ``exact`` (or to ``reference``: the
+    output, where the input is zeros); ``tolerance``: this one's, where it is not the stack's
+    ``check_inverse`` (a scaled coupling's anchored rebuild)."""
+    call.pending.append((index, norms(rebuilt, exact, reference), tolerance))
 
 
 def finish_drift(call: StackCall) -> None:
@@ -40,7 +42,7 @@ def finish_drift(call: StackCall) -> None:
         return
     pending, call.pending = call.pending, []
     values = torch.stack([n for _, n, _ in pending]).tolist()
-    worst: tuple[float, int, float] | None = None
+    worst: tuple[float, int, float, str] | None = None
     for (index, _, own), (diff, ref) in zip(pending, values, strict=True):
         err = diff / ref if ref > 0 else (0.0 if diff == 0 else float("inf"))
         err = err if err == err else float("inf")  # nan (an overflowed rebuild): past any tol
@@ -48,14 +50,15 @@ def finish_drift(call: StackCall) -> None:
         call.drift[index] = err if previous is None else max(previous, err)
         tol = call.check_inverse if own is None else own
         if tol is not None and err > tol and (worst is None or err > worst[0]):
-            worst = (err, index, tol)
+            by = f"{err:.3e} (relative)" if ref > 0 else f"{diff:.3e} (it was zeros)"
+            worst = (err, index, tol, by)
     if worst is None:
         return
-    err, index, tol = worst
+    err, index, tol, by = worst
     if call.strict and call.exact:
         raise ReconstructionError(
             f"reversible block {index}: its rebuilt input differs from the original by "
-            f"{err:.3e} (relative), where an exact stack (make_reversible's default for a "
+            f"{by}, where an exact stack (make_reversible's default for a "
             "scale 2^-k) rebuilds bit for bit: the branch's recompute in backward did not "
             "give bitwise what its forward gave. Nondeterministic kernels do that (on CUDA, "
             "torch.use_deterministic_algorithms(True) picks deterministic ones), as does a "
@@ -73,14 +76,14 @@ def finish_drift(call: StackCall) -> None:
         )
         raise ReconstructionError(
             f"reversible block {index}: its rebuilt input differs from the original by "
-            f"{err:.3e} (relative), past the default tolerance {tol:g}: the "
+            f"{by}, past the default tolerance {tol:g}: the "
             "scaled couplings (ScaledCoupling, revckpt.make_reversible) amplify rounding by "
             f"about 1 / scale per block. {fix}"
         )
     if call.strict:
         raise ReconstructionError(
             f"reversible block {index}: its rebuilt input differs from the original by "
-            f"{err:.3e} (relative), far more than round-off (default check_inverse='auto', "
+            f"{by}, far more than round-off (default check_inverse='auto', "
             f"tolerance {tol:g}), so its gradients would be wrong. A branch "
             "must compute the same function of its input in forward and backward: no state "
             "that changes between them, no input other than its stream and the keyword "
@@ -88,8 +91,8 @@ def finish_drift(call: StackCall) -> None:
             "to skip the check)"
         )
     message = (
-        f"reversible block {index}: rebuilt input differs from the original by {err:.3e} "
-        f"(relative) > check_inverse={tol:g}. Reconstruction drift grows with "
+        f"reversible block {index}: rebuilt input differs from the original by {by} > "
+        f"check_inverse={tol:g}. Reconstruction drift grows with "
         "depth and with low precision: set anchor_every=k to store every k-th block input "
         "exactly, keep the streams in float32, or use an affine coupling with a smaller clamp"
     )
@@ -104,10 +107,12 @@ def sample(x: torch.Tensor) -> torch.Tensor:
     return flat[:: max(1, flat.numel() // 64)][:64].clone()
 
 
-def norms(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``[|a - b|, |b|]`` in float64, left on the device (read once per backward walk)."""
+def norms(a: torch.Tensor, b: torch.Tensor, reference: torch.Tensor | None = None) -> torch.Tensor:
+    """``[|a - b|, |b|]`` (``|reference|`` for the second where given) in float64, left on
+    the device (read once per backward walk)."""
     a64, b64 = a.detach().double().reshape(-1), b.detach().double().reshape(-1)
-    return torch.stack([(a64 - b64).norm(), b64.norm()])
+    ref = b64 if reference is None else reference.detach().double().reshape(-1)
+    return torch.stack([(a64 - b64).norm(), ref.norm()])
 
 
 def auto_tolerance(dtype: torch.dtype) -> float:

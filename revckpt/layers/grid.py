@@ -147,9 +147,11 @@ class GridCoupling(Coupling):
         otherwise, channels-last from a broadcast with an ``(N, C, 1, 1)`` gate, made the
         next branch's recompute pick other kernels, which round differently)."""
         with torch.no_grad():
+            # y - h_q, exact: with scale 0 (an input known to be zeros), zeros again where the
+            # recompute gives the forward's h, and not where it differs (the check sees it)
+            q = _laid_out_as(self._grid(h), y).neg_().add_(y)
             if self.scale == 0:
-                return torch.zeros_like(y)
-            q = _laid_out_as(self._grid(h), y).neg_().add_(y)  # y - h_q, exact
+                return q
             if lost is None:
                 return q
             q.mul_(2.0**self.k).add_(lost, alpha=2.0**-self.bits)

@@ -269,11 +269,15 @@ def _rebuilt_input(
             a = a if s == 1 else a.div_(s)
         else:
             a = step.coupling.separate(y, _detached(h))
+    # an input known to be zeros (the first layer's auxiliary stream) is rebuilt as y - h,
+    # zeros where the recompute gives the forward's h: its drift is relative to y
+    zeros = step.linear == 0.0
     if step.anchor:
-        record_drift(call, step.index, a, exact[0], _anchored_tolerance(call, step))
+        ref = y if zeros else None
+        record_drift(call, step.index, a, exact[0], _anchored_tolerance(call, step), ref)
         return exact[0]
     if ctx.sample is not None:
-        record_drift(call, step.index, sample(a), ctx.sample)
+        record_drift(call, step.index, sample(a), ctx.sample, None, sample(y) if zeros else None)
         ctx.sample = None  # used: nothing of the forward outlives the walk
     return a
 
