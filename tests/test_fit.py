@@ -2929,3 +2929,32 @@ def test_a_model_that_changes_its_example_in_place_is_refused_by_fit():
         revckpt.fit(model, (torch.randn(4, 8), step), memory_budget=0.9,
                     loss_fn=lambda y: y.sum())  # fmt: skip
     assert planned(model.blocks[0]) is None  # nothing left installed
+
+
+class _CuLinear(nn.Linear):
+    def forward(self, x: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(super().forward(x)) * (1 + 0 * cu[-1])
+
+
+class _Packed(nn.Module):
+    """Blocks given packed sequences' boundaries (cu_seqlens: one entry per sequence + 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_CuLinear(16, 16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, cu_seqlens)
+        return x
+
+
+def test_more_packed_sequences_in_as_many_tokens_are_not_refused():
+    """The shape limit reads floating-point arguments only: a packed batch of more, shorter
+    sequences has a longer cu_seqlens (an index) in as many tokens, and keeps no more (a
+    review: refused as larger)."""
+    model = _Packed()
+    x = torch.randn(1, 120, 16)
+    four, six = torch.tensor([0, 30, 60, 90, 120]), torch.tensor([0, 20, 40, 60, 80, 100, 120])
+    revckpt.fit(model, (x, four), memory_budget=0.9, loss_fn=lambda y: y.sum())
+    model(x, six).sum().backward()

@@ -151,7 +151,14 @@ def _check_argument_shapes(
         if site == key:
             continue  # the hidden state: _check_shape
         value = args[site] if isinstance(site, int) and site < len(args) else kwargs.get(site)
-        if isinstance(value, torch.Tensor) and not within(tuple(value.shape), limit):
+        # floating-point ones: what a block keeps grows with those (an encoder output, a
+        # float mask); integer ones index (packed sequences' cu_seqlens: one entry per
+        # sequence, more of them in as many tokens) and bool masks follow the hidden state
+        if (
+            isinstance(value, torch.Tensor)
+            and value.is_floating_point()
+            and not within(tuple(value.shape), limit)
+        ):
             what = f"keyword {site!r}" if isinstance(site, str) else f"argument {site}"
             shape = tuple(value.shape)
             raise InvalidArgumentError(

@@ -1,8 +1,9 @@
 """The parameters a fitted model trains, as :func:`revckpt.fit` measured its step with: a
 plan's memory budget holds for them. Checked once per training step (at the first planned
-block): parameters added or removed since (``peft.get_peft_model`` on a fitted model: 1.08x
-the budget), or more of them trainable (layers unfrozen: up to 1.68x, a frozen encoder
-unfrozen), keep activations and gradients the plan does not count, and are refused."""
+block): parameters added since (``peft.get_peft_model`` on a fitted model: 1.08x the budget),
+or more of them trainable (layers unfrozen: up to 1.68x, a frozen encoder unfrozen), keep
+activations and gradients the plan does not count, and are refused; fewer (a merge, FSDP's
+sharded parameters, layers frozen) run."""
 
 from __future__ import annotations
 
@@ -55,11 +56,12 @@ class TrainedParameters:
         if model is None or torch.compiler.is_compiling():
             return
         count, numel, trainable = _counts(model)
-        if (count, numel) != (self.count, self.numel):
+        # more of them only: fewer (a merge, FSDP's sharded or flattened parameters) keep less
+        if count > self.count or numel > self.numel:
             change = (
                 f"{self.count} parameters of {self.numel} elements when revckpt.fit planned "
-                f"it, {count} of {numel} now (modules added or replaced: an adapter such as "
-                "peft.get_peft_model, or a merge)"
+                f"it, {count} of {numel} now (modules added: an adapter such as "
+                "peft.get_peft_model)"
             )
         elif trainable > self.trainable:
             change = (
