@@ -27,10 +27,12 @@ def apply_plan(
     ``sites``: which of their arguments held tensors in the traced step, if traced)."""
     shapes = plan.block_shapes or (None,) * len(found)
     tensors = list(sites) or [None] * len(found)
-    limits: list[dict[Any, tuple[int, ...]] | None] = [
-        dict(zip(names, shapes, strict=True))
-        for names, shapes in zip(plan.block_tensors, plan.block_tensor_shapes, strict=True)
-    ] or [None] * len(found)
+    limits: list[dict[Any, tuple[int, ...]] | None] = [None] * len(found)
+    if plan.block_tensor_shapes:  # (none in a plan saved before they were recorded)
+        limits = [
+            dict(zip(names, shapes, strict=True))
+            for names, shapes in zip(plan.block_tensors, plan.block_tensor_shapes, strict=True)
+        ]
     warned: set[Any] = set()  # one warning per argument for the blocks of this plan
     dtypes = [dtype_named(d) for d in plan.block_dtypes] or [None] * len(found)
     autocast = None if plan.autocast is None else dtype_named(plan.autocast)

@@ -61,20 +61,21 @@ class TrainedParameters:
             change = (
                 f"{self.count} parameters of {self.numel} elements when revckpt.fit planned "
                 f"it, {count} of {numel} now (modules added: an adapter such as "
-                "peft.get_peft_model)"
+                "peft.get_peft_model, a module attached)"
             )
+            instead = ""
         elif trainable > self.trainable:
             change = (
                 f"{self.trainable} trainable parameter elements when revckpt.fit planned it, "
                 f"{trainable} now (layers unfrozen)"
             )
+            instead = "; or freeze them again"
         else:
             return
         raise InvalidArgumentError(
             f"the model whose block {fqn} revckpt.fit planned has {change}: the activations "
-            "and gradients they add are not in the plan's memory budget. Fit after the "
-            "change (revckpt.restore(model), then revckpt.fit(model, example, ...)); freezing "
-            "parameters keeps within it"
+            "and gradients they can add are not in the plan's memory budget. Fit after the "
+            f"change (revckpt.restore(model), then revckpt.fit(model, example, ...)){instead}"
         )
 
 
